@@ -1,0 +1,94 @@
+"""Plain-data results of one engine step: copies, never live tensors, safe to hand to any thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RunningRequestReport:
+    """One request that took part in a step.
+
+    Attributes:
+        request_id, slot: who and where.
+        cache_len: tokens in its slot after the step (tokens).
+        query_tokens: tokens it fed this step (prompt chunk, or 1 when decoding).
+        new_token_id: the token sampled this step, or None while a chunked prefill is unfinished.
+        phase: "prefill" or "decode".
+    """
+
+    request_id: str
+    slot: int
+    cache_len: int
+    query_tokens: int
+    new_token_id: int | None
+    phase: str
+
+
+@dataclass(frozen=True)
+class FinishedRequestReport:
+    """A request that left the engine during the step (finished, aborted or rejected)."""
+
+    request_id: str
+    finish_reason: str
+    detail: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    slot: int | None
+    arrival_s: float | None
+    scheduled_s: float | None
+    first_token_s: float | None
+    finish_s: float | None
+    token_times_s: tuple[float, ...]
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one `Engine.step()` did.
+
+    Attributes:
+        step: step index (0-based).
+        start_s: engine clock at the start of the step (seconds).
+        wall_s: measured wall time of the step (seconds).
+        layout: "padded" or "packed".
+        rows: rows of the model input (requests in padded layout, 1 in packed, 0 when idle).
+        prefill_tokens, decode_tokens: real tokens fed (tokens).
+        query_positions: positions computed on the query side, pads included (rows x query length).
+        padded_positions: query positions that were padding (tokens).
+        padding_ratio: padded_positions / query_positions (query side; 0 when idle).
+        key_positions, key_padded_positions, key_padding_ratio: the same on the key side (mask cells
+            per query row that hold no key of the row's own request).
+        slots_used, num_slots, slot_occupancy: slots owned after the step and their share.
+        kv_tokens, kv_capacity_tokens, kv_usage: cached tokens after the step, pool capacity, share.
+        running: RunningRequestReport per request in the step.
+        finished: FinishedRequestReport per request that left during the step.
+        num_waiting: requests queued after the step.
+    """
+
+    step: int
+    start_s: float
+    wall_s: float
+    layout: str
+    rows: int
+    prefill_tokens: int
+    decode_tokens: int
+    query_positions: int
+    padded_positions: int
+    padding_ratio: float
+    key_positions: int
+    key_padded_positions: int
+    key_padding_ratio: float
+    slots_used: int
+    num_slots: int
+    slot_occupancy: float
+    kv_tokens: int
+    kv_capacity_tokens: int
+    kv_usage: float
+    running: tuple[RunningRequestReport, ...]
+    finished: tuple[FinishedRequestReport, ...]
+    num_waiting: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens

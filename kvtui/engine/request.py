@@ -1,0 +1,145 @@
+"""Per-request state: everything that must stay private to one request.
+
+A request's prompt, generated tokens, KV slot, cache length, sampling generator and timestamps live
+here and nowhere else; the scheduler and runner read them, only the engine changes them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(str, enum.Enum):
+    """Lifecycle: WAITING -> RUNNING -> FINISHED, or ABORTED from either of the first two."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped: `stop` (EOS or a stop string), `length` (max_new_tokens or the slot's
+    max_len), `abort` (cancelled by the caller), `rejected` (could not be admitted: too long, queue full)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks its next token.
+
+    temperature == 0 means greedy (argmax). Otherwise logits are divided by `temperature`, cut to the
+    `top_k` most likely tokens (0 = all) and to the smallest set whose probability reaches `top_p`,
+    and one token is drawn with a generator seeded by `seed`, owned by the request alone, so the draw
+    does not depend on the request's slot or its neighbours in the batch.
+
+    Raises:
+        ValueError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 32
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature = }")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k = }")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p = }")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens = }")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestState:
+    """One request as the engine tracks it.
+
+    Attributes:
+        request_id: unique name chosen by the caller.
+        prompt_ids: prompt token ids (list of int, tokens).
+        sampling: SamplingParams (greedy by default).
+        generated_ids: tokens produced so far.
+        slot: index of the KV slot it owns while RUNNING, else None.
+        cache_len: tokens of this request currently held in its slot (tokens).
+        prefill_done: prompt tokens already fed (chunked prefill feeds a long prompt over several steps).
+        status, finish_reason: lifecycle, see RequestStatus and FinishReason.
+        arrival_s, scheduled_s, first_token_s, finish_s: timestamps in seconds on the engine's clock
+            (None until reached). token_times_s: time of every generated token, for ITL.
+        metadata: caller's data carried along untouched (e.g. the passphrase canary).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generated_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cache_len: int = 0
+    prefill_done: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+    arrival_s: float | None = None
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while prompt tokens remain to be fed."""
+        return self.prefill_done < self.prompt_len
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated_ids
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (seconds): arrival -> first generated token."""
+        if self.first_token_s is None or self.arrival_s is None:
+            return None
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token (seconds), excluding the first: (finish - first token) / (n - 1)."""
+        n = len(self.token_times_s)
+        if n < 2:
+            return None
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finish_s is None or self.arrival_s is None:
+            return None
+        return self.finish_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.scheduled_s is None or self.arrival_s is None:
+            return None
+        return self.scheduled_s - self.arrival_s
