@@ -1,0 +1,13 @@
+"""The batching engine: KV slot pool, scheduler, padded/packed layouts, pooled attention, runner.
+
+Only runner.py calls the model; everything else is plain data or small tensor builders.
+"""
+
+from kvtui.engine.engine import Engine, StepCostModel
+from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
+from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
+
+__all__ = [
+    "Engine", "StepCostModel", "StepReport", "RunningRequestReport", "FinishedRequestReport",
+    "RequestState", "RequestStatus", "FinishReason", "SamplingParams",
+]

@@ -1,0 +1,183 @@
+"""Padded and packed layouts: the model inputs, position ids, 4D masks and KV read/write maps.
+
+Both layouts read keys through one gather map: row r's key column k is pool[key_slot[r, k], :,
+key_pos[r, k]]; the new tokens' K/V are first written to pool[write_slot[i], :, write_pos[i]].
+The attention mask decides which gathered keys each query may see.
+
+padded: one row per request, right- or left-padded to the longest chunk. Row b's keys are its own
+    slot's positions 0 .. end_b-1, right-padded to the longest end; query token t (at position
+    start_b + t) may see keys 0 .. start_b + t. The mask hides input padding (pad query rows see
+    nothing) and cache padding (key columns >= end_b).
+packed: one row holding every request's tokens back to back; keys are each request's positions
+    0 .. end_b-1 concatenated. The mask is block-diagonal and causal within each block.
+
+Mask values: 0.0 where allowed, torch.finfo(dtype).min where not (finite, so a fully masked pad
+row gives uniform weights, not NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtui.engine.scheduler import StepPlan
+
+PAD_OWNER = -1
+
+
+@dataclass
+class BatchTensors:
+    """Tensors for one forward pass (R rows, Q query columns, K key columns, N real tokens).
+
+    Attributes:
+        input_ids: [R, Q] int64; pads hold pad_token_id.
+        position_ids: [R, Q] int64; pads hold 0.
+        allowed: [R, Q, K] bool, True where a query may attend to a key.
+        write_row, write_col: [N] int64, where each real token sits in input_ids.
+        write_slot, write_pos: [N] int64, where its K/V go in the pool.
+        key_slot, key_pos: [R, K] int64, where each key column is read from.
+        key_owner: [R, K] int64, chunk index owning each key column, PAD_OWNER for padding.
+        query_owner: [R, Q] int64, chunk index of each query position, PAD_OWNER for padding.
+        sample_row, sample_col: [S] int64, the last token of each chunk that samples (chunk order).
+        sample_chunk: list of chunk indices, aligned with sample_row.
+        padded_positions: query positions that are padding (tokens).
+        key_padded_positions: sum over real query positions of key columns not owned by the
+            query's own request (cache padding, other requests' blocks).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    allowed: torch.Tensor
+    write_row: torch.Tensor
+    write_col: torch.Tensor
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    key_slot: torch.Tensor
+    key_pos: torch.Tensor
+    key_owner: torch.Tensor
+    query_owner: torch.Tensor
+    sample_row: torch.Tensor
+    sample_col: torch.Tensor
+    sample_chunk: list[int]
+    padded_positions: int
+    key_padded_positions: int
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def query_positions(self) -> int:
+        return self.input_ids.numel()
+
+    def additive_mask(self, dtype: torch.dtype, masked_value: float | None = None) -> torch.Tensor:
+        """[R, 1, Q, K] additive mask in `dtype`: 0 allowed, finfo(dtype).min (or masked_value) not."""
+        fill = torch.finfo(dtype).min if masked_value is None else masked_value
+        mask = torch.zeros(self.allowed.shape, dtype=dtype)
+        mask.masked_fill_(~self.allowed, fill)
+        return mask.unsqueeze(1)
+
+
+def _tensor(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0) -> BatchTensors:
+    """Padded layout for `plan`: one row per chunk. See the module docstring."""
+    chunks = plan.chunks
+    rows, q_len = len(chunks), max(c.num_tokens for c in chunks)
+    k_len = max(c.end_pos for c in chunks)
+    input_ids = torch.full((rows, q_len), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((rows, q_len), dtype=torch.long)
+    allowed = torch.zeros((rows, q_len, k_len), dtype=torch.bool)
+    query_owner = torch.full((rows, q_len), PAD_OWNER, dtype=torch.long)
+    key_slot = torch.zeros((rows, k_len), dtype=torch.long)
+    key_pos = torch.zeros((rows, k_len), dtype=torch.long)
+    key_owner = torch.full((rows, k_len), PAD_OWNER, dtype=torch.long)
+    w_row, w_col, w_slot, w_pos, s_row, s_col, s_chunk = [], [], [], [], [], [], []
+    key_padded = 0
+    for b, chunk in enumerate(chunks):
+        n = chunk.num_tokens
+        offset = q_len - n if padding_side == "left" else 0
+        cols = torch.arange(offset, offset + n)
+        positions = torch.arange(chunk.start_pos, chunk.end_pos)
+        input_ids[b, cols] = torch.tensor(chunk.token_ids, dtype=torch.long)
+        position_ids[b, cols] = positions
+        query_owner[b, cols] = b
+        key_slot[b, :] = chunk.slot
+        key_pos[b, : chunk.end_pos] = torch.arange(chunk.end_pos)
+        key_owner[b, : chunk.end_pos] = b
+        # query at position p sees keys 0..p of its own slot
+        allowed[b, cols, :] = torch.arange(k_len)[None, :] <= positions[:, None]
+        key_padded += n * (k_len - chunk.end_pos)
+        w_row += [b] * n
+        w_col += cols.tolist()
+        w_slot += [chunk.slot] * n
+        w_pos += positions.tolist()
+        if chunk.samples:
+            s_row.append(b)
+            s_col.append(offset + n - 1)
+            s_chunk.append(b)
+    real = sum(c.num_tokens for c in chunks)
+    return BatchTensors(
+        input_ids, position_ids, allowed, _tensor(w_row), _tensor(w_col), _tensor(w_slot), _tensor(w_pos),
+        key_slot, key_pos, key_owner, query_owner, _tensor(s_row), _tensor(s_col), s_chunk,
+        padded_positions=rows * q_len - real, key_padded_positions=key_padded,
+    )
+
+
+def build_packed(plan: StepPlan, *, pad_token_id: int = 0) -> BatchTensors:
+    """Packed layout for `plan`: all chunks in one row, block-diagonal causal mask."""
+    chunks = plan.chunks
+    q_len = sum(c.num_tokens for c in chunks)
+    k_len = sum(c.end_pos for c in chunks)
+    input_ids = torch.empty((1, q_len), dtype=torch.long)
+    position_ids = torch.empty((1, q_len), dtype=torch.long)
+    allowed = torch.zeros((1, q_len, k_len), dtype=torch.bool)
+    query_owner = torch.empty((1, q_len), dtype=torch.long)
+    key_slot = torch.empty((1, k_len), dtype=torch.long)
+    key_pos = torch.empty((1, k_len), dtype=torch.long)
+    key_owner = torch.empty((1, k_len), dtype=torch.long)
+    w_pos, w_slot, s_col, s_chunk = [], [], [], []
+    q0 = k0 = 0
+    key_padded = 0
+    for b, chunk in enumerate(chunks):
+        n, end = chunk.num_tokens, chunk.end_pos
+        positions = torch.arange(chunk.start_pos, end)
+        input_ids[0, q0 : q0 + n] = torch.tensor(chunk.token_ids, dtype=torch.long)
+        position_ids[0, q0 : q0 + n] = positions
+        query_owner[0, q0 : q0 + n] = b
+        key_slot[0, k0 : k0 + end] = chunk.slot
+        key_pos[0, k0 : k0 + end] = torch.arange(end)
+        key_owner[0, k0 : k0 + end] = b
+        allowed[0, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= positions[:, None]
+        key_padded += n * (k_len - end)
+        w_pos += positions.tolist()
+        w_slot += [chunk.slot] * n
+        if chunk.samples:
+            s_col.append(q0 + n - 1)
+            s_chunk.append(b)
+        q0 += n
+        k0 += end
+    return BatchTensors(
+        input_ids, position_ids, allowed, torch.zeros(q_len, dtype=torch.long), torch.arange(q_len),
+        _tensor(w_slot), _tensor(w_pos), key_slot, key_pos, key_owner, query_owner,
+        torch.zeros(len(s_col), dtype=torch.long), _tensor(s_col), s_chunk,
+        padded_positions=0, key_padded_positions=key_padded,
+    )
+
+
+def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad_token_id: int = 0) -> BatchTensors:
+    """Dispatch to build_padded or build_packed.
+
+    Raises:
+        ValueError: unknown layout, or an empty plan.
+    """
+    if plan.empty:
+        raise ValueError("cannot build a batch from an empty plan")
+    if layout == "padded":
+        return build_padded(plan, padding_side=padding_side, pad_token_id=pad_token_id)
+    if layout == "packed":
+        return build_packed(plan, pad_token_id=pad_token_id)
+    raise ValueError(f"unknown {layout = }; use 'padded' or 'packed'")

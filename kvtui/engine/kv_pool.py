@@ -1,0 +1,125 @@
+"""The KV slot pool: preallocated per-layer K and V tensors, one slot per running request.
+
+Layout per layer: keys[layer] and values[layer] are `[num_slots, num_kv_heads, max_len, head_dim]`
+in the model dtype. A slot is a request's private region; the free list hands out the lowest free
+slot first (deterministic), a finished request returns its slot at once, and the next admitted
+request reuses it starting at position 0 (its cache_len resets; the old contents are masked out).
+
+Only plain Python bookkeeping lives here besides the two tensor lists; reads and writes of the
+tensors happen in runner.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+
+def slot_bytes(num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one slot takes: K and V, every layer: 2 * layers * kv_heads * max_len * head_dim * itemsize."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * max_len * head_dim * itemsize
+
+
+class KVPool:
+    """Preallocated KV cache slots with an owner table and a free list.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: from the model config.
+        num_slots: slots to allocate; ignored when kv_budget_bytes is given.
+        max_len: tokens per slot.
+        dtype, device: of the K/V tensors (the model dtype).
+        kv_budget_bytes: size the pool by bytes: num_slots = budget // slot_bytes(...).
+
+    Raises:
+        ValueError: the budget does not hold even one slot.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        kv_budget_bytes: int | None = None,
+    ) -> None:
+        per_slot = slot_bytes(num_layers, num_kv_heads, max_len, head_dim, dtype)
+        if kv_budget_bytes is not None:
+            num_slots = kv_budget_bytes // per_slot
+            if num_slots < 1:
+                raise ValueError(
+                    f"kv_budget_bytes={kv_budget_bytes} holds no slot: one slot of max_len={max_len} "
+                    f"needs {per_slot} bytes; raise the budget or lower max_len"
+                )
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.bytes_per_slot = per_slot
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.owner: list[str | None] = [None] * num_slots
+        # previous owner of each slot, kept after free, so a reuse can be reported (and faults can misuse it)
+        self.previous_owner: list[str | None] = [None] * num_slots
+        self.times_used = [0] * num_slots
+        self._free = list(range(num_slots))
+        heapq.heapify(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V tensors."""
+        return self.bytes_per_slot * self.num_slots
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_slots * self.max_len
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self, request_id: str, *, fresh: bool = False) -> int:
+        """Give the lowest free slot to `request_id` and return its index.
+
+        fresh=True replaces the slot's tensors with newly allocated zeros (the "allocate a new cache per
+        request" mode the source experiment compared against reuse).
+
+        Raises:
+            RuntimeError: no slot is free (the scheduler checks num_free first).
+        """
+        if not self._free:
+            raise RuntimeError("no free KV slot")
+        slot = heapq.heappop(self._free)
+        self.owner[slot] = request_id
+        self.times_used[slot] += 1
+        if fresh:
+            shape = (self.num_kv_heads, self.max_len, self.head_dim)
+            for layer in range(self.num_layers):
+                self.keys[layer][slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.values[layer][slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return `slot` to the free list. Its contents stay; the next owner starts at cache_len 0.
+
+        Raises:
+            ValueError: the slot is already free.
+        """
+        if self.owner[slot] is None:
+            raise ValueError(f"slot {slot} is already free")
+        self.previous_owner[slot] = self.owner[slot]
+        self.owner[slot] = None
+        heapq.heappush(self._free, slot)

@@ -1,0 +1,77 @@
+"""The only module that calls the model and moves device tensors.
+
+ModelRunner switches a transformers causal LM (Llama family, GPT-2, ...) to the "kvtui" attention,
+gives it a PooledCache over the KV pool, and runs one forward per step on a BatchTensors, returning
+float32 logits for the positions that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import torch
+
+from kvtui.engine.attention import PooledCache, StepState, register_attention
+from kvtui.engine.batching import BatchTensors
+from kvtui.engine.kv_pool import KVPool
+
+
+def model_geometry(model) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) from a transformers config (Llama or GPT-2 names)."""
+    cfg = model.config
+    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return layers, heads, kv_heads, head_dim
+
+
+class ModelRunner:
+    """Runs forwards of `model` over `pool` (see module docstring).
+
+    Args:
+        model: a transformers PreTrainedModel for causal LM, in eval mode.
+        pool: the KV pool (its dtype is the model's, its device the model's).
+    """
+
+    def __init__(self, model, pool: KVPool) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.dtype = pool.dtype
+        model.set_attn_implementation(register_attention())
+        self.cache = PooledCache(pool)
+        self.body = model.base_model
+        self.head = model.get_output_embeddings()
+
+    def _to_device(self, batch: BatchTensors) -> BatchTensors:
+        if self.device.type == "cpu":
+            return batch
+        moved = {f.name: getattr(batch, f.name).to(self.device) for f in fields(batch)
+                 if isinstance(getattr(batch, f.name), torch.Tensor)}
+        return replace(batch, **moved)
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchTensors, *, measure_flow: bool = False) -> tuple[torch.Tensor, StepState]:
+        """One forward over the step's batch.
+
+        Returns:
+            logits: [S, V] float32 on the CPU, one row per sampling chunk (batch.sample_chunk order).
+            state: the StepState (attention-flow figures when measure_flow).
+        """
+        batch = self._to_device(batch)
+        state = StepState(batch=batch, measure_flow=measure_flow)
+        self.cache.state = state
+        try:
+            out = self.body(
+                input_ids=batch.input_ids,
+                attention_mask=batch.additive_mask(self.dtype).to(self.device),
+                position_ids=batch.position_ids,
+                cache=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.state = None
+        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]  # [S, hidden]
+        logits = self.head(hidden).float().cpu()
+        return logits, state
