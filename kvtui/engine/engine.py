@@ -128,7 +128,8 @@ class Engine:
             request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
         limit = self.config.max_waiting
-        if limit is not None and len(self.scheduler.waiting) >= limit:
+        # requests that a free slot will take at the next step do not count as queued
+        if limit is not None and len(self.scheduler.waiting) - self.pool.num_free >= limit:
             return f"waiting queue full ({limit} requests)"
         return ""
 
@@ -172,8 +173,6 @@ class Engine:
                 running_reports.append(self._postprocess(chunk, logits[sampled[index]] if index in sampled else None,
                                                          end_s))
         wall_s = time.perf_counter() - wall_start
-        if batch is None and self.clock == "virtual":
-            pass  # idle: the caller advances the virtual clock to the next arrival
         finished = tuple(self._finished_report(r) for r in self._pending_finished)
         self._pending_finished.clear()
         report = self._report(start_s, wall_s, plan, batch, tuple(running_reports), finished)
@@ -252,7 +251,7 @@ class Engine:
         kv_tokens = sum(r.cache_len for r in self.scheduler.running)
         pool = self.pool
         return StepReport(
-            step=self.step_index, start_s=start_s, wall_s=wall_s, layout=self.config.layout,
+            step=self.step_index, start_s=start_s, end_s=self.now(), wall_s=wall_s, layout=self.config.layout,
             rows=batch.rows if batch is not None else 0, prefill_tokens=prefill, decode_tokens=decode,
             query_positions=query_positions, padded_positions=padded,
             padding_ratio=padded / query_positions if query_positions else 0.0,

@@ -49,7 +49,8 @@ class StepReport:
 
     Attributes:
         step: step index (0-based).
-        start_s: engine clock at the start of the step (seconds).
+        start_s, end_s: engine clock at the start and end of the step (seconds; modeled on the
+            virtual clock, measured on the wall clock).
         wall_s: measured wall time of the step (seconds).
         layout: "padded" or "packed".
         rows: rows of the model input (requests in padded layout, 1 in packed, 0 when idle).
@@ -68,6 +69,7 @@ class StepReport:
 
     step: int
     start_s: float
+    end_s: float
     wall_s: float
     layout: str
     rows: int

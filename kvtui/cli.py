@@ -1,0 +1,195 @@
+"""kvtui command line: run, replay, validate, bench, model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="kvtui",
+    help="Terminal load simulator for LLM batching, with a real PyTorch + transformers engine inside.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+EXIT_OK, EXIT_CONTAMINATION, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    """Print one line to stderr and exit with `code` (2 bad input, 3 runtime error)."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load_scenario(path: Path):
+    from kvtui.scenario import ScenarioError, load_scenario
+
+    try:
+        return load_scenario(path)
+    except ScenarioError as e:
+        for line in e.errors:
+            err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _load_model(name: str, dtype: str, device: str):
+    from kvtui.models import ModelLoadError, load_model
+
+    try:
+        return load_model(name, dtype=dtype, device=device, progress=True)
+    except ModelLoadError as e:
+        fail(str(e))
+
+
+@app.command()
+def run(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML file, e.g. scenarios/passphrase.yaml")],
+    headless: Annotated[bool, typer.Option("--headless", help="No dashboard: run, print a summary, exit.")] = False,
+    record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model: default, "
+                                                 "tiny-llama, tiny-gpt2, a HF model directory or a .gguf file.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (default: scenario's).")] = None,
+    clock: Annotated[Optional[str], typer.Option(help="virtual (deterministic; headless default) or wall.")] = None,
+    layout: Annotated[Optional[str], typer.Option(help="Override engine layout: padded or packed.")] = None,
+    device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+) -> None:
+    """Run a scenario on a real model: the dashboard, or --headless for CI (exit 0 ok, 2 bad input, 3 runtime error)."""
+    from kvtui.summary import print_summary
+
+    spec = _load_scenario(scenario)
+    clock = clock or "virtual"
+    if clock not in ("virtual", "wall"):
+        fail(f"--clock {clock}: use 'virtual' or 'wall'")
+    if not headless:
+        err.print("[yellow]note:[/] the live dashboard is not built yet; running headless.")
+    loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
+    overrides = {"device": device}
+    if layout:
+        if layout not in ("padded", "packed"):
+            fail(f"--layout {layout}: use 'padded' or 'packed'")
+        overrides["layout"] = layout
+    from kvtui.session import Session
+
+    try:
+        session = Session(spec, loaded, clock=clock, record_path=record, engine_overrides=overrides)
+    except OSError as e:
+        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+    except ValueError as e:
+        fail(f"{scenario}: {e}")
+
+    def stop(signum, frame):
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.stop_requested = True
+        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    total = len(session.pending)
+    try:
+        if quiet or not err.is_terminal:
+            summary = session.run()
+        else:
+            with err.status("starting") as status:
+                def progress(s):
+                    m = s.metrics
+                    status.update(f"step {m.steps}  finished {m.requests_finished}/{total}  "
+                                  f"running {s.engine.num_running}  waiting {s.engine.num_waiting}  "
+                                  f"t={s.engine.now():.1f}s")
+                summary = session.run(progress)
+    except Exception as e:  # a bug or a runtime failure, not a user mistake: keep the recording, say where
+        session.close()
+        fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
+             EXIT_RUNTIME)
+    print_summary(summary, session.header(), out)
+    if record:
+        out.print(f"recording: {record}")
+
+
+@app.command()
+def replay(
+    recording: Annotated[Path, typer.Argument(help="A JSONL recording made with --record.")],
+) -> None:
+    """Play a recording back without loading a model and print its summary."""
+    from kvtui.metrics import SLO, Metrics
+    from kvtui.record import RecordingError, read_recording
+    from kvtui.summary import print_summary
+
+    try:
+        header, events, recorded_summary, truncated = read_recording(recording)
+    except RecordingError as e:
+        fail(str(e))
+    slo = header.get("scenario", {}).get("slo") or {}
+    metrics = Metrics(SLO(slo.get("ttft_s"), slo.get("tpot_s")))
+    for event in events:
+        metrics.add_event(event)
+    summary = metrics.summary()
+    if recorded_summary:
+        summary["stopped_early"] = recorded_summary.get("stopped_early", False)
+        summary["requests_not_submitted"] = recorded_summary.get("requests_not_submitted", 0)
+    if truncated:
+        err.print(f"[yellow]note:[/] {recording} ends early (killed run?); replayed {len(events)} events")
+    print_summary(summary, header, out)
+
+
+@app.command()
+def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")]) -> None:
+    """Check a scenario and print it normalized (all defaults filled), or its errors (exit 2)."""
+    import yaml
+
+    spec = _load_scenario(scenario)
+    out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False)
+
+
+@app.command("model")
+def model_cmd(
+    name: Annotated[str, typer.Argument(help="default, tiny-llama, tiny-gpt2, a HF directory or a .gguf file")] = "default",
+) -> None:
+    """Load a model once (converting the default GGUF into the cache) and print what it is."""
+    import time
+
+    t0 = time.perf_counter()
+    loaded = _load_model(name, "float32", "cpu")
+    cfg = loaded.model.config
+    out.print(f"{loaded.model_id}: {type(loaded.model).__name__}, "
+              f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters, "
+              f"{loaded.num_layers} layers, {loaded.num_heads} heads, {loaded.num_kv_heads} KV heads, "
+              f"head_dim {loaded.head_dim}, vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.1f} s")
+    if loaded.source_path:
+        out.print(f"source: {loaded.source_path}" + (f" (sha256 {loaded.source_sha256})" if loaded.source_sha256 else ""))
+
+
+@app.command()
+def bench(
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures.")] = Path("bench-results/bench.json"),
+    model: Annotated[str, typer.Option(help="Model to benchmark.")] = "default",
+    requests: Annotated[int, typer.Option(help="Number of requests.")] = 16,
+    new_tokens: Annotated[int, typer.Option(help="Greedy tokens per request.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed for prompt lengths and tokens.")] = 0,
+) -> None:
+    """Throughput of solo runs vs kvtui padded vs kvtui packed vs transformers generate (prints tokens/s)."""
+    from kvtui.bench import run_bench
+
+    loaded = _load_model(model, "float32", "cpu")
+    run_bench(loaded, output=output, num_requests=requests, new_tokens=new_tokens, seed=seed, console=out)
+
+
+def main() -> None:
+    """Console entry point."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Serving metrics from step reports and finished requests: throughput windows, latency percentiles,
+goodput, padding ratio, slot occupancy, KV usage.
+
+Names follow vLLM's Prometheus metrics where one exists (num_requests_running,
+num_requests_waiting, kv_cache_usage_perc, time_to_first_token_seconds, inter_token_latency_seconds,
+e2e_request_latency_seconds, request_queue_time_seconds, ...); kvtui's own carry a `kvtui:` prefix.
+All times are seconds on the run's clock (virtual or wall, as the recording header says).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default);
+    None for an empty list."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(values: list[float]) -> dict:
+    """{"count", "mean", "p50", "p90", "p95", "p99"} of `values` (None entries when empty)."""
+    out = {"count": len(values), "mean": sum(values) / len(values) if values else None}
+    out.update({f"p{q}": percentile(values, q) for q in PERCENTILES})
+    return out
+
+
+@dataclass
+class SlidingRate:
+    """Tokens per second over the last `window_s` seconds of (time, count) samples."""
+
+    window_s: float
+    samples: deque = field(default_factory=deque)
+    total: int = 0
+
+    def add(self, t: float, count: int) -> None:
+        self.samples.append((t, count))
+        self.total += count
+        while self.samples and self.samples[0][0] < t - self.window_s:
+            self.total -= self.samples.popleft()[1]
+
+    def rate(self) -> float:
+        return self.total / self.window_s
+
+
+@dataclass
+class SLO:
+    """Service-level objective for goodput: a request counts when TTFT <= ttft_s and TPOT <= tpot_s."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft: float | None, tpot: float | None) -> bool:
+        if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
+            return False
+        return not (self.tpot_s is not None and tpot is not None and tpot > self.tpot_s)
+
+
+class Metrics:
+    """Accumulates a run's figures; `snapshot()` gives the live values, `summary()` the final ones."""
+
+    def __init__(self, slo: SLO | None = None) -> None:
+        self.slo = slo or SLO()
+        self.prefill_1s, self.prefill_10s = SlidingRate(1.0), SlidingRate(10.0)
+        self.decode_1s, self.decode_10s = SlidingRate(1.0), SlidingRate(10.0)
+        self.steps = 0
+        self.first_t: float | None = None
+        self.last_t = 0.0
+        self.prompt_tokens = self.generated_tokens = 0
+        self.prefill_tokens = self.decode_tokens = 0
+        self.padding_ratios: list[float] = []
+        self.key_padding_ratios: list[float] = []
+        self.peak_slot_occupancy = 0.0
+        self.peak_kv_usage = 0.0
+        self.peak_waiting = 0
+        self.last: dict | None = None
+        self.canary_requests = 0
+        self.canary_echoed = 0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.itl: list[float] = []
+        self.e2e: list[float] = []
+        self.queue: list[float] = []
+        self.finish_reasons: Counter = Counter()
+        self.requests_finished = 0
+        self.good_requests = 0
+        self.measured_wall_s = 0.0
+
+    def add_event(self, event: dict) -> None:
+        """Feed one recording event (dict); live runs and replays feed the same events, so a replay
+        reproduces the live summary exactly."""
+        kind = event.get("type")
+        if kind == "step":
+            self._add_step(event)
+        elif kind == "request.finish":
+            self._add_finished(event)
+
+    def _add_step(self, e: dict) -> None:
+        t = e["t"]
+        if self.first_t is None:
+            self.first_t = e["start_s"]
+        self.last_t = max(self.last_t, t)
+        self.steps += 1
+        self.measured_wall_s += e["wall_s"]
+        self.prefill_tokens += e["prefill_tokens"]
+        self.decode_tokens += e["decode_tokens"]
+        for rate, count in ((self.prefill_1s, e["prefill_tokens"]), (self.prefill_10s, e["prefill_tokens"]),
+                            (self.decode_1s, e["decode_tokens"]), (self.decode_10s, e["decode_tokens"])):
+            rate.add(t, count)
+        if e["rows"]:
+            self.padding_ratios.append(e["padding_ratio"])
+            self.key_padding_ratios.append(e["key_padding_ratio"])
+        self.peak_slot_occupancy = max(self.peak_slot_occupancy, e["slot_occupancy"])
+        self.peak_kv_usage = max(self.peak_kv_usage, e["kv_usage"])
+        self.peak_waiting = max(self.peak_waiting, e["num_waiting"])
+        self.last = e
+
+    def _add_finished(self, r: dict) -> None:
+        self.requests_finished += 1
+        reason = r["finish_reason"]
+        self.finish_reasons[reason] += 1
+        if r.get("finish_s") is not None:
+            self.last_t = max(self.last_t, r["finish_s"])
+        if reason == "rejected":
+            return
+        self.prompt_tokens += len(r["prompt_ids"])
+        self.generated_tokens += len(r["output_ids"])
+        if r.get("passphrase"):
+            self.canary_requests += 1
+            self.canary_echoed += int(r["passphrase"] in r.get("output_text", ""))
+        arrival, first, times = r.get("arrival_s"), r.get("first_token_s"), r.get("token_times_s") or []
+        ttft = first - arrival if first is not None and arrival is not None else None
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        if ttft is not None:
+            self.ttft.append(ttft)
+        if tpot is not None:
+            self.tpot.append(tpot)
+        self.itl.extend(b - a for a, b in zip(times, times[1:]))
+        if r.get("finish_s") is not None and arrival is not None:
+            self.e2e.append(r["finish_s"] - arrival)
+        if r.get("scheduled_s") is not None and arrival is not None:
+            self.queue.append(r["scheduled_s"] - arrival)
+        if ttft is not None and self.slo.met(ttft, tpot):
+            self.good_requests += 1
+
+    @property
+    def duration_s(self) -> float:
+        return max(self.last_t - (self.first_t or 0.0), 1e-9)
+
+    def summary(self) -> dict:
+        """Final figures of the run, JSON-ready."""
+        d = self.duration_s
+        return {
+            "duration_s": d,
+            "steps": self.steps,
+            "measured_step_wall_s": self.measured_wall_s,
+            "requests_finished": self.requests_finished,
+            "finish_reasons": dict(self.finish_reasons),
+            "rejections": self.finish_reasons.get("rejected", 0),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens_per_s": self.prefill_tokens / d,
+            "decode_tokens_per_s": self.decode_tokens / d,
+            "output_tokens_per_s": self.generated_tokens / d,
+            "request_throughput_per_s": (self.requests_finished - self.finish_reasons.get("rejected", 0)) / d,
+            "goodput_requests_per_s": self.good_requests / d,
+            "time_to_first_token_seconds": summarize(self.ttft),
+            "time_per_output_token_seconds": summarize(self.tpot),
+            "inter_token_latency_seconds": summarize(self.itl),
+            "e2e_request_latency_seconds": summarize(self.e2e),
+            "request_queue_time_seconds": summarize(self.queue),
+            "kvtui:padding_ratio_mean": (sum(self.padding_ratios) / len(self.padding_ratios)
+                                         if self.padding_ratios else 0.0),
+            "kvtui:key_padding_ratio_mean": (sum(self.key_padding_ratios) / len(self.key_padding_ratios)
+                                             if self.key_padding_ratios else 0.0),
+            "kvtui:slot_occupancy_peak": self.peak_slot_occupancy,
+            "kv_cache_usage_perc_peak": self.peak_kv_usage,
+            "num_requests_waiting_peak": self.peak_waiting,
+            "kvtui:passphrase_requests": self.canary_requests,
+            "kvtui:passphrase_echoed": self.canary_echoed,
+        }
+
+    def snapshot(self) -> dict:
+        """Live figures for a dashboard."""
+        last = self.last or {}
+        return {
+            "prefill_tokens_per_s_1s": self.prefill_1s.rate(), "prefill_tokens_per_s_10s": self.prefill_10s.rate(),
+            "decode_tokens_per_s_1s": self.decode_1s.rate(), "decode_tokens_per_s_10s": self.decode_10s.rate(),
+            "num_requests_running": len(last.get("running", [])),
+            "num_requests_waiting": last.get("num_waiting", 0),
+            "kv_cache_usage_perc": last.get("kv_usage", 0.0),
+            "kvtui:slot_occupancy": last.get("slot_occupancy", 0.0),
+            "kvtui:padding_ratio": last.get("padding_ratio", 0.0),
+            "time_to_first_token_seconds": summarize(self.ttft),
+            "time_per_output_token_seconds": summarize(self.tpot),
+        }

@@ -1,0 +1,46 @@
+"""The end-of-run summary table, shared by `kvtui run --headless` and `kvtui replay`."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def print_summary(summary: dict, header: dict, console: Console) -> None:
+    """Render the figures of a run (see Metrics.summary for the keys)."""
+    scenario = header.get("scenario", {})
+    title = (f"{scenario.get('name', '?')} on {header.get('model', {}).get('id', '?')} "
+             f"({header.get('clock', '?')} clock, {header.get('engine', {}).get('layout', '?')} layout)")
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("value")
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items())) or "-"
+    ttft, tpot = summary["time_to_first_token_seconds"], summary["time_per_output_token_seconds"]
+    rows = [
+        ("requests", f"{summary['requests_finished']} ({reasons})"),
+        ("prompt tokens", str(summary["prompt_tokens"])),
+        ("generated tokens", str(summary["generated_tokens"])),
+        ("duration", f"{summary['duration_s']:.2f} s over {summary['steps']} steps "
+                     f"(measured step time {summary['measured_step_wall_s']:.2f} s)"),
+        ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"),
+        ("prefill / decode tokens/s", f"{summary['prefill_tokens_per_s']:.1f} / {summary['decode_tokens_per_s']:.1f}"),
+        ("TTFT p50 / p95", f"{_ms(ttft['p50'])} / {_ms(ttft['p95'])}"),
+        ("TPOT p50 / p95", f"{_ms(tpot['p50'])} / {_ms(tpot['p95'])}"),
+        ("padding ratio (mean, query / key)",
+         f"{summary['kvtui:padding_ratio_mean']:.1%} / {summary['kvtui:key_padding_ratio_mean']:.1%}"),
+        ("peak slot occupancy", f"{summary['kvtui:slot_occupancy_peak']:.0%}"),
+        ("peak KV usage", f"{summary['kv_cache_usage_perc_peak']:.1%}"),
+        ("goodput", f"{summary['goodput_requests_per_s']:.2f} req/s"),
+    ]
+    if summary.get("kvtui:passphrase_requests"):
+        rows.append(("own passphrase echoed",
+                     f"{summary['kvtui:passphrase_echoed']}/{summary['kvtui:passphrase_requests']}"))
+    if summary.get("stopped_early"):
+        rows.append(("stopped early", f"yes ({summary.get('requests_not_submitted', 0)} requests not submitted)"))
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

