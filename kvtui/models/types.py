@@ -1,0 +1,84 @@
+"""What a model load returns, and the one error it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded. The message is one user-facing line saying what to do."""
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of message`, for embedding an underlying error in a ModelLoadError."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference, its tokenizer, and where it came from.
+
+    Attributes:
+        model: in eval() mode, every parameter with requires_grad False, in `dtype`, on the
+            requested device. Weights are shared read-only state: never modify them.
+        tokenizer: always has a chat template (ChatML for SmolLM2 and the tiny models) and a
+            pad token.
+        model_id: "SmolLM2-135M-Instruct", "tiny-llama", "tiny-gpt2", or the path given.
+        source_path: the GGUF file or model directory it came from (None for tiny models).
+        source_sha256: hex sha256 of the GGUF file when loaded from one, else None.
+        dtype: the parameters' dtype.
+        eos_token_ids: token ids that end a generation (generation config, tokenizer eos, and
+            `<|im_end|>` when the chat template uses it), without duplicates.
+        cache_path: the safetensors copy a GGUF was converted into, when one is in use.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    source_path: str | None
+    source_sha256: str | None
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    cache_path: str | None = None
+
+    @property
+    def _text_config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (each has its own K/V cache)."""
+        return int(self._text_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads per layer."""
+        return int(self._text_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key/value heads per layer (fewer than num_heads with grouped-query attention)."""
+        kv = getattr(self._text_config, "num_key_value_heads", None)
+        return int(kv) if kv is not None else self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one head's query/key/value vectors."""
+        cfg = self._text_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return int(head_dim) if head_dim else int(cfg.hidden_size) // self.num_heads
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live."""
+        return self.model.device
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V that one cached token takes over all layers (in `dtype`, default
+        the model's)."""
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
