@@ -32,3 +32,12 @@ def smollm2():
     from kvtui.models import load_model
 
     return load_model("default", progress=False)
+
+
+def pytest_configure(config):
+    """One torch thread per pytest-xdist worker: two workers x two OpenMP threads on two cores spin
+    against each other and run 10-30x slower (measured: a SmolLM2 decode step 0.06 s -> 1 s)."""
+    import torch
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("KVTUI_TEST_THREADS"):
+        torch.set_num_threads(int(os.environ.get("KVTUI_TEST_THREADS", "1")))
