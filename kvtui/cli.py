@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True)
 
 EXIT_OK, EXIT_CONTAMINATION, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
@@ -61,12 +61,30 @@ def run(
     clock: Annotated[Optional[str], typer.Option(help="virtual (deterministic; headless default) or wall.")] = None,
     layout: Annotated[Optional[str], typer.Option(help="Override engine layout: padded or packed.")] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
+    fault: Annotated[Optional[list[str]], typer.Option("--fault", help="Turn an isolation fault on from the "
+                                                       "start (repeatable); see `kvtui faults`.")] = None,
+    isolation: Annotated[str, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    detectors: Annotated[str, typer.Option(help="Comma-separated detectors, or 'none'.")] =
+        "reference,canary,attention_flow,slot_taint",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
 ) -> None:
-    """Run a scenario on a real model: the dashboard, or --headless for CI (exit 0 ok, 2 bad input, 3 runtime error)."""
-    from kvtui.summary import print_summary
+    """Run a scenario on a real model: the dashboard, or --headless for CI.
+
+    Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
+    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
+    """
+    from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, check_fault_names
+    from kvtui.summary import print_contamination, print_summary
 
     spec = _load_scenario(scenario)
+    if isolation not in ("on", "off"):
+        fail(f"--isolation {isolation}: use 'on' or 'off'")
+    faults = list(fault or []) + (list(DEFAULT_ISOLATION_OFF) if isolation == "off" else [])
+    try:
+        check_fault_names(faults)
+    except ValueError as e:
+        fail(f"--fault: {e}")
+    chosen = () if detectors.strip() == "none" else tuple(d.strip() for d in detectors.split(",") if d.strip())
     clock = clock or "virtual"
     if clock not in ("virtual", "wall"):
         fail(f"--clock {clock}: use 'virtual' or 'wall'")
@@ -81,7 +99,8 @@ def run(
     from kvtui.session import Session
 
     try:
-        session = Session(spec, loaded, clock=clock, record_path=record, engine_overrides=overrides)
+        session = Session(spec, loaded, clock=clock, record_path=record, engine_overrides=overrides,
+                          detectors=chosen, faults=tuple(faults))
     except OSError as e:
         fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
     except ValueError as e:
@@ -112,8 +131,34 @@ def run(
         fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
              EXIT_RUNTIME)
     print_summary(summary, session.header(), out)
+    print_contamination(session.contamination, out)
     if record:
         out.print(f"recording: {record}")
+    code, reason = verdict(spec, session)
+    if code:
+        err.print(f"[bold red]{reason}[/]", highlight=False)
+        raise typer.Exit(code)
+    if reason:
+        out.print(reason)
+
+
+def verdict(spec, session) -> tuple[int, str]:
+    """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
+    expect = getattr(getattr(spec, "expect", None), "contamination", "none")
+    found = [e for e in session.contamination if e["kind"] in ("cross_request", "corruption")]
+    faults_seen = bool(session.fault_history)
+    if expect == "none" and found:
+        first = found[0]
+        return EXIT_CONTAMINATION, (f"unexpected contamination: {len(found)} events, first: {first['victim']} <- "
+                                    f"{first['source'] or '?'} ({first['kind']}, {first['detector']}, step "
+                                    f"{first['step']}); the scenario expects none")
+    if expect == "detected" and not found:
+        return EXIT_CONTAMINATION, ("expected contamination to be detected" +
+                                    (" (a fault was on)" if faults_seen else " but no fault was on") +
+                                    ", yet no detector fired")
+    if expect == "detected":
+        return EXIT_OK, f"contamination detected as expected: {len(found)} events"
+    return EXIT_OK, ""
 
 
 @app.command()
@@ -149,6 +194,51 @@ def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file."
 
     spec = _load_scenario(scenario)
     out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False)
+
+
+@app.command()
+def faults() -> None:
+    """List the isolation faults, what each breaks, and the layouts it acts in."""
+    from rich.table import Table
+
+    from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, FAULTS
+
+    table = Table(title="isolation faults (--fault NAME, timeline {fault: NAME, on: true}, dashboard key f)",
+                  title_justify="left")
+    for column in ("fault", "what it breaks", "layouts", "caught by"):
+        table.add_column(column)
+    for f in FAULTS.values():
+        name = f.name + (" *" if f.name in DEFAULT_ISOLATION_OFF else "")
+        table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.caught_by))
+    table.caption = "* in the default set of --isolation off and the dashboard's i key"
+    out.print(table)
+
+
+@app.command()
+def audit(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")],
+    model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
+    fault: Annotated[Optional[list[str]], typer.Option("--fault", help="Isolation fault on (repeatable).")] = None,
+) -> None:
+    """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
+    must not change. Exit 1 when some did."""
+    from kvtui.detect.audit import run_audit
+    from kvtui.engine.faults import check_fault_names
+
+    spec = _load_scenario(scenario)
+    try:
+        check_fault_names(fault or [])
+    except ValueError as e:
+        fail(f"--fault: {e}")
+    loaded = _load_model(model or spec.model, spec.dtype, "cpu")
+    events = run_audit(spec, loaded, faults=tuple(fault or []), console=err)
+    from kvtui.summary import print_contamination
+
+    print_contamination(events, out)
+    if events:
+        err.print(f"[bold red]noninterference violated: {len(events)} requests changed with their neighbours[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    out.print("noninterference holds: every request's tokens stayed the same with its neighbours replaced")
 
 
 @app.command("model")

@@ -84,6 +84,7 @@ class Metrics:
         self.peak_kv_usage = 0.0
         self.peak_waiting = 0
         self.last: dict | None = None
+        self.contamination: Counter = Counter()  # (kind, detector) -> events
         self.canary_requests = 0
         self.canary_echoed = 0
         self.ttft: list[float] = []
@@ -104,6 +105,8 @@ class Metrics:
             self._add_step(event)
         elif kind == "request.finish":
             self._add_finished(event)
+        elif kind == "contamination":
+            self.contamination[(event["kind"], event["detector"])] += 1
 
     def _add_step(self, e: dict) -> None:
         t = e["t"]
@@ -188,6 +191,9 @@ class Metrics:
             "num_requests_waiting_peak": self.peak_waiting,
             "kvtui:passphrase_requests": self.canary_requests,
             "kvtui:passphrase_echoed": self.canary_echoed,
+            "kvtui:contamination_events_total": [
+                {"kind": kind, "detector": detector, "value": n}
+                for (kind, detector), n in sorted(self.contamination.items())],
         }
 
     def snapshot(self) -> dict:

@@ -41,6 +41,42 @@ def print_summary(summary: dict, header: dict, console: Console) -> None:
                      f"{summary['kvtui:passphrase_echoed']}/{summary['kvtui:passphrase_requests']}"))
     if summary.get("stopped_early"):
         rows.append(("stopped early", f"yes ({summary.get('requests_not_submitted', 0)} requests not submitted)"))
+    counts = summary.get("kvtui:contamination_events_total", [])
+    real = sum(c["value"] for c in counts if c["kind"] != "numeric")
+    detail = ", ".join(f"{c['detector']} {c['kind']} {c['value']}" for c in counts)
+    rows.append(("contamination events", f"{real}" + (f" ({detail})" if detail else "")))
+    if summary.get("contamination_by_fault"):
+        rows.append(("events while a fault was on",
+                     ", ".join(f"{k} {v}" for k, v in sorted(summary["contamination_by_fault"].items()))))
     for name, value in rows:
         table.add_row(name, value)
+    console.print(table)
+
+
+def print_contamination(events: list[dict], console: Console, limit: int = 12) -> None:
+    """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last."""
+    if not events:
+        return
+    ordered = sorted(events, key=lambda e: (e["kind"] == "numeric", e["step"]))
+    table = Table(title="contamination", title_justify="left")
+    for column in ("step", "victim <- source", "kind", "detector", "evidence"):
+        table.add_column(column)
+    for e in ordered[:limit]:
+        ev = e.get("evidence", {})
+        if "leaked" in ev:
+            text = f"says {ev['matched']!r}: …{ev['text'][-60:]!r}"
+        elif "foreign_mass" in ev:
+            text = f"attention on foreign keys {ev['foreign_mass']:.3f}"
+        elif "examples" in ev:
+            text = f"{ev['positions']} cells, e.g. slot {ev['examples'][0]['slot']} pos {ev['examples'][0]['pos']}"
+        elif "token_index" in ev:
+            text = (f"token {ev['token_index']}: {ev['batched_token']} vs solo {ev['solo_token']} "
+                    f"(gap {ev['top2_gap']:.3g}); {ev['batched_text'][:40]!r} vs {ev['solo_text'][:40]!r}")
+        else:
+            text = str(ev)[:100]
+        style = "dim" if e["kind"] == "numeric" else ("red" if e["kind"] == "cross_request" else "yellow")
+        table.add_row(str(e["step"]), f"{e['victim']} <- {e['source'] or '?'}", f"[{style}]{e['kind']}[/]",
+                      e["detector"], text)
+    if len(ordered) > limit:
+        table.caption = f"{len(ordered) - limit} more in the recording"
     console.print(table)

@@ -29,7 +29,7 @@ def test_padded_right_mask_positions_and_maps():
     assert rows(b.allowed[0]) == ["1111", "0000"]  # A: sees its 4 keys; pad query sees nothing
     assert rows(b.allowed[1]) == ["1000", "1100"]  # B: causal, cache padding (cols 2-3) hidden
     assert b.key_slot.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
-    assert b.key_pos.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
+    assert b.key_pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]  # B's columns 2-3: its slot's unused region
     assert b.key_owner.tolist() == [[0, 0, 0, 0], [1, 1, PAD_OWNER, PAD_OWNER]]
     assert list(zip(b.write_slot.tolist(), b.write_pos.tolist())) == [(1, 3), (0, 0), (0, 1)]
     assert list(zip(b.sample_row.tolist(), b.sample_col.tolist())) == [(0, 0), (1, 1)]

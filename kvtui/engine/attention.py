@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from kvtui.engine.batching import PAD_OWNER, BatchTensors
+from kvtui.engine.batching import BatchTensors
 from kvtui.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "kvtui"
@@ -32,16 +32,17 @@ class StepState:
 
     Attributes:
         batch: the step's BatchTensors, moved to the pool device.
-        measure_flow: when True the attention function accumulates `foreign_mass`.
-        foreign_mass: [R, Q] float32, summed over layers and heads: attention probability that each
-            query put on keys owned by another chunk (other requests) — 0 with isolation intact.
-        flow_layers: how many (layer x head) terms foreign_mass sums.
+        measure_flow: when True the attention function accumulates `attn_sum`.
+        attn_sum: [R, Q, K] float32, attention probabilities summed over layers and heads.
+        flow_terms: how many (layer x head) terms attn_sum sums (divide by it for a mean in [0, 1]).
+        fp16: the fp16_cache fault: attention in float16, K/V cached through float16, pads cached.
     """
 
     batch: BatchTensors
     measure_flow: bool = False
-    foreign_mass: torch.Tensor | None = None
-    flow_layers: int = 0
+    attn_sum: torch.Tensor | None = None
+    flow_terms: int = 0
+    fp16: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -74,10 +75,16 @@ class PooledCacheLayer(CacheLayerMixin):
         if isinstance(attn_kwargs, dict):
             attn_kwargs["kvtui_state"] = state
         pool_k, pool_v = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
-        new_k = key_states.transpose(1, 2)[b.write_row, b.write_col]  # [N, Hkv, D]
-        new_v = value_states.transpose(1, 2)[b.write_row, b.write_col]
-        pool_k[b.write_slot, :, b.write_pos] = new_k.to(pool_k.dtype)
-        pool_v[b.write_slot, :, b.write_pos] = new_v.to(pool_v.dtype)
+        k_rows, v_rows = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [R, Q, Hkv, D]
+        writes = [(b.write_row, b.write_col, b.write_slot, b.write_pos)]
+        if state.fp16 and b.pad_write_row is not None:
+            writes.append((b.pad_write_row, b.pad_write_col, b.pad_write_slot, b.pad_write_pos))
+        for rows, cols, slots, positions in writes:
+            new_k, new_v = k_rows[rows, cols], v_rows[rows, cols]  # [N, Hkv, D]
+            if state.fp16:  # stored as float16: overflow -> inf, NaN kept
+                new_k, new_v = new_k.half(), new_v.half()
+            pool_k[slots, :, positions] = new_k.to(pool_k.dtype)
+            pool_v[slots, :, positions] = new_v.to(pool_v.dtype)
         keys = pool_k[b.key_slot, :, b.key_pos].transpose(1, 2)  # [R, Hkv, K, D]
         values = pool_v[b.key_slot, :, b.key_pos].transpose(1, 2)
         return keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -111,6 +118,12 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
     Returns:
         (output [R, Q, Hq, D], None).
     """
+    state: StepState | None = kwargs.get("kvtui_state")
+    if state is not None and state.fp16:  # the fp16_cache fault: the whole attention in float16
+        dtype = query.dtype
+        query, key, value = query.half(), key.half(), value.half()
+        if attention_mask is not None:
+            attention_mask = attention_mask.half()
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -120,24 +133,17 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]]
+    if state is not None and state.fp16:
+        probs = torch.softmax(scores, dim=-1)  # float16 softmax: a row of -inf gives NaN
+        out = torch.matmul(probs, value).to(dtype)
+        return out.transpose(1, 2).contiguous(), None
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    state: StepState | None = kwargs.get("kvtui_state")
     if state is not None and state.measure_flow:
-        _accumulate_flow(state, probs)
+        summed = probs.float().sum(dim=1)  # [R, Q, K] over heads
+        state.attn_sum = summed if state.attn_sum is None else state.attn_sum + summed
+        state.flow_terms += probs.shape[1]
     out = torch.matmul(probs, value)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _accumulate_flow(state: StepState, probs: torch.Tensor) -> None:
-    """Add the attention mass each query puts on keys of other chunks (summed over heads)."""
-    b = state.batch
-    q_owner = b.query_owner.to(probs.device)  # [R, Q]
-    k_owner = b.key_owner.to(probs.device)  # [R, K]
-    foreign = (k_owner[:, None, :] != q_owner[:, :, None]) & (k_owner[:, None, :] != PAD_OWNER)
-    foreign &= (q_owner != PAD_OWNER)[:, :, None]
-    mass = (probs.float() * foreign[:, None, :, :]).sum(dim=(1, 3))  # [R, Q]
-    state.foreign_mass = mass if state.foreign_mass is None else state.foreign_mass + mass
-    state.flow_layers += probs.shape[1]
 
 
 _registered = False

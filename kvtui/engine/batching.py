@@ -5,11 +5,16 @@ key_pos[r, k]]; the new tokens' K/V are first written to pool[write_slot[i], :, 
 The attention mask decides which gathered keys each query may see.
 
 padded: one row per request, right- or left-padded to the longest chunk. Row b's keys are its own
-    slot's positions 0 .. end_b-1, right-padded to the longest end; query token t (at position
+    slot's positions 0 .. K-1 (K = the longest end); columns end_b .. K-1 are cache padding; query token t (at position
     start_b + t) may see keys 0 .. start_b + t. The mask hides input padding (pad query rows see
     nothing) and cache padding (key columns >= end_b).
 packed: one row holding every request's tokens back to back; keys are each request's positions
     0 .. end_b-1 concatenated. The mask is block-diagonal and causal within each block.
+
+Faults (kvtui/engine/faults.py) change these tables where named: shared_cache maps every request to
+slot 0; shared_position_offset takes position ids from a batch-wide counter; causal_offset builds the
+causal part as key index <= query index; unmasked_cache_padding leaves cache padding visible;
+no_request_mask drops the block-diagonal part of the packed mask; fp16_cache also writes pad rows.
 
 Mask values: 0.0 where allowed, torch.finfo(dtype).min where not (finite, so a fully masked pad
 row gives uniform weights, not NaN).
@@ -44,6 +49,7 @@ class BatchTensors:
         padded_positions: query positions that are padding (tokens).
         key_padded_positions: sum over real query positions of key columns not owned by the
             query's own request (cache padding, other requests' blocks).
+        pad_write_*: [P] int64, pad cells whose K/V are cached too (fp16_cache fault only), else None.
     """
 
     input_ids: torch.Tensor
@@ -62,6 +68,10 @@ class BatchTensors:
     sample_chunk: list[int]
     padded_positions: int
     key_padded_positions: int
+    pad_write_row: torch.Tensor | None = None
+    pad_write_col: torch.Tensor | None = None
+    pad_write_slot: torch.Tensor | None = None
+    pad_write_pos: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -83,9 +93,12 @@ def _tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0) -> BatchTensors:
+def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0,
+                 faults: frozenset = frozenset(), max_len: int | None = None) -> BatchTensors:
     """Padded layout for `plan`: one row per chunk. See the module docstring."""
     chunks = plan.chunks
+    counter = max(c.start_pos for c in chunks)  # the batch-wide counter of shared_position_offset
+    p_row, p_col, p_slot, p_pos = [], [], [], []
     rows, q_len = len(chunks), max(c.num_tokens for c in chunks)
     k_len = max(c.end_pos for c in chunks)
     input_ids = torch.full((rows, q_len), pad_token_id, dtype=torch.long)
@@ -102,19 +115,28 @@ def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: i
         offset = q_len - n if padding_side == "left" else 0
         cols = torch.arange(offset, offset + n)
         positions = torch.arange(chunk.start_pos, chunk.end_pos)
+        slot = 0 if "shared_cache" in faults else chunk.slot
         input_ids[b, cols] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        position_ids[b, cols] = positions
+        position_ids[b, cols] = (counter + torch.arange(n)) if "shared_position_offset" in faults else positions
         query_owner[b, cols] = b
-        key_slot[b, :] = chunk.slot
-        key_pos[b, : chunk.end_pos] = torch.arange(chunk.end_pos)
+        key_slot[b, :] = slot
+        key_pos[b, :] = torch.arange(k_len)  # the slot's region [0, K): beyond end_b it is cache padding
         key_owner[b, : chunk.end_pos] = b
         # query at position p sees keys 0..p of its own slot
-        allowed[b, cols, :] = torch.arange(k_len)[None, :] <= positions[:, None]
+        mask_positions = torch.arange(n) if "causal_offset" in faults else positions
+        allowed[b, cols, :] = torch.arange(k_len)[None, :] <= mask_positions[:, None]
+        if "unmasked_cache_padding" in faults:
+            allowed[b, cols, chunk.end_pos :] = True
         key_padded += n * (k_len - chunk.end_pos)
         w_row += [b] * n
         w_col += cols.tolist()
-        w_slot += [chunk.slot] * n
+        w_slot += [slot] * n
         w_pos += positions.tolist()
+        if "fp16_cache" in faults:  # a naive padded cache stores whole rows: pads land after the row's tokens
+            pad_cols = [c for c in range(q_len) if not offset <= c < offset + n]
+            for j, c in enumerate(pad_cols):
+                if max_len is None or chunk.end_pos + j < max_len:
+                    p_row.append(b), p_col.append(c), p_slot.append(slot), p_pos.append(chunk.end_pos + j)
         if chunk.samples:
             s_row.append(b)
             s_col.append(offset + n - 1)
@@ -124,12 +146,15 @@ def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: i
         input_ids, position_ids, allowed, _tensor(w_row), _tensor(w_col), _tensor(w_slot), _tensor(w_pos),
         key_slot, key_pos, key_owner, query_owner, _tensor(s_row), _tensor(s_col), s_chunk,
         padded_positions=rows * q_len - real, key_padded_positions=key_padded,
+        **({"pad_write_row": _tensor(p_row), "pad_write_col": _tensor(p_col), "pad_write_slot": _tensor(p_slot),
+            "pad_write_pos": _tensor(p_pos)} if p_row else {}),
     )
 
 
-def build_packed(plan: StepPlan, *, pad_token_id: int = 0) -> BatchTensors:
+def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = frozenset()) -> BatchTensors:
     """Packed layout for `plan`: all chunks in one row, block-diagonal causal mask."""
     chunks = plan.chunks
+    counter = max(c.start_pos for c in chunks)
     q_len = sum(c.num_tokens for c in chunks)
     k_len = sum(c.end_pos for c in chunks)
     input_ids = torch.empty((1, q_len), dtype=torch.long)
@@ -145,16 +170,20 @@ def build_packed(plan: StepPlan, *, pad_token_id: int = 0) -> BatchTensors:
     for b, chunk in enumerate(chunks):
         n, end = chunk.num_tokens, chunk.end_pos
         positions = torch.arange(chunk.start_pos, end)
+        slot = 0 if "shared_cache" in faults else chunk.slot
         input_ids[0, q0 : q0 + n] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        position_ids[0, q0 : q0 + n] = positions
+        position_ids[0, q0 : q0 + n] = (counter + torch.arange(n)) if "shared_position_offset" in faults else positions
         query_owner[0, q0 : q0 + n] = b
-        key_slot[0, k0 : k0 + end] = chunk.slot
+        key_slot[0, k0 : k0 + end] = slot
         key_pos[0, k0 : k0 + end] = torch.arange(end)
         key_owner[0, k0 : k0 + end] = b
-        allowed[0, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= positions[:, None]
+        mask_positions = torch.arange(n) if "causal_offset" in faults else positions
+        allowed[0, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= mask_positions[:, None]
+        if "no_request_mask" in faults:  # plain causal over the concatenation: every earlier block is visible
+            allowed[0, q0 : q0 + n, :k0] = True
         key_padded += n * (k_len - end)
         w_pos += positions.tolist()
-        w_slot += [chunk.slot] * n
+        w_slot += [slot] * n
         if chunk.samples:
             s_col.append(q0 + n - 1)
             s_chunk.append(b)
@@ -168,7 +197,8 @@ def build_packed(plan: StepPlan, *, pad_token_id: int = 0) -> BatchTensors:
     )
 
 
-def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad_token_id: int = 0) -> BatchTensors:
+def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad_token_id: int = 0,
+                faults: frozenset = frozenset(), max_len: int | None = None) -> BatchTensors:
     """Dispatch to build_padded or build_packed.
 
     Raises:
@@ -177,7 +207,8 @@ def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad
     if plan.empty:
         raise ValueError("cannot build a batch from an empty plan")
     if layout == "padded":
-        return build_padded(plan, padding_side=padding_side, pad_token_id=pad_token_id)
+        return build_padded(plan, padding_side=padding_side, pad_token_id=pad_token_id, faults=faults,
+                            max_len=max_len)
     if layout == "packed":
-        return build_packed(plan, pad_token_id=pad_token_id)
+        return build_packed(plan, pad_token_id=pad_token_id, faults=faults)
     raise ValueError(f"unknown {layout = }; use 'padded' or 'packed'")

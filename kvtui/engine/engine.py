@@ -9,13 +9,15 @@ time of each step is still reported beside it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine.batching import build_batch
+from kvtui.engine.faults import check_fault_names
 from kvtui.engine.kv_pool import KVPool
+from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, slot_taint
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
 from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
@@ -77,7 +79,11 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._pending_finished: list[RequestState] = []
-        self.measure_flow = False
+        self.measure_flow = False  # attention_flow detector: accumulate attention per step
+        self.detect_taint = False  # slot_taint detector: check every allowed key's writer
+        self.faults: set[str] = set(check_fault_names(config.faults))  # active faults; switched between steps
+        self._serial: dict[str, int] = {}
+        self._names: dict[int, str] = {}
 
     # -- time ---------------------------------------------------------------------------------
     def now(self) -> float:
@@ -106,6 +112,8 @@ class Engine:
         request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
                                arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}))
         self.requests[request_id] = request
+        self._serial[request_id] = len(self._serial)
+        self._names[self._serial[request_id]] = request_id
         reason = self._admission_problem(request)
         if reason:
             self._finish(request, FinishReason.REJECTED, reason)
@@ -133,6 +141,22 @@ class Engine:
             return f"waiting queue full ({limit} requests)"
         return ""
 
+    def reconfigure(self, **changes) -> None:
+        """Change engine knobs between steps (timeline, dashboard): max_batch_size, max_tokens_per_step,
+        layout, padding_side, bucketing, bucket_tolerance, slot_reuse, on_too_long, max_waiting.
+
+        Raises:
+            ValueError: a field the pool fixes (num_slots, max_len, kv_budget_bytes, device) or a bad value.
+        """
+        fixed = {"num_slots", "max_len", "kv_budget_bytes", "device"} & set(changes)
+        if fixed:
+            raise ValueError(f"{sorted(fixed)[0]} cannot change during a run")
+        self.config = replace(self.config, **changes)
+        self.scheduler.max_batch_size = self.config.max_batch_size
+        self.scheduler.max_tokens_per_step = self.config.max_tokens_per_step
+        self.scheduler.bucketing = self.config.bucketing
+        self.scheduler.bucket_tolerance = self.config.bucket_tolerance
+
     def abort(self, request_id: str) -> None:
         """Cancel a waiting or running request; it frees its slot and finishes with reason "abort"."""
         request = self.requests[request_id]
@@ -156,28 +180,79 @@ class Engine:
         """Admit, schedule, run one forward, sample, retire finished requests; report the step."""
         start_s = self.now()
         wall_start = time.perf_counter()
-        admitted = self.scheduler.admit(self.pool.num_free)
-        for request in admitted:
+        faults = frozenset(self.faults)
+        stale = []
+        for request in self.scheduler.admit(self.pool.num_free):
             request.slot = self.pool.allocate(request.request_id, fresh=self.config.slot_reuse == "reallocate")
             request.cache_len = 0
             request.scheduled_s = start_s
-        plan = self.scheduler.plan(admitted)
-        running_reports, batch = [], None
+            kept = self.pool.last_len[request.slot]
+            if ("stale_slot" in faults and kept
+                    and kept + request.prompt_len + request.sampling.max_new_tokens <= self.pool.max_len):
+                request.cache_len = kept  # the fault: the slot's old length (and contents) stay
+                stale.append((request.request_id, request.slot, self.pool.previous_owner[request.slot], kept))
+        plan = self.scheduler.plan()
+        running_reports, batch, taint, flow, errors = [], None, (), (), []
         if not plan.empty:
-            batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
-                                pad_token_id=self.pad_token_id)
-            logits, _ = self.runner.forward(batch, measure_flow=self.measure_flow)
-            sampled = {chunk_index: row for row, chunk_index in enumerate(batch.sample_chunk)}
+            if "racy_threads" in faults:
+                logits_by_chunk, errors, batch = self._forward_racy(plan, faults)
+            else:
+                batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
+                                    pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len)
+                own = [self._serial[c.request.request_id] for c in plan.chunks]
+                ids = [c.request.request_id for c in plan.chunks]
+                writers = self._tag_writes(batch, own)
+                if self.detect_taint:
+                    taint = tuple(slot_taint(batch, writers, own, self._names, ids))
+                logits_by_chunk = {}
+                try:
+                    logits, state = self.runner.forward(batch, measure_flow=self.measure_flow,
+                                                        fp16="fp16_cache" in faults)
+                    logits_by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
+                    if self.measure_flow and state.attn_sum is not None:
+                        flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own,
+                                                    self._names, ids))
+                except Exception as e:
+                    if not faults:
+                        raise  # with isolation intact an exception is a bug, not a symptom
+                    errors = [(i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))]
             end_s = self._end_time(start_s, plan, batch, wall_start)
+            failed = dict(errors)
             for index, chunk in enumerate(plan.chunks):
-                running_reports.append(self._postprocess(chunk, logits[sampled[index]] if index in sampled else None,
-                                                         end_s))
+                if index in failed:
+                    self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
+                    continue
+                running_reports.append(self._postprocess(chunk, logits_by_chunk.get(index), end_s))
         wall_s = time.perf_counter() - wall_start
         finished = tuple(self._finished_report(r) for r in self._pending_finished)
         self._pending_finished.clear()
         report = self._report(start_s, wall_s, plan, batch, tuple(running_reports), finished)
+        report = replace(report, faults=tuple(sorted(faults)), taint=taint, flow=flow, stale_starts=tuple(stale),
+                         errors=tuple((plan.chunks[i].request.request_id, text) for i, text in errors))
         self.step_index += 1
         return report
+
+    def _tag_writes(self, batch, own: list[int]) -> torch.Tensor:
+        """Tag the pool positions this step writes with their request's serial; return the [R, K]
+        writer serials of the batch's keys."""
+        chunk_of_write = batch.query_owner[batch.write_row, batch.write_col]
+        serials = torch.tensor(own, dtype=torch.long)[chunk_of_write]
+        self.pool.writer[batch.write_slot.cpu(), batch.write_pos.cpu()] = serials
+        if batch.pad_write_row is not None:
+            self.pool.writer[batch.pad_write_slot, batch.pad_write_pos] = PAD_WRITTEN
+        return key_writers(self.pool.writer, batch)
+
+    def _forward_racy(self, plan: StepPlan, faults: frozenset):
+        """racy_threads: a batch-of-one per request, run by one thread each (see ModelRunner.forward_racy)."""
+        batches = [build_batch(StepPlan((chunk,), ()), layout=self.config.layout, pad_token_id=self.pad_token_id,
+                               faults=faults, max_len=self.pool.max_len) for chunk in plan.chunks]
+        for chunk, b in zip(plan.chunks, batches):
+            self._tag_writes(b, [self._serial[chunk.request.request_id]])
+        results = self.runner.forward_racy(batches, fp16="fp16_cache" in faults)
+        logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
+        errors = [(i, err) for i, (out, err) in enumerate(results) if err]
+        merged = batches[0] if len(batches) == 1 else None
+        return logits, errors, merged or _RacyBatchStats(batches)
 
     def _end_time(self, start_s: float, plan: StepPlan, batch, wall_start: float) -> float:
         if self.clock == "virtual":
@@ -191,10 +266,14 @@ class Engine:
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
-        token = None
+        token, gap, nonfinite = None, None, False
         if logits is not None:
+            nonfinite = not bool(torch.isfinite(logits).all())
+            top2 = torch.topk(logits, 2).values
+            gap = float(top2[0] - top2[1])
             token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
             request.generated_ids.append(token)
+            request.top2_gaps.append(gap)
             request.token_times_s.append(end_s)
             if request.first_token_s is None:
                 request.first_token_s = end_s
@@ -202,7 +281,7 @@ class Engine:
             if reason is not None:
                 self._finish(request, reason, "")
         return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos, chunk.num_tokens, token,
-                                    chunk.phase)
+                                    chunk.phase, gap, nonfinite)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
@@ -222,7 +301,7 @@ class Engine:
         if request.status == RequestStatus.RUNNING:
             self.scheduler.remove(request)
         if request.slot is not None and self.pool.owner[request.slot] == request.request_id:
-            self.pool.free(request.slot)  # a finished request frees its slot at once
+            self.pool.free(request.slot, request.cache_len)  # a finished request frees its slot at once
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
         if detail:
@@ -271,3 +350,14 @@ class Engine:
                 raise RuntimeError(f"engine did not finish within {max_steps = }")
             reports.append(self.step())
         return reports
+
+
+class _RacyBatchStats:
+    """Step figures for racy_threads, where each request ran as its own batch of one."""
+
+    def __init__(self, batches) -> None:
+        self.rows = len(batches)
+        self.query_positions = sum(b.query_positions for b in batches)
+        self.padded_positions = 0
+        self.key_padded_positions = 0
+        self.key_slot = torch.zeros((1, max(b.key_slot.shape[1] for b in batches)), dtype=torch.long)

@@ -67,6 +67,10 @@ class KVPool:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # who last wrote each position: a request serial, -1 never written (see observe.py); CPU bookkeeping
+        self.writer = torch.full((num_slots, max_len), -1, dtype=torch.long)
+        # cache_len each slot's last owner left behind (what the stale_slot fault wrongly keeps)
+        self.last_len = [0] * num_slots
         self.owner: list[str | None] = [None] * num_slots
         # previous owner of each slot, kept after free, so a reuse can be reported (and faults can misuse it)
         self.previous_owner: list[str | None] = [None] * num_slots
@@ -110,16 +114,20 @@ class KVPool:
             for layer in range(self.num_layers):
                 self.keys[layer][slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.values[layer][slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.writer[slot] = -1
+            self.last_len[slot] = 0
         return slot
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int, cache_len: int = 0) -> None:
         """Return `slot` to the free list. Its contents stay; the next owner starts at cache_len 0.
+        `cache_len` (tokens) is what the owner left, kept in last_len.
 
         Raises:
             ValueError: the slot is already free.
         """
         if self.owner[slot] is None:
             raise ValueError(f"slot {slot} is already free")
+        self.last_len[slot] = cache_len
         self.previous_owner[slot] = self.owner[slot]
         self.owner[slot] = None
         heapq.heappush(self._free, slot)

@@ -15,6 +15,9 @@ class RunningRequestReport:
         query_tokens: tokens it fed this step (prompt chunk, or 1 when decoding).
         new_token_id: the token sampled this step, or None while a chunked prefill is unfinished.
         phase: "prefill" or "decode".
+        top2_gap: top-1 minus top-2 logit of the sampled position (None without a sample); a small
+            gap marks a near tie that numerical batch variance may flip.
+        nonfinite: the logits held NaN or inf.
     """
 
     request_id: str
@@ -23,6 +26,8 @@ class RunningRequestReport:
     query_tokens: int
     new_token_id: int | None
     phase: str
+    top2_gap: float | None = None
+    nonfinite: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,11 @@ class StepReport:
         running: RunningRequestReport per request in the step.
         finished: FinishedRequestReport per request that left during the step.
         num_waiting: requests queued after the step.
+        faults: isolation faults active in the step.
+        taint: TaintReport per request that could read cache positions it does not own (slot_taint on).
+        flow: FlowReport per request (attention_flow on).
+        errors: (request_id, error text) for requests whose forward raised under a fault.
+        stale_starts: (request_id, slot, previous owner, tokens kept) for slots reused stale.
     """
 
     step: int
@@ -90,6 +100,11 @@ class StepReport:
     running: tuple[RunningRequestReport, ...]
     finished: tuple[FinishedRequestReport, ...]
     num_waiting: int
+    faults: tuple[str, ...] = ()
+    taint: tuple = ()
+    flow: tuple = ()
+    errors: tuple[tuple[str, str], ...] = ()
+    stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -80,6 +80,7 @@ class RequestState:
         status, finish_reason: lifecycle, see RequestStatus and FinishReason.
         arrival_s, scheduled_s, first_token_s, finish_s: timestamps in seconds on the engine's clock
             (None until reached). token_times_s: time of every generated token, for ITL.
+        top2_gaps: top-1 minus top-2 logit at each generated token (for labelling numeric divergence).
         metadata: caller's data carried along untouched (e.g. the passphrase canary).
     """
 
@@ -98,6 +99,7 @@ class RequestState:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
+    top2_gaps: list[float] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
 
     @property

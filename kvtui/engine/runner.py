@@ -7,12 +7,14 @@ float32 logits for the positions that sample.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import fields, replace
 
 import torch
 
 from kvtui.engine.attention import PooledCache, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
+from kvtui.engine.faults import FP16_MASK_CONSTANT
 from kvtui.engine.kv_pool import KVPool
 
 
@@ -51,27 +53,60 @@ class ModelRunner:
                  if isinstance(getattr(batch, f.name), torch.Tensor)}
         return replace(batch, **moved)
 
+    def _run_body(self, batch: BatchTensors, state: StepState) -> torch.Tensor:
+        """Forward the model body on `batch` with the cache bound to `state`; returns [S, V] float32 logits."""
+        masked = FP16_MASK_CONSTANT if state.fp16 else None
+        self.cache.state = state
+        out = self.body(
+            input_ids=batch.input_ids,
+            attention_mask=batch.additive_mask(self.dtype, masked).to(self.device),
+            position_ids=batch.position_ids,
+            cache=self.cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]  # [S, hidden]
+        return self.head(hidden).float().cpu()
+
     @torch.inference_mode()
-    def forward(self, batch: BatchTensors, *, measure_flow: bool = False) -> tuple[torch.Tensor, StepState]:
+    def forward(self, batch: BatchTensors, *, measure_flow: bool = False,
+                fp16: bool = False) -> tuple[torch.Tensor, StepState]:
         """One forward over the step's batch.
 
+        Args:
+            measure_flow: accumulate attention probabilities for the attention_flow detector.
+            fp16: the fp16_cache fault (see faults.py).
         Returns:
             logits: [S, V] float32 on the CPU, one row per sampling chunk (batch.sample_chunk order).
-            state: the StepState (attention-flow figures when measure_flow).
+            state: the StepState (attention sums when measure_flow).
         """
         batch = self._to_device(batch)
-        state = StepState(batch=batch, measure_flow=measure_flow)
-        self.cache.state = state
+        state = StepState(batch=batch, measure_flow=measure_flow, fp16=fp16)
         try:
-            out = self.body(
-                input_ids=batch.input_ids,
-                attention_mask=batch.additive_mask(self.dtype).to(self.device),
-                position_ids=batch.position_ids,
-                cache=self.cache,
-                use_cache=True,
-            )
+            logits = self._run_body(batch, state)
         finally:
             self.cache.state = None
-        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]  # [S, hidden]
-        logits = self.head(hidden).float().cpu()
         return logits, state
+
+    def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False) -> list[tuple[torch.Tensor | None, str]]:
+        """The racy_threads fault: one Python thread per request, each running its own batch-of-one
+        forward, all through this runner's single cache-state variable (like a global
+        past_key_values). Whichever thread set it last decides where every thread's layers write and
+        read. Returns, per batch, (logits [S, V] or None, error text or "")."""
+        results: list[tuple[torch.Tensor | None, str]] = [(None, "not run")] * len(batches)
+        barrier = threading.Barrier(len(batches))
+
+        def work(index: int, batch: BatchTensors) -> None:
+            try:
+                with torch.inference_mode():
+                    barrier.wait(timeout=10)
+                    results[index] = (self._run_body(self._to_device(batch), StepState(batch=batch, fp16=fp16)), "")
+            except Exception as e:  # the race's own failures, e.g. mismatched tensor sizes
+                results[index] = (None, f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=work, args=(i, b), name=f"racy-{i}") for i, b in enumerate(batches)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.cache.state = None
+        return results

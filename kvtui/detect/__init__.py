@@ -1,0 +1,25 @@
+"""Contamination detectors (DESIGN.md section 5). Each turns what it sees into `contamination`
+events: victim request, source request when known, step, kind and evidence.
+
+Kinds: `cross_request` (information from another request reached the victim), `corruption`
+(self-damage: pads, wrong offsets, NaN), `numeric` (a near-tie flipped by numerical batch variance;
+never counted as contamination).
+"""
+
+from kvtui.detect.canary import CanaryDetector
+from kvtui.detect.engine_signals import EngineSignalDetector
+from kvtui.detect.reference import ReferenceDetector, numeric_tolerance
+
+DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint")
+CONTAMINATION_KINDS = ("cross_request", "corruption")
+
+
+def contamination_event(*, t: float, step: int, detector: str, kind: str, victim: str, source: str | None,
+                        evidence: dict) -> dict:
+    """The recorded form of one detection."""
+    return {"type": "contamination", "t": t, "step": step, "detector": detector, "kind": kind, "victim": victim,
+            "source": source, "evidence": evidence}
+
+
+__all__ = ["DETECTOR_NAMES", "CONTAMINATION_KINDS", "CanaryDetector", "EngineSignalDetector", "ReferenceDetector",
+           "contamination_event", "numeric_tolerance"]

@@ -1,0 +1,53 @@
+"""canary: prompts carry unique passphrases; an output holding another request's passphrase, or a
+distinctive fragment of it (two of its three parts, e.g. "VELVET-ORCHID" or "ORCHID-42"), is a leak
+naming its source. Checked on the text so far at every step, and on the final text."""
+
+from __future__ import annotations
+
+
+def fragments(passphrase: str) -> list[str]:
+    """The passphrase and its two-part fragments (WORD-WORD, WORD-NN) for a WORD-WORD-NN passphrase."""
+    parts = passphrase.split("-")
+    out = [passphrase]
+    if len(parts) >= 3:
+        out += ["-".join(parts[i:i + 2]) for i in range(len(parts) - 1)]
+    return out
+
+
+class CanaryDetector:
+    """Watches every request's text for passphrases of other requests of the run."""
+
+    def __init__(self) -> None:
+        self.passphrases: dict[str, str] = {}  # request id -> passphrase
+        self.text: dict[str, str] = {}
+        self._seen: set[tuple[str, str]] = set()
+
+    def on_arrive(self, request_id: str, passphrase: str | None) -> None:
+        if passphrase:
+            self.passphrases[request_id] = passphrase
+
+    def _check(self, victim: str, text: str, t: float, step: int, make_event) -> list[dict]:
+        events = []
+        own = self.passphrases.get(victim, "")
+        upper = text.upper()
+        for source, phrase in self.passphrases.items():
+            if source == victim or (victim, source) in self._seen:
+                continue
+            for fragment in fragments(phrase):
+                if fragment in own:  # shared with the victim's own passphrase: not evidence
+                    continue
+                if fragment.upper() in upper:
+                    self._seen.add((victim, source))
+                    events.append(make_event(t=t, step=step, detector="canary", kind="cross_request", victim=victim,
+                                             source=source, evidence={"leaked": phrase, "matched": fragment,
+                                                                      "text": text[-160:]}))
+                    break
+        return events
+
+    def on_piece(self, request_id: str, piece: str, t: float, step: int, make_event) -> list[dict]:
+        self.text[request_id] = self.text.get(request_id, "") + piece
+        return self._check(request_id, self.text[request_id], t, step, make_event)
+
+    def on_finish(self, request_id: str, text: str, t: float, step: int, make_event) -> list[dict]:
+        self.text[request_id] = text
+        return self._check(request_id, text, t, step, make_event)

@@ -1,0 +1,44 @@
+"""slot_taint and attention_flow: turn the engine's per-step TaintReport / FlowReport into events,
+once per (victim, source) pair so a leak that lasts many steps is one event with its first step."""
+
+from __future__ import annotations
+
+FLOW_THRESHOLD = 1e-6  # attention mass on foreign keys; exactly 0.0 with isolation intact
+
+
+class EngineSignalDetector:
+    """Reads StepReport.taint and StepReport.flow (the engine computes them when switched on)."""
+
+    def __init__(self, *, taint: bool = True, flow: bool = True) -> None:
+        self.taint = taint
+        self.flow = flow
+        self._seen: set[tuple] = set()
+
+    def on_step(self, report, t: float, make_event) -> list[dict]:
+        events = []
+        if self.taint:
+            for r in report.taint:
+                source = r.sources[0]
+                kind = "corruption" if source.startswith("<") else "cross_request"
+                key = ("slot_taint", r.request_id, source)
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+                events.append(make_event(
+                    t=t, step=report.step, detector="slot_taint", kind=kind, victim=r.request_id,
+                    source=None if kind == "corruption" else source,
+                    evidence={"positions": r.positions, "sources": list(r.sources),
+                              "examples": [{"slot": s, "pos": p, "written_by": w} for s, p, w in r.examples]}))
+        if self.flow:
+            for f in report.flow:
+                if f.foreign_mass <= FLOW_THRESHOLD:
+                    continue
+                key = ("attention_flow", f.request_id, f.top_source)
+                if key in self._seen:
+                    continue
+                self._seen.add(key)
+                events.append(make_event(
+                    t=t, step=report.step, detector="attention_flow", kind="cross_request", victim=f.request_id,
+                    source=f.top_source, evidence={"foreign_mass": round(f.foreign_mass, 6),
+                                                   "pad_mass": round(f.pad_mass, 6)}))
+        return events

@@ -1,0 +1,132 @@
+"""What a step actually read: slot-taint and attention-flow measurements over the KV pool's writer tags.
+
+The pool tags every cache position with the serial of the request that last wrote it (UNWRITTEN for
+a position never written, PAD_WRITTEN for a pad cached by the fp16_cache fault). For each query of a
+step, these functions compare the tags of the keys it could see (slot_taint) or actually weighted
+(attention_flow) with the query's own request. With isolation intact both are exactly zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtui.engine.batching import PAD_OWNER, BatchTensors
+
+UNWRITTEN = -1
+PAD_WRITTEN = -2
+
+
+@dataclass(frozen=True)
+class TaintReport:
+    """A request whose mask let it read cache positions it does not own.
+
+    Attributes:
+        request_id: the victim.
+        sources: request ids whose keys it could read ("<unwritten>" / "<pad>" for never-written or
+            pad positions), most positions first.
+        positions: number of (query, key) cells affected.
+        examples: up to 5 (slot, position, owner) of the keys read.
+    """
+
+    request_id: str
+    sources: tuple[str, ...]
+    positions: int
+    examples: tuple[tuple[int, int, str], ...]
+
+
+@dataclass(frozen=True)
+class FlowReport:
+    """Attention mass a request's queries put on keys written by others.
+
+    Attributes:
+        request_id: the victim.
+        foreign_mass: max over its query positions of the mean (over layers and heads) attention
+            probability on keys written by other requests, in [0, 1].
+        pad_mass: the same for never-written or pad keys.
+        top_source: the request whose keys got the most mass, or None.
+    """
+
+    request_id: str
+    foreign_mass: float
+    pad_mass: float
+    top_source: str | None
+
+
+def _name(serial: int, names: dict[int, str]) -> str:
+    if serial == UNWRITTEN:
+        return "<unwritten>"
+    if serial == PAD_WRITTEN:
+        return "<pad>"
+    return names.get(serial, f"#{serial}")
+
+
+def key_writers(writer: torch.Tensor, batch: BatchTensors) -> torch.Tensor:
+    """[R, K] serial of the request that wrote each gathered key (pool tags [S, L] -> batch keys)."""
+    return writer[batch.key_slot.cpu(), batch.key_pos.cpu()]
+
+
+def slot_taint(batch: BatchTensors, writers: torch.Tensor, own: list[int], names: dict[int, str],
+               request_ids: list[str]) -> list[TaintReport]:
+    """Requests whose allowed (unmasked) keys include positions written by someone else.
+
+    Args:
+        batch: the step's tables; writers: [R, K] from key_writers; own: serial of each chunk;
+        names: serial -> request id; request_ids: request id of each chunk.
+    """
+    q_owner = batch.query_owner.cpu()
+    own_t = torch.tensor(own, dtype=torch.long)
+    query_serial = torch.where(q_owner == PAD_OWNER, torch.full_like(q_owner, -99), own_t[q_owner.clamp(min=0)])
+    bad = batch.allowed.cpu() & (writers[:, None, :] != query_serial[:, :, None]) & (q_owner != PAD_OWNER)[:, :, None]
+    reports = []
+    if not bad.any():
+        return reports
+    for chunk_index, request_id in enumerate(request_ids):
+        cells = bad & (q_owner == chunk_index)[:, :, None]
+        count = int(cells.sum())
+        if not count:
+            continue
+        r, _, k = cells.nonzero(as_tuple=True)
+        serials = writers[r, k]
+        values, counts = torch.unique(serials, return_counts=True)
+        order = torch.argsort(counts, descending=True, stable=True)
+        sources = tuple(_name(int(values[i]), names) for i in order)
+        seen, examples = set(), []
+        for rr, kk in zip(r.tolist(), k.tolist()):
+            key = (int(batch.key_slot[rr, kk]), int(batch.key_pos[rr, kk]))
+            if key not in seen:
+                seen.add(key)
+                examples.append((*key, _name(int(writers[rr, kk]), names)))
+            if len(examples) == 5:
+                break
+        reports.append(TaintReport(request_id, sources, count, tuple(examples)))
+    return reports
+
+
+def attention_flow(batch: BatchTensors, attn_sum: torch.Tensor, terms: int, writers: torch.Tensor, own: list[int],
+                   names: dict[int, str], request_ids: list[str]) -> list[FlowReport]:
+    """Per request, the attention mass on keys written by others (see FlowReport).
+
+    Args:
+        attn_sum: [R, Q, K] attention probabilities summed over `terms` (layers x heads).
+    """
+    probs = attn_sum.cpu() / max(terms, 1)
+    q_owner = batch.query_owner.cpu()
+    reports = []
+    for chunk_index, request_id in enumerate(request_ids):
+        rows, cols = (q_owner == chunk_index).nonzero(as_tuple=True)
+        p = probs[rows, cols]  # [n, K]
+        w = writers[rows]  # [n, K]
+        foreign = (w != own[chunk_index]) & (w >= 0)
+        padlike = w < 0
+        foreign_mass = (p * foreign).sum(dim=1)
+        pad_mass = (p * padlike).sum(dim=1)
+        top = None
+        if float(foreign_mass.max()) > 0:
+            by_writer: dict[int, float] = {}
+            for serial in torch.unique(w[foreign]).tolist():
+                by_writer[serial] = float((p * (w == serial)).sum())
+            top = _name(max(by_writer, key=by_writer.get), names)
+        reports.append(FlowReport(request_id, float(foreign_mass.max()), float(pad_mass.max()), top))
+    return reports
