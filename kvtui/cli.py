@@ -64,6 +64,8 @@ def run(
     fault: Annotated[Optional[list[str]], typer.Option("--fault", help="Turn an isolation fault on from the "
                                                        "start (repeatable); see `kvtui faults`.")] = None,
     isolation: Annotated[str, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
+                                               "and timeline switches) and expect no contamination.")] = False,
     detectors: Annotated[str, typer.Option(help="Comma-separated detectors, or 'none'.")] =
         "reference,canary,attention_flow,slot_taint",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
@@ -99,8 +101,10 @@ def run(
     from kvtui.session import Session
 
     try:
+        if clear_faults:
+            overrides["faults"] = frozenset()
         session = Session(spec, loaded, clock=clock, record_path=record, engine_overrides=overrides,
-                          detectors=chosen, faults=tuple(faults))
+                          detectors=chosen, faults=tuple(faults), fault_switches=not clear_faults)
     except OSError as e:
         fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
     except ValueError as e:
@@ -134,7 +138,7 @@ def run(
     print_contamination(session.contamination, out)
     if record:
         out.print(f"recording: {record}")
-    code, reason = verdict(spec, session)
+    code, reason = verdict(spec, session, expect_override="none" if clear_faults and not faults else None)
     if code:
         err.print(f"[bold red]{reason}[/]", highlight=False)
         raise typer.Exit(code)
@@ -142,9 +146,9 @@ def run(
         out.print(reason)
 
 
-def verdict(spec, session) -> tuple[int, str]:
+def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
     """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
-    expect = getattr(getattr(spec, "expect", None), "contamination", "none")
+    expect = expect_override or getattr(getattr(spec, "expect", None), "contamination", "none")
     found = [e for e in session.contamination if e["kind"] in ("cross_request", "corruption")]
     faults_seen = bool(session.fault_history)
     if expect == "none" and found:

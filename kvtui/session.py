@@ -40,11 +40,13 @@ class Session:
         listeners: callables receiving every event dict (e.g. the dashboard's publisher).
         detectors: which of DETECTOR_NAMES run (all by default).
         faults: isolation faults on from the start (added to the scenario's engine.faults).
+        fault_switches: False ignores the timeline's fault switches (a run "with the fault removed").
     """
 
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
                  engine_overrides: dict | None = None, listeners: tuple[Callable[[dict], None], ...] = (),
-                 detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = ()) -> None:
+                 detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
+                 fault_switches: bool = True) -> None:
         from kvtui.scenario import plan_requests
 
         self.scenario = scenario
@@ -77,6 +79,7 @@ class Session:
         self.canary = CanaryDetector() if "canary" in detectors else None
         self.reference = ReferenceDetector(loaded, tokenizer) if "reference" in detectors else None
         self.timeline = sorted(getattr(scenario, "timeline", []) or [], key=lambda e: e.at_s)
+        self.fault_switches = fault_switches
         self.contamination: list[dict] = []
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
         self.fault_counts: dict[str, int] = {}
@@ -142,7 +145,7 @@ class Session:
             if overrides:
                 self.engine.reconfigure(**overrides)
             switch = item.fault_switch
-            if switch:
+            if switch and self.fault_switches:
                 self.set_fault(switch[0], switch[1], source="timeline")
             rate = item.arrival_changes().get("rate_per_s")
             current = getattr(getattr(self.scenario, "arrivals", None), "rate_per_s", None)

@@ -69,6 +69,9 @@ def print_contamination(events: list[dict], console: Console, limit: int = 12) -
             text = f"attention on foreign keys {ev['foreign_mass']:.3f}"
         elif "examples" in ev:
             text = f"{ev['positions']} cells, e.g. slot {ev['examples'][0]['slot']} pos {ev['examples'][0]['pos']}"
+        elif "replaced_neighbours" in ev:
+            text = (f"token {ev['token_index']} changed: {ev['baseline_text'][:40]!r} -> "
+                    f"{ev['text_with_neighbours_replaced'][:40]!r}")
         elif "token_index" in ev:
             text = (f"token {ev['token_index']}: {ev['batched_token']} vs solo {ev['solo_token']} "
                     f"(gap {ev['top2_gap']:.3g}); {ev['batched_text'][:40]!r} vs {ev['solo_text'][:40]!r}")

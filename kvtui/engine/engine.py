@@ -187,10 +187,15 @@ class Engine:
             request.cache_len = 0
             request.scheduled_s = start_s
             kept = self.pool.last_len[request.slot]
-            if ("stale_slot" in faults and kept
-                    and kept + request.prompt_len + request.sampling.max_new_tokens <= self.pool.max_len):
-                request.cache_len = kept  # the fault: the slot's old length (and contents) stay
-                stale.append((request.request_id, request.slot, self.pool.previous_owner[request.slot], kept))
+            if "stale_slot" in faults and kept:
+                # the fault: the slot's old length and contents stay, and the engine takes them for the
+                # new prompt's cached prefix (a stale prefix-cache hit): only the part of the prompt past
+                # the old length, or at least its last token, is fed
+                fed = max(request.prompt_len - kept, 1)
+                if kept + fed + request.sampling.max_new_tokens <= self.pool.max_len:
+                    request.cache_len = kept
+                    request.prefill_done = request.prompt_len - fed
+                    stale.append((request.request_id, request.slot, self.pool.previous_owner[request.slot], kept))
         plan = self.scheduler.plan()
         running_reports, batch, taint, flow, errors = [], None, (), (), []
         if not plan.empty:

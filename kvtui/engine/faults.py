@@ -8,7 +8,8 @@ the batch really is built, masked, positioned or cached wrongly; nothing is simu
 | no_request_mask | batching, packed: plain causal mask over the concatenation, no block-diagonal part |
 | unmasked_cache_padding | batching, padded: cache padding columns left visible |
 | shared_position_offset | batching: position ids from a batch-wide counter (the longest cache) |
-| stale_slot | engine admission: a reused slot keeps its previous owner's length and contents |
+| stale_slot | engine admission: a reused slot keeps its previous owner's length and contents, taken |
+|  | for the new prompt's cached prefix: the new request continues the old conversation |
 | causal_offset | batching: causal mask built square (key <= query index), ignoring the cache offset |
 | fp16_cache | attention and cache: float16 with a -1e9 mask constant (-inf in float16), padded rows |
 |  | cached whole (pads included), so a fully masked pad row's NaN lands in the cache |

@@ -1,0 +1,210 @@
+"""Arrival processes: when requests arrive (seconds from the scenario start).
+
+YAML `arrivals:` takes one of
+  - `{process: constant, rate_per_s}`: evenly spaced, gap 1/rate.
+  - `{process: poisson, rate_per_s}`: exponential gaps, mean 1/rate.
+  - `{process: gamma, rate_per_s, burstiness}`: gamma gaps with shape = burstiness and
+    scale = 1 / (rate * burstiness), exactly as vLLM's `benchmarks/benchmark_serving.py`
+    (`--burstiness`): the mean gap stays 1/rate; burstiness 1 is Poisson, below 1 burstier, above 1
+    more regular. The gaps' coefficient of variation is 1/sqrt(burstiness).
+  - `{process: burst, size, every_s}`: `size` requests at once every `every_s` seconds.
+  - `{process: trace, file, time_scale}`: times (and lengths) from a CSV trace (see trace.py);
+    arrival = (timestamp - first timestamp) * time_scale, so 0.5 replays twice as fast.
+  - `{process: scripted, requests: [{at_s, prompt, max_new_tokens}]}`: an explicit list.
+constant/poisson/gamma take `stages: [{rate_per_s, duration_s}]` instead of `rate_per_s` for ramps:
+a piecewise rate; arrivals stop when the last stage ends.
+
+As in vLLM's benchmark, the first request arrives at once (t = 0, or the start of the first stage with
+a positive rate) and each later one one gap after the previous. At a rate change the pending gap is
+dropped and a new one drawn from the change (exact for Poisson, which is memoryless).
+The generators here are pure: same inputs and `random.Random` state, same times.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Literal, Union
+
+import pydantic
+from pydantic import Field
+
+from kvtui.scenario.base import MAX_PLANNED, MAX_RATE, MAX_SECONDS, Strict
+from kvtui.scenario.errors import Problem
+from kvtui.scenario.trace import TraceRow, read_trace
+
+Rate = Annotated[float, Field(ge=0, le=MAX_RATE)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+
+
+class Stage(Strict):
+    rate_per_s: Rate  # requests per second during this stage (0 = a pause)
+    duration_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+
+
+class _RateProcess(Strict):
+    rate_per_s: Annotated[float, Field(gt=0, le=MAX_RATE)] | None = None
+    stages: Annotated[list[Stage], Field(min_length=1, max_length=1000)] | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _rate_or_stages(self):
+        if (self.rate_per_s is None) == (self.stages is None):
+            fix = "give `rate_per_s: 2.0` or `stages: [{rate_per_s: 1.0, duration_s: 10}, ...]`, not both"
+            raise Problem("needs exactly one of rate_per_s or stages", fix)
+        if self.stages and sum(s.rate_per_s * s.duration_s for s in self.stages) > MAX_PLANNED:
+            raise Problem(f"stages plan over {MAX_PLANNED} requests", "lower the rates or durations", ("stages",))
+        return self
+
+
+class Constant(_RateProcess):
+    process: Literal["constant"]
+
+
+class Poisson(_RateProcess):
+    process: Literal["poisson"]
+
+
+class Gamma(_RateProcess):
+    process: Literal["gamma"]
+    burstiness: Annotated[float, Field(gt=0, le=1000)] = 1.0  # gamma shape; 1 = Poisson, < 1 burstier
+
+
+class Burst(Strict):
+    process: Literal["burst"]
+    size: Annotated[int, Field(ge=1, le=10_000)]  # requests per burst
+    every_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)]  # seconds between bursts
+
+
+class Trace(Strict):
+    process: Literal["trace"]
+    file: Annotated[str, Field(min_length=1, max_length=4096)]  # relative to the scenario file
+    time_scale: Annotated[float, Field(gt=0, le=1e6)] = 1.0  # multiplies trace gaps (0.5 = 2x faster)
+    _rows: list[TraceRow] = pydantic.PrivateAttr(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _read(self, info: pydantic.ValidationInfo):
+        ctx = info.context or {}
+        try:
+            self._rows = read_trace(self.file, ctx.get("base_dir"))
+        except Problem as e:
+            raise Problem(e.problem, e.fix, ("file",)) from None
+        return self
+
+    @property
+    def rows(self) -> list[TraceRow]:
+        return list(self._rows)
+
+
+class ScriptedRequest(Strict):
+    at_s: Seconds
+    prompt: Annotated[str, Field(min_length=1, max_length=100_000)] | None = None  # None: from `prompts`
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # None: from output_tokens
+    chat: bool = True  # wrap `prompt` in the model's chat template
+
+
+class Scripted(Strict):
+    process: Literal["scripted"]
+    requests: Annotated[list[ScriptedRequest], Field(min_length=1, max_length=MAX_PLANNED)]
+
+
+ArrivalSpec = Annotated[Union[Constant, Poisson, Gamma, Burst, Trace, Scripted], Field(discriminator="process")]
+PROCESS_NAMES = ("constant", "poisson", "gamma", "burst", "trace", "scripted")
+RATE_PROCESSES = (Constant, Poisson, Gamma)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One arrival; the optional fields override the scenario's generators for this request."""
+
+    at_s: float  # seconds from the scenario start
+    prompt_tokens: int | None = None  # trace: prompt length (tokens)
+    output_tokens: int | None = None  # trace / scripted: max new tokens
+    prompt: str | None = None  # scripted: prompt text
+    chat: bool = True
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of constant rate: [start_s, end_s), rate_per_s, gamma shape."""
+
+    start_s: float
+    end_s: float
+    rate_per_s: float
+    burstiness: float = 1.0
+
+
+def segments(spec: Constant | Poisson | Gamma, changes: Sequence[tuple[float, dict]] = ()) -> list[Segment]:
+    """Piecewise-constant rate from `stages`, or from `rate_per_s` changed at the times in `changes`
+    ((at_s, {"rate_per_s": r, "burstiness": b}) pairs, from the timeline)."""
+    shape = getattr(spec, "burstiness", 1.0)
+    if spec.stages:
+        out, t = [], 0.0
+        for stage in spec.stages:
+            out.append(Segment(t, t + stage.duration_s, stage.rate_per_s, shape))
+            t += stage.duration_s
+        return out
+    rate, out, start = spec.rate_per_s, [], 0.0
+    for at_s, change in sorted(changes, key=lambda c: c[0]):
+        if at_s > start:
+            out.append(Segment(start, at_s, rate, shape))
+            start = at_s
+        rate, shape = change.get("rate_per_s", rate), change.get("burstiness", shape)
+    return out + [Segment(start, math.inf, rate, shape)]
+
+
+def gap_s(process: str, seg: Segment, rng: random.Random) -> float:
+    """One inter-arrival gap (seconds) at the segment's rate."""
+    if process == "constant":
+        return 1.0 / seg.rate_per_s
+    if process == "poisson":
+        return -math.log(1.0 - rng.random()) / seg.rate_per_s
+    # vLLM benchmark_serving: np.random.gamma(shape=burstiness, scale=1 / (request_rate * burstiness))
+    return rng.gammavariate(seg.burstiness, 1.0 / (seg.rate_per_s * seg.burstiness))
+
+
+def rate_times(process: str, segs: Sequence[Segment], rng: random.Random) -> Iterator[float]:
+    """Arrival times of a constant/poisson/gamma process over piecewise-constant rate segments."""
+    first, t = True, 0.0
+    for seg in segs:
+        if seg.rate_per_s <= 0:
+            continue
+        if first:
+            first, t = False, seg.start_s
+            yield t
+        else:
+            t = max(t, seg.start_s)
+        while True:
+            nxt = t + gap_s(process, seg, rng)
+            if nxt >= seg.end_s:
+                t = seg.end_s
+                break
+            t = nxt
+            yield t
+
+
+def burst_times(size: int, every_s: float) -> Iterator[float]:
+    """`size` arrivals at 0, every_s, 2 * every_s, ..."""
+    k = 0
+    while True:
+        for _ in range(size):
+            yield k * every_s
+        k += 1
+
+
+def arrivals(spec, rng: random.Random, changes: Sequence[tuple[float, dict]] = ()) -> Iterator[Arrival]:
+    """All arrivals of `spec` in time order (possibly endless: the caller stops)."""
+    if isinstance(spec, RATE_PROCESSES):
+        yield from (Arrival(t) for t in rate_times(spec.process, segments(spec, changes), rng))
+    elif isinstance(spec, Burst):
+        yield from (Arrival(t) for t in burst_times(spec.size, spec.every_s))
+    elif isinstance(spec, Trace):
+        t0 = spec.rows[0].timestamp
+        for row in spec.rows:
+            yield Arrival((row.timestamp - t0) * spec.time_scale, row.prompt_tokens, row.output_tokens)
+    elif isinstance(spec, Scripted):
+        for item in sorted(spec.requests, key=lambda r: r.at_s):
+            yield Arrival(item.at_s, None, item.max_new_tokens, item.prompt, item.chat)
+    else:
+        raise TypeError(f"unknown arrival spec {type(spec).__name__}")

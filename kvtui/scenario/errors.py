@@ -1,0 +1,199 @@
+"""Scenario errors: every problem is one line `<file>:<line>: <field.path>: <problem>; <fix>`.
+
+`Problem` is what validators raise (pydantic wraps it and keeps the instance in the error's ctx, so
+the formatter can read the fix and an optional sub-path below the field that raised it).
+`format_validation_error` turns a pydantic ValidationError into such lines.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import reprlib
+import types
+import typing
+from collections.abc import Callable, Sequence
+
+import pydantic
+
+
+class ScenarioError(Exception):
+    """A scenario that cannot be used.
+
+    Attributes:
+        errors: one line per problem, `<file>:<line>: <field.path>: <problem>; <fix>` (the line
+            number is left out where it is not known, e.g. for a missing file).
+    """
+
+    def __init__(self, errors: Sequence[str]):
+        self.errors = [printable(e) for e in errors] or ["unknown scenario error; check the file"]
+        super().__init__("\n".join(self.errors))
+
+
+class Problem(ValueError):
+    """Raised by validators: `problem` (what is wrong), `fix` (what to write instead) and `subpath`
+    (keys below the validated field, e.g. ("set", "engine.layout") for a timeline knob)."""
+
+    def __init__(self, problem: str, fix: str, subpath: tuple = ()):
+        super().__init__(f"{problem}; {fix}")
+        self.problem, self.fix, self.subpath = problem, fix, tuple(subpath)
+
+
+def printable(text: str) -> str:
+    """`text` on one line: control and other non-printable characters escaped (\\n, \\x1f, ...)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def path_part(part: object) -> str:
+    """One element of a field path: plain names as they are, anything odd quoted."""
+    if isinstance(part, int) or (isinstance(part, str) and re.fullmatch(r"[A-Za-z0-9_.\-]+", part)):
+        return str(part)
+    return short(part)
+
+
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 40, 40, 4, 4, 2
+
+
+def short(value: object) -> str:
+    """A bounded repr of a user value (safe for huge or self-referencing YAML data)."""
+    try:
+        return _short.repr(value)
+    except Exception:  # a value whose repr fails must not hide the real error
+        return f"<{type(value).__name__}>"
+
+
+def did_you_mean(word: object, choices: Sequence[str]) -> str:
+    """' (did you mean 'x'?)' for a close match, else ''."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def type_name(value: object) -> str:
+    names = {dict: "a mapping", list: "a list", str: "text", bool: "true/false", int: "an integer",
+             float: "a number", type(None): "nothing (null)"}
+    return names.get(type(value), f"a {type(value).__name__}")
+
+
+# Example values used in "add `field: value`" fixes.
+EXAMPLES = {
+    "rate_per_s": "2.0", "burstiness": "0.5", "size": "4", "every_s": "1.0", "file": "traces/small.csv",
+    "value": "24", "min": "1", "max": "64", "mean": "128", "stdev": "32", "sigma": "0.5",
+    "values": "[16, 64]", "a": "1.5", "path": "prompts.txt", "at_s": "0.0", "prompt": '"Hello"',
+    "process": "poisson", "kind": "passphrase", "dist": "fixed", "duration_s": "10.0", "requests": "[...]",
+}
+
+
+def _literal_choices(err: dict) -> list[str]:
+    return re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+
+
+def describe(err: dict, allowed_keys: Callable[[tuple], list[str]],
+             tag_choices: dict[str, Sequence[str]] | None = None) -> tuple[str, str, tuple]:
+    """(problem, fix, extra subpath) for one pydantic error dict; `tag_choices` lists the values of
+    each union tag (process, kind, dist) for the fix of a missing tag."""
+    kind, loc, value = err["type"], tuple(err["loc"]), err.get("input")
+    field = str(loc[-1]) if loc else "scenario"
+    ctx = err.get("ctx") or {}
+    exc = ctx.get("error")
+    if isinstance(exc, Problem):
+        return exc.problem, exc.fix, exc.subpath
+    if kind == "missing":
+        return "required field is missing", f"add `{field}: {EXAMPLES.get(field, '...')}`", ()
+    if kind == "extra_forbidden":
+        keys = allowed_keys(loc[:-1])
+        hint = did_you_mean(loc[-1], keys)
+        return (f"unknown field {short(loc[-1])}{hint}",
+                f"remove it or use one of: {', '.join(keys)}" if keys else "remove it", ())
+    if kind == "literal_error":
+        choices = _literal_choices(err)
+        return (f"unknown value {short(value)}{did_you_mean(value, choices)}",
+                f"use one of: {', '.join(choices)}", ())
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        tag = ctx.get("discriminator", "").strip("'")
+        choices = _literal_choices({"ctx": {"expected": ctx.get("expected_tags", "")}})
+        choices = choices or list((tag_choices or {}).get(tag, ()))
+        if kind == "union_tag_not_found":
+            return f"`{tag}` is missing", f"add `{tag}: <one of {', '.join(choices)}>`", ()
+        return (f"unknown {tag} {short(ctx.get('tag'))}{did_you_mean(ctx.get('tag'), choices)}",
+                f"use one of: {', '.join(choices)}", (tag,))
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"expected a mapping (key: value lines), got {type_name(value)}", "write it as `key: value` entries", ()
+    if kind == "list_type":
+        return f"expected a list, got {type_name(value)}", "write it as `- item` lines or [a, b]", ()
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"expected a whole number, got {short(value)}", "write an integer like 4", ()
+    if kind in ("float_type", "float_parsing"):
+        return f"expected a number, got {short(value)}", "write a number like 2.0", ()
+    if kind == "finite_number":
+        return f"expected a finite number, got {short(value)}", "write a number like 2.0", ()
+    if kind in ("bool_type", "bool_parsing"):
+        return f"expected true or false, got {short(value)}", "write true or false", ()
+    if kind in ("string_type", "string_unicode"):
+        return f"expected text, got {short(value)}", 'write text, quoted if needed: "..."', ()
+    if kind == "string_too_short":
+        return "must not be empty", "write some text", ()
+    if kind == "too_short":
+        return "must not be empty", "give at least one entry", ()
+    if kind in ("string_too_long", "too_long"):
+        return f"too long ({ctx.get('max_length')} at most)", "shorten it", ()
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        op = bounds[kind]
+        limit = next(iter(ctx.values()), "?")
+        return f"must be {op} {limit}, got {short(value)}", f"use a value {op} {limit}", ()
+    msg = str(err.get("msg", kind))
+    return msg.removeprefix("Value error, "), "check the value against the scenario reference", ()
+
+
+def allowed_keys_for(root: type[pydantic.BaseModel]) -> Callable[[tuple], list[str]]:
+    """A function giving the field names allowed at a pydantic loc (tags of unions included)."""
+
+    def walk(loc: tuple) -> list[str]:
+        tp: object = root
+        for el in loc:
+            tp = _step(tp, el)
+            if tp is None:
+                return []
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
+            return list(tp.model_fields)
+        return []
+
+    return walk
+
+
+def _unwrap(tp: object) -> object:
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
+
+
+def _step(tp: object, el: object) -> object:
+    tp = _unwrap(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # a tagged union: `el` is the tag
+        for member in typing.get_args(tp):
+            if isinstance(member, type) and issubclass(member, pydantic.BaseModel):
+                for f in member.model_fields.values():
+                    if typing.get_origin(f.annotation) is typing.Literal and el in typing.get_args(f.annotation):
+                        return member
+        return None
+    if origin in (list, tuple):
+        return typing.get_args(tp)[0] if isinstance(el, int) else None
+    if origin is dict:
+        return typing.get_args(tp)[1]
+    if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):
+        f = tp.model_fields.get(el) if isinstance(el, str) else None
+        return f.annotation if f else None
+    return None

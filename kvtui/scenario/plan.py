@@ -1,0 +1,130 @@
+"""Planning: a scenario + a tokenizer -> the list of requests a run submits, fixed by the seed.
+
+Every random choice draws from its own stream, seeded by `derive_seed(scenario.seed, label)`, so
+changing one part of a scenario (the prompt kind, the engine) leaves the others as they were: the
+two scenarios of a bucketing on/off pair get the same arrivals, prompts and lengths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+from kvtui.scenario.arrivals import Arrival, arrivals
+from kvtui.scenario.base import MAX_PLANNED
+from kvtui.scenario.prompts import (
+    FilePrompts, PassphrasePrompts, SyntheticPrompts, chat_ids, encode_text, passphrases, random_ids, user_chat,
+)
+from kvtui.scenario.schema import Scenario
+
+if TYPE_CHECKING:  # kvtui.engine pulls in torch: imported only when requests are planned
+    from kvtui.engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of a run, before it reaches the engine.
+
+    Attributes:
+        request_id: "r000", "r001", ... in arrival order.
+        arrival_s: seconds from the scenario start.
+        prompt_ids: prompt token ids.
+        sampling: SamplingParams; max_new_tokens is the request's output length (tokens) and seed its
+            own sampling seed (derive_seed(scenario seed, "sampling:<index>")).
+        metadata: passphrase prompts {"passphrase", "prompt_text"}; text prompts {"prompt_text"};
+            synthetic {"prompt_tokens", "shared_prefix_tokens"}; trace rows add "trace_prompt_tokens".
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    metadata: dict = field(default_factory=dict)
+
+
+def derive_seed(seed: int, label: str) -> int:
+    """A 63-bit seed for the stream `label`, from the scenario seed (sha256, stable everywhere)."""
+    digest = hashlib.sha256(f"kvtui:{seed}:{label}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class PromptMaker:
+    """Makes each request's prompt ids and metadata from the `prompts` section."""
+
+    def __init__(self, scenario: Scenario, tokenizer):
+        self.spec, self.tok, seed = scenario.prompts, tokenizer, scenario.seed
+        self.rng = random.Random(derive_seed(seed, "prompts"))
+        self.length_rng = random.Random(derive_seed(seed, "prompt_tokens"))
+        self.phrases = passphrases(random.Random(derive_seed(seed, "passphrases")))
+        self.count = 0
+        self.prefix: list[int] = []
+        if isinstance(self.spec, SyntheticPrompts) and self.spec.shared_prefix_tokens:
+            prefix_rng = random.Random(derive_seed(seed, "prefix"))
+            self.prefix = random_ids(prefix_rng, self.spec.shared_prefix_tokens, tokenizer)
+        self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
+
+    def text_ids(self, text: str, chat: bool) -> list[int]:
+        return chat_ids(self.tok, user_chat(text)) if chat else encode_text(self.tok, text)
+
+    def make(self, arrival: Arrival) -> tuple[list[int], dict]:
+        spec, index = self.spec, self.count
+        self.count += 1
+        drawn = spec.prompt_tokens.sample(self.length_rng) if isinstance(spec, SyntheticPrompts) else 0
+        meta = {"trace_prompt_tokens": arrival.prompt_tokens} if arrival.prompt_tokens else {}
+        if arrival.prompt is not None:
+            return self.text_ids(arrival.prompt, arrival.chat), {"prompt_text": arrival.prompt}
+        if isinstance(spec, PassphrasePrompts):
+            phrase = next(self.phrases)
+            text = spec.template.replace("{passphrase}", phrase)
+            return chat_ids(self.tok, user_chat(text)), {**meta, "passphrase": phrase, "prompt_text": text}
+        if isinstance(spec, SyntheticPrompts):
+            n = arrival.prompt_tokens or drawn
+            ids = self.prefix + random_ids(self.rng, n, self.tok)
+            return ids, {"prompt_tokens": len(ids), "shared_prefix_tokens": len(self.prefix)}
+        if isinstance(spec, FilePrompts):
+            k = index % len(self.file_prompts)
+            item = self.file_prompts[k]
+            if isinstance(item, list):
+                text = next((m["content"] for m in reversed(item) if m["role"] == "user"), item[-1]["content"])
+                return chat_ids(self.tok, item), {**meta, "prompt_text": text, "prompt_index": k}
+            return self.text_ids(item, spec.chat), {**meta, "prompt_text": item, "prompt_index": k}
+        raise TypeError(f"unknown prompt spec {type(spec).__name__}")
+
+
+def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
+    """The requests of a run, in arrival order, fully determined by the scenario (and its seed).
+
+    Stops at the first of: `max_requests`, an arrival at or after `duration_s` (seconds), `limit`,
+    the end of a finite process (trace, scripted, stages), or MAX_PLANNED. Arrival-rate changes in
+    the timeline are applied here; the other timeline knobs are the session's to apply.
+    """
+    from kvtui.engine.request import SamplingParams
+
+    cap = min(n for n in (scenario.max_requests, limit, MAX_PLANNED) if n is not None)
+    seed = scenario.seed
+    changes = [(e.at_s, e.arrival_changes()) for e in scenario.timeline if e.arrival_changes()]
+    stream = arrivals(scenario.arrivals, random.Random(derive_seed(seed, "arrivals")), changes)
+    maker = PromptMaker(scenario, tokenizer)
+    out_rng = random.Random(derive_seed(seed, "output_tokens"))
+    s = scenario.sampling
+    planned: list[tuple[Arrival, list[int], dict, int]] = []
+    for arrival in stream:
+        if len(planned) >= cap or (scenario.duration_s is not None and arrival.at_s >= scenario.duration_s):
+            break
+        ids, meta = maker.make(arrival)
+        drawn = scenario.output_tokens.sample(out_rng)
+        planned.append((arrival, ids, meta, arrival.output_tokens or drawn))
+    width = max(3, len(str(len(planned) - 1)))
+    return [
+        PlannedRequest(
+            request_id=f"r{i:0{width}d}",
+            arrival_s=arrival.at_s,
+            prompt_ids=ids,
+            sampling=SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
+                max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos),
+            metadata=meta,
+        )
+        for i, (arrival, ids, meta, n_out) in enumerate(planned)
+    ]

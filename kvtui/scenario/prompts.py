@@ -1,0 +1,179 @@
+"""Prompt generators: what each request says.
+
+YAML `prompts:` takes one of
+  - `{kind: passphrase}`: a chat prompt asking the model to remember and repeat a unique generated
+    passphrase WORD-WORD-NN (e.g. VELVET-ORCHID-42); the passphrase is the request's canary
+    (DESIGN.md section 5), kept in its metadata. Optional `template` with `{passphrase}` in it.
+  - `{kind: synthetic, prompt_tokens: <length dist>, shared_prefix_tokens: N}`: random token ids
+    (special tokens avoided), N of them common to all requests first (total = N + prompt_tokens, as
+    vLLM's random dataset adds its prefix length to the input length).
+  - `{kind: file, path, chat}`: one prompt per line, or JSON Lines (`.jsonl`: a string, or an object
+    with `prompt` text or chat `messages`); used in order, cycling.
+
+A tokenizer here is anything with `apply_chat_template`, `encode`, `vocab_size` and
+`all_special_ids` (a transformers tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import pydantic
+from pydantic import Field
+
+from kvtui.scenario.base import MAX_PLANNED, Strict
+from kvtui.scenario.errors import Problem
+from kvtui.scenario.lengths import Fixed, LengthDist
+from kvtui.scenario.trace import resolve
+
+# Short common words SmolLM2-135M-Instruct copies exactly. Chosen by measurement (greedy, 24 tokens, one
+# request at a time): words it garbled were dropped (FOREST, COMET, COBALT, PLANET, BRONZE, LION, COPPER,
+# BAMBOO, MAPLE, GRANITE); seed 0's first 40 passphrases all echo. Changing the list changes every plan.
+WORDS = (
+    "AMBER", "ANCHOR", "APPLE", "ARROW", "BANJO", "BASKET", "BEACON", "BISCUIT", "CABIN", "CACTUS",
+    "CANDLE", "CANYON", "CARROT", "CASTLE", "CEDAR", "CHERRY", "CLOVER", "CORAL", "COTTON", "CRYSTAL",
+    "DAISY", "DESERT", "DOLPHIN", "DRAGON", "EAGLE", "EMBER", "FALCON", "FEATHER", "GARDEN", "GINGER",
+    "GLACIER", "HARBOR", "HONEY", "ISLAND", "JASMINE", "JUNGLE", "LANTERN", "LEMON", "MARBLE", "MEADOW",
+    "MANGO", "ORANGE", "ORCHID", "PEPPER", "PUMPKIN", "RABBIT", "RIVER", "ROCKET", "SILVER", "SPARROW",
+    "TIGER", "TULIP", "VELVET", "WALNUT",
+)
+DEFAULT_TEMPLATE = "The passphrase is {passphrase}. Reply with only the passphrase."
+MAX_PROMPT_FILE_BYTES = 16 * 1024 * 1024
+
+
+class PassphrasePrompts(Strict):
+    kind: Literal["passphrase"]
+    template: Annotated[str, Field(min_length=1, max_length=10_000)] = DEFAULT_TEMPLATE
+
+    @pydantic.field_validator("template")
+    @classmethod
+    def _has_slot(cls, v: str) -> str:
+        if "{passphrase}" not in v:
+            raise Problem("template has no {passphrase}", 'put {passphrase} where the passphrase goes')
+        return v
+
+
+class SyntheticPrompts(Strict):
+    kind: Literal["synthetic"]
+    prompt_tokens: LengthDist = Fixed(value=128)  # tokens after the shared prefix
+    shared_prefix_tokens: Annotated[int, Field(ge=0, le=100_000)] = 0  # tokens common to all requests
+
+
+class FilePrompts(Strict):
+    kind: Literal["file"]
+    path: Annotated[str, Field(min_length=1, max_length=4096)]  # relative to the scenario file
+    chat: bool = True  # wrap text prompts in the model's chat template
+    _prompts: list = pydantic.PrivateAttr(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _read(self, info: pydantic.ValidationInfo):
+        try:
+            self._prompts = read_prompt_file(self.path, (info.context or {}).get("base_dir"))
+        except Problem as e:
+            raise Problem(e.problem, e.fix, ("path",)) from None
+        return self
+
+    @property
+    def prompts(self) -> list:
+        """Each a str (text) or a list of chat messages."""
+        return list(self._prompts)
+
+
+PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts], Field(discriminator="kind")]
+PROMPT_KINDS = ("passphrase", "synthetic", "file")
+
+
+def read_prompt_file(path: str, base_dir: Path | None) -> list:
+    """Prompts from a text file (one per non-empty line) or JSON Lines file. Raises Problem."""
+    full = resolve(path, base_dir)
+    try:
+        if full.stat().st_size > MAX_PROMPT_FILE_BYTES:
+            raise Problem(f"prompt file {path} is over 16 MiB", "use a shorter file")
+        lines = full.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError, UnicodeError) as e:
+        if isinstance(e, Problem):
+            raise
+        why = "not found" if isinstance(e, FileNotFoundError) else f"cannot be read ({type(e).__name__})"
+        raise Problem(f"prompt file {path} {why} (looked at {full})",
+                      "give a path relative to the scenario file") from None
+    out: list = []
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            out.append(_jsonl_prompt(path, lineno, line) if full.suffix == ".jsonl" else line)
+    if not out or len(out) > MAX_PLANNED:
+        raise Problem(f"prompt file {path} has {len(out)} prompts", f"give 1 to {MAX_PLANNED} prompts")
+    return out
+
+
+def _jsonl_prompt(path: str, lineno: int, line: str) -> str | list:
+    fix = 'write "text", {"prompt": "text"} or {"messages": [{"role": "user", "content": "text"}]}'
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError):
+        raise Problem(f"{path} line {lineno}: not JSON", fix) from None
+    if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+        item = item["prompt"]
+    elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+        item = item["messages"]
+        if not item or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in item):
+            raise Problem(f"{path} line {lineno}: bad messages", fix)
+    if not isinstance(item, (str, list)) or not item:
+        raise Problem(f"{path} line {lineno}: no prompt", fix)
+    return item
+
+
+def passphrases(rng: random.Random) -> Iterator[str]:
+    """Endless unique passphrases WORD-WORD-NN (two different words, NN in 10..99)."""
+    seen: set[str] = set()
+    while len(seen) < len(WORDS) * (len(WORDS) - 1) * 90:
+        a, b = rng.sample(WORDS, 2)
+        phrase = f"{a}-{b}-{rng.randint(10, 99)}"
+        if phrase not in seen:
+            seen.add(phrase)
+            yield phrase
+
+
+def to_id_list(out: object) -> list[int]:
+    """Token ids from whatever a tokenizer returned: list, BatchEncoding/dict, tensor, batch of one."""
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    out = list(out)
+    if out and isinstance(out[0], (list, tuple)):
+        out = list(out[0])
+    return [int(x) for x in out]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt ids of a chat, with the assistant turn opened (a tokenizer without a chat template
+    gets 'role: content' lines and 'assistant:')."""
+    if getattr(tokenizer, "chat_template", None):
+        return to_id_list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return encode_text(tokenizer, text)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    return to_id_list(tokenizer.encode(text))
+
+
+def user_chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def random_ids(rng: random.Random, n: int, tokenizer) -> list[int]:
+    """`n` token ids drawn uniformly from the vocabulary, special tokens excluded."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    vocab = int(tokenizer.vocab_size)
+    out: list[int] = []
+    while len(out) < n:
+        i = rng.randrange(vocab)
+        if i not in special:
+            out.append(i)
+    return out

@@ -1,0 +1,209 @@
+"""KvtuiApp: the dashboard. It lays out the panels, maps keys to source controls, and on every
+SnapshotReady message hands the snapshot to the panels (each redraws itself). It never runs the
+engine: a LiveSource steps the session in a thread worker, a ReplaySource plays a recording."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer
+
+from kvtui.scenario import FAULT_NAMES
+from kvtui.tui.screens import FaultPicker, HelpScreen
+from kvtui.tui.snapshot import Snapshot
+from kvtui.tui.sources import SnapshotReady, Source
+from kvtui.tui.widgets import PANELS, ContaminationPanel, EventLog, HeaderBar, RequestTable, SlotMap, StatsPanel
+
+RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the playback speed) by this
+BURST_SIZE = 4  # requests moved to "now" by b
+SEEK_S = 5.0  # replay seek step (seconds of run clock)
+
+# action -> what the source must support (Source.supports); others always apply
+NEEDS = {"isolation": "isolation", "faults": "faults", "rate_up": "rate", "rate_down": "rate", "burst": "burst",
+         "restart": "restart", "step": "step", "seek_back": "seek", "seek_forward": "seek"}
+
+
+class KvtuiApp(App[dict | None]):
+    """The dashboard on a LiveSource or a ReplaySource. `app.run()` returns the live summary (or None).
+
+    Args:
+        source: where events come from.
+        screenshot_dir: where `s` saves SVG screenshots.
+    """
+
+    CSS_PATH = Path(__file__).with_name("kvtui.tcss")  # absolute: subclasses elsewhere find it too
+    TITLE = "kvtui"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (130, "-wide")]
+    BINDINGS = [
+        Binding("i", "isolation", "isolation", tooltip="switch the configured fault set on/off"),
+        Binding("f", "faults", "faults", tooltip="pick faults from a list"),
+        Binding("space", "pause", "pause", tooltip="pause / resume"),
+        Binding("n", "step", "step", tooltip="one engine step while paused"),
+        Binding("plus,equals_sign", "rate_up", "rate+", key_display="+", tooltip="arrival rate x1.25 (replay: speed)"),
+        Binding("minus", "rate_down", "rate-", key_display="-", tooltip="arrival rate ÷1.25 (replay: speed)"),
+        Binding("left", "seek_back", "-5s", tooltip="replay: seek back"),
+        Binding("right", "seek_forward", "+5s", tooltip="replay: seek forward"),
+        Binding("b", "burst", "burst", tooltip=f"{BURST_SIZE} requests arrive now"),
+        Binding("r", "restart", "restart", tooltip="restart the scenario with a fresh session"),
+        Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under recordings/"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("q", "quit", "quit", tooltip="quit (live: writes the summary to the recording)"),
+    ]
+
+    def __init__(self, source: Source, *, screenshot_dir: str | Path = "recordings") -> None:
+        super().__init__()
+        self.source = source
+        self.screenshot_dir = Path(screenshot_dir)
+        self.snapshot: Snapshot | None = None
+        self.frames = 0  # snapshots shown (tests and measurements)
+        self._quitting = False
+
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="top"):
+            yield SlotMap(id="slots")
+            yield StatsPanel(id="stats")
+        with Horizontal(id="bottom"):
+            yield RequestTable(id="requests")
+            with Vertical(id="side"):
+                yield ContaminationPanel(id="contamination")
+                yield EventLog(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.source.attach(self)
+
+    def on_unmount(self) -> None:
+        self.source.request_stop()
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        """Hand the newest snapshot to every panel (older unprocessed ones were replaced)."""
+        self.snapshot = message.snapshot
+        self.frames += 1
+        header = self.query_one(HeaderBar)
+        header.mode = message.mode
+        for widget in self.query("HeaderBar, Panel"):
+            widget.snapshot = message.snapshot
+
+    # -- keys -------------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if isinstance(self.screen, ModalScreen) and action not in ("quit",):
+            return False  # keys typed in the fault picker / help belong to them
+        return self._available(action)
+
+    def _available(self, action: str) -> bool | None:
+        """True: applies to this source; None: applies but not now (shown greyed); False: hidden."""
+        need = NEEDS.get(action)
+        if need is not None and not self.source.supports(need):
+            return False
+        if action == "step" and not self.source.paused:
+            return None
+        return True
+
+    def _isolation_faults(self) -> tuple[str, ...]:
+        from kvtui.tui.faults import isolation_fault_set
+
+        source_state = getattr(self.source, "state", None)
+        return isolation_fault_set(source_state.header if source_state else None)
+
+    def action_isolation(self) -> None:
+        """Isolation OFF -> turn every fault off; ON -> switch the configured set on."""
+        if self.source.active_faults():
+            self.source.set_faults(set())
+            self.notify("isolation ON: all faults off")
+        else:
+            faults = self._isolation_faults()
+            self.source.set_faults(set(faults))
+            self.notify(f"isolation OFF: {', '.join(faults)}", severity="warning")
+
+    def action_faults(self) -> None:
+        def chosen(names: set[str] | None) -> None:
+            if names is not None:
+                self.source.set_faults(names)
+
+        self.push_screen(FaultPicker(self.source.active_faults(), FAULT_NAMES), chosen)
+
+    def action_pause(self) -> None:
+        self.source.toggle_pause()
+        self.query_one(HeaderBar).mode = self.source.mode()  # at once, before the worker's next snapshot
+        self.refresh_bindings()
+
+    def action_step(self) -> None:
+        if self.source.paused:
+            self.source.step()
+
+    def action_rate_up(self) -> None:
+        self.source.scale_rate(RATE_FACTOR)
+
+    def action_rate_down(self) -> None:
+        self.source.scale_rate(1 / RATE_FACTOR)
+
+    def action_seek_back(self) -> None:
+        self.source.seek(-SEEK_S)
+
+    def action_seek_forward(self) -> None:
+        self.source.seek(SEEK_S)
+
+    def action_burst(self) -> None:
+        self.source.burst(BURST_SIZE)
+
+    def action_restart(self) -> None:
+        self.source.restart()
+        self.notify("restarting the scenario")
+
+    def action_screenshot(self) -> str:
+        """Save an SVG of the screen under screenshot_dir; returns its path."""
+        self.screenshot_dir.mkdir(parents=True, exist_ok=True)
+        name = (self.snapshot.scenario if self.snapshot else "kvtui") + time.strftime("-%Y%m%d-%H%M%S.svg")
+        path = self.save_screenshot(name, path=str(self.screenshot_dir))
+        self.notify(f"saved {path}")
+        return path
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self._isolation_faults()))
+
+    def action_quit(self) -> None:
+        """Stop the source (live: the worker closes the session, writing the summary), then exit.
+        The wait runs in an async worker, so the app keeps drawing (CLOSING) meanwhile."""
+        if self._quitting:
+            return
+        self._quitting = True
+        self.notify("closing the session…")
+        self.run_worker(self._stop_and_exit(), group="quit", exit_on_error=False)
+
+    async def _stop_and_exit(self) -> None:
+        try:
+            summary = await self.source.stop()
+        finally:
+            self._quitting = False
+        self.exit(summary)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for binding in self.BINDINGS:
+            if binding.action in ("quit",) or not self._available(binding.action):
+                continue
+            yield SystemCommand(f"kvtui: {binding.description}", binding.tooltip or binding.description,
+                                getattr(self, f"action_{binding.action}"))
+
+
+__all__ = ["KvtuiApp", "PANELS", "screen_text"]
+
+
+def screen_text(app: App) -> str:
+    """The current screen as plain text, one line per row (tests, and NO_COLOR-proof checks)."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None,
+                      legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text(styles=False)

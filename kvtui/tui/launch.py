@@ -1,0 +1,126 @@
+"""Entry points for the CLI: `run_dashboard` (kvtui run without --headless) and `replay_dashboard`
+(kvtui replay without --summary).
+
+Everything that can fail on bad input (scenario, model, recording path) runs before Textual takes
+the terminal, so errors reach the caller as ordinary exceptions and the terminal stays intact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+# CPU cores kept free of torch's intra-op (OpenMP) threads while the dashboard runs, for the UI
+# thread. On 2 cores, 2 OpenMP threads plus any busy thread slow a step 10-30x (DESIGN.md section
+# 7); measured on SmolLM2 (8 x 24 tokens, virtual clock, machine under other load): headless with
+# 1 thread 99.4-100.0 tokens/s, dashboard with 1 thread 90.2-100.1; with 2 threads 9-76 either way.
+UI_CORES = 1
+
+
+def default_torch_threads() -> int:
+    """Torch threads for the engine worker: torch's default, capped so UI_CORES cores stay free
+    (at least 1)."""
+    import torch
+
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - UI_CORES))
+
+
+def restart_path(record: str | Path | None, generation: int) -> Path | None:
+    """Recording path of restart `generation`: the given path first, then NAME.restartN.jsonl."""
+    if record is None:
+        return None
+    record = Path(record)
+    return record if generation == 0 else record.with_name(f"{record.stem}.restart{generation}{record.suffix}")
+
+
+def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype: str | None = None,
+                  clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
+                  device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
+                  detectors: tuple[str, ...] | None = None, progress: bool = True,
+                  torch_threads: int | None = None) -> dict | None:
+    """Run a scenario live in the dashboard until `q` (or the terminal closes). Returns the summary
+    of the last session (None if it never closed cleanly).
+
+    Args:
+        scenario_path: scenario YAML.
+        model, dtype: override the scenario's model / dtype (e.g. "tiny-llama", "bfloat16").
+        clock: "wall" (real time, the default here) or "virtual".
+        record: JSONL recording path; a restart (`r`) records to NAME.restartN.jsonl.
+        layout: "padded" or "packed" to override the scenario's engine layout.
+        device: torch device.
+        faults: faults on from the start (added to the scenario's).
+        detectors: which detectors run (None: the Session's default, all).
+        progress: show model-loading progress on stderr.
+        torch_threads: torch.set_num_threads for the engine worker (None: default_torch_threads()).
+            It is process-wide: the dashboard process runs nothing else on torch.
+
+    Raises:
+        kvtui.scenario.ScenarioError, kvtui.models.ModelLoadError, OSError (recording path),
+        ValueError (bad clock/layout/fault): all before the terminal is taken over.
+    """
+    from kvtui.models import load_model
+    from kvtui.scenario import FAULT_NAMES, load_scenario
+    from kvtui.session import Session
+    from kvtui.tui.app import KvtuiApp
+    from kvtui.tui.live import LiveSource
+
+    if clock not in ("wall", "virtual"):
+        raise ValueError(f"clock {clock!r}: use 'wall' or 'virtual'")
+    if layout not in (None, "padded", "packed"):
+        raise ValueError(f"layout {layout!r}: use 'padded' or 'packed'")
+    unknown = [f for f in faults if f not in FAULT_NAMES]
+    if unknown:
+        raise ValueError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
+    scenario = load_scenario(scenario_path)
+    loaded = load_model(model or scenario.model, dtype=dtype or scenario.dtype, device=device, progress=progress)
+    overrides: dict = {"device": device}
+    if layout:
+        overrides["layout"] = layout
+    extra: dict = {"faults": tuple(faults)}
+    if detectors is not None:
+        extra["detectors"] = tuple(detectors)
+
+    def make_session(listener, generation: int) -> Session:
+        return Session(scenario, loaded, clock=clock, record_path=restart_path(record, generation),
+                       engine_overrides=overrides, listeners=(listener,), **extra)
+
+    source = LiveSource(make_session, torch_threads=torch_threads or default_torch_threads())
+    app = KvtuiApp(source)
+    _run_app(app, source)
+    return source.shutdown()
+
+
+def replay_dashboard(recording_path: str | Path, *, speed: float = 1.0) -> None:
+    """Play a recording in the dashboard (no model loaded) until `q`.
+
+    Raises:
+        kvtui.record.RecordingError: the file cannot be read (before the terminal is taken over).
+        ValueError: speed <= 0.
+    """
+    from kvtui.tui.app import KvtuiApp
+    from kvtui.tui.replay import ReplaySource
+
+    if speed <= 0:
+        raise ValueError(f"{speed = } must be > 0")
+    source = ReplaySource.from_file(recording_path, speed=speed)
+    _run_app(KvtuiApp(source), source)
+
+
+def _run_app(app, source) -> None:
+    """app.run() with SIGTERM turned into a clean quit (the live session still writes its summary)."""
+    previous = None
+
+    def on_term(signum, frame):
+        source.request_stop()
+        app.call_later(app.exit)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        app.run()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

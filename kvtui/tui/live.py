@@ -1,0 +1,232 @@
+"""LiveSource: a Session stepped in a Textual thread worker.
+
+Threading: the worker thread owns the Session and the DashboardState. The UI thread never calls
+the session; it queues commands (fault switches, bursts, a single step, restart) that the worker
+runs between steps, so faults switch at step boundaries. The worker posts a snapshot at most
+PUBLISH_HZ times a second; the UI never blocks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvtui.tui.sources import PUBLISH_HZ, Source
+from kvtui.tui.state import DashboardState
+
+if TYPE_CHECKING:
+    from textual.app import App
+    from textual.worker import Worker
+
+    from kvtui.session import Session
+
+# make_session(listener, generation) -> a new Session whose listeners include `listener`;
+# generation counts restarts (0 for the first run).
+SessionFactory = Callable[[Callable[[dict], None], int], "Session"]
+
+
+class LiveSource(Source):
+    """Runs sessions made by `make_session`; the first is made at once (in the caller's thread, so
+    a bad recording path fails before the dashboard takes the terminal).
+
+    Args:
+        make_session: the factory (see SessionFactory).
+        torch_threads: if set, torch.set_num_threads(n) in the worker before the first step.
+    """
+
+    kind = "live"
+    LIVE_ACTIONS = frozenset({"isolation", "faults", "rate", "burst", "restart", "step"})
+
+    def __init__(self, make_session: SessionFactory, *, torch_threads: int | None = None) -> None:
+        super().__init__()
+        self.make_session = make_session
+        self.torch_threads = torch_threads
+        self.generation = 0
+        self.state = DashboardState()
+        self.session: Session = make_session(self._apply, 0)
+        self.done = False
+        self.summary: dict | None = None
+        self.worker: Worker | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._paused_at: float | None = None
+        self._exited = threading.Event()
+
+    def _apply(self, event: dict) -> None:
+        self.state.apply(event)
+
+    def mode(self) -> str:
+        if self.done:
+            return "DONE"
+        if self._stop.is_set():
+            return "CLOSING"  # close() may run the reference detector's solo checks first
+        return "PAUSED" if self.paused else "LIVE"
+
+    # -- worker -----------------------------------------------------------------------------------
+    def attach(self, app: App) -> None:
+        super().attach(app)
+        self.worker = app.run_worker(self._run, thread=True, name="engine", group="engine", exit_on_error=False)
+
+    def _run(self) -> None:
+        """The worker loop: commands, then one session step unless paused or done; publish."""
+        try:
+            self._loop()
+        finally:
+            self._exited.set()
+
+    def _loop(self) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        self.publish(self.state.snapshot(), force=True)
+        while not self._stop.is_set():
+            self._wake.clear()  # before draining, so a command queued from now on wakes the wait below
+            ran = self._drain()
+            if self.paused or self.done:
+                if ran:
+                    self.publish(self.state.snapshot(), force=True)
+                self._wake.wait(0.5)
+                continue
+            try:
+                more = self.session.step_once()
+            except Exception as e:  # keep the dashboard alive and say what failed
+                self._fail(e)
+                continue
+            if not more:
+                self._finish()
+            if self.done or time.monotonic() - self._last_publish >= 1.0 / PUBLISH_HZ:
+                self.publish(self.state.snapshot(), force=True)  # the snapshot is built only when due
+        self._finish(early=True)
+        self.publish(self.state.snapshot(), force=True)
+
+    def _fail(self, error: Exception) -> None:
+        self.state.note("error", f"{type(error).__name__}: {error} (paused; r restarts)")
+        self.paused = True
+        self.publish(self.state.snapshot(), force=True)
+
+    def _finish(self, early: bool = False) -> None:
+        """Close the session once (summary written); `early`: it was cut short (quit, restart)."""
+        if not self.done:
+            if early:
+                self.session.stop_requested = True
+            if self.app is not None:
+                self.publish(self.state.snapshot(), force=True)  # shows CLOSING while close() runs
+            self.summary = self.session.close()
+            self.done = True
+
+    def _drain(self) -> bool:
+        ran = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            try:
+                command()
+            except Exception as e:
+                self.state.note("error", f"{type(e).__name__}: {e}")
+
+    def _queue(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- controls (UI thread) ---------------------------------------------------------------------
+    def toggle_pause(self) -> None:
+        self.paused = not self.paused
+        now = time.perf_counter()
+        if self.paused:
+            self._paused_at = now
+        elif self._paused_at is not None:
+            paused_for, self._paused_at = now - self._paused_at, None
+            self._queue(lambda: self._exclude_pause(paused_for))
+        self._queue(lambda: None)  # republish with the new mode
+
+    def _exclude_pause(self, seconds: float) -> None:
+        """Take a pause out of the wall clock, so paused time does not count as latency.
+        Uses Session.shift_clock(seconds) when the session has it."""
+        session = self.session
+        if hasattr(session, "shift_clock"):
+            session.shift_clock(seconds)
+        elif session.clock == "wall" and hasattr(session.engine, "_t0"):
+            session.engine._t0 += seconds
+
+    def step(self) -> None:
+        self._queue(self._step_one)
+
+    def _step_one(self, max_wait_s: float = 2.0) -> None:
+        """Call step_once until one engine step ran (idle calls only wait for arrivals), the run is
+        done, or `max_wait_s` seconds passed with nothing to run."""
+        before, deadline = self.state.step, time.monotonic() + max_wait_s
+        while not self.done and self.state.step == before and time.monotonic() < deadline:
+            if not self.session.step_once():
+                self._finish()
+
+    def set_faults(self, names: set[str], source: str = "key") -> None:
+        """Switch faults so that exactly `names` are on (at the next step boundary)."""
+        wanted = set(names)
+
+        def switch() -> None:
+            current = set(self.session.engine.faults)
+            for name in sorted(current - wanted):
+                self.session.set_fault(name, False, source=source)
+            for name in sorted(wanted - current):
+                self.session.set_fault(name, True, source=source)
+
+        self._queue(switch)
+
+    def active_faults(self) -> set[str]:
+        return set(self.state.active_faults)
+
+    def scale_rate(self, factor: float) -> None:
+        self._queue(lambda: self.session.scale_arrival_rate(factor))
+
+    def burst(self, count: int) -> None:
+        self._queue(lambda: self.session.burst(count))
+
+    def restart(self) -> None:
+        self._queue(self._restart)
+
+    def _restart(self) -> None:
+        """Close the current session (its recording gets a summary) and start a fresh one."""
+        self._finish(early=True)
+        self.generation += 1
+        self.state = DashboardState()
+        self.summary, self.done = None, False
+        try:
+            self.session = self.make_session(self._apply, self.generation)
+        except Exception as e:
+            self.done = True
+            self.state.note("error", f"restart failed: {type(e).__name__}: {e}")
+            return
+        self.state.note("info", f"restart #{self.generation}")
+
+    async def stop(self) -> dict | None:
+        """Ask the worker to stop, wait for it (it closes the session), return the summary."""
+        self.request_stop()
+        if self.worker is not None:
+            while not self._exited.is_set():
+                await asyncio.sleep(0.02)
+        else:
+            self._finish(early=True)
+        return self.summary
+
+    def request_stop(self) -> None:
+        """Tell the worker to close the session and end (any thread; returns at once)."""
+        self._stop.set()
+        self._wake.set()
+
+    def shutdown(self, timeout_s: float = 60.0) -> dict | None:
+        """From outside the app (after it exited): stop the worker and make sure the session is
+        closed, so the recording ends with its summary. Safe to call more than once."""
+        self.request_stop()
+        if self.worker is not None and not self._exited.wait(timeout_s):
+            return None  # a step is still running; the worker closes the session when it ends
+        self._finish(early=True)
+        return self.summary

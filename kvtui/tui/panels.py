@@ -1,0 +1,275 @@
+"""Panels as pure functions: (Snapshot, width, height) -> a Rich renderable. No Textual here.
+
+Colour is never the only carrier of meaning (NO_COLOR turns the screen monochrome): a leak is also
+written `LEAK`, a reused slot `↻`, a free slot `free`, isolation `ON`/`OFF`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kvtui.tui.snapshot import RequestView, SlotView, Snapshot
+
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2",
+           "#ff9da7", "#9c755f", "#8cd17d", "#a0cbe8", "#d4a6c8", "#86bcb6")
+SPARKS = "▁▂▃▄▅▆▇█"
+EIGHTHS = " ▏▎▍▌▋▊▉█"
+# Reds bright enough to stay readable when NO_COLOR turns the screen to greys by luminance.
+RED = "#ff6060"
+LEAK_STYLE = "bold #ffffff on #c00000"
+SHORT_KINDS = {"cross_request": "cross", "corruption": "corrupt"}  # narrow contamination panel
+_CONTROL = {c: "·" for c in (*range(32), 127) if c != 10}
+
+
+def color(index: int) -> str:
+    """The palette colour of a request's colour index (grey for -1)."""
+    return PALETTE[index % len(PALETTE)] if index >= 0 else "grey50"
+
+
+def clean(text: str) -> str:
+    """Text safe for one terminal cell per character: control characters as ·, newlines as ⏎."""
+    return text.translate(_CONTROL).replace("\n", "⏎")
+
+
+def sparkline(values, width: int, top: float | None = None) -> str:
+    """The last `width` values as ▁..█ blocks scaled to `top` (default: their maximum); '' for none."""
+    values = list(values)[-width:] if width > 0 else []
+    if not values:
+        return ""
+    top = top if top is not None else max(values)
+    if top <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] if v > 0 else " "
+                   for v in values)
+
+
+def bar(fraction: float, width: int) -> str:
+    """A horizontal bar `width` cells wide filled to `fraction` (0..1) with eighth blocks."""
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)[:width]
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+# -- header --------------------------------------------------------------------------------------
+def header(snap: Snapshot | None, mode: str, width: int) -> Text:
+    """One line: scenario, [model, dtype, clock, layout when they fit], step, elapsed, mode,
+    isolation state (ON, or OFF with the active faults), leak count. The isolation state always fits."""
+    text = Text(" kvtui ", style="bold reverse")
+    if snap is None:
+        return text.append(f"  {mode}  loading…")
+    text.append(f" {snap.scenario} ", style="bold")
+    candidates = (f"· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ",
+                  f"· {snap.model} · {snap.clock} ", f"· {snap.model} ")
+    tail = Text(f" step {max(snap.step, 0)} · {snap.t:.1f} s  ")
+    tail.append(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
+    tail.append("  ")
+    if snap.isolation_on:
+        tail.append(" isolation ON ", style="bold #000000 on #5fd75f")
+    else:
+        tail.append(f" isolation OFF: {', '.join(snap.active_faults)} ", style="bold #ffffff on #c00000")
+    if snap.leaks:
+        tail.append(f"  LEAKS {snap.leaks}", style=LEAK_STYLE)
+    for details in candidates:  # as much detail as fits
+        if text.cell_len + len(details) + tail.cell_len <= width:
+            text.append(details)
+            break
+    text.append_text(tail)
+    text.truncate(width)
+    return text
+
+
+# -- slot map ------------------------------------------------------------------------------------
+def _slot_cell(slot: SlotView, cell: int) -> Text:
+    if slot.owner is None:
+        label = f"{slot.index:>3} free"
+        if slot.previous_owner:
+            label += f" (was {slot.previous_owner})"
+        return Text(label[:cell].ljust(cell), style="dim")
+    mark = "↻" if slot.just_reused else " "
+    fill = slot.cache_len / slot.capacity if slot.capacity else 0.0
+    head = f"{slot.index:>3} {slot.owner}{mark}"
+    tail = f" {slot.cache_len}"
+    width = max(cell - len(head) - len(tail) - 1, 2)
+    text = Text(f"{head} ", style=f"bold black on {color(slot.color)}")
+    text.append(bar(fill, width), style=color(slot.color))
+    text.append(tail, style="bold" if slot.just_reused else "")
+    return text
+
+
+def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
+    """One cell per slot: index, owner (coloured), fill bar of cache_len/capacity, cache_len; `↻`
+    marks a slot reused within the last few steps; free slots dim. Falls back to one character per
+    slot (fill height as ▁..█ in the owner's colour, · free) when the cells do not fit."""
+    if not snap.slots:
+        return Text("no slots yet", style="dim")
+    cell = 26
+    if len(snap.slots) <= height - 1:  # room for one slot per line: use the whole width
+        cell, per_row = max(width - 1, 20), 1
+    else:
+        per_row = max(width // (cell + 1), 1)
+    rows = -(-len(snap.slots) // per_row)
+    if rows > height - 1 and width > 0:
+        text = Text()
+        for s in snap.slots:
+            if s.owner is None:
+                text.append("·", style="dim")
+            else:
+                level = min(len(SPARKS) - 1, int(s.cache_len / max(s.capacity, 1) * (len(SPARKS) - 1)))
+                text.append("↻" if s.just_reused else SPARKS[level], style=f"bold {color(s.color)}")
+        used = sum(1 for s in snap.slots if s.owner)
+        return Group(Text(f"{used}/{len(snap.slots)} slots in use", style="bold"), text)
+    lines = []
+    for start in range(0, len(snap.slots), per_row):
+        line = Text()
+        for s in snap.slots[start:start + per_row]:
+            line.append_text(_slot_cell(s, cell))
+            line.append(" ")
+        lines.append(line)
+    used = sum(1 for s in snap.slots if s.owner)
+    lines.append(Text(f"{used}/{len(snap.slots)} in use · {snap.slots[0].capacity} tokens per slot · ↻ just reused",
+                      style="dim"))
+    return Group(*lines)
+
+
+# -- request table -------------------------------------------------------------------------------
+def _status(r: RequestView) -> Text:
+    if r.leaked:
+        src = ",".join(r.leak_sources) or "?"
+        return Text(f"LEAK←{src}", style=LEAK_STYLE)
+    if "cross_request" in r.contamination or "corruption" in r.contamination:
+        return Text("TAINT" if "cross_request" in r.contamination else "CORRUPT", style=LEAK_STYLE)
+    style = {"prefill": "bold yellow", "decode": "bold green", "waiting": "dim", "rejected": RED,
+             "abort": RED}.get(r.status, "")
+    return Text(r.status, style=style)
+
+
+def _tail(r: RequestView, width: int) -> Text:
+    tail = clean(r.text_tail)[-max(width, 1):]
+    text = Text(tail)
+    for phrase in r.leaked:
+        for m in re.finditer(re.escape(phrase), tail):
+            text.stylize(LEAK_STYLE, m.start(), m.end())
+    if r.passphrase:
+        for m in re.finditer(re.escape(r.passphrase), tail):
+            text.stylize("bold green", m.start(), m.end())
+    return text
+
+
+def request_table(snap: Snapshot, width: int, height: int) -> Table:
+    """id, status (LEAK←source in red), slot, cache bar + length, prompt/generated tokens, TTFT, the
+    tail of the generated text with other requests' passphrases highlighted; as many rows as fit."""
+    table = Table(box=None, expand=True, padding=(0, 1), show_edge=False, header_style="bold")
+    table.add_column("id", no_wrap=True)
+    table.add_column("status", no_wrap=True, min_width=7)
+    table.add_column("slot", justify="right", no_wrap=True)
+    table.add_column("cache", no_wrap=True)
+    table.add_column("p/g", justify="right", no_wrap=True)
+    table.add_column("TTFT", justify="right", no_wrap=True)
+    table.add_column("text", no_wrap=True, ratio=1, overflow="crop")
+    bar_width = 6 if width >= 90 else 4
+    text_width = max(width - 60, 12)
+    for r in snap.requests[:max(height - 1, 0)]:
+        fill = r.cache_len / r.capacity if r.capacity else 0.0
+        cache = (Text(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}", style="")
+                 if r.status != "waiting" else Text(""))
+        table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), "" if r.slot is None else str(r.slot),
+                      cache, f"{r.prompt_tokens}/{r.generated_tokens}", ms(r.ttft_s), _tail(r, text_width))
+    return table
+
+
+# -- stats ---------------------------------------------------------------------------------------
+def stats(snap: Snapshot, width: int, height: int) -> Text:
+    """Prefill/decode tokens/s now and their history, padding ratio now and history, KV usage and
+    slot occupancy, running/waiting counts, TTFT and TPOT p50/p95."""
+    spark_w = max(width - 30, 4)
+    top = max(max(snap.prefill_history, default=0.0), max(snap.decode_history, default=0.0), 1.0)
+    lines = [
+        ("prefill", f"{snap.prefill_rate:8.0f} tok/s ", sparkline(snap.prefill_history, spark_w, top), "#f28e2b"),
+        ("decode", f"{snap.decode_rate:8.0f} tok/s ", sparkline(snap.decode_history, spark_w, top), "#59a14f"),
+        ("padding", f"{snap.padding_ratio:7.1%} q {snap.key_padding_ratio:4.0%} k ",
+         sparkline(snap.padding_history, spark_w, max(max(snap.padding_history, default=0.0), 0.05)), "#b07aa1"),
+        ("KV usage", f"{snap.kv_usage:7.1%}  slots {snap.slot_occupancy:4.0%} ",
+         sparkline(snap.kv_history, spark_w, max(max(snap.kv_history, default=0.0), 0.05)), "#4e79a7"),
+    ]
+    text = Text()
+    for label, value, spark, style in lines:
+        text.append(f"{label:<9}", style="bold").append(value).append(spark, style=style).append("\n")
+    counts = (f"running {snap.running}  waiting {snap.waiting}  finished {snap.finished}  rejected {snap.rejected}"
+              if width >= 62 else f"run {snap.running} wait {snap.waiting} done {snap.finished} rej {snap.rejected}")
+    text.append("requests ", style="bold").append(counts + "\n")
+    text.append("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}\n")
+    text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}")
+    return text
+
+
+# -- contamination -------------------------------------------------------------------------------
+def contamination(snap: Snapshot, width: int, height: int) -> Text:
+    """Counts by detector and kind, the attention-flow meter (share of attention on other requests'
+    keys) per request, and the latest detector reports (victim ← source, kind, evidence)."""
+    text = Text()
+    if not snap.by_detector:
+        text.append("no contamination detected\n", style="bold green")
+    else:
+        text.append(" · ".join(f"{d} {n}" for d, n in snap.by_detector), style=f"bold {RED}")
+        text.append("\n").append(" · ".join(f"{k} {n}" for k, n in snap.by_kind)).append("\n")
+    flows = [r for r in snap.requests if r.attention_mass is not None and (r.active or r.attention_mass > 0)]
+    if flows:
+        text.append("attention on other requests' keys\n", style="dim")
+        for r in flows[:4]:
+            style = RED if r.attention_mass > 0 else "green"
+            text.append(f"{r.id:>6} ").append(bar(r.attention_mass, 10), style=style)
+            text.append(f" {r.attention_mass:.2f}\n")
+    room = max(height - len(text.plain.splitlines()), 1)
+    per_report = 1 if width >= 90 else 2
+    for c in list(snap.contamination)[-max(room // per_report, 1):]:
+        step = "" if c.step is None else f"#{c.step} "
+        who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
+        kind_style = f"bold {RED}" if c.kind in ("cross_request", "corruption") else "yellow"
+        kind = c.kind if width >= 60 else SHORT_KINDS.get(c.kind, c.kind)
+        line = Text(f"{step}{c.detector} ").append(kind, style=kind_style).append(f" {who} ", style="bold")
+        evidence = Text(clean(c.evidence), style="dim")
+        if line.cell_len + evidence.cell_len > width:  # narrow: evidence on its own line
+            line.truncate(width)
+            evidence = Text("  ").append_text(evidence)
+            line.append("\n")
+        line.append_text(evidence)
+        for part in line.split("\n"):
+            part.truncate(width)
+            text.append_text(part).append("\n")
+    text.rstrip()
+    return text
+
+
+# -- event log -----------------------------------------------------------------------------------
+LOG_STYLES = {"fault": f"bold {RED}", "marker": "cyan", "timeline": "magenta", "reject": "yellow", "error": f"bold {RED}",
+              "info": "green"}
+LOG_SYMBOLS = {"fault": "⚑", "marker": "▸", "timeline": "⏱", "reject": "✗", "error": "!", "info": "·"}
+
+
+def event_log(snap: Snapshot, width: int, height: int) -> Text:
+    """The latest lines that fit: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
+    ✗ rejection, ! error), the text; a long entry wraps onto one indented continuation line."""
+    if not snap.log:
+        return Text("no events yet (markers, timeline, faults, rejections)", style="dim")
+    rows: list[Text] = []
+    indent = 10
+    for line in snap.log:
+        style = LOG_STYLES.get(line.kind, "")
+        body = f"{LOG_SYMBOLS.get(line.kind, '·')} {clean(line.text)}"
+        room = max(width - indent, 8)
+        rows.append(Text(f"{line.t:7.1f}s ", style="dim").append(body[:room], style=style))
+        if len(body) > room:
+            rest = Text(" " * indent).append(body[room:], style=style)
+            rest.truncate(width)
+            rows.append(rest)
+    text = Text("\n").join(rows[-max(height, 1):])
+    return text

@@ -1,0 +1,177 @@
+"""Immutable views of the dashboard state: what the worker hands the UI thread.
+
+Everything here is a frozen dataclass of plain values and tuples, so a snapshot can cross threads
+and be rendered while the worker goes on changing its own state. Times are seconds on the run's
+clock (virtual or wall, as the header says); rates are tokens per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One KV slot.
+
+    Attributes:
+        index: slot number.
+        owner: request id holding the slot, or None when free.
+        cache_len: tokens cached in the slot (tokens).
+        capacity: tokens one slot can hold (engine max_len).
+        color: palette index of the owner (-1 when free).
+        just_reused: the slot changed hands within the last REUSE_MARK_STEPS steps.
+        previous_owner: the request that held it before the current owner, if any.
+    """
+
+    index: int
+    owner: str | None
+    cache_len: int
+    capacity: int
+    color: int
+    just_reused: bool
+    previous_owner: str | None
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One row of the request table.
+
+    Attributes:
+        id, status: request id; waiting, prefill, decode, or the finish reason (stop, length,
+            abort, rejected).
+        slot: slot held (None when waiting or finished).
+        cache_len: tokens cached for it (tokens); capacity: slot capacity (tokens).
+        prompt_tokens, generated_tokens, max_new_tokens: token counts.
+        ttft_s: time to first token (seconds) or None.
+        text_tail: the end of its generated text (newlines shown as ⏎).
+        passphrase: its own canary passphrase, if the prompt has one.
+        leaked: passphrases of OTHER requests found in its text or named by a detector.
+        leak_sources: the requests those passphrases belong to (ids).
+        echoed: its own passphrase appears in its text.
+        contamination: kinds reported against it by detectors (cross_request, corruption, numeric).
+        attention_mass: latest share of its attention on other requests' keys (0..1) or None.
+        color: palette index.
+    """
+
+    id: str
+    status: str
+    slot: int | None
+    cache_len: int
+    capacity: int
+    prompt_tokens: int
+    generated_tokens: int
+    max_new_tokens: int
+    ttft_s: float | None
+    text_tail: str
+    passphrase: str | None
+    leaked: tuple[str, ...]
+    leak_sources: tuple[str, ...]
+    echoed: bool
+    contamination: tuple[str, ...]
+    attention_mass: float | None
+    color: int
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ContaminationView:
+    """One detector report: `victim` got information from `source` (None when unknown)."""
+
+    t: float
+    step: int | None
+    detector: str
+    kind: str
+    victim: str | None
+    source: str | None
+    evidence: str
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One event-log entry. kind: marker, timeline, fault, reject, error, info."""
+
+    seq: int
+    t: float
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Latency:
+    """p50 and p95 of a latency (seconds), None until known."""
+
+    p50: float | None
+    p95: float | None
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    """The whole dashboard at one moment (identity equality: a new snapshot is always new).
+
+    Attributes:
+        seq: how many events the state had applied.
+        scenario, model, dtype, clock, layout: from the header.
+        step: last engine step index (-1 before the first); t: run clock (seconds).
+        active_faults: faults on now; isolation_faults: the set `i` switches on.
+        slots, requests: the slot map and the request table rows (active, waiting, then the most
+            recently finished), at most MAX_TABLE_ROWS rows.
+        arrived, running, waiting, finished, rejected: request counts.
+        prefill_rate, decode_rate: tokens/s over the last second of run clock.
+        prefill_history, decode_history: tokens/s per HISTORY_WINDOW_S window, oldest first.
+        padding_ratio, key_padding_ratio: last step's (0..1); padding_history: per step.
+        kv_usage, slot_occupancy: last step's (0..1); kv_history: per step.
+        ttft, tpot: latency percentiles (seconds).
+        contamination: latest detector reports, oldest first; by_detector, by_kind: counts.
+        log: latest event-log lines, oldest first.
+        done: the run has ended (summary seen); summary: the summary event or None.
+    """
+
+    seq: int
+    scenario: str
+    model: str
+    dtype: str
+    clock: str
+    layout: str
+    step: int
+    t: float
+    active_faults: tuple[str, ...]
+    isolation_faults: tuple[str, ...]
+    slots: tuple[SlotView, ...]
+    requests: tuple[RequestView, ...]
+    arrived: int
+    running: int
+    waiting: int
+    finished: int
+    rejected: int
+    prefill_rate: float
+    decode_rate: float
+    prefill_history: tuple[float, ...]
+    decode_history: tuple[float, ...]
+    padding_ratio: float
+    key_padding_ratio: float
+    padding_history: tuple[float, ...]
+    kv_usage: float
+    slot_occupancy: float
+    kv_history: tuple[float, ...]
+    ttft: Latency
+    tpot: Latency
+    contamination: tuple[ContaminationView, ...]
+    by_detector: tuple[tuple[str, int], ...]
+    by_kind: tuple[tuple[str, int], ...]
+    log: tuple[LogLine, ...]
+    done: bool
+    summary: dict | None
+
+    @property
+    def isolation_on(self) -> bool:
+        """True when no fault is active."""
+        return not self.active_faults
+
+    @property
+    def leaks(self) -> int:
+        """Requests shown with another request's passphrase."""
+        return sum(1 for r in self.requests if r.leaked)

@@ -1,0 +1,96 @@
+"""Freeze a DashboardState into a Snapshot (kept apart from state.py to keep both small)."""
+
+from __future__ import annotations
+
+from kvtui.metrics import percentile
+from kvtui.tui.snapshot import Latency, RequestView, SlotView, Snapshot
+from kvtui.tui.state import MAX_TABLE_ROWS, REUSE_MARK_STEPS, TAIL_CHARS, DashboardState, _Request
+
+FLAGGED_ROWS = 16  # finished rows with a leak or a detector report kept in the table ahead of others
+
+
+def _request_view(state: DashboardState, r: _Request) -> RequestView:
+    tail = r.text[-TAIL_CHARS:].replace("\r", "").replace("\n", "⏎")
+    return RequestView(
+        id=r.id, status=r.status, slot=r.slot, cache_len=r.cache_len, capacity=state.capacity,
+        prompt_tokens=r.prompt_tokens, generated_tokens=r.generated, max_new_tokens=r.max_new_tokens,
+        ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
+        leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.passphrase and r.passphrase in r.text),
+        contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color,
+    )
+
+
+def table_ids(state: DashboardState) -> list[str]:
+    """Row order: running (by slot), flagged finished (newest first), waiting (arrival order), other
+    finished (newest first); at most MAX_TABLE_ROWS."""
+    requests = state.requests
+    ids = sorted(state.active, key=lambda i: (requests[i].slot is None, requests[i].slot or 0, i))
+    seen = set(ids)
+    flagged = [i for i in reversed(state.flagged) if i not in seen][:FLAGGED_ROWS]
+    ids += flagged
+    seen.update(flagged)
+    for group in (state.waiting, state.recent_finished):
+        for i in group:
+            if len(ids) >= MAX_TABLE_ROWS:
+                return ids
+            if i not in seen:
+                ids.append(i)
+                seen.add(i)
+    return ids[:MAX_TABLE_ROWS]
+
+
+def _slots(state: DashboardState) -> tuple[SlotView, ...]:
+    views = []
+    for index in range(state.num_slots):
+        owner = state.slot_owner.get(index)
+        reused_at = state.slot_reused_step.get(index)
+        views.append(SlotView(
+            index=index, owner=owner, cache_len=state.slot_cache.get(index, 0) if owner else 0,
+            capacity=state.capacity, color=state.requests[owner].color if owner in state.requests else -1,
+            just_reused=owner is not None and reused_at is not None and state.step - reused_at < REUSE_MARK_STEPS,
+            previous_owner=state.slot_prev.get(index),
+        ))
+    return tuple(views)
+
+
+def _latency(state: DashboardState, name: str) -> Latency:
+    """p50/p95 of TTFT (from first-token events, so it shows before requests finish) or of
+    Metrics.tpot (per finished request); recomputed only when a value was added."""
+    values = state.ttft_live if name == "ttft" else getattr(state.metrics, name)
+    cached = state.latency_cache.get(name)
+    if cached is None or cached[0] != len(values):
+        cached = (len(values), Latency(percentile(values, 50), percentile(values, 95)))
+        state.latency_cache[name] = cached
+    return cached[1]
+
+
+def build_snapshot(state: DashboardState) -> Snapshot:
+    """The immutable view of `state` (see Snapshot for the fields)."""
+    header = state.header
+    m = state.metrics
+    last = state.last_step
+    return Snapshot(
+        seq=state.seq,
+        scenario=(header.get("scenario") or {}).get("name", "?"),
+        model=(header.get("model") or {}).get("id", "?"),
+        dtype=(header.get("model") or {}).get("dtype", "?"),
+        clock=header.get("clock", "?"),
+        layout=last.get("layout") or (header.get("engine") or {}).get("layout", "?"),
+        step=state.step, t=state.t,
+        active_faults=state.active_faults, isolation_faults=state.isolation_faults,
+        slots=_slots(state),
+        requests=tuple(_request_view(state, state.requests[i]) for i in table_ids(state)),
+        arrived=len(state.requests), running=len(state.active), waiting=len(state.waiting),
+        finished=state.finished, rejected=state.rejected,
+        prefill_rate=m.prefill_1s.rate(), decode_rate=m.decode_1s.rate(),
+        prefill_history=tuple(state.prefill_history), decode_history=tuple(state.decode_history),
+        padding_ratio=last.get("padding_ratio", 0.0), key_padding_ratio=last.get("key_padding_ratio", 0.0),
+        padding_history=tuple(state.padding_history),
+        kv_usage=last.get("kv_usage", 0.0), slot_occupancy=last.get("slot_occupancy", 0.0),
+        kv_history=tuple(state.kv_history),
+        ttft=_latency(state, "ttft"), tpot=_latency(state, "tpot"),
+        contamination=tuple(state.contamination),
+        by_detector=tuple(sorted(state.by_detector.items())), by_kind=tuple(sorted(state.by_kind.items())),
+        log=tuple(state.log),
+        done=state.summary is not None, summary=state.summary,
+    )

@@ -1,0 +1,177 @@
+"""Fault x detector truth table on tiny-llama, silence with isolation intact, and the SmolLM2
+passphrase leak under stale_slot toggled mid-run."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtui.engine.faults import FAULTS
+from kvtui.scenario import parse_scenario
+from kvtui.session import Session
+
+CONTAMINATION = ("cross_request", "corruption")
+
+
+def scenario(layout="padded", faults=(), dtype="float32", extra=""):
+    return parse_scenario(f"""
+name: truth-table
+seed: 3
+max_requests: 6
+model: tiny-llama
+dtype: {dtype}
+engine: {{slots: 3, max_len: 128, layout: {layout}, faults: [{", ".join(faults)}]}}
+arrivals: {{process: constant, rate_per_s: 50.0}}
+prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 3, max: 30}}}}
+output_tokens: 8
+sampling: {{ignore_eos: true}}
+{extra}
+""")
+
+
+def run(tiny, spec, **kw):
+    loaded = tiny["tiny-llama"] if spec.dtype == "float32" else _tiny_in(spec.dtype)
+    session = Session(spec, loaded, clock="virtual", **kw)
+    session.run()
+    return session
+
+
+def _tiny_in(dtype):
+    from kvtui.models import load_model
+
+    return load_model("tiny-llama", dtype=dtype, progress=False)
+
+
+def events_of(session, kind=None, detector=None):
+    return [e for e in session.contamination
+            if (kind is None or e["kind"] == kind) and (detector is None or e["detector"] == detector)]
+
+
+CASES = [(name, layout) for name, fault in FAULTS.items() for layout in fault.layouts]
+
+
+@pytest.mark.parametrize("name,layout", CASES)
+def test_fault_is_caught_with_the_right_kind_and_victim(tiny, name, layout):
+    session = run(tiny, scenario(layout, faults=[name]))
+    expected_kind = FAULTS[name].kind
+    found = events_of(session, kind=expected_kind)
+    assert found, f"{name} ({layout}): no {expected_kind} event; got {session.contamination}"
+    assert {e["detector"] for e in found} & (set(FAULTS[name].caught_by) | {"engine"})
+    ran = set(session.engine.requests)
+    for e in found:
+        assert e["victim"] in ran
+        if e["source"] is not None:
+            assert e["source"] in ran and e["source"] != e["victim"]
+    # the victim really was damaged: its tokens differ from its solo run (reference agrees)
+    victims = {e["victim"] for e in found}
+    ref = {e["victim"] for e in events_of(session, detector="reference") if e["kind"] != "numeric"}
+    if name not in ("racy_threads",):
+        assert victims & ref or not ref
+
+
+def test_stale_slot_names_the_previous_owner_as_source(tiny):
+    session = run(tiny, scenario("padded", faults=["stale_slot"]))
+    owners = {}
+    for e in events_of(session, kind="cross_request", detector="slot_taint"):
+        owners[e["victim"]] = e["source"]
+    assert owners, "stale_slot gave no slot_taint cross_request event"
+    # the first three requests fill the 3 slots; r003..r005 reuse slots 0..2 of r000..r002
+    assert owners == {"r003": "r000", "r004": "r001", "r005": "r002"}
+    flows = {e["victim"]: e["source"] for e in events_of(session, detector="attention_flow")}
+    assert flows == owners
+    assert all(e["evidence"]["foreign_mass"] > 0.5 for e in events_of(session, detector="attention_flow"))
+
+
+def test_no_request_mask_flow_points_at_an_earlier_block(tiny):
+    session = run(tiny, scenario("packed", faults=["no_request_mask"]))
+    flows = events_of(session, detector="attention_flow")
+    assert flows and all(e["source"] < e["victim"] for e in flows)  # earlier requests sit earlier in the row
+
+
+def test_racy_threads_raises_inside_the_step_and_the_run_goes_on(tiny):
+    session = run(tiny, scenario("padded", faults=["racy_threads"]))
+    assert session.summary["requests_finished"] == 6
+    kinds = {e["kind"] for e in session.contamination}
+    assert "corruption" in kinds
+
+
+def test_fault_switched_on_by_timeline_then_off(tiny):
+    spec = scenario("padded", extra="timeline: [{at_s: 0.0, set: {fault: stale_slot, on: true}}, "
+                                    "{at_s: 30.0, set: {fault: stale_slot, on: false}, marker: isolation restored}]")
+    session = run(tiny, spec)
+    assert [(name, on) for _, name, on in session.fault_history][:1] == [("stale_slot", True)]
+    assert events_of(session, kind="cross_request")
+
+
+@st.composite
+def clean_scenarios(draw):
+    layout = draw(st.sampled_from(["padded", "packed"]))
+    side = draw(st.sampled_from(["right", "left"]))
+    slots = draw(st.integers(1, 4))
+    n = draw(st.integers(1, 8))
+    lo = draw(st.integers(1, 40))
+    hi = draw(st.integers(lo, 60))
+    out = draw(st.integers(1, 10))
+    budget = draw(st.sampled_from([16, 64, 1024]))
+    bucketing = draw(st.booleans())
+    rate = draw(st.sampled_from([1.0, 10.0, 100.0]))
+    temperature = draw(st.sampled_from([0.0, 0.8]))
+    return parse_scenario(f"""
+seed: {draw(st.integers(0, 10_000))}
+max_requests: {n}
+model: tiny-llama
+engine: {{slots: {slots}, max_len: 128, layout: {layout}, padding_side: {side}, max_tokens_per_step: {budget},
+          bucketing: {str(bucketing).lower()}}}
+arrivals: {{process: poisson, rate_per_s: {rate}}}
+prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: {lo}, max: {hi}}}}}
+output_tokens: {out}
+sampling: {{temperature: {temperature}, ignore_eos: true}}
+""")
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clean_scenarios())
+def test_isolation_intact_gives_no_contamination(tiny, spec):
+    session = run(tiny, spec)
+    bad = [e for e in session.contamination if e["kind"] in CONTAMINATION]
+    assert bad == []
+
+
+def test_bf16_with_isolation_intact_has_no_cross_request_events(tiny):
+    session = run(tiny, scenario("padded", dtype="bfloat16"))
+    assert events_of(session, kind="cross_request") == []
+    assert events_of(session, detector="attention_flow") == [] and events_of(session, detector="slot_taint") == []
+
+
+@pytest.mark.smollm
+def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2):
+    from pathlib import Path
+
+    text = Path("scenarios/passphrase.yaml").read_text()
+    spec = parse_scenario(text + "\ntimeline: [{at_s: 1.0, set: {fault: stale_slot, on: true}, "
+                                 "marker: isolation off}]\n", source="passphrase+stale_slot")
+    markers = []
+    session = Session(spec, smollm2, clock="virtual", listeners=(markers.append,),
+                      detectors=("canary", "slot_taint"))
+    session.run()
+    stale = {}
+    for m in markers:
+        if m["type"] == "marker" and "(stale_slot)" in m["text"]:
+            victim, _, rest = m["text"].partition(" took slot ")
+            stale[victim] = rest.split(" of ")[1].split(" kept")[0]
+    assert stale, "no slot was reused after stale_slot went on"
+    leaks = events_of(session, kind="cross_request", detector="canary")
+    assert leaks, f"no canary leak; outputs: {[e for e in markers if e['type'] == 'request.finish']}"
+    def earlier_owners(victim):  # a stale slot carries every earlier owner's tokens along the chain
+        chain = []
+        while victim in stale:
+            victim = stale[victim]
+            chain.append(victim)
+        return chain
+
+    for leak in leaks:
+        assert leak["source"] in earlier_owners(leak["victim"])  # the victim answered with an earlier owner's
+        assert leak["evidence"]["leaked"] in leak["evidence"]["text"].upper() or leak["evidence"]["matched"]
+    finished = {m["request_id"]: m for m in markers if m["type"] == "request.finish"}
+    first = leaks[0]
+    assert session.canary.passphrases[first["source"]] == first["evidence"]["leaked"]
+    assert finished[first["victim"]]["passphrase_echoed"] is False or first["evidence"]["matched"]

@@ -1,0 +1,348 @@
+"""The dashboard app driven by Pilot: on a replay of a recording and on a live tiny-llama session.
+
+Screens are checked as text (kvtui.tui.app.screen_text), not pixel-exact SVG, so they survive
+Textual upgrades; tests/data/tui_demo.jsonl is a fixed recording made by `make_demo_recording`
+(tiny-llama, plus a hand-written canary report, since tiny-llama's random text leaks no passphrase).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtui.record import read_recording
+from kvtui.tui.app import KvtuiApp, screen_text
+from kvtui.tui.live import LiveSource
+from kvtui.tui.replay import ReplaySource
+from kvtui.tui.screens import FaultPicker, HelpScreen
+
+DATA = Path(__file__).parent / "data"
+DEMO = DATA / "tui_demo.jsonl"
+LONG = DATA / "tui_long.yaml"
+SIZES = [(160, 45), (100, 30)]
+# live tests leave out the reference detector: its solo reruns at close cost seconds and test nothing here
+LIVE_DETECTORS = ("canary", "attention_flow", "slot_taint")
+
+
+def make_demo_recording(path: Path, loaded) -> list[dict]:
+    """The fixed recording: scenarios/passphrase.yaml on tiny-llama (virtual clock), stale_slot on at
+    step 20 and off at step 45, a marker, and hand-written contamination events (canary and
+    attention_flow naming a running request <- r000) at step 30. Returns the events as the
+    session's listener saw them."""
+    from kvtui.scenario import load_scenario
+    from kvtui.session import Session
+
+    events: list[dict] = []
+    session = Session(load_scenario("scenarios/passphrase.yaml"), loaded, clock="virtual", record_path=path,
+                      listeners=(events.append,))
+    n = 0
+    while session.step_once():
+        n += 1
+        if n == 20:
+            session.set_fault("stale_slot", True, source="key")
+        if n == 30:  # a running request is reported to carry r000's passphrase
+            first = next(e for e in events if e.get("passphrase") and e["request_id"] == "r000")
+            last_step = next(e for e in reversed(events) if e["type"] == "step")
+            victim = next(r["id"] for r in last_step["running"] if r["id"] != "r000")
+            t = session.engine.now()
+            for e in ({"type": "contamination", "t": t, "step": n, "detector": "canary", "kind": "cross_request",
+                       "victim": victim, "source": "r000", "evidence": {"passphrase": first["passphrase"]}},
+                      {"type": "contamination", "t": t, "step": n, "detector": "attention_flow",
+                       "kind": "cross_request", "victim": victim, "source": "r000", "evidence": {"mass": 0.82}}):
+                session.emit(e)
+        if n == 45:
+            session.set_fault("stale_slot", False, source="key")
+            session.emit({"type": "marker", "t": session.engine.now(), "text": "isolation restored"})
+    session.close()
+    return events
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvtui.models import load_model
+
+    return load_model("tiny-llama", progress=False)
+
+
+@pytest.fixture(scope="module")
+def demo(loaded, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A fresh recording from the current engine (the same recipe as the fixed one) and the events
+    its listener received."""
+    path = tmp_path_factory.mktemp("tui") / "demo.jsonl"
+    return path, make_demo_recording(path, loaded)
+
+
+@pytest.fixture(scope="module")
+def recording(demo) -> Path:
+    return demo[0]
+
+
+async def until(predicate, timeout_s: float = 10.0, pilot=None) -> None:
+    """Wait (letting the app run) until predicate() is true."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await (pilot.pause(0.05) if pilot else asyncio.sleep(0.05))
+
+
+def test_a_newer_snapshot_replaces_an_unprocessed_older_one():
+    from textual.message import Message
+
+    from kvtui.tui.sources import SnapshotReady
+    from kvtui.tui.state import DashboardState
+
+    older, newer = (SnapshotReady(DashboardState().snapshot(), "LIVE") for _ in range(2))
+    assert older.can_replace(newer) and not older.can_replace(Message())
+
+
+# -- replay ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", SIZES)
+def test_main_screen_from_the_fixed_recording(size):
+    async def run():
+        source = ReplaySource.from_file(DEMO, start_paused=True)
+        app = KvtuiApp(source)
+        async with app.run_test(size=size) as pilot:
+            source.seek_to(source.times[next(i for i, e in enumerate(source.events) if e["type"] == "contamination")])
+            await pilot.pause(0.2)
+            text = screen_text(app)
+            await pilot.press("q")
+        return text
+
+    text = asyncio.run(run())
+    for needle in ("passphrase", "tiny-llama", "isolation OFF: stale_slot", "LEAKS 1", "slots", "requests",
+                   "contamination", "events", "canary 1", "r001 ← r000", "LEAK←r000", "tok/s", "TTFT", "p50",
+                   "stale_slot on", "quit"):
+        assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
+    assert "isolation" in text.splitlines()[0]
+    assert len(text.splitlines()) == size[1]
+
+
+def test_replay_plays_to_the_end_then_shows_the_summary_state(recording):
+    async def run():
+        source = ReplaySource.from_file(recording, speed=64.0)
+        app = KvtuiApp(source)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(lambda: source.at_end, pilot=pilot)
+            await pilot.pause(0.1)
+            text = screen_text(app)
+            await pilot.press("q")
+        return source, text
+
+    source, text = asyncio.run(run())
+    header, events, summary, _ = read_recording(recording)
+    assert source.state.summary is not None and source.state.step == summary["steps"] - 1
+    assert " END " in text and "isolation ON" in text and "isolation restored" in text
+
+
+def test_replay_pause_step_and_seek(recording):
+    async def run():
+        source = ReplaySource.from_file(recording, speed=1.0)
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("space")
+            assert source.paused
+            seq = source.state.seq
+            await pilot.pause(0.4)
+            assert source.state.seq == seq  # nothing plays while paused
+            step = source.state.step
+            await pilot.press("n")
+            assert source.state.step == step + 1
+            await pilot.press("right", "right")
+            forward = source.playhead
+            assert forward > 5.0
+            await pilot.press("left")
+            rebuilt = source.state.snapshot()
+            fresh = ReplaySource.from_file(recording, start_paused=True)
+            fresh.seek_to(source.playhead)
+            assert (rebuilt.step, rebuilt.seq, rebuilt.finished) == (fresh.state.step, fresh.state.seq,
+                                                                     fresh.state.finished)
+            await pilot.press("plus")
+            assert source.speed == pytest.approx(1.25)
+            await pilot.press("i", "b", "r")  # live-only keys do nothing on a replay
+            assert not isinstance(app.screen, FaultPicker)
+            await pilot.press("q")
+
+    asyncio.run(run())
+
+
+def test_replay_state_equals_live_state(demo):
+    """The same events give the same snapshot, whether fed live (listener) or read back from the file."""
+    from kvtui.tui.state import DashboardState
+
+    path, events = demo
+    live = DashboardState()
+    for event in events:
+        live.apply(event)
+    replay = ReplaySource.from_file(path, start_paused=True)
+    replay.seek_to(replay.end_t)
+    a, b = live.snapshot(), replay.state.snapshot()
+    assert a.seq == b.seq and a.done and b.done
+    for field in ("step", "t", "slots", "requests", "prefill_history", "decode_history", "padding_history",
+                  "kv_history", "ttft", "tpot", "contamination", "by_detector", "log", "finished", "active_faults"):
+        assert getattr(a, field) == getattr(b, field), field
+
+
+def test_help_palette_and_screenshot(tmp_path):
+    async def run():
+        source = ReplaySource.from_file(DEMO, start_paused=True)
+        app = KvtuiApp(source, screenshot_dir=tmp_path)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            assert "isolation on/off" in screen_text(app)
+            await pilot.press("escape")
+            assert not isinstance(app.screen, HelpScreen)
+            titles = [c.title for c in app.get_system_commands(app.screen)]
+            assert "kvtui: pause" in titles and "kvtui: isolation" not in titles  # replay: no fault keys
+            await pilot.press("ctrl+p")
+            await pilot.pause(0.2)
+            await pilot.press(*"kvtui: pause")
+            await pilot.pause(0.3)
+            paused = source.paused
+            await pilot.press("enter")
+            await until(lambda: source.paused != paused, pilot=pilot, timeout_s=5)
+            await pilot.press("s")
+            await pilot.pause(0.1)
+            await pilot.press("q")
+
+    asyncio.run(run())
+    [svg] = tmp_path.glob("passphrase-*.svg")
+    assert "<svg" in svg.read_text()[:200]
+
+
+# -- live (tiny-llama, wall clock) ---------------------------------------------------------------------
+def live_source(loaded, record: Path, scenario: Path = LONG) -> LiveSource:
+    from kvtui.scenario import load_scenario
+    from kvtui.session import Session
+    from kvtui.tui.launch import restart_path
+
+    spec = load_scenario(scenario)
+
+    def make(listener, generation):
+        return Session(spec, loaded, clock="wall", record_path=restart_path(record, generation),
+                       listeners=(listener,), detectors=LIVE_DETECTORS)
+
+    return LiveSource(make)
+
+
+def last_line(path: Path) -> dict:
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def test_live_keys_switch_faults_pause_step_and_quit_writes_the_summary(loaded, tmp_path):
+    record = tmp_path / "live.jsonl"
+    source = live_source(loaded, record)
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(lambda: source.state.step >= 3, pilot=pilot)
+            await pilot.press("i")  # while running: the default isolation set, stale_slot
+            await until(lambda: source.session.engine.faults == {"stale_slot"}, pilot=pilot)
+            await until(lambda: any(line.text == "fault stale_slot on (key)" for line in source.state.log),
+                        pilot=pilot)
+            await until(lambda: "isolation OFF: stale_slot" in screen_text(app), pilot=pilot)
+
+            # Pilot waits for an idle CPU after each key (up to 2 s while the engine runs): pause first
+            await pilot.press("space")
+            await pilot.pause(0.3)  # the step in flight ends
+            step = source.state.step
+            await pilot.pause(0.5)
+            assert source.state.step == step, "stepped while paused"
+            assert " PAUSED " in screen_text(app)
+            await pilot.press("n")
+            await until(lambda: source.state.step == step + 1, pilot=pilot)
+            await pilot.pause(0.3)
+            assert source.state.step == step + 1
+
+            await pilot.press("i")  # commands still apply while paused
+            await until(lambda: not source.session.engine.faults, pilot=pilot)
+            await pilot.press("f")
+            assert isinstance(app.screen, FaultPicker)
+            await pilot.press(*["down"] * 5, "space")  # the sixth fault in the list: stale_slot
+            assert "on after apply: stale_slot" in screen_text(app)
+            await pilot.press("enter")
+            assert not isinstance(app.screen, FaultPicker)
+            await until(lambda: source.session.engine.faults == {"stale_slot"}, pilot=pilot)
+            await pilot.press("f", "escape")  # cancel changes nothing
+            await pilot.press("f", *["down"] * 5, "space", "enter")  # and off again
+            await until(lambda: not source.session.engine.faults, pilot=pilot)
+            assert source.state.step == step + 1, "fault switches must not step the engine"
+            await pilot.press("space")
+            await until(lambda: source.state.step > step + 2, pilot=pilot)
+            await pilot.press("q")
+        return app.return_value
+
+    summary = asyncio.run(run())
+    assert summary is not None and summary["stopped_early"] is True
+    end = last_line(record)
+    assert end["type"] == "summary" and end["steps"] == summary["steps"]
+    header, events, _, truncated = read_recording(record)
+    assert not truncated
+    assert [(e["name"], e["on"], e["source"]) for e in events if e["type"] == "fault"] == [
+        ("stale_slot", True, "key"), ("stale_slot", False, "key")] * 2
+
+
+def test_live_rate_burst_and_restart(loaded, tmp_path):
+    record = tmp_path / "live.jsonl"
+    source = live_source(loaded, record)
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(lambda: source.state.step >= 1, pilot=pilot)
+            await pilot.press("plus", "b")
+            await until(lambda: any(line.text.startswith("burst of") for line in source.state.log), pilot=pilot)
+            assert any(line.text == "arrival rate x1.25" for line in source.state.log)
+            await pilot.press("r")
+            await until(lambda: source.generation == 1 and source.state.step >= 1, pilot=pilot)
+            await pilot.press("q")
+
+    asyncio.run(run())
+    assert last_line(record)["type"] == "summary"
+    assert last_line(tmp_path / "live.restart1.jsonl")["type"] == "summary"
+
+
+def test_end_to_end_throughput_and_occupied_slots_on_screen(loaded, tmp_path):
+    """A few seconds of the live app on tiny-llama: non-zero tokens/s and occupied slots are shown."""
+    import re
+
+    source = live_source(loaded, tmp_path / "e2e.jsonl")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(160, 45)) as pilot:
+            await until(lambda: source.state.step >= 20 and app.frames >= 5, pilot=pilot, timeout_s=30)
+            await pilot.pause(1.0)
+            text = screen_text(app)
+            await pilot.press("q")
+        return app, text
+
+    app, text = asyncio.run(run())
+    rate = re.search(r"decode\s+(\d+) tok/s", text)
+    assert rate and int(rate.group(1)) > 0, text
+    used = re.search(r"(\d+)/4 in use", text)
+    assert used and int(used.group(1)) > 0, text
+    assert " LIVE " in text and app.frames >= 5
+
+
+def test_no_color_keeps_the_meaning_in_text(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+
+    async def run():
+        source = ReplaySource.from_file(DEMO, start_paused=True)
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            source.seek_to(source.end_t)
+            await pilot.pause(0.1)
+            assert app.no_color
+            text = screen_text(app)
+            await pilot.press("q")
+        return text
+
+    text = asyncio.run(run())
+    assert "isolation ON" in text and " END " in text
