@@ -107,3 +107,49 @@ def run_bench(loaded, *, output: Path, num_requests: int = 16, new_tokens: int =
     output.write_text(json.dumps(figures, indent=2))
     console.print(f"figures written to {output}")
     return figures
+
+
+def detector_cost(loaded, *, output: Path, batch: int = 8, new_tokens: int = 32, seed: int = 0, repeats: int = 2,
+                  console: Console | None = None) -> dict:
+    """Decode tokens/s of the engine (summed step wall time of decode-only steps) with each in-engine
+    detector switched on vs off, batch `batch`. The reference and canary detectors run outside the
+    engine's steps (reference: solo runs after a request finishes; canary: text matching), so their
+    step cost is measured as 0 by construction; their own time is reported separately."""
+    console = console or Console()
+    prompts = make_prompts(loaded.tokenizer, batch, seed, 40, 60)
+    configs = {"off": (False, False), "attention_flow": (True, False), "slot_taint": (False, True),
+               "both": (True, True)}
+    rates: dict[str, float] = {}
+    for name, (flow, taint) in list(configs.items()) * repeats:
+        engine = Engine(loaded.model, EngineConfig(num_slots=batch, max_len=128, max_batch_size=batch))
+        engine.measure_flow, engine.detect_taint = flow, taint
+        for i, p in enumerate(prompts):
+            engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        decode_s = decode_tokens = 0
+        for report in engine.run_until_done():
+            if report.prefill_tokens == 0 and report.decode_tokens:
+                decode_s += report.wall_s
+                decode_tokens += report.decode_tokens
+        rates[name] = max(rates.get(name, 0.0), decode_tokens / decode_s)  # best of `repeats`
+    from kvtui.detect.reference import ReferenceDetector
+
+    ref = ReferenceDetector(loaded, loaded.tokenizer)
+    ReferenceDetector._cache.clear()
+    t0 = time.perf_counter()
+    for p in prompts:
+        ref.solo(p, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    reference_s = time.perf_counter() - t0
+    table = Table(title=f"detector cost, {loaded.model_id}, batch {batch}, {new_tokens} decode steps",
+                  title_justify="left")
+    for column in ("detectors in the step", "decode tokens/s", "vs off"):
+        table.add_column(column)
+    for name, rate in rates.items():
+        table.add_row(name, f"{rate:.1f}", f"{rate / rates['off'] - 1:+.1%}")
+    table.caption = (f"reference: {reference_s:.1f} s of solo runs for {batch} requests, done after they finish "
+                     f"(off the step path: step cost 0)")
+    console.print(table)
+    figures = {"model": loaded.model_id, "batch": batch, "decode_tokens_per_s": rates,
+               "reference_solo_seconds": reference_s}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(figures, indent=2))
+    return figures

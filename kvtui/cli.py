@@ -270,12 +270,17 @@ def bench(
     requests: Annotated[int, typer.Option(help="Number of requests.")] = 16,
     new_tokens: Annotated[int, typer.Option(help="Greedy tokens per request.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed for prompt lengths and tokens.")] = 0,
+    detector_cost: Annotated[bool, typer.Option("--detector-cost", help="Instead: decode tokens/s with each "
+                                                "in-engine detector on vs off (batch 8).")] = False,
 ) -> None:
     """Throughput of solo runs vs kvtui padded vs kvtui packed vs transformers generate (prints tokens/s)."""
-    from kvtui.bench import run_bench
+    from kvtui import bench as bench_module
 
     loaded = _load_model(model, "float32", "cpu")
-    run_bench(loaded, output=output, num_requests=requests, new_tokens=new_tokens, seed=seed, console=out)
+    if detector_cost:
+        bench_module.detector_cost(loaded, output=output.with_name("detector-cost.json"), console=out)
+        return
+    bench_module.run_bench(loaded, output=output, num_requests=requests, new_tokens=new_tokens, seed=seed, console=out)
 
 
 def main() -> None:

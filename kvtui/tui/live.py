@@ -46,6 +46,8 @@ class LiveSource(Source):
         self.make_session = make_session
         self.torch_threads = torch_threads
         self.generation = 0
+        self._closing = False
+        self.parked = False  # the worker is waiting (paused or done), not stepping: tests read it
         self.state = DashboardState()
         self.session: Session = make_session(self._apply, 0)
         self.done = False
@@ -59,11 +61,16 @@ class LiveSource(Source):
 
     def _apply(self, event: dict) -> None:
         self.state.apply(event)
+        if self._closing and self._publish_due():  # close() may take seconds (reference checks)
+            self.publish(self.state.snapshot(), force=True)
+
+    def _publish_due(self) -> bool:
+        return time.monotonic() - self._last_publish >= 1.0 / PUBLISH_HZ
 
     def mode(self) -> str:
         if self.done:
             return "DONE"
-        if self._stop.is_set():
+        if self._closing or self._stop.is_set():
             return "CLOSING"  # close() may run the reference detector's solo checks first
         return "PAUSED" if self.paused else "LIVE"
 
@@ -91,8 +98,10 @@ class LiveSource(Source):
             if self.paused or self.done:
                 if ran:
                     self.publish(self.state.snapshot(), force=True)
+                self.parked = True
                 self._wake.wait(0.5)
                 continue
+            self.parked = False
             try:
                 more = self.session.step_once()
             except Exception as e:  # keep the dashboard alive and say what failed
@@ -100,7 +109,7 @@ class LiveSource(Source):
                 continue
             if not more:
                 self._finish()
-            if self.done or time.monotonic() - self._last_publish >= 1.0 / PUBLISH_HZ:
+            if self.done or self._publish_due():
                 self.publish(self.state.snapshot(), force=True)  # the snapshot is built only when due
         self._finish(early=True)
         self.publish(self.state.snapshot(), force=True)
@@ -115,9 +124,13 @@ class LiveSource(Source):
         if not self.done:
             if early:
                 self.session.stop_requested = True
-            if self.app is not None:
-                self.publish(self.state.snapshot(), force=True)  # shows CLOSING while close() runs
-            self.summary = self.session.close()
+            self._closing = True
+            try:
+                if self.app is not None:
+                    self.publish(self.state.snapshot(), force=True)  # shows CLOSING while close() runs
+                self.summary = self.session.close()
+            finally:
+                self._closing = False
             self.done = True
 
     def _drain(self) -> bool:

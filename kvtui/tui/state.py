@@ -259,7 +259,7 @@ class DashboardState:
         self.flagged[r.id] = None
         if kind not in r.contamination:
             r.contamination.append(kind)
-        phrase = evidence.get("passphrase") if isinstance(evidence, dict) else None
+        phrase = (evidence.get("passphrase") or evidence.get("leaked")) if isinstance(evidence, dict) else None
         if isinstance(phrase, str) and phrase and phrase != r.passphrase:
             r.leaked.setdefault(phrase, source or self.passphrases.get(phrase))
         mass = evidence.get("mass", evidence.get("foreign_mass")) if isinstance(evidence, dict) else None
