@@ -1,0 +1,134 @@
+"""Session, recording and replay: virtual-clock determinism, replay == live summary, truncated
+recordings, clean stop on SIGTERM, and the CLI's exit codes and one-line errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtui.metrics import Metrics, SLO
+from kvtui.record import read_recording
+from kvtui.scenario import parse_scenario
+from kvtui.session import Session
+
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+MEASURED_KEYS = {"wall_s", "created_unix_s", "measured_step_wall_s"}
+
+SCENARIO = """
+name: session-test
+seed: 5
+max_requests: 7
+model: tiny-llama
+engine: {slots: 3, max_len: 128, max_tokens_per_step: 48}
+arrivals: {process: gamma, rate_per_s: 20.0, burstiness: 0.5}
+prompts: {kind: passphrase}
+output_tokens: {dist: uniform, min: 2, max: 12}
+slo: {ttft_s: 0.5, tpot_s: 0.1}
+"""
+
+
+def record(tiny, path, text=SCENARIO):
+    session = Session(parse_scenario(text), tiny["tiny-llama"], clock="virtual", record_path=path)
+    session.run()
+    return session
+
+
+def strip_measured(value):
+    if isinstance(value, dict):
+        return {k: strip_measured(v) for k, v in value.items() if k not in MEASURED_KEYS}
+    if isinstance(value, list):
+        return [strip_measured(v) for v in value]
+    return value
+
+
+def test_virtual_clock_runs_are_identical_apart_from_measured_times(tiny, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    record(tiny, a)
+    record(tiny, b)
+    lines_a = [strip_measured(json.loads(x)) for x in a.read_text().splitlines()]
+    lines_b = [strip_measured(json.loads(x)) for x in b.read_text().splitlines()]
+    assert len(lines_a) == len(lines_b) > 20
+    assert lines_a == lines_b
+    finishes = [x for x in lines_a if x["type"] == "request.finish"]
+    assert len(finishes) == 7 and all(x["output_ids"] for x in finishes)
+
+
+def test_replay_summary_equals_live_summary(tiny, tmp_path):
+    path = tmp_path / "run.jsonl"
+    session = record(tiny, path)
+    header, events, summary, truncated = read_recording(path)
+    assert not truncated and header["clock"] == "virtual" and header["scenario"]["name"] == "session-test"
+    metrics = Metrics(SLO(0.5, 0.1))
+    for event in events:
+        metrics.add_event(event)
+    assert metrics.summary() == {k: v for k, v in session.summary.items() if k in metrics.summary()}
+    assert summary["requests_finished"] == 7
+    out = subprocess.run(KVTUI + ["replay", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "session-test" in out.stdout and "7 (" in out.stdout
+
+
+def test_truncated_recording_replays_up_to_its_last_whole_line(tiny, tmp_path):
+    path = tmp_path / "run.jsonl"
+    record(tiny, path)
+    lines = path.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:15]) + lines[15][:20])
+    header, events, summary, truncated = read_recording(cut)
+    assert truncated and summary is None and len(events) == 14
+    out = subprocess.run(KVTUI + ["replay", str(cut)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ends early" in out.stderr
+
+
+def test_sigterm_stops_cleanly_with_summary_written(tmp_path):
+    scenario = tmp_path / "long.yaml"
+    scenario.write_text(SCENARIO.replace("max_requests: 7", "max_requests: 400").replace("rate_per_s: 20.0",
+                                                                                       "rate_per_s: 5.0"))
+    path = tmp_path / "run.jsonl"
+    proc = subprocess.Popen(KVTUI + ["run", str(scenario), "--headless", "--clock", "wall", "--record", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not path.exists() or path.read_text().count('"type":"step"') < 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["type"] == "summary" and last["stopped_early"] is True
+    assert last["requests_not_submitted"] > 0
+    assert "SIGTERM" in err
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: 1\nmax_requests: 2\nengine: {slots: 0}\n")
+    out = subprocess.run(KVTUI + ["run", str(bad), "--headless"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "engine.slots" in lines[0] and "bad.yaml:3" in lines[0]
+    assert "Traceback" not in out.stderr
+    out = subprocess.run(KVTUI + ["run", str(tmp_path / "missing.yaml"), "--headless"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "missing.yaml" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(KVTUI + ["run", "scenarios/passphrase.yaml", "--headless", "--fault", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown fault 'nope'" in out.stderr
+    out = subprocess.run(KVTUI + ["replay", str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such recording" in out.stderr
+
+
+def test_exit_codes_follow_expect(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(SCENARIO)
+    base = KVTUI + ["run", str(scenario), "--headless", "--detectors", "slot_taint,attention_flow"]
+    clean = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stderr
+    leaky = subprocess.run(base + ["--fault", "stale_slot"], capture_output=True, text=True, timeout=120)
+    assert leaky.returncode == 1 and "unexpected contamination" in leaky.stderr
+    scenario.write_text(SCENARIO + "expect: {contamination: detected}\n")
+    missed = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert missed.returncode == 1 and "no detector fired" in missed.stderr
+    caught = subprocess.run(base + ["--isolation", "off"], capture_output=True, text=True, timeout=120)
+    assert caught.returncode == 0 and "detected as expected" in caught.stdout
