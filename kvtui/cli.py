@@ -87,11 +87,16 @@ def run(
     except ValueError as e:
         fail(f"--fault: {e}")
     chosen = () if detectors.strip() == "none" else tuple(d.strip() for d in detectors.split(",") if d.strip())
+    if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
+        err.print("[yellow]note:[/] not a terminal: running headless (pass --headless to silence this).")
+        headless = True
+    if not headless:
+        _dashboard(scenario, model=model, dtype=dtype, clock=clock or "wall", record=record, layout=layout,
+                   device=device, faults=tuple(faults), detectors=chosen)
+        return
     clock = clock or "virtual"
     if clock not in ("virtual", "wall"):
         fail(f"--clock {clock}: use 'virtual' or 'wall'")
-    if not headless:
-        err.print("[yellow]note:[/] the live dashboard is not built yet; running headless.")
     loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
     overrides = {"device": device}
     if layout:
@@ -146,6 +151,30 @@ def run(
         out.print(reason)
 
 
+def _dashboard(scenario: Path, **options) -> None:
+    """Run the live dashboard; input errors become one line and exit 2 (raised before the screen opens)."""
+    from kvtui.models import ModelLoadError
+    from kvtui.record import RecordingError
+    from kvtui.scenario import ScenarioError
+    from kvtui.summary import print_summary
+    from kvtui.tui import run_dashboard
+
+    try:
+        summary = run_dashboard(scenario, **options)
+    except ScenarioError as e:
+        for line in e.errors:
+            err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    except (ModelLoadError, RecordingError, ValueError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+    if summary:
+        print_summary(summary, {"scenario": {"name": Path(scenario).stem}, "clock": options["clock"]}, out)
+    if options.get("record"):
+        out.print(f"recording: {options['record']}")
+
+
 def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
     """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
     expect = expect_override or getattr(getattr(spec, "expect", None), "contamination", "none")
@@ -168,11 +197,24 @@ def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str
 @app.command()
 def replay(
     recording: Annotated[Path, typer.Argument(help="A JSONL recording made with --record.")],
+    summary_only: Annotated[bool, typer.Option("--summary", help="Print the summary instead of the dashboard.")] = False,
+    speed: Annotated[float, typer.Option(help="Dashboard playback speed (2 = twice as fast).")] = 1.0,
 ) -> None:
-    """Play a recording back without loading a model and print its summary."""
+    """Play a recording back without loading a model: the dashboard (speed, pause, seek), or --summary."""
     from kvtui.metrics import SLO, Metrics
     from kvtui.record import RecordingError, read_recording
-    from kvtui.summary import print_summary
+    from kvtui.summary import print_contamination, print_summary
+
+    if not summary_only and sys.stdout.isatty() and sys.stderr.isatty():
+        from kvtui.tui import replay_dashboard
+
+        if speed <= 0:
+            fail(f"--speed {speed}: use a number > 0")
+        try:
+            replay_dashboard(recording, speed=speed)
+        except RecordingError as e:
+            fail(str(e))
+        return
 
     try:
         header, events, recorded_summary, truncated = read_recording(recording)
@@ -189,6 +231,7 @@ def replay(
     if truncated:
         err.print(f"[yellow]note:[/] {recording} ends early (killed run?); replayed {len(events)} events")
     print_summary(summary, header, out)
+    print_contamination([e for e in events if e.get("type") == "contamination"], out)
 
 
 @app.command()

@@ -231,6 +231,11 @@ class Session:
         return event
 
     # -- live controls (dashboard keys) ------------------------------------------------------
+    def shift_clock(self, seconds: float) -> None:
+        """Wall clock: exclude `seconds` (a pause) from every later timestamp; pending arrivals keep their
+        place relative to the run."""
+        self.engine.shift_clock(seconds)
+
     def set_fault(self, name: str, on: bool, source: str = "key") -> None:
         """Switch one isolation fault on or off from the next step; emits a `fault` event.
 

@@ -133,6 +133,9 @@ def test_replay_plays_to_the_end_then_shows_the_summary_state(recording):
         return source, text
 
     source, text = asyncio.run(run())
+    from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ
+
+    assert 1 / PUBLISH_HZ <= source.min_interval_s <= 1 / MIN_HZ  # paced by the measured drawing cost
     header, events, summary, _ = read_recording(recording)
     assert source.state.summary is not None and source.state.step == summary["steps"] - 1
     assert " END " in text and "isolation ON" in text and "isolation restored" in text
@@ -249,14 +252,15 @@ def test_live_keys_switch_faults_pause_step_and_quit_writes_the_summary(loaded, 
 
             # Pilot waits for an idle CPU after each key (up to 2 s while the engine runs): pause first
             await pilot.press("space")
-            await pilot.pause(0.3)  # the step in flight ends
+            await until(lambda: source.parked, pilot=pilot)  # the step in flight has ended
             step = source.state.step
             await pilot.pause(0.5)
             assert source.state.step == step, "stepped while paused"
             assert " PAUSED " in screen_text(app)
             await pilot.press("n")
             await until(lambda: source.state.step == step + 1, pilot=pilot)
-            await pilot.pause(0.3)
+            await until(lambda: source.parked, pilot=pilot)
+            await pilot.pause(0.2)
             assert source.state.step == step + 1
 
             await pilot.press("i")  # commands still apply while paused
@@ -295,11 +299,15 @@ def test_live_rate_burst_and_restart(loaded, tmp_path):
         app = KvtuiApp(source)
         async with app.run_test(size=(100, 30)) as pilot:
             await until(lambda: source.state.step >= 1, pilot=pilot)
+            await pilot.press("space")  # keys are quicker for Pilot with the engine paused; commands still apply
             await pilot.press("plus", "b")
             await until(lambda: any(line.text.startswith("burst of") for line in source.state.log), pilot=pilot)
             assert any(line.text == "arrival rate x1.25" for line in source.state.log)
             await pilot.press("r")
-            await until(lambda: source.generation == 1 and source.state.step >= 1, pilot=pilot)
+            await until(lambda: source.generation == 1, pilot=pilot)
+            assert source.state.step == -1 and source.paused  # a fresh state; still paused
+            await pilot.press("space")
+            await until(lambda: source.state.step >= 1, pilot=pilot)
             await pilot.press("q")
 
     asyncio.run(run())
@@ -346,3 +354,55 @@ def test_no_color_keeps_the_meaning_in_text(monkeypatch):
 
     text = asyncio.run(run())
     assert "isolation ON" in text and " END " in text
+
+
+# -- entry points ----------------------------------------------------------------------------------------
+def test_run_dashboard_wires_a_recorded_session_and_returns_its_summary(tmp_path, monkeypatch):
+    """run_dashboard as the CLI calls it, with app.run made headless and driven by an autopilot."""
+    import torch
+    from textual.app import App
+
+    from kvtui.tui import run_dashboard
+
+    def headless_run(self, **kwargs):
+        async def autopilot(pilot):
+            await until(lambda: self.source.state.step >= 3, pilot=pilot)
+            await pilot.press("q")
+
+        return App.run(self, headless=True, size=(120, 36), auto_pilot=autopilot)
+
+    monkeypatch.setattr(KvtuiApp, "run", headless_run)
+    threads = torch.get_num_threads()
+    try:
+        summary = run_dashboard(LONG, model="tiny-llama", record=tmp_path / "run.jsonl", faults=("stale_slot",),
+                                detectors=LIVE_DETECTORS, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["stopped_early"] and summary["steps"] >= 3
+    header, events, recorded, truncated = read_recording(tmp_path / "run.jsonl")
+    assert not truncated and recorded["steps"] == summary["steps"] and header["clock"] == "wall"
+    assert header["engine"]["faults"] == ["stale_slot"] and header["detectors"] == list(LIVE_DETECTORS)
+
+
+def test_entry_points_fail_before_taking_the_terminal(tmp_path, monkeypatch):
+    from kvtui.record import RecordingError
+    from kvtui.scenario import ScenarioError
+    from kvtui.tui import replay_dashboard, run_dashboard
+
+    def taken(self, **kwargs):
+        raise AssertionError("the app started")
+
+    monkeypatch.setattr(KvtuiApp, "run", taken)
+    with pytest.raises(ScenarioError):
+        run_dashboard(tmp_path / "missing.yaml", model="tiny-llama")
+    with pytest.raises(ValueError, match="unknown fault"):
+        run_dashboard(LONG, model="tiny-llama", faults=("no_such_fault",))
+    with pytest.raises(ValueError, match="clock"):
+        run_dashboard(LONG, clock="sundial")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):  # the recording's folder is a file
+        run_dashboard(LONG, model="tiny-llama", record=tmp_path / "file" / "x.jsonl", progress=False)
+    with pytest.raises(RecordingError):
+        replay_dashboard(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="speed"):
+        replay_dashboard(DEMO, speed=0)

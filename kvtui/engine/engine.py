@@ -92,6 +92,12 @@ class Engine:
             return self._virtual_now
         return time.perf_counter() - self._t0
 
+    def shift_clock(self, seconds: float) -> None:
+        """Wall clock only: move the engine's origin forward by `seconds` (a paused dashboard), so a pause
+        does not count as latency."""
+        if self.clock == "wall":
+            self._t0 += seconds
+
     def advance_to(self, t: float) -> None:
         """Virtual clock only: jump forward to `t` seconds (e.g. the next arrival while idle)."""
         if self.clock == "virtual" and t > self._virtual_now:

@@ -17,7 +17,7 @@ from textual.widgets import Footer
 from kvtui.scenario import FAULT_NAMES
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
-from kvtui.tui.sources import SnapshotReady, Source
+from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
 from kvtui.tui.widgets import PANELS, ContaminationPanel, EventLog, HeaderBar, RequestTable, SlotMap, StatsPanel
 
 RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the playback speed) by this
@@ -62,6 +62,8 @@ class KvtuiApp(App[dict | None]):
         self.screenshot_dir = Path(screenshot_dir)
         self.snapshot: Snapshot | None = None
         self.frames = 0  # snapshots shown (tests and measurements)
+        self.frame_cost_s: float | None = None  # measured UI-thread CPU per snapshot (seconds)
+        self._pace_mark: tuple[float, float, int] | None = None
         self._quitting = False
 
     def compose(self) -> ComposeResult:
@@ -83,13 +85,27 @@ class KvtuiApp(App[dict | None]):
         self.source.request_stop()
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
-        """Hand the newest snapshot to every panel (older unprocessed ones were replaced)."""
+        """Hand the newest snapshot to every panel (older unprocessed ones were replaced); each
+        redraws only if what it shows changed. Then adjust the frame rate to the drawing cost."""
         self.snapshot = message.snapshot
         self.frames += 1
-        header = self.query_one(HeaderBar)
-        header.mode = message.mode
+        self.query_one(HeaderBar).mode = message.mode
         for widget in self.query("HeaderBar, Panel"):
-            widget.snapshot = message.snapshot
+            widget.show(message.snapshot)
+        self._pace()
+
+    def _pace(self) -> None:
+        """Once a second: UI-thread CPU per frame -> the source's minimum interval between
+        snapshots, so drawing stays within UI_CPU_SHARE of a core (between MIN_HZ and PUBLISH_HZ)."""
+        now, cpu = time.monotonic(), time.thread_time()
+        if self._pace_mark is None:
+            self._pace_mark = (now, cpu, self.frames)
+            return
+        t0, cpu0, frames0 = self._pace_mark
+        if now - t0 >= 1.0 and self.frames > frames0:
+            self.frame_cost_s = (cpu - cpu0) / (self.frames - frames0)
+            self.source.min_interval_s = min(max(self.frame_cost_s / UI_CPU_SHARE, 1.0 / PUBLISH_HZ), 1.0 / MIN_HZ)
+            self._pace_mark = (now, cpu, self.frames)
 
     # -- keys -------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

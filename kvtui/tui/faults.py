@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
+from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, FAULTS
+
 # One line per fault for the fault picker (`f`) and the help screen (DESIGN.md section 4).
-FAULT_DESCRIPTIONS: dict[str, str] = {
-    "shared_cache": "all requests read/write one cache region",
-    "racy_threads": "one thread per request over a shared cache variable",
-    "no_request_mask": "packed layout without the block-diagonal mask",
-    "unmasked_cache_padding": "pads inside cached K/V not masked",
-    "shared_position_offset": "position ids from a batch-wide counter",
-    "stale_slot": "a reused slot keeps the previous owner's length and contents",
-    "causal_offset": "square causal mask ignoring the cache offset",
-    "fp16_cache": "float16 KV cache with a -1e9 mask constant",
-}
+FAULT_DESCRIPTIONS: dict[str, str] = {name: fault.breaks for name, fault in FAULTS.items()}
 
 # What `i` switches on when the scenario names no faults of its own.
-DEFAULT_ISOLATION_FAULTS: tuple[str, ...] = ("stale_slot",)
+DEFAULT_ISOLATION_FAULTS: tuple[str, ...] = DEFAULT_ISOLATION_OFF
 
 
 def isolation_fault_set(header: dict | None) -> tuple[str, ...]:

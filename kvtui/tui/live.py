@@ -3,7 +3,8 @@
 Threading: the worker thread owns the Session and the DashboardState. The UI thread never calls
 the session; it queues commands (fault switches, bursts, a single step, restart) that the worker
 runs between steps, so faults switch at step boundaries. The worker posts a snapshot at most
-PUBLISH_HZ times a second; the UI never blocks it.
+every `min_interval_s` (1/20 s, raised by the app when drawing costs more than its CPU share), and
+builds one only when it is due; the UI never blocks it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtui.tui.sources import PUBLISH_HZ, Source
+from kvtui.tui.sources import Source
 from kvtui.tui.state import DashboardState
 
 if TYPE_CHECKING:
@@ -61,11 +62,8 @@ class LiveSource(Source):
 
     def _apply(self, event: dict) -> None:
         self.state.apply(event)
-        if self._closing and self._publish_due():  # close() may take seconds (reference checks)
+        if self._closing and self.publish_due():  # close() may take seconds (reference checks)
             self.publish(self.state.snapshot(), force=True)
-
-    def _publish_due(self) -> bool:
-        return time.monotonic() - self._last_publish >= 1.0 / PUBLISH_HZ
 
     def mode(self) -> str:
         if self.done:
@@ -75,9 +73,11 @@ class LiveSource(Source):
         return "PAUSED" if self.paused else "LIVE"
 
     # -- worker -----------------------------------------------------------------------------------
-    def attach(self, app: App) -> None:
-        super().attach(app)
+    def attach(self, app: App) -> bool:
+        if not super().attach(app):
+            return False
         self.worker = app.run_worker(self._run, thread=True, name="engine", group="engine", exit_on_error=False)
+        return True
 
     def _run(self) -> None:
         """The worker loop: commands, then one session step unless paused or done; publish."""
@@ -109,7 +109,7 @@ class LiveSource(Source):
                 continue
             if not more:
                 self._finish()
-            if self.done or self._publish_due():
+            if self.done or self.publish_due():
                 self.publish(self.state.snapshot(), force=True)  # the snapshot is built only when due
         self._finish(early=True)
         self.publish(self.state.snapshot(), force=True)
@@ -163,12 +163,8 @@ class LiveSource(Source):
 
     def _exclude_pause(self, seconds: float) -> None:
         """Take a pause out of the wall clock, so paused time does not count as latency.
-        Uses Session.shift_clock(seconds) when the session has it."""
-        session = self.session
-        if hasattr(session, "shift_clock"):
-            session.shift_clock(seconds)
-        elif session.clock == "wall" and hasattr(session.engine, "_t0"):
-            session.engine._t0 += seconds
+        """
+        self.session.shift_clock(seconds)
 
     def step(self) -> None:
         self._queue(self._step_one)

@@ -63,7 +63,7 @@ def ms(seconds: float | None) -> str:
 def header(snap: Snapshot | None, mode: str, width: int) -> Text:
     """One line: scenario, [model, dtype, clock, layout when they fit], step, elapsed, mode,
     isolation state (ON, or OFF with the active faults), leak count. The isolation state always fits."""
-    text = Text(" kvtui ", style="bold reverse")
+    text = Text().append(" kvtui ", style="bold reverse")  # (a Text's own style would cover all it holds)
     if snap is None:
         return text.append(f"  {mode}  loading…")
     text.append(f" {snap.scenario} ", style="bold")
@@ -99,7 +99,7 @@ def _slot_cell(slot: SlotView, cell: int) -> Text:
     head = f"{slot.index:>3} {slot.owner}{mark}"
     tail = f" {slot.cache_len}"
     width = max(cell - len(head) - len(tail) - 1, 2)
-    text = Text(f"{head} ", style=f"bold black on {color(slot.color)}")
+    text = Text().append(f"{head} ", style=f"bold black on {color(slot.color)}")
     text.append(bar(fill, width), style=color(slot.color))
     text.append(tail, style="bold" if slot.just_reused else "")
     return text
@@ -179,7 +179,7 @@ def request_table(snap: Snapshot, width: int, height: int) -> Table:
     text_width = max(width - 60, 12)
     for r in snap.requests[:max(height - 1, 0)]:
         fill = r.cache_len / r.capacity if r.capacity else 0.0
-        cache = (Text(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}", style="")
+        cache = (Text().append(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}")
                  if r.status != "waiting" else Text(""))
         table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), "" if r.slot is None else str(r.slot),
                       cache, f"{r.prompt_tokens}/{r.generated_tokens}", ms(r.ttft_s), _tail(r, text_width))
@@ -266,7 +266,7 @@ def event_log(snap: Snapshot, width: int, height: int) -> Text:
         style = LOG_STYLES.get(line.kind, "")
         body = f"{LOG_SYMBOLS.get(line.kind, '·')} {clean(line.text)}"
         room = max(width - indent, 8)
-        rows.append(Text(f"{line.t:7.1f}s ", style="dim").append(body[:room], style=style))
+        rows.append(Text().append(f"{line.t:7.1f}s ", style="dim").append(body[:room], style=style))
         if len(body) > room:
             rest = Text(" " * indent).append(body[room:], style=style)
             rest.truncate(width)

@@ -52,6 +52,7 @@ class ReplaySource(Source):
         self.end_t = self.times[-1] if self.times else 0.0
         self._rebuild(self.start_t)
         self._tick_at: float | None = None
+        self._changed = False  # events applied since the last snapshot went out
 
     @classmethod
     def from_file(cls, path, **kwargs) -> ReplaySource:
@@ -88,10 +89,12 @@ class ReplaySource(Source):
         return self.index != start
 
     # -- timer ------------------------------------------------------------------------------------
-    def attach(self, app: App) -> None:
-        super().attach(app)
+    def attach(self, app: App) -> bool:
+        if not super().attach(app):
+            return False
         app.set_interval(TICK_S, self._tick, name="replay")
         self.publish(self.state.snapshot(), force=True)
+        return True
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -99,8 +102,9 @@ class ReplaySource(Source):
         self._tick_at = now
         if self.paused or self.at_end:
             return
-        if self._advance_to(self.playhead + dt * self.speed) or self.at_end:
-            self.publish(self.state.snapshot(), force=True)
+        self._changed |= self._advance_to(self.playhead + dt * self.speed)
+        if self._changed and (self.at_end or self.publish_due()):
+            self._changed = not self.publish(self.state.snapshot(), force=self.at_end)
 
     # -- controls ---------------------------------------------------------------------------------
     def toggle_pause(self) -> None:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from textual.app import App
 
 PUBLISH_HZ = 20.0  # most snapshots per second sent to the UI
+MIN_HZ = 4.0  # fewest snapshots per second while anything changes
+# Share of one core the UI thread may spend drawing (seconds of UI CPU per second). The app measures
+# its cost per frame and lowers the frame rate to stay within it: a frame of the full 160x45 screen
+# costs about 20 ms of Python, and every millisecond of it is GIL time the engine thread waits for.
+UI_CPU_SHARE = 0.15
 
 
 class SnapshotReady(Message):
@@ -48,23 +53,32 @@ class Source:
         self.app: App | None = None
         self.paused = False
         self._last_publish = 0.0
+        self.min_interval_s = 1.0 / PUBLISH_HZ  # set by the app from its measured drawing cost
 
     def supports(self, action: str) -> bool:
         """Whether an app action (e.g. "faults", "seek") applies to this source."""
         return action in self.LIVE_ACTIONS
 
-    def attach(self, app: App) -> None:
-        """Start producing snapshots for `app` (called once the app is mounted)."""
+    def attach(self, app: App) -> bool:
+        """Start producing snapshots for `app` (called once the app is mounted). Returns False, and
+        does nothing, when already attached (a second engine worker would race the first)."""
+        if self.app is not None:
+            return False
         self.app = app
+        return True
 
     def mode(self) -> str:
         return "PAUSED" if self.paused else self.kind.upper()
 
+    def publish_due(self) -> bool:
+        """Whether min_interval_s has passed since the last snapshot went out."""
+        return time.monotonic() - self._last_publish >= self.min_interval_s
+
     def publish(self, snapshot: Snapshot, *, force: bool = False) -> bool:
-        """Post a snapshot to the app unless one went out less than 1/PUBLISH_HZ s ago (or `force`).
-        Returns whether it was posted."""
+        """Post a snapshot to the app unless one went out less than min_interval_s ago (or `force`:
+        user actions and state changes that must show at once). Returns whether it was posted."""
         now = time.monotonic()
-        if self.app is None or (not force and now - self._last_publish < 1.0 / PUBLISH_HZ):
+        if self.app is None or (not force and now - self._last_publish < self.min_interval_s):
             return False
         self._last_publish = now
         self.app.post_message(SnapshotReady(snapshot, self.mode()))

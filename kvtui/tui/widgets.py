@@ -11,7 +11,24 @@ from kvtui.tui import panels
 from kvtui.tui.snapshot import Snapshot
 
 
-class Panel(Widget):
+class Shows:
+    """Mixin: `show(snapshot)` sets the `snapshot` reactive (which redraws) only when `key(snapshot)`
+    changed, so a panel whose content is the same is not drawn again."""
+
+    _shown_key: object = object()
+
+    def key(self, snapshot: Snapshot) -> object:
+        """What the panel shows depends on; default: the event count."""
+        return snapshot.seq
+
+    def show(self, snapshot: Snapshot) -> None:
+        key = self.key(snapshot)
+        if key != self._shown_key:
+            self._shown_key = key
+            self.snapshot = snapshot
+
+
+class Panel(Shows, Widget):
     """A bordered panel redrawn whenever `snapshot` is set (identity compare: every snapshot is new)."""
 
     snapshot: reactive[Snapshot | None] = reactive(None, layout=False)
@@ -31,7 +48,7 @@ class Panel(Widget):
         raise NotImplementedError
 
 
-class HeaderBar(Widget):
+class HeaderBar(Shows, Widget):
     """The top line: scenario, model, clock, step, elapsed, source mode, isolation state."""
 
     snapshot: reactive[Snapshot | None] = reactive(None, layout=False)
@@ -65,12 +82,19 @@ class StatsPanel(Panel):
 class ContaminationPanel(Panel):
     TITLE = "contamination"
 
+    def key(self, snapshot):
+        return (len(snapshot.contamination), snapshot.by_detector,
+                tuple((r.id, r.attention_mass) for r in snapshot.requests if r.attention_mass is not None))
+
     def draw(self, snapshot, width, height):
         return panels.contamination(snapshot, width, height)
 
 
 class EventLog(Panel):
     TITLE = "events"
+
+    def key(self, snapshot):
+        return (snapshot.log[-1].seq, snapshot.log[-1].text) if snapshot.log else None
 
     def draw(self, snapshot, width, height):
         return panels.event_log(snapshot, width, height)
