@@ -109,7 +109,7 @@ def run_bench(loaded, *, output: Path, num_requests: int = 16, new_tokens: int =
     return figures
 
 
-def detector_cost(loaded, *, output: Path, batch: int = 8, new_tokens: int = 32, seed: int = 0, repeats: int = 2,
+def detector_cost(loaded, *, output: Path, batch: int = 8, new_tokens: int = 32, seed: int = 0, repeats: int = 3,
                   console: Console | None = None) -> dict:
     """Decode tokens/s of the engine (summed step wall time of decode-only steps) with each in-engine
     detector switched on vs off, batch `batch`. The reference and canary detectors run outside the

@@ -28,7 +28,7 @@ from kvtui.engine.scheduler import Scheduler, StepPlan
 @dataclass(frozen=True)
 class StepCostModel:
     """Modeled step duration for the virtual clock, in seconds:
-    base_s + per_row_s * rows + per_token_s * real tokens + per_key_s * key positions read.
+    base_s + per_row_s * rows + per_token_s * query positions (pads included) + per_key_s * key positions read.
 
     Defaults are rough fits for SmolLM2-135M fp32 on 2 CPU cores (DESIGN.md section 7: batch-1
     decode ~25 tokens/s, batch-8 ~134 tokens/s); they set pacing only, never token values.
@@ -267,7 +267,7 @@ class Engine:
 
     def _end_time(self, start_s: float, plan: StepPlan, batch, wall_start: float) -> float:
         if self.clock == "virtual":
-            tokens = sum(c.num_tokens for c in plan.chunks)
+            tokens = batch.query_positions  # padded positions are computed too: padding costs time
             keys = int(batch.key_slot.numel())
             self._virtual_now = start_s + self.cost_model.duration(batch.rows, tokens, keys)
         return self.now()
