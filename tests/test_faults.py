@@ -170,8 +170,10 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
 
     for leak in leaks:
         assert leak["source"] in earlier_owners(leak["victim"])  # the victim answered with an earlier owner's
-        assert leak["evidence"]["leaked"] in leak["evidence"]["text"].upper() or leak["evidence"]["matched"]
+        assert leak["evidence"]["matched"].upper() in leak["evidence"]["text"].upper()  # the fragment is really there
+        assert leak["evidence"]["matched"] in leak["evidence"]["leaked"]
     finished = {m["request_id"]: m for m in markers if m["type"] == "request.finish"}
     first = leaks[0]
     assert session.canary.passphrases[first["source"]] == first["evidence"]["leaked"]
-    assert finished[first["victim"]]["passphrase_echoed"] is False or first["evidence"]["matched"]
+    victim_text = finished[first["victim"]]["output_text"].upper()
+    assert first["evidence"]["matched"].upper() in victim_text  # the leak is in the victim's final answer

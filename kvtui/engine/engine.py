@@ -262,8 +262,7 @@ class Engine:
         results = self.runner.forward_racy(batches, fp16="fp16_cache" in faults)
         logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
         errors = [(i, err) for i, (out, err) in enumerate(results) if err]
-        merged = batches[0] if len(batches) == 1 else None
-        return logits, errors, merged or _RacyBatchStats(batches)
+        return logits, errors, _RacyBatchStats(batches)
 
     def _end_time(self, start_s: float, plan: StepPlan, batch, wall_start: float) -> float:
         if self.clock == "virtual":
