@@ -46,7 +46,7 @@ def _load_scenario(path: Path):
     except ScenarioError as e:
         for line in e.errors:
             err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
 def _load_model(name: str, dtype: str, device: str):
@@ -186,7 +186,7 @@ def _dashboard(scenario: Path, **options) -> None:
     except ScenarioError as e:
         for line in e.errors:
             err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     except (ModelLoadError, RecordingError, ValueError) as e:
         fail(str(e))
     except OSError as e:
