@@ -37,10 +37,9 @@ def _engine_run(model, prompts, new_tokens: int, *, layout: str, slots: int, max
                                         max_tokens_per_step=max(4096, sum(map(len, prompts))), layout=layout))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, params)
+    states = [engine.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
     engine.run_until_done()
-    return time.perf_counter() - t0, [engine.requests[f"r{i}"].generated_ids for i in range(len(prompts))]
+    return time.perf_counter() - t0, [s.generated_ids for s in states]
 
 
 def _solo_runs(model, prompts, new_tokens):

@@ -243,9 +243,8 @@ class Session:
             self.emit(Marker(t=report.end_s, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
                                                   f"{previous} kept (stale_slot)"))
         for r in report.running:
-            state = self.engine.requests[r.request_id]
-            if r.new_token_id is not None and len(state.generated_ids) == 1:
-                self.emit(FirstToken(t=state.first_token_s, request_id=r.request_id, ttft_s=state.ttft_s))
+            if r.ttft_s is not None:
+                self.emit(FirstToken(t=report.end_s, request_id=r.request_id, ttft_s=r.ttft_s))
         return pieces
 
     def _detect(self, report, pieces: list[tuple[str, str]]) -> None:
@@ -269,17 +268,16 @@ class Session:
                 for event in self.canary.on_finish(f.request_id, finish.output_text, report.end_s, report.step):
                     self.emit(event)
             self.emit(finish)
+            steps = self._token_steps.pop(f.request_id, [])
             if self.reference is not None and finish.completed:
-                state = self.engine.requests[f.request_id]
-                self.reference.on_finish(f.request_id, f.prompt_ids, f.output_ids, state.top2_gaps, state.sampling,
-                                         self._token_steps.get(f.request_id, []))
+                self.reference.on_finish(f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps)
 
     def _drain_references(self, limit: int | None = None) -> None:
         for event in self.reference.drain(self.engine.now(), limit=limit):
             self.emit(event)
 
     def _finish_event(self, f) -> Finish:
-        text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
         passphrase = f.metadata.get("passphrase")
         return Finish(t=f.finish_s, request_id=f.request_id, finish_reason=f.finish_reason, detail=f.detail,
                       slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids, output_text=text,

@@ -16,25 +16,25 @@ def solo(loaded, prompt: list[int], params: SamplingParams) -> list[int]:
     if key not in _solo_cache:
         engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=len(prompt) + params.max_new_tokens + 1,
                                                    max_batch_size=1), eos_token_ids=())
-        engine.submit("solo", prompt, params)
+        state = engine.submit("solo", prompt, params)
         engine.run_until_done()
-        _solo_cache[key] = list(engine.requests["solo"].generated_ids)
+        _solo_cache[key] = list(state.generated_ids)
     return _solo_cache[key]
 
 
 def run_batched(loaded, prompts, params, arrivals, config: EngineConfig):
     """Submit prompt i at step arrivals[i]; step until all finish. Returns (engine, outputs, reports)."""
     engine = Engine(loaded.model, config, eos_token_ids=())
-    reports, step = [], 0
+    reports, step, states = [], 0, {}
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     while order or engine.has_unfinished():
         while order and arrivals[order[0]] <= step:
             i = order.pop(0)
-            engine.submit(f"r{i}", prompts[i], params[i])
+            states[i] = engine.submit(f"r{i}", prompts[i], params[i])
         reports.append(engine.step())
         step += 1
         assert step < 5000, "engine did not finish"
-    outputs = [list(engine.requests[f"r{i}"].generated_ids) for i in range(len(prompts))]
+    outputs = [list(states[i].generated_ids) for i in range(len(prompts))]
     return engine, outputs, reports
 
 

@@ -36,18 +36,18 @@ def test_chunked_prefill_within_token_budget(tiny):
     loaded = tiny["tiny-llama"]
     prompt = list(range(10, 60))  # 50 tokens, budget 16 per step -> 16, 16, 16, 2
     engine = make(loaded, max_tokens_per_step=16)
-    engine.submit("long", prompt, SamplingParams(max_new_tokens=5))
+    long = engine.submit("long", prompt, SamplingParams(max_new_tokens=5))
     reports = engine.run_until_done()
     assert [r.prefill_tokens for r in reports[:4]] == [16, 16, 16, 2]
     assert [r.running[0].new_token_id is None for r in reports[:4]] == [True, True, True, False]
-    assert engine.requests["long"].generated_ids == solo(loaded, prompt, SamplingParams(max_new_tokens=5))
+    assert long.generated_ids == solo(loaded, prompt, SamplingParams(max_new_tokens=5))
 
 
 def test_finished_request_frees_slot_at_once_and_next_reuses_it(tiny):
     loaded = tiny["tiny-gpt2"]
     engine = make(loaded, num_slots=1)
     engine.submit("first", [1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=2))
-    engine.submit("second", [9, 8], SamplingParams(max_new_tokens=3))
+    second = engine.submit("second", [9, 8], SamplingParams(max_new_tokens=3))
     r0 = engine.step()
     assert r0.num_waiting == 1 and r0.slots_used == 1
     r1 = engine.step()
@@ -56,7 +56,8 @@ def test_finished_request_frees_slot_at_once_and_next_reuses_it(tiny):
     assert r2.running[0].request_id == "second" and r2.running[0].slot == 0 and r2.running[0].cache_len == 2
     engine.run_until_done()
     assert engine.pool.times_used == [2]
-    assert engine.requests["second"].generated_ids == solo(loaded, [9, 8], SamplingParams(max_new_tokens=3))
+    assert second.generated_ids == solo(loaded, [9, 8], SamplingParams(max_new_tokens=3))
+    assert engine.requests == {}  # finished requests are forgotten once reported
 
 
 def test_too_long_request_rejected_or_capped_without_touching_others(tiny):

@@ -59,13 +59,13 @@ def test_a_clean_request_in_a_poisoned_slot_gives_its_solo_tokens(tiny, oracle, 
     engine.run_until_done()
     assert engine.pool.previous_owner[0] == "previous"
     poison(engine, slot=0, start=5, value=value)  # what the previous owner left past position 5
-    engine.submit("clean", CLEAN, GREEDY)  # takes slot 0 (lowest free)
-    engine.submit("long", LONG, GREEDY)  # slot 1: the batch's keys run to 30+ positions
+    clean = engine.submit("clean", CLEAN, GREEDY)  # takes slot 0 (lowest free)
+    long = engine.submit("long", LONG, GREEDY)  # slot 1: the batch's keys run to 30+ positions
     reports = engine.run_until_done()
     assert reports[0].running[0].slot == 0 and reports[0].rows == (2 if layout == "padded" else 1)
     assert not any(r.nonfinite for report in reports for r in report.running)
-    assert engine.requests["clean"].generated_ids == reference_tokens(oracle, CLEAN, 8)
-    assert engine.requests["long"].generated_ids == reference_tokens(oracle, LONG, 8)
+    assert clean.generated_ids == reference_tokens(oracle, CLEAN, 8)
+    assert long.generated_ids == reference_tokens(oracle, LONG, 8)
 
 
 def test_the_mask_path_ignores_non_finite_values_at_masked_keys_and_keeps_them_where_weighed():

@@ -25,6 +25,8 @@ from kvtui.engine.sampling import make_generator, sample_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.faults import check_fault_names
 
+NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
+
 
 @dataclass(frozen=True)
 class ForwardOutcome:
@@ -96,7 +98,8 @@ class Engine:
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
         self._faults: frozenset[str] = check_fault_names(config.faults)  # switched between steps
         self._serial: dict[str, int] = {}
-        self._names: dict[int, str] = {}
+        self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
+        self._next_serial = 0
 
     # -- time ---------------------------------------------------------------------------------
     def now(self) -> float:
@@ -131,8 +134,11 @@ class Engine:
         request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
                                arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}))
         self.requests[request_id] = request
-        self._serial[request_id] = len(self._serial)
-        self._names[self._serial[request_id]] = request_id
+        self._serial[request_id] = self._next_serial
+        self._names[self._next_serial] = request_id
+        self._next_serial += 1
+        if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
+            del self._names[next(iter(self._names))]
         reason = self._admission_problem(request)
         if reason:
             self._finish(request, FinishReason.REJECTED, reason)
@@ -177,8 +183,16 @@ class Engine:
         self.scheduler.bucket_tolerance = self.config.bucket_tolerance
 
     def abort(self, request_id: str) -> None:
-        """Cancel a waiting or running request; it frees its slot and finishes with reason "abort"."""
-        request = self.requests[request_id]
+        """Cancel a waiting or running request; it frees its slot and finishes with reason "abort".
+        Aborting a request that already finished (not yet reported) does nothing.
+
+        Raises:
+            KeyError: no such request in the engine (never submitted, or finished and reported).
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"cannot abort {request_id!r}: no such request in the engine (never submitted, "
+                           "or already finished and reported)")
         if not request.is_done:
             self.scheduler.remove(request)
             self._finish(request, FinishReason.ABORT, "aborted by caller")
@@ -236,26 +250,31 @@ class Engine:
         return tuple(stale)
 
     def _forward(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
-        """Run the model on the plan's batch; under a fault, an exception is a symptom, not a crash."""
+        """Run the model on the plan's batch. Under a fault an exception anywhere in the faulty path is a
+        symptom (every chunk of the step is reported as corrupted), never a crash; with isolation
+        intact it is a bug and propagates."""
         if plan.empty:
             return ForwardOutcome()
-        if "racy_threads" in faults:
-            racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
-                                faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes)
-            return ForwardOutcome(racy.logits, racy.stats, errors=racy.errors)
+        try:
+            if "racy_threads" in faults:
+                racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
+                                    faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes)
+                return ForwardOutcome(racy.logits, racy.stats, errors=racy.errors)
+            return self._forward_batch(plan, faults)
+        except Exception as e:
+            if not faults:
+                raise
+            return ForwardOutcome(stats=BatchStats(rows=len(plan.chunks)),
+                                  errors=tuple((i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))))
+
+    def _forward_batch(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
         batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
                             pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len)
         writers = self._tag_writes(batch, plan.chunks)
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
         taint = tuple(slot_taint(batch, writers, own, self._names, ids)) if self.detect_taint else ()
-        try:
-            logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults,
-                                                own_range=not faults & MASK_FAULTS)
-        except Exception as e:
-            if not faults:
-                raise  # with isolation intact an exception is a bug, not a symptom
-            return ForwardOutcome(stats=batch.stats, taint=taint,
-                                  errors=tuple((i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))))
+        logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults,
+                                            own_range=not faults & MASK_FAULTS)
         flow = ()
         if self.measure_flow and state.attn_sum is not None:
             flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids))
@@ -295,6 +314,7 @@ class Engine:
 
     def _advance(self, chunk, logits, end_s: float) -> RunningRequestReport:
         request = chunk.request
+        request.faults_seen = request.faults_seen | self._faults
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
@@ -312,22 +332,33 @@ class Engine:
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._finish(request, reason, "")
+        first = token is not None and len(request.generated_ids) == 1
         return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos, chunk.num_tokens, token,
-                                    chunk.phase, gap, nonfinite)
+                                    chunk.phase, gap, nonfinite, request.ttft_s if first else None)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
-        if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
-            if any(s in text for s in params.stop):
-                return FinishReason.STOP
+        if params.stop and self.tokenizer is not None and self._stop_string(request):
+            return FinishReason.STOP
         if len(request.generated_ids) >= params.max_new_tokens:
             return FinishReason.LENGTH
         if request.cache_len + 1 > self.pool.max_len:  # the last token would not fit its slot
             return FinishReason.LENGTH
         return None
+
+    def _stop_string(self, request: RequestState) -> bool:
+        """Whether the text so far holds a stop string; if so, note which and where the returned text
+        ends (before the earliest stop string, or after it with include_stop_str_in_output)."""
+        text = self.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
+        found = [(text.find(s), s) for s in request.sampling.stop if s in text]
+        if not found:
+            return False
+        index, stop = min(found)
+        request.stop_str = stop
+        request.text_end = index + len(stop) if request.sampling.include_stop_str_in_output else index
+        return True
 
     def _finish(self, request: RequestState, reason: FinishReason, detail: str) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -342,17 +373,20 @@ class Engine:
         self._generators.pop(request.request_id, None)
         self._pending_finished.append(request)
 
-    @staticmethod
-    def _finished_report(r: RequestState) -> FinishedRequestReport:
+    def _retire(self, r: RequestState) -> FinishedRequestReport:
+        """The finished report of `r`; the engine forgets `r` (bounded memory over long runs)."""
+        self.requests.pop(r.request_id, None)
+        self._serial.pop(r.request_id, None)
         return FinishedRequestReport(
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
-            tuple(r.token_times_s), dict(r.metadata))
+            tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
+            r.faults_seen)
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningRequestReport, ...], stale: tuple[StaleStart, ...]) -> StepReport:
         stats, pool = outcome.stats, self.pool
-        finished = tuple(self._finished_report(r) for r in self._pending_finished)
+        finished = tuple(self._retire(r) for r in self._pending_finished)
         self._pending_finished.clear()
         kv_tokens = sum(r.cache_len for r in self.scheduler.running)
         return StepReport(

@@ -69,6 +69,6 @@ def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faul
     for chunk, batch in zip(plan.chunks, batches):
         tag_writes(batch, (chunk,))
     results = runner.forward_racy(batches, fp16="fp16_cache" in faults, own_range=not faults & MASK_FAULTS)
-    logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
+    logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and len(out) and not err}
     errors = tuple((i, err) for i, (out, err) in enumerate(results) if err)
     return RacyOutcome(logits, errors, BatchStats.total([b.stats for b in batches]))

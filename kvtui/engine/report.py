@@ -18,6 +18,7 @@ class RunningRequestReport:
         top2_gap: top-1 minus top-2 logit of the sampled position (None without a sample); a small
             gap marks a near tie that numerical batch variance may flip.
         nonfinite: the logits held NaN or inf.
+        ttft_s: time to first token (seconds) when this step sampled its first token, else None.
     """
 
     request_id: str
@@ -28,11 +29,21 @@ class RunningRequestReport:
     phase: str
     top2_gap: float | None = None
     nonfinite: bool = False
+    ttft_s: float | None = None
 
 
 @dataclass(frozen=True)
 class FinishedRequestReport:
-    """A request that left the engine during the step (finished, aborted or rejected)."""
+    """A request that left the engine during the step (finished, aborted or rejected); the engine
+    forgets it once this report is out.
+
+    Attributes (besides the timestamps of RequestState, seconds on the engine clock):
+        stop_str, text_end: the stop string that ended it and how many characters of the decoded
+            output to return (None: all).
+        top2_gaps: top-1 minus top-2 logit at each generated token.
+        sampling: its SamplingParams.
+        faults: the faults active in any step it took part in.
+    """
 
     request_id: str
     finish_reason: str
@@ -46,6 +57,11 @@ class FinishedRequestReport:
     finish_s: float | None
     token_times_s: tuple[float, ...]
     metadata: dict = field(default_factory=dict)
+    stop_str: str | None = None
+    text_end: int | None = None
+    top2_gaps: tuple[float, ...] = ()
+    sampling: object = None
+    faults: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,10 @@ class SamplingParams:
     and one token is drawn with a generator seeded by `seed`, owned by the request alone, so the draw
     does not depend on the request's slot or its neighbours in the batch.
 
+    A request stops at EOS (unless ignore_eos), at max_new_tokens, or when its text contains one of
+    `stop`; as in the OpenAI API and vLLM, the returned text then ends before the stop string (with
+    it when include_stop_str_in_output), while the token ids keep the token that completed it.
+
     Raises:
         ValueError: temperature < 0, top_k < 0, or top_p outside (0, 1].
     """
@@ -49,6 +53,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -81,6 +86,10 @@ class RequestState:
         arrival_s, scheduled_s, first_token_s, finish_s: timestamps in seconds on the engine's clock
             (None until reached). token_times_s: time of every generated token, for ITL.
         top2_gaps: top-1 minus top-2 logit at each generated token (for labelling numeric divergence).
+        stop_str: the stop string that ended it, if one did.
+        text_end: characters of the decoded output to return (it ends before, or with, the stop
+            string), or None for the whole text.
+        faults_seen: the isolation faults active in any step it took part in.
         metadata: caller's data carried along untouched (e.g. the passphrase canary).
     """
 
@@ -100,6 +109,9 @@ class RequestState:
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     top2_gaps: list[float] = field(default_factory=list)
+    stop_str: str | None = None
+    text_end: int | None = None
+    faults_seen: frozenset = frozenset()
     metadata: dict = field(default_factory=dict)
 
     @property

@@ -131,7 +131,8 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
             prompt_ids=ids,
             sampling=SamplingParams(
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
-                max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos),
+                max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+                include_stop_str_in_output=s.include_stop_str_in_output),
             metadata=meta,
         )
         for i, (arrival, ids, meta, n_out) in enumerate(planned)

@@ -104,6 +104,7 @@ class SamplingSection(Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     ignore_eos: bool = False  # True: every request generates exactly its output length
     stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = []
+    include_stop_str_in_output: bool = False  # vLLM's option: keep the stop string in the returned text
 
 
 class SLO(Strict):
