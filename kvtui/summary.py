@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+
+from kvtui.scenario.errors import printable
+
+
+def _plain(text: object) -> str:
+    """User or model text for a table: control characters escaped, rich markup taken literally."""
+    return escape(printable(str(text)))
 
 
 def _ms(value) -> str:
@@ -15,7 +23,7 @@ def print_summary(summary: dict, header: dict, console: Console) -> None:
     scenario = header.get("scenario", {})
     title = (f"{scenario.get('name', '?')} on {header.get('model', {}).get('id', '?')} "
              f"({header.get('clock', '?')} clock, {header.get('engine', {}).get('layout', '?')} layout)")
-    table = Table(title=title, show_header=False, title_justify="left")
+    table = Table(title=_plain(title), show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items())) or "-"
@@ -78,8 +86,8 @@ def print_contamination(events: list[dict], console: Console, limit: int = 12) -
         else:
             text = str(ev)[:100]
         style = "dim" if e["kind"] == "numeric" else ("red" if e["kind"] == "cross_request" else "yellow")
-        table.add_row(str(e["step"]), f"{e['victim']} <- {e['source'] or '?'}", f"[{style}]{e['kind']}[/]",
-                      e["detector"], text)
+        table.add_row(str(e["step"]), _plain(f"{e['victim']} <- {e['source'] or '?'}"),
+                      f"[{style}]{_plain(e['kind'])}[/]", _plain(e["detector"]), _plain(text))
     if len(ordered) > limit:
         table.caption = f"{len(ordered) - limit} more in the recording"
     console.print(table)

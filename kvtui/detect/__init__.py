@@ -1,4 +1,4 @@
-"""Contamination detectors (DESIGN.md section 5). Each turns what it sees into `contamination`
+"""Contamination detectors (docs/faults.md). Each turns what it sees into `contamination`
 events: victim request, source request when known, step, kind and evidence.
 
 Kinds: `cross_request` (information from another request reached the victim), `corruption`

@@ -1,4 +1,4 @@
-"""The named isolation faults (DESIGN.md section 4). Each is a switch the real code path consults:
+"""The named isolation faults (docs/faults.md). Each is a switch the real code path consults:
 the batch really is built, masked, positioned or cached wrongly; nothing is simulated.
 
 | fault | where it acts |
@@ -56,7 +56,7 @@ FAULT_NAMES = tuple(FAULTS)
 # `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).
 DEFAULT_ISOLATION_OFF = ("stale_slot",)
 
-FP16_MASK_CONSTANT = -1e9  # the source's mask constant; float16 rounds it to -inf
+FP16_MASK_CONSTANT = -1e9  # a common hand-written mask constant; float16 rounds it to -inf
 
 
 def check_fault_names(names) -> frozenset[str]:

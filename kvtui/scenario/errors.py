@@ -8,6 +8,7 @@ the formatter can read the fix and an optional sub-path below the field that rai
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import reprlib
 import types
@@ -71,6 +72,28 @@ def did_you_mean(word: object, choices: Sequence[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+_EXPONENT = re.compile(r"([-+]?)(\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)")
+
+
+def yaml11_exponent(value: object) -> tuple[str, str, str] | None:
+    """For text such as '1e3' that YAML 1.1 (PyYAML) reads as a string because its exponent form
+    lacks a dot or a sign: (what was read, the number written plainly, the number in YAML 1.1's
+    exponent form), e.g. ("'1e3' (text: YAML 1.1 reads an exponent without a dot and a sign as
+    text)", "1000", "1.0e+3"). None for anything else."""
+    if not isinstance(value, str):
+        return None
+    m = _EXPONENT.fullmatch(value.strip())
+    if not m or not math.isfinite(float(value)):
+        return None
+    sign, whole, frac, exp_sign, exp = m.groups()
+    number = float(value)
+    plain = str(int(number)) if number.is_integer() and abs(number) < 1e16 else repr(number)
+    if "e" in plain:  # repr fell back to an exponent: give only the YAML 1.1 form
+        plain = f"{sign}{whole}.{frac or '0'}e{exp_sign or '+'}{exp}"
+    read = f"{short(value)} (text: YAML 1.1 reads an exponent without a dot and a sign as text)"
+    return read, plain, f"{sign}{whole}.{frac or '0'}e{exp_sign or '+'}{exp}"
+
+
 def type_name(value: object) -> str:
     names = {dict: "a mapping", list: "a list", str: "text", bool: "true/false", int: "an integer",
              float: "a number", type(None): "nothing (null)"}
@@ -123,9 +146,14 @@ def describe(err: dict, allowed_keys: Callable[[tuple], list[str]],
         return f"expected a mapping (key: value lines), got {type_name(value)}", "write it as `key: value` entries", ()
     if kind == "list_type":
         return f"expected a list, got {type_name(value)}", "write it as `- item` lines or [a, b]", ()
+    yaml_number = yaml11_exponent(value)
     if kind in ("int_type", "int_parsing", "int_from_float"):
+        if yaml_number and float(value).is_integer():
+            return f"expected a whole number, got {yaml_number[0]}", f"write {yaml_number[1]}", ()
         return f"expected a whole number, got {short(value)}", "write an integer like 4", ()
     if kind in ("float_type", "float_parsing"):
+        if yaml_number:
+            return f"expected a number, got {yaml_number[0]}", f"write {' or '.join(dict.fromkeys(yaml_number[1:]))}", ()
         return f"expected a number, got {short(value)}", "write a number like 2.0", ()
     if kind == "finite_number":
         return f"expected a finite number, got {short(value)}", "write a number like 2.0", ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, FAULTS
 
-# One line per fault for the fault picker (`f`) and the help screen (DESIGN.md section 4).
+# One line per fault for the fault picker (`f`) and the help screen (docs/faults.md).
 FAULT_DESCRIPTIONS: dict[str, str] = {name: fault.breaks for name, fault in FAULTS.items()}
 
 # What `i` switches on when the scenario names no faults of its own.
