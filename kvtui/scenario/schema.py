@@ -66,8 +66,8 @@ class EngineSection(Strict):
     stays within a learned position table (GPT-2's n_positions)."""
 
     slots: Annotated[int, Field(ge=1, le=4096)] | None = Field(
-        None, description=f"KV slots, the most requests running at once; {_D.num_slots} when neither slots nor "
-                          "kv_budget_bytes is given")
+        None, description="KV slots, the most requests running at once; null with kv_budget_bytes",
+        json_schema_extra={"x-default": f"{_D.num_slots} (null with kv_budget_bytes)"})
     max_len: Annotated[int, Field(ge=2, le=1_000_000)] = Field(
         _D.max_len, description="tokens one slot holds: prompt + generated tokens of one request")
     kv_budget_bytes: Annotated[int, Field(gt=0, le=2**50)] | None = Field(
@@ -161,7 +161,7 @@ class Scenario(Strict):
     """A load scenario: who arrives when, saying what, served by which engine."""
 
     name: Annotated[str, Field(min_length=1, max_length=200)] = Field(
-        description="shown in the summary and the recording; default: the file name without .yaml")
+        description="shown in the summary and the recording", json_schema_extra={"x-default": "the file name"})
     description: Annotated[str, Field(max_length=10_000)] = Field("", description="free text")
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(
         0, description="fixes every random choice: arrivals, prompts, lengths, sampling")
