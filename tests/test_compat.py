@@ -18,7 +18,12 @@ from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.runner import model_geometry
 from kvtui.models import ModelLoadError, build_tiny_tokenizer, load_model
 from kvtui.models.compat import (
-    NAMED_CONFIGS, IncompatibleModel, check_batch_invariant, check_max_len, gguf_config, length_dependent_rope,
+    NAMED_CONFIGS,
+    IncompatibleModel,
+    check_batch_invariant,
+    check_max_len,
+    gguf_config,
+    length_dependent_rope,
     shape_from_config,
 )
 
@@ -148,8 +153,8 @@ def test_validate_and_run_refuse_max_len_past_learned_positions(tmp_path: Path):
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, result.output
         assert result.stderr.splitlines() == [
-            f"error: {scenario}:4: engine.max_len: max_len 2200 exceeds the model's 2048 learned positions "
-            "(n_positions); lower engine.max_len"]
+            (f"error: {scenario}:4: engine.max_len: max_len 2200 exceeds the model's 2048 learned positions "
+            "(n_positions); lower engine.max_len")]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])

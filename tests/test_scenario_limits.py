@@ -72,8 +72,8 @@ def test_budget_that_holds_no_slot_is_refused_at_validation():
     with pytest.raises(ScenarioError) as info:
         parse_scenario("max_requests: 2\nengine: {kv_budget_bytes: 1000000}\n", source="s.yaml")
     assert info.value.errors == [
-        f"s.yaml:2: engine.kv_budget_bytes: kv_budget_bytes 1000000 holds no slot: one slot of max_len 512 needs "
-        f"{30 * 3 * 64 * 2 * 4 * 512} bytes for default (float32); raise engine.kv_budget_bytes or lower engine.max_len"]
+        (f"s.yaml:2: engine.kv_budget_bytes: kv_budget_bytes 1000000 holds no slot: one slot of max_len 512 needs "
+        f"{30 * 3 * 64 * 2 * 4 * 512} bytes for default (float32); raise engine.kv_budget_bytes or lower engine.max_len")]
 
 
 def test_kv_pool_refuses_before_allocating():
@@ -102,8 +102,8 @@ def test_run_turns_a_pool_that_does_not_fit_into_one_line(tmp_path: Path, monkey
     result = invoke("run", str(scenario), "--headless")
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [
-        f"error: {scenario}: KV pool of 4 slots x 256 tokens needs 520.0 KiB, more than the 256.0 KiB of cpu memory "
-        "available; lower engine.slots or engine.max_len"]
+        (f"error: {scenario}: KV pool of 4 slots x 256 tokens needs 520.0 KiB, more than the 256.0 KiB of cpu memory "
+        "available; lower engine.slots or engine.max_len")]
 
 
 # -- prompt files ---------------------------------------------------------------------------------------
@@ -114,9 +114,9 @@ def test_one_huge_prompt_line_is_refused_at_validation(tmp_path: Path):
     with pytest.raises(ScenarioError) as info:
         load_scenario(scenario)
     assert info.value.errors == [
-        f"{scenario}:3: prompts.path: big.txt line 2: prompt of 10000000 characters, over the {MAX_PROMPT_CHARS} "
+        (f"{scenario}:3: prompts.path: big.txt line 2: prompt of 10000000 characters, over the {MAX_PROMPT_CHARS} "
         "character limit; shorten or split it (for long inputs of a given length use `kind: synthetic` with "
-        "prompt_tokens)"]
+        "prompt_tokens)")]
 
 
 def test_huge_chat_prompt_in_jsonl_is_refused(tmp_path: Path):
@@ -133,8 +133,8 @@ def test_prompt_file_over_the_size_limit_names_its_size(tmp_path: Path):
     with pytest.raises(ScenarioError) as info:
         parse_scenario("max_requests: 2\nprompts: {kind: file, path: huge.txt}\n", source="s.yaml", base_dir=tmp_path)
     assert info.value.errors == [
-        f"s.yaml:2: prompts.path: prompt file huge.txt is {MAX_PROMPT_FILE_BYTES + 1} bytes, over the "
-        f"{MAX_PROMPT_FILE_BYTES} byte (16 MiB) limit; use a smaller file"]
+        (f"s.yaml:2: prompts.path: prompt file huge.txt is {MAX_PROMPT_FILE_BYTES + 1} bytes, over the "
+        f"{MAX_PROMPT_FILE_BYTES} byte (16 MiB) limit; use a smaller file")]
 
 
 # -- YAML 1.1 numbers -----------------------------------------------------------------------------------
@@ -169,14 +169,18 @@ def test_exponent_in_a_whole_number_field_and_a_timeline_knob():
 
 def test_timeline_event_after_duration_warns(tmp_path: Path):
     scenario = write(tmp_path, "duration_s: 5\nmodel: tiny-llama\narrivals: {process: constant, rate_per_s: 1.0}\n"
-                               "timeline:\n  - {at_s: 10, marker: late}\n  - {at_s: 2, marker: fine}\n")
+                               "timeline:\n  - {at_s: 10, marker: late}\n  - {at_s: 2, marker: fine}\n"
+                               "output_tokens: 2\n")
     assert load_scenario(scenario).warnings == [
-        f"{scenario}:5: timeline.0.at_s: at 10 s, after duration_s (5 s): it applies only if requests are still "
-        "running then, else never; move it earlier or raise duration_s"]
+        (f"{scenario}:5: timeline.0.at_s: at 10 s, after duration_s (5 s): it applies only if requests are still "
+        "running then, else never; move it earlier or raise duration_s")]
     result = invoke("validate", str(scenario))
     assert result.exit_code == 0
     assert result.stderr.splitlines() == ["warning: " + load_scenario(scenario).warnings[0]]
     assert "marker: late" in result.stdout
+    run = invoke("run", str(scenario), "--headless", "--detectors", "none")
+    assert run.exit_code == 0, run.output
+    assert run.stderr.splitlines() == result.stderr.splitlines()
 
 
 def test_timeline_event_after_the_last_arrival_warns():
@@ -184,8 +188,8 @@ def test_timeline_event_after_the_last_arrival_warns():
                           "timeline:\n  - {at_s: 0.9, marker: fine}\n  - {at_s: 1.5, set: {max_batch_size: 2}}\n",
                           source="s.yaml")
     assert spec.warnings == [
-        "s.yaml:5: timeline.1.at_s: at 1.5 s, after the last planned arrival (1.00 s): it applies only if requests "
-        "are still running then, else never; move it earlier or let arrivals run longer"]
+        ("s.yaml:5: timeline.1.at_s: at 1.5 s, after the last planned arrival (1.00 s): it applies only if requests "
+        "are still running then, else never; move it earlier or let arrivals run longer")]
     assert parse_scenario("max_requests: 3\narrivals: {process: constant, rate_per_s: 2.0}\n"
                           "timeline: [{at_s: 1.0, marker: at the last arrival}]\n").warnings == []
 

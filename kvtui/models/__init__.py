@@ -21,7 +21,10 @@ _EXPORTS = {
     "LoadedModel": "types", "ModelLoadError": "types",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DEFAULT_GGUF_SHA256", "DEFAULT_MODEL_ID", "INSTALL_COMMAND", "TINY_NAMES", "LoadedModel", "ModelLoadError",
+    "build_tiny", "build_tiny_tokenizer", "cache_dir", "default_model_path", "load_model", "parse_dtype",
+]
 
 
 def __getattr__(name: str):
