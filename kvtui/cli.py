@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+from kvtui.config import Clock, DType, Layout
+from kvtui.events import Contamination
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
+
+Isolation = Literal["on", "off"]
 
 app = typer.Typer(
     name="kvtui",
@@ -64,6 +71,24 @@ def _load_model(name: str, dtype: str, device: str):
         fail(str(e))
 
 
+FaultChoice = enum.Enum("FaultChoice", {name: name for name in FAULT_NAMES}, type=str)
+DETECTORS_HELP = "Comma-separated detectors, or 'none'."
+
+
+def _fault_names(chosen) -> tuple[str, ...]:
+    return tuple(f.value for f in chosen or ())
+
+
+def _detectors(text: str) -> tuple[str, ...]:
+    from kvtui.detect import DETECTOR_NAMES
+
+    chosen = () if text.strip() == "none" else tuple(d.strip() for d in text.split(",") if d.strip())
+    unknown = [d for d in chosen if d not in DETECTOR_NAMES]
+    if unknown:
+        fail(f"--detectors: unknown detector {unknown[0]!r}; use some of {', '.join(DETECTOR_NAMES)} or 'none'")
+    return chosen
+
+
 @app.command()
 def run(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML file, e.g. scenarios/passphrase.yaml")],
@@ -71,17 +96,17 @@ def run(
     record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model: default, "
                                                  "tiny-llama, tiny-gpt2, a HF model directory or a .gguf file.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (default: scenario's).")] = None,
-    clock: Annotated[Optional[str], typer.Option(help="virtual (deterministic; headless default) or wall.")] = None,
-    layout: Annotated[Optional[str], typer.Option(help="Override engine layout: padded or packed.")] = None,
+    dtype: Annotated[Optional[DType], typer.Option(help="Override the scenario's dtype.")] = None,
+    clock: Annotated[Optional[Clock], typer.Option(help="virtual (deterministic; headless default) or wall "
+                                                   "(dashboard default).")] = None,
+    layout: Annotated[Optional[Layout], typer.Option(help="Override the engine layout.")] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
-    fault: Annotated[Optional[list[str]], typer.Option("--fault", help="Turn an isolation fault on from the "
-                                                       "start (repeatable); see `kvtui faults`.")] = None,
-    isolation: Annotated[str, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
+                                                               "the start (repeatable); see `kvtui faults`.")] = None,
+    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
-    detectors: Annotated[str, typer.Option(help="Comma-separated detectors, or 'none'.")] =
-        "reference,canary,attention_flow,slot_taint",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI.
@@ -89,70 +114,23 @@ def run(
     Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
     `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
     """
-    from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, check_fault_names
-    from kvtui.summary import print_contamination, print_summary
-
     spec = _load_scenario(scenario)
-    if isolation not in ("on", "off"):
-        fail(f"--isolation {isolation}: use 'on' or 'off'")
-    faults = list(fault or []) + (list(DEFAULT_ISOLATION_OFF) if isolation == "off" else [])
-    try:
-        check_fault_names(faults)
-    except ValueError as e:
-        fail(f"--fault: {e}")
-    chosen = () if detectors.strip() == "none" else tuple(d.strip() for d in detectors.split(",") if d.strip())
+    faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
+    chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
+    options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
+                   clear_faults=clear_faults)
     if not headless:
-        _dashboard(scenario, model=model, dtype=dtype, clock=clock or "wall", record=record, layout=layout,
-                   device=device, faults=tuple(faults), detectors=chosen)
+        _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or "wall"})
         return
-    clock = clock or "virtual"
-    if clock not in ("virtual", "wall"):
-        fail(f"--clock {clock}: use 'virtual' or 'wall'")
     loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
-    overrides = {"device": device}
-    if layout:
-        if layout not in ("padded", "packed"):
-            fail(f"--layout {layout}: use 'padded' or 'packed'")
-        overrides["layout"] = layout
-    from kvtui.session import Session
+    session = _session(spec, scenario, loaded, **{**options, "clock": clock or "virtual"})
+    _install_stop_handlers(session)
+    summary = _run_headless(session, record, quiet)
+    from kvtui.summary import print_contamination, print_summary
 
-    try:
-        if clear_faults:
-            overrides["faults"] = frozenset()
-        session = Session(spec, loaded, clock=clock, record_path=record, engine_overrides=overrides,
-                          detectors=chosen, faults=tuple(faults), fault_switches=not clear_faults)
-    except OSError as e:
-        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
-    except ValueError as e:
-        fail(f"{scenario}: {e}")
-
-    def stop(signum, frame):
-        if session.stop_requested:
-            raise KeyboardInterrupt
-        session.stop_requested = True
-        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    total = len(session.pending)
-    try:
-        if quiet or not err.is_terminal:
-            summary = session.run()
-        else:
-            with err.status("starting") as status:
-                def progress(s):
-                    m = s.metrics
-                    status.update(f"step {m.steps}  finished {m.requests_finished}/{total}  "
-                                  f"running {s.engine.num_running}  waiting {s.engine.num_waiting}  "
-                                  f"t={s.engine.now():.1f}s")
-                summary = session.run(progress)
-    except Exception as e:  # a bug or a runtime failure, not a user mistake: keep the recording, say where
-        session.close()
-        fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
-             EXIT_RUNTIME)
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out)
     if record:
@@ -165,6 +143,49 @@ def run(
         out.print(reason, markup=False, highlight=False)
 
 
+def _session(spec, path: Path, loaded, **options):
+    """build_session with input errors turned into one line and exit 2."""
+    from kvtui.session import build_session
+
+    try:
+        return build_session(spec, loaded, **options)
+    except OSError as e:
+        fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+    except ValueError as e:
+        fail(f"{path}: {e}")
+
+
+def _install_stop_handlers(session) -> None:
+    """Ctrl-C / SIGTERM: stop after the current step and write the summary; a second one aborts."""
+    def stop(signum, frame):
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.stop_requested = True
+        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _run_headless(session, record, quiet: bool):
+    """Run to the end with a progress line on a terminal; a runtime failure keeps the recording and
+    exits 3 with one line."""
+    total = len(session.pending)
+    try:
+        if quiet or not err.is_terminal:
+            return session.run()
+        with err.status("starting") as status:
+            def progress(s):
+                status.update(f"step {s.metrics.steps}  finished {s.metrics.requests_finished}/{total}  "
+                              f"running {s.engine.num_running}  waiting {s.engine.num_waiting}  "
+                              f"t={s.engine.now():.1f}s")
+            return session.run(progress)
+    except Exception as e:  # a bug or a runtime failure, not a user mistake: keep the recording, say where
+        session.close()
+        fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
+             EXIT_RUNTIME)
+
+
 def _dashboard(scenario: Path, **options) -> None:
     """Run the live dashboard; input errors become one line and exit 2 (raised before the screen opens)."""
     from kvtui.models import ModelLoadError
@@ -174,7 +195,7 @@ def _dashboard(scenario: Path, **options) -> None:
     from kvtui.tui import run_dashboard
 
     try:
-        summary = run_dashboard(scenario, **options)
+        summary, header = run_dashboard(scenario, **options)
     except ScenarioError as e:
         for line in e.errors:
             say("error", line)
@@ -183,22 +204,22 @@ def _dashboard(scenario: Path, **options) -> None:
         fail(str(e))
     except OSError as e:
         fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
-    if summary:
-        print_summary(summary, {"scenario": {"name": Path(scenario).stem}, "clock": options["clock"]}, out)
+    if summary is not None:
+        print_summary(summary, header, out)
     if options.get("record"):
         out.print(f"recording: {options['record']}", markup=False, highlight=False)
 
 
 def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
     """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
-    expect = expect_override or getattr(getattr(spec, "expect", None), "contamination", "none")
-    found = [e for e in session.contamination if e["kind"] in ("cross_request", "corruption")]
+    expect = expect_override or spec.expect.contamination
+    found = [e for e in session.contamination if e.counts]
     faults_seen = bool(session.fault_history)
     if expect == "none" and found:
         first = found[0]
-        return EXIT_CONTAMINATION, (f"unexpected contamination: {len(found)} events, first: {first['victim']} <- "
-                                    f"{first['source'] or '?'} ({first['kind']}, {first['detector']}, step "
-                                    f"{first['step']}); the scenario expects none")
+        return EXIT_CONTAMINATION, (f"unexpected contamination: {len(found)} events, first: {first.victim} <- "
+                                    f"{first.source or '?'} ({first.kind}, {first.detector}, step "
+                                    f"{first.step}); the scenario expects none")
     if expect == "detected" and not found:
         return EXIT_CONTAMINATION, ("expected contamination to be detected" +
                                     (" (a fault was on)" if faults_seen else " but no fault was on") +
@@ -212,40 +233,46 @@ def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str
 def replay(
     recording: Annotated[Path, typer.Argument(help="A JSONL recording made with --record.")],
     summary_only: Annotated[bool, typer.Option("--summary", help="Print the summary instead of the dashboard.")] = False,
-    speed: Annotated[float, typer.Option(help="Dashboard playback speed (2 = twice as fast).")] = 1.0,
+    speed: Annotated[float, typer.Option(help="Dashboard playback speed (2 = twice as fast).", min=1 / 64,
+                                         max=256)] = 1.0,
 ) -> None:
     """Play a recording back without loading a model: the dashboard (speed, pause, seek), or --summary."""
-    from kvtui.metrics import SLO, Metrics
     from kvtui.record import RecordingError, read_recording
     from kvtui.summary import print_contamination, print_summary
 
     if not summary_only and sys.stdout.isatty() and sys.stderr.isatty():
         from kvtui.tui import replay_dashboard
 
-        if speed <= 0:
-            fail(f"--speed {speed}: use a number > 0")
         try:
             replay_dashboard(recording, speed=speed)
         except RecordingError as e:
             fail(str(e))
         return
-
     try:
-        header, events, recorded_summary, truncated = read_recording(recording)
+        header, events, recorded, truncated = read_recording(recording)
     except RecordingError as e:
         fail(str(e))
-    slo = header.get("scenario", {}).get("slo") or {}
-    metrics = Metrics(SLO(slo.get("ttft_s"), slo.get("tpot_s")))
-    for event in events:
-        metrics.add_event(event)
-    summary = metrics.summary()
-    if recorded_summary:
-        summary["stopped_early"] = recorded_summary.get("stopped_early", False)
-        summary["requests_not_submitted"] = recorded_summary.get("requests_not_submitted", 0)
+    summary = replay_summary(header, events, recorded)
     if truncated:
         say("note", f"{recording} ends early (killed run?); replayed {len(events)} events")
     print_summary(summary, header, out)
-    print_contamination([e for e in events if e.get("type") == "contamination"], out)
+    print_contamination([e for e in events if isinstance(e, Contamination)], out)
+
+
+def replay_summary(header, events, recorded):
+    """The summary recomputed from a recording's events (what the live run printed), with the fields
+    only the live session knew taken from the recorded summary when there is one."""
+    from kvtui.metrics import SLO, Metrics
+
+    slo = header.scenario.get("slo") or {}
+    metrics = Metrics(SLO(slo.get("ttft_s"), slo.get("tpot_s")))
+    for event in events:
+        metrics.add_event(event)
+    session_fields = {}
+    if recorded is not None:
+        session_fields = {k: getattr(recorded, k) for k in ("faults_active_at_end", "contamination_by_fault",
+                                                            "stopped_early", "requests_not_submitted")}
+    return metrics.summary(t=recorded.t if recorded is not None else None, **session_fields)
 
 
 @app.command()
@@ -262,8 +289,6 @@ def faults() -> None:
     """List the isolation faults, what each breaks, and the layouts it acts in."""
     from rich.table import Table
 
-    from kvtui.engine.faults import DEFAULT_ISOLATION_OFF, FAULTS
-
     table = Table(title="isolation faults (--fault NAME, timeline {fault: NAME, on: true}, dashboard key f)",
                   title_justify="left")
     for column in ("fault", "what it breaks", "layouts", "caught by"):
@@ -279,21 +304,17 @@ def faults() -> None:
 def audit(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")],
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
-    fault: Annotated[Optional[list[str]], typer.Option("--fault", help="Isolation fault on (repeatable).")] = None,
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
+                                                               "(repeatable).")] = None,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
     must not change. Exit 1 when some did."""
-    from kvtui.detect.audit import run_audit
-    from kvtui.engine.faults import check_fault_names
+    from kvtui.audit import run_audit
 
     spec = _load_scenario(scenario)
-    try:
-        check_fault_names(fault or [])
-    except ValueError as e:
-        fail(f"--fault: {e}")
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
     try:
-        events = run_audit(spec, loaded, faults=tuple(fault or []), console=err)
+        events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
     except ValueError as e:  # an engine the model or the memory cannot hold
         fail(f"{scenario}: {e}")
     from kvtui.summary import print_contamination
@@ -345,11 +366,28 @@ def bench(
     bench_module.run_bench(loaded, output=output, num_requests=requests, new_tokens=new_tokens, seed=seed, console=out)
 
 
-def main() -> None:
-    """Console entry point."""
+def main() -> int:
+    """Console entry point. A rejected option or argument is one line on stderr and exit 2."""
+    try:  # typer vendors click since 0.24
+        from typer._click import exceptions as click_errors
+    except ImportError:  # pragma: no cover - older typer on the real click
+        from click import exceptions as click_errors
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    app()
+    try:
+        code = app(standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as e:
+        typer.echo(e.ctx.get_help() if e.ctx else "", err=True)
+        return EXIT_BAD_INPUT
+    except click_errors.UsageError as e:
+        command = f"kvtui {e.ctx.info_name}" if e.ctx and e.ctx.parent else "kvtui"
+        message = e.format_message().replace("Value error, ", "")
+        err.print(f"[bold red]error:[/] {escape(message)} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        return EXIT_BAD_INPUT
+    except typer.Abort:
+        return 130
+    return code if isinstance(code, int) else EXIT_OK
 
 
 if __name__ == "__main__":

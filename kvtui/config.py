@@ -9,6 +9,8 @@ Layout = Literal["padded", "packed"]
 PaddingSide = Literal["right", "left"]
 SlotReuse = Literal["reuse", "reallocate"]
 TooLong = Literal["reject", "cap"]
+Clock = Literal["virtual", "wall"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class EngineConfig:
             (max_new_tokens lowered to fit); a prompt that alone does not fit is always rejected.
         max_waiting: most requests queued for a slot; later arrivals are rejected (None = unbounded).
         device: torch device string.
+        faults: isolation faults on from the start (names from kvtui.faults), a frozenset.
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -66,8 +69,8 @@ class EngineConfig:
             (self.slot_reuse in ("reuse", "reallocate"), f"{self.slot_reuse = } must be 'reuse' or 'reallocate'"),
             (self.on_too_long in ("reject", "cap"), f"{self.on_too_long = } must be 'reject' or 'cap'"),
             (self.max_waiting is None or self.max_waiting >= 0, f"{self.max_waiting = } must be >= 0"),
+            (isinstance(self.faults, frozenset), f"faults must be a frozenset of fault names, got {self.faults!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        object.__setattr__(self, "faults", frozenset(self.faults))

@@ -13,6 +13,8 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvtui.events import Contamination, CounterEntry, Finish, LatencyStats, StepEvent, Summary
+
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -28,11 +30,10 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(values: list[float]) -> dict:
-    """{"count", "mean", "p50", "p90", "p95", "p99"} of `values` (None entries when empty)."""
-    out = {"count": len(values), "mean": sum(values) / len(values) if values else None}
-    out.update({f"p{q}": percentile(values, q) for q in PERCENTILES})
-    return out
+def summarize(values: list[float]) -> LatencyStats:
+    """Count, mean, p50, p90, p95, p99 of `values` (seconds; None entries when empty)."""
+    return LatencyStats(count=len(values), mean=sum(values) / len(values) if values else None,
+                        **{f"p{q}": percentile(values, q) for q in PERCENTILES})
 
 
 @dataclass
@@ -67,23 +68,27 @@ class SLO:
 
 
 class Metrics:
-    """Accumulates a run's figures; `snapshot()` gives the live values, `summary()` the final ones."""
+    """Accumulates a run's figures from its events; `summary()` gives the final ones.
+
+    Latency statistics (TTFT, TPOT, ITL, E2E, queue time) count completed requests only (finish
+    reason stop or length), as vLLM's `bench serve` does; aborted and rejected requests are counted
+    separately in `finish_reasons`.
+    """
 
     def __init__(self, slo: SLO | None = None) -> None:
         self.slo = slo or SLO()
-        self.prefill_1s, self.prefill_10s = SlidingRate(1.0), SlidingRate(10.0)
-        self.decode_1s, self.decode_10s = SlidingRate(1.0), SlidingRate(10.0)
+        self.prefill_1s, self.decode_1s = SlidingRate(1.0), SlidingRate(1.0)
         self.steps = 0
         self.first_t: float | None = None
         self.last_t = 0.0
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_tokens = self.decode_tokens = 0
-        self.padding_ratios: list[float] = []
-        self.key_padding_ratios: list[float] = []
+        self.padding_sum = self.key_padding_sum = 0.0
+        self.busy_steps = 0  # steps that computed something (padding means are over these)
         self.peak_slot_occupancy = 0.0
         self.peak_kv_usage = 0.0
         self.peak_waiting = 0
-        self.last: dict | None = None
+        self.last: StepEvent | None = None
         self.contamination: Counter = Counter()  # (kind, detector) -> events
         self.canary_requests = 0
         self.canary_echoed = 0
@@ -97,51 +102,52 @@ class Metrics:
         self.good_requests = 0
         self.measured_wall_s = 0.0
 
-    def add_event(self, event: dict) -> None:
-        """Feed one recording event (dict); live runs and replays feed the same events, so a replay
-        reproduces the live summary exactly."""
-        kind = event.get("type")
-        if kind == "step":
+    def add_event(self, event) -> None:
+        """Feed one typed event (kvtui.events); live runs and replays feed the same events, so a
+        replay reproduces the live summary exactly."""
+        if isinstance(event, StepEvent):
             self._add_step(event)
-        elif kind == "request.finish":
+        elif isinstance(event, Finish):
             self._add_finished(event)
-        elif kind == "contamination":
-            self.contamination[(event["kind"], event["detector"])] += 1
+        elif isinstance(event, Contamination):
+            self.contamination[(event.kind, event.detector)] += 1
 
-    def _add_step(self, e: dict) -> None:
-        t = e["t"]
+    def _add_step(self, e: StepEvent) -> None:
         if self.first_t is None:
-            self.first_t = e["start_s"]
-        self.last_t = max(self.last_t, t)
+            self.first_t = e.start_s
+        self.last_t = max(self.last_t, e.t)
         self.steps += 1
-        self.measured_wall_s += e["wall_s"]
-        self.prefill_tokens += e["prefill_tokens"]
-        self.decode_tokens += e["decode_tokens"]
-        for rate, count in ((self.prefill_1s, e["prefill_tokens"]), (self.prefill_10s, e["prefill_tokens"]),
-                            (self.decode_1s, e["decode_tokens"]), (self.decode_10s, e["decode_tokens"])):
-            rate.add(t, count)
-        if e["rows"]:
-            self.padding_ratios.append(e["padding_ratio"])
-            self.key_padding_ratios.append(e["key_padding_ratio"])
-        self.peak_slot_occupancy = max(self.peak_slot_occupancy, e["slot_occupancy"])
-        self.peak_kv_usage = max(self.peak_kv_usage, e["kv_usage"])
-        self.peak_waiting = max(self.peak_waiting, e["num_waiting"])
+        self.measured_wall_s += e.wall_s
+        self.prefill_tokens += e.prefill_tokens
+        self.decode_tokens += e.decode_tokens
+        self.prefill_1s.add(e.t, e.prefill_tokens)
+        self.decode_1s.add(e.t, e.decode_tokens)
+        if e.rows:
+            self.busy_steps += 1
+            self.padding_sum += e.padding_ratio
+            self.key_padding_sum += e.key_padding_ratio
+        self.peak_slot_occupancy = max(self.peak_slot_occupancy, e.slot_occupancy)
+        self.peak_kv_usage = max(self.peak_kv_usage, e.kv_usage)
+        self.peak_waiting = max(self.peak_waiting, e.num_waiting)
         self.last = e
 
-    def _add_finished(self, r: dict) -> None:
+    def _add_finished(self, r: Finish) -> None:
         self.requests_finished += 1
-        reason = r["finish_reason"]
-        self.finish_reasons[reason] += 1
-        if r.get("finish_s") is not None:
-            self.last_t = max(self.last_t, r["finish_s"])
-        if reason == "rejected":
+        self.finish_reasons[r.finish_reason] += 1
+        if r.finish_s is not None:
+            self.last_t = max(self.last_t, r.finish_s)
+        if r.finish_reason == "rejected":
             return
-        self.prompt_tokens += len(r["prompt_ids"])
-        self.generated_tokens += len(r["output_ids"])
-        if r.get("passphrase"):
+        self.prompt_tokens += len(r.prompt_ids)
+        self.generated_tokens += len(r.output_ids)
+        if r.passphrase:
             self.canary_requests += 1
-            self.canary_echoed += int(r["passphrase"] in r.get("output_text", ""))
-        arrival, first, times = r.get("arrival_s"), r.get("first_token_s"), r.get("token_times_s") or []
+            self.canary_echoed += int(r.passphrase in r.output_text)
+        if r.completed:
+            self._add_latencies(r)
+
+    def _add_latencies(self, r: Finish) -> None:
+        arrival, first, times = r.arrival_s, r.first_token_s, r.token_times_s
         ttft = first - arrival if first is not None and arrival is not None else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         if ttft is not None:
@@ -149,10 +155,10 @@ class Metrics:
         if tpot is not None:
             self.tpot.append(tpot)
         self.itl.extend(b - a for a, b in zip(times, times[1:]))
-        if r.get("finish_s") is not None and arrival is not None:
-            self.e2e.append(r["finish_s"] - arrival)
-        if r.get("scheduled_s") is not None and arrival is not None:
-            self.queue.append(r["scheduled_s"] - arrival)
+        if r.finish_s is not None and arrival is not None:
+            self.e2e.append(r.finish_s - arrival)
+        if r.scheduled_s is not None and arrival is not None:
+            self.queue.append(r.scheduled_s - arrival)
         if ttft is not None and self.slo.met(ttft, tpot):
             self.good_requests += 1
 
@@ -160,53 +166,31 @@ class Metrics:
     def duration_s(self) -> float:
         return max(self.last_t - (self.first_t or 0.0), 1e-9)
 
-    def summary(self) -> dict:
-        """Final figures of the run, JSON-ready."""
-        d = self.duration_s
-        return {
-            "duration_s": d,
-            "steps": self.steps,
-            "measured_step_wall_s": self.measured_wall_s,
-            "requests_finished": self.requests_finished,
-            "finish_reasons": dict(self.finish_reasons),
-            "rejections": self.finish_reasons.get("rejected", 0),
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "prefill_tokens_per_s": self.prefill_tokens / d,
-            "decode_tokens_per_s": self.decode_tokens / d,
-            "output_tokens_per_s": self.generated_tokens / d,
-            "request_throughput_per_s": (self.requests_finished - self.finish_reasons.get("rejected", 0)) / d,
-            "goodput_requests_per_s": self.good_requests / d,
-            "time_to_first_token_seconds": summarize(self.ttft),
-            "time_per_output_token_seconds": summarize(self.tpot),
-            "inter_token_latency_seconds": summarize(self.itl),
-            "e2e_request_latency_seconds": summarize(self.e2e),
-            "request_queue_time_seconds": summarize(self.queue),
-            "kvtui:padding_ratio_mean": (sum(self.padding_ratios) / len(self.padding_ratios)
-                                         if self.padding_ratios else 0.0),
-            "kvtui:key_padding_ratio_mean": (sum(self.key_padding_ratios) / len(self.key_padding_ratios)
-                                             if self.key_padding_ratios else 0.0),
-            "kvtui:slot_occupancy_peak": self.peak_slot_occupancy,
-            "kv_cache_usage_perc_peak": self.peak_kv_usage,
-            "num_requests_waiting_peak": self.peak_waiting,
-            "kvtui:passphrase_requests": self.canary_requests,
-            "kvtui:passphrase_echoed": self.canary_echoed,
-            "kvtui:contamination_events_total": [
-                {"kind": kind, "detector": detector, "value": n}
-                for (kind, detector), n in sorted(self.contamination.items())],
-        }
+    @property
+    def requests_completed(self) -> int:
+        return self.finish_reasons.get("stop", 0) + self.finish_reasons.get("length", 0)
 
-    def snapshot(self) -> dict:
-        """Live figures for a dashboard."""
-        last = self.last or {}
-        return {
-            "prefill_tokens_per_s_1s": self.prefill_1s.rate(), "prefill_tokens_per_s_10s": self.prefill_10s.rate(),
-            "decode_tokens_per_s_1s": self.decode_1s.rate(), "decode_tokens_per_s_10s": self.decode_10s.rate(),
-            "num_requests_running": len(last.get("running", [])),
-            "num_requests_waiting": last.get("num_waiting", 0),
-            "kv_cache_usage_perc": last.get("kv_usage", 0.0),
-            "kvtui:slot_occupancy": last.get("slot_occupancy", 0.0),
-            "kvtui:padding_ratio": last.get("padding_ratio", 0.0),
-            "time_to_first_token_seconds": summarize(self.ttft),
-            "time_per_output_token_seconds": summarize(self.tpot),
-        }
+    def summary(self, t: float | None = None, **session_fields) -> Summary:
+        """Final figures of the run; `session_fields` are the Summary fields only the session knows
+        (stopped_early, faults_active_at_end, ...)."""
+        d = self.duration_s
+        busy = max(self.busy_steps, 1)
+        return Summary(
+            t=self.last_t if t is None else t, duration_s=d, steps=self.steps,
+            measured_step_wall_s=self.measured_wall_s, requests_finished=self.requests_finished,
+            requests_completed=self.requests_completed, finish_reasons=dict(self.finish_reasons),
+            rejections=self.finish_reasons.get("rejected", 0), prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens, prefill_tokens_per_s=self.prefill_tokens / d,
+            decode_tokens_per_s=self.decode_tokens / d, output_tokens_per_s=self.generated_tokens / d,
+            request_throughput_per_s=self.requests_completed / d, goodput_requests_per_s=self.good_requests / d,
+            time_to_first_token_seconds=summarize(self.ttft), time_per_output_token_seconds=summarize(self.tpot),
+            inter_token_latency_seconds=summarize(self.itl), e2e_request_latency_seconds=summarize(self.e2e),
+            request_queue_time_seconds=summarize(self.queue), padding_ratio_mean=self.padding_sum / busy,
+            key_padding_ratio_mean=self.key_padding_sum / busy, slot_occupancy_peak=self.peak_slot_occupancy,
+            kv_cache_usage_perc_peak=self.peak_kv_usage, num_requests_waiting_peak=self.peak_waiting,
+            passphrase_requests=self.canary_requests, passphrase_echoed=self.canary_echoed,
+            contamination_events_total=tuple(
+                CounterEntry(kind=kind, detector=detector, value=n)
+                for (kind, detector), n in sorted(self.contamination.items())),
+            **session_fields,
+        )

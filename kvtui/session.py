@@ -1,9 +1,8 @@
-"""The run loop shared by headless runs and the dashboard: drive arrivals, step, emit events.
+"""The run loop shared by headless runs and the dashboard: drive arrivals, step, detect, emit events.
 
-Flow: scenario -> planned requests -> Engine.submit at their arrival time -> Engine.step ->
-events (request.arrive, step, request.first_token, request.finish, marker) -> sinks (recording,
-metrics, listeners such as the dashboard). Replays feed recorded events to the same Metrics, so a
-replay's summary equals the live one.
+Flow: scenario -> planned requests -> Engine.submit at their arrival time -> Engine.step -> typed
+events (kvtui.events) -> sinks (recording, metrics, listeners such as the dashboard). Replays feed
+recorded events to the same Metrics, so a replay's summary equals the live one.
 """
 
 from __future__ import annotations
@@ -11,21 +10,48 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import transformers
 
 import kvtui
-from kvtui.detect import (DETECTOR_NAMES, CanaryDetector, EngineSignalDetector, ReferenceDetector,
-                          contamination_event)
+from kvtui.detect import DETECTOR_NAMES, CanaryDetector, EngineSignalDetector, ReferenceDetector
 from kvtui.engine import Engine
+from kvtui.events import (Arrive, Contamination, EngineErrorEvidence, FaultSwitch, Finish, FirstToken, Header,
+                          Marker, ModelInfo, RunningEntry, StepEvent, Summary, TaintEntry, FlowEntry,
+                          TimelineApplied)
+from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
-from kvtui.record import FORMAT, VERSION, RecordingWriter, step_event
+from kvtui.record import RecordingWriter
 
-MEASURED = ["step.wall_s", "summary.measured_step_wall_s"]
-MODELED_VIRTUAL = ["t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
-                   "all latencies and tokens/s in the summary"]
+MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
+MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
+                   "all latencies and tokens/s in the summary")
+
+Listener = Callable[[object], None]
+
+
+def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
+                  layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
+                  detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = ()) -> "Session":
+    """The Session the headless run and the dashboard both use, from CLI-level choices.
+
+    Args:
+        layout: overrides the scenario's engine layout when given.
+        faults: faults on from the start, added to the scenario's.
+        clear_faults: drop the scenario's faults (engine.faults and timeline switches).
+
+    Raises:
+        ValueError: a bad engine value or fault/detector name; OSError: the recording path.
+    """
+    overrides: dict = {"device": device}
+    if layout:
+        overrides["layout"] = layout
+    if clear_faults:
+        overrides["faults"] = frozenset()
+    return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
+                   listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults)
 
 
 class Session:
@@ -37,79 +63,86 @@ class Session:
         clock: "virtual" (deterministic, headless default) or "wall" (real time).
         record_path: JSONL recording to write, or None.
         engine_overrides: EngineConfig fields that replace the scenario's (from CLI flags).
-        listeners: callables receiving every event dict (e.g. the dashboard's publisher).
+        listeners: callables receiving every typed event (e.g. the dashboard's publisher).
         detectors: which of DETECTOR_NAMES run (all by default).
         faults: isolation faults on from the start (added to the scenario's engine.faults).
         fault_switches: False ignores the timeline's fault switches (a run "with the fault removed").
+
+    Raises:
+        ValueError: an unknown detector or fault, or a bad engine value.
+        OSError: the recording cannot be created.
     """
 
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
-                 engine_overrides: dict | None = None, listeners: tuple[Callable[[dict], None], ...] = (),
+                 engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
                  fault_switches: bool = True) -> None:
         from kvtui.scenario import plan_requests
 
-        self.scenario = scenario
-        self.loaded = loaded
-        self.clock = clock
-        overrides = dict(engine_overrides or {})
-        base = scenario.engine_config(**overrides)
-        if faults:
-            overrides["faults"] = frozenset(base.faults) | frozenset(faults)
-        self.config = scenario.engine_config(**overrides)
-        tokenizer = loaded.tokenizer
-        self.tokenizer = tokenizer
-        self.engine = Engine(loaded.model, self.config, eos_token_ids=loaded.eos_token_ids, tokenizer=tokenizer,
-                             clock=clock, pad_token_id=tokenizer.pad_token_id or 0)
-        self.pending = sorted(plan_requests(scenario, tokenizer), key=lambda p: (p.arrival_s, p.request_id))
-        slo = getattr(scenario, "slo", None)
-        self.metrics = Metrics(SLO(getattr(slo, "ttft_s", None), getattr(slo, "tpot_s", None)))
+        self.scenario, self.loaded, self.clock = scenario, loaded, clock
+        self.tokenizer = loaded.tokenizer
+        self.config = self._engine_config(engine_overrides, faults)
+        self.detectors = self._check_detectors(detectors)
+        self.engine = Engine(loaded.model, self.config, eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer,
+                             clock=clock, pad_token_id=self.tokenizer.pad_token_id or 0)
+        self.engine.detect_taint = "slot_taint" in self.detectors
+        self.engine.measure_flow = "attention_flow" in self.detectors
+        self.pending = sorted(plan_requests(scenario, self.tokenizer), key=lambda p: (p.arrival_s, p.request_id))
+        self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
+        self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
+        self.canary = CanaryDetector() if "canary" in self.detectors else None
+        self.reference = ReferenceDetector(loaded, self.tokenizer) if "reference" in self.detectors else None
+        self.timeline = list(scenario.timeline)
+        self.fault_switches = fault_switches
         self.recorder = RecordingWriter(record_path) if record_path else None
         self.listeners = list(listeners)
         self.stop_requested = False
-        self.summary: dict | None = None
-        self._seeded_first: set[str] = set()
-        unknown = sorted(set(detectors) - set(DETECTOR_NAMES))
-        if unknown:
-            raise ValueError(f"unknown detector {unknown[0]!r}; known: {', '.join(DETECTOR_NAMES)}")
-        self.detectors = tuple(detectors)
-        self.engine.detect_taint = "slot_taint" in detectors
-        self.engine.measure_flow = "attention_flow" in detectors
-        self.signals = EngineSignalDetector(taint="slot_taint" in detectors, flow="attention_flow" in detectors)
-        self.canary = CanaryDetector() if "canary" in detectors else None
-        self.reference = ReferenceDetector(loaded, tokenizer) if "reference" in detectors else None
-        self.timeline = sorted(getattr(scenario, "timeline", []) or [], key=lambda e: e.at_s)
-        self.fault_switches = fault_switches
-        self.contamination: list[dict] = []
+        self.summary: Summary | None = None
+        self.contamination: list[Contamination] = []
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
         self.fault_counts: dict[str, int] = {}
         self._token_steps: dict[str, list[int]] = {}
+        self._started()
+
+    def _engine_config(self, engine_overrides: dict | None, faults) -> object:
+        overrides = dict(engine_overrides or {})
+        if faults:
+            base = self.scenario.engine_config(**overrides)
+            overrides["faults"] = frozenset(base.faults) | check_fault_names(faults)
+        return self.scenario.engine_config(**overrides)
+
+    @staticmethod
+    def _check_detectors(detectors) -> tuple[str, ...]:
+        unknown = sorted(set(detectors) - set(DETECTOR_NAMES))
+        if unknown:
+            raise ValueError(f"unknown detector {unknown[0]!r}; known: {', '.join(DETECTOR_NAMES)}")
+        return tuple(detectors)
+
+    def _started(self) -> None:
         self.emit(self.header())
         for name in sorted(self.engine.faults):
-            self.emit({"type": "fault", "t": 0.0, "name": name, "on": True, "source": "config",
-                       "active": sorted(self.engine.faults)})
+            self.emit(FaultSwitch(t=0.0, name=name, on=True, source="config", active=tuple(sorted(self.engine.faults))))
 
     # -- events -------------------------------------------------------------------------------
-    def header(self) -> dict:
+    def header(self) -> Header:
+        """The recording's first line: versions, scenario, model, engine config, clock."""
         loaded, scenario = self.loaded, self.scenario
         config = asdict(self.config)
         config["faults"] = sorted(config["faults"])
-        return {
-            "type": "header", "format": FORMAT, "version": VERSION, "kvtui_version": kvtui.__version__,
-            "created_unix_s": time.time(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "scenario": scenario.normalized(),
-            "scenario_hash": scenario.content_hash(), "seed": scenario.seed,
-            "model": {"id": loaded.model_id, "path": loaded.source_path, "sha256": loaded.source_sha256,
-                      "dtype": str(loaded.dtype).replace("torch.", "")},
-            "engine": config, "clock": self.clock, "detectors": list(self.detectors),
-            "measured": MEASURED, "modeled": MODELED_VIRTUAL if self.clock == "virtual" else [],
-        }
+        return Header(
+            kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
+            torch=torch.__version__, transformers=transformers.__version__, scenario=scenario.normalized(),
+            scenario_hash=scenario.content_hash(), seed=scenario.seed,
+            model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
+                            dtype=str(loaded.dtype).replace("torch.", "")),
+            engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
+            modeled=MODELED_VIRTUAL if self.clock == "virtual" else ())
 
-    def emit(self, event: dict) -> None:
-        """Send one event to the recording, the metrics and every listener."""
-        if event.get("type") == "contamination":
+    def emit(self, event) -> None:
+        """Send one typed event to the recording, the metrics and every listener."""
+        if isinstance(event, Contamination):
             self.contamination.append(event)
-            if event["kind"] != "numeric":
+            if event.counts:
                 for name in self.engine.faults:
                     self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
         if self.recorder is not None:
@@ -123,112 +156,122 @@ class Session:
     def done(self) -> bool:
         return not self.pending and not self.engine.has_unfinished()
 
+    def step_once(self) -> bool:
+        """Apply the timeline, submit due arrivals, then one engine step (or idle: wait for the next
+        arrival on the wall clock, jump to it on the virtual clock). Returns False once every request
+        is done."""
+        if self.done:
+            return False
+        self._apply_timeline()
+        self._submit_due()
+        if not self.engine.has_unfinished():
+            self._idle()
+            return True
+        report = self.engine.step()
+        pieces = self._emit_step(report)
+        self._detect(report, pieces)
+        self._emit_finished(report)
+        return not self.done
+
     def _submit_due(self) -> None:
         now = self.engine.now()
         while self.pending and self.pending[0].arrival_s <= now:
             p = self.pending.pop(0)
             state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
                                        metadata=p.metadata)
+            passphrase = p.metadata.get("passphrase")
             if self.canary is not None:
-                self.canary.on_arrive(p.request_id, p.metadata.get("passphrase"))
-            self.emit({"type": "request.arrive", "t": p.arrival_s, "request_id": p.request_id,
-                       "prompt_len": len(p.prompt_ids), "max_new_tokens": state.sampling.max_new_tokens,
-                       **({"passphrase": p.metadata["passphrase"]} if "passphrase" in p.metadata else {})})
+                self.canary.on_arrive(p.request_id, passphrase)
+            self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
+                             max_new_tokens=state.sampling.max_new_tokens, passphrase=passphrase))
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""
         now = self.engine.now()
         while self.timeline and self.timeline[0].at_s <= now:
             item = self.timeline.pop(0)
-            self.emit({"type": "timeline", "t": now, "at_s": item.at_s, "set": dict(item.set), "marker": item.marker})
-            overrides = item.engine_overrides()
-            if overrides:
-                self.engine.reconfigure(**overrides)
-            switch = item.fault_switch
-            if switch and self.fault_switches:
-                self.set_fault(switch[0], switch[1], source="timeline")
+            self.emit(TimelineApplied(t=now, at_s=item.at_s, set=dict(item.set), marker=item.marker))
+            if item.engine_overrides():
+                self.engine.reconfigure(**item.engine_overrides())
+            if item.fault_switch and self.fault_switches:
+                self.set_fault(*item.fault_switch, source="timeline")
             rate = item.arrival_changes().get("rate_per_s")
-            current = getattr(getattr(self.scenario, "arrivals", None), "rate_per_s", None)
+            current = getattr(self.scenario.arrivals, "rate_per_s", None)
             if rate and current:
                 self.scale_arrival_rate(rate / current)
             if item.marker:
-                self.emit({"type": "marker", "t": now, "text": item.marker})
+                self.emit(Marker(t=now, text=item.marker))
 
-    def step_once(self) -> bool:
-        """Submit due arrivals, wait (wall) or jump (virtual) when idle, run one engine step.
-        Returns False once every request is done."""
-        if self.done:
-            return False
-        self._apply_timeline()
-        self._submit_due()
-        engine = self.engine
-        if not engine.has_unfinished():
-            if self.reference is not None and self.reference.queue and self.clock == "wall":
-                self._drain_references(limit=1)  # idle time: check one finished request against its solo run
-                return True
-            if self.clock == "virtual":
-                engine.advance_to(self.pending[0].arrival_s)
-            else:
-                time.sleep(min(max(self.pending[0].arrival_s - engine.now(), 0.0), 0.05))
-            return True
-        report = engine.step()
-        t = report.end_s
-        event = step_event(report)
-        if report.flow:
-            event["foreign_attention"] = {f.request_id: round(f.foreign_mass, 6) for f in report.flow}
-        pieces = []
-        for entry in event["running"]:  # the decoded text of each new token, so replays need no tokenizer
-            if entry["token"] is not None:
-                entry["piece"] = self.tokenizer.decode([entry["token"]], skip_special_tokens=True)
-                pieces.append((entry["id"], entry["piece"]))
-                self._token_steps.setdefault(entry["id"], []).append(report.step)
-        self.emit(event)
+    def _idle(self) -> None:
+        """Nothing to run: check a finished request against its solo run (wall clock), else wait for
+        (wall) or jump to (virtual) the next arrival."""
+        if self.reference is not None and self.reference.queue and self.clock == "wall":
+            self._drain_references(limit=1)
+        elif self.clock == "virtual":
+            self.engine.advance_to(self.pending[0].arrival_s)
+        else:
+            time.sleep(min(max(self.pending[0].arrival_s - self.engine.now(), 0.0), 0.05))
+
+    def _emit_step(self, report) -> list[tuple[str, str]]:
+        """Emit the step event (each new token's text included, so replays need no tokenizer), stale
+        starts and first tokens; returns (request id, new text) per sampled token."""
+        running, pieces = [], []
+        for r in report.running:
+            piece = None
+            if r.new_token_id is not None:
+                piece = self.tokenizer.decode([r.new_token_id], skip_special_tokens=True)
+                pieces.append((r.request_id, piece))
+                self._token_steps.setdefault(r.request_id, []).append(report.step)
+            running.append(RunningEntry(id=r.request_id, slot=r.slot, cache_len=r.cache_len, q=r.query_tokens,
+                                        token=r.new_token_id, phase=r.phase, piece=piece))
+        self.emit(_step_event(report, tuple(running)))
         for request_id, slot, previous, kept in report.stale_starts:
-            self.emit({"type": "marker", "t": t, "text": f"{request_id} took slot {slot} stale: {kept} tokens of "
-                                                          f"{previous} kept (stale_slot)"})
+            self.emit(Marker(t=report.end_s, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
+                                                  f"{previous} kept (stale_slot)"))
+        for r in report.running:
+            state = self.engine.requests[r.request_id]
+            if r.new_token_id is not None and len(state.generated_ids) == 1:
+                self.emit(FirstToken(t=state.first_token_s, request_id=r.request_id, ttft_s=state.ttft_s))
+        return pieces
+
+    def _detect(self, report, pieces: list[tuple[str, str]]) -> None:
+        """The step's in-engine signals (errors, slot_taint, attention_flow) and canary text checks."""
+        t = report.end_s
         for request_id, text in report.errors:
-            self.emit(contamination_event(t=t, step=report.step, detector="engine", kind="corruption",
-                                          victim=request_id, source=None, evidence={"error": text}))
-        for e in self.signals.on_step(report, t, contamination_event):
-            self.emit(e)
+            self.emit(Contamination(t=t, step=report.step, detector="engine", kind="corruption", victim=request_id,
+                                    evidence=EngineErrorEvidence(error=text)))
+        for event in self.signals.on_step(report, t):
+            self.emit(event)
         if self.canary is not None:
             for request_id, piece in pieces:
-                for e in self.canary.on_piece(request_id, piece, t, report.step, contamination_event):
-                    self.emit(e)
-        for r in report.running:
-            if r.new_token_id is not None and r.request_id not in self._seeded_first:
-                self._seeded_first.add(r.request_id)
-                state = engine.requests[r.request_id]
-                self.emit({"type": "request.first_token", "t": state.first_token_s, "request_id": r.request_id,
-                           "ttft_s": state.ttft_s})
+                for event in self.canary.on_piece(request_id, piece, t, report.step):
+                    self.emit(event)
+
+    def _emit_finished(self, report) -> None:
+        """Finish events, final canary checks, and reference checks queued for completed requests."""
         for f in report.finished:
             finish = self._finish_event(f)
             if self.canary is not None and f.finish_reason != "rejected":
-                for e in self.canary.on_finish(f.request_id, finish["output_text"], t, report.step,
-                                               contamination_event):
-                    self.emit(e)
+                for event in self.canary.on_finish(f.request_id, finish.output_text, report.end_s, report.step):
+                    self.emit(event)
             self.emit(finish)
-            if self.reference is not None and f.finish_reason in ("stop", "length"):
-                state = engine.requests[f.request_id]
+            if self.reference is not None and finish.completed:
+                state = self.engine.requests[f.request_id]
                 self.reference.on_finish(f.request_id, f.prompt_ids, f.output_ids, state.top2_gaps, state.sampling,
                                          self._token_steps.get(f.request_id, []))
-        return not self.done
 
     def _drain_references(self, limit: int | None = None) -> None:
-        for e in self.reference.drain(self.engine.now(), contamination_event, limit=limit):
-            self.emit(e)
+        for event in self.reference.drain(self.engine.now(), limit=limit):
+            self.emit(event)
 
-    def _finish_event(self, f) -> dict:
+    def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)
-        event = {"type": "request.finish", "t": f.finish_s, "request_id": f.request_id,
-                 "finish_reason": f.finish_reason, "detail": f.detail, "slot": f.slot,
-                 "prompt_ids": list(f.prompt_ids), "output_ids": list(f.output_ids), "output_text": text,
-                 "arrival_s": f.arrival_s, "scheduled_s": f.scheduled_s, "first_token_s": f.first_token_s,
-                 "finish_s": f.finish_s, "token_times_s": list(f.token_times_s)}
-        if "passphrase" in f.metadata:
-            event["passphrase"] = f.metadata["passphrase"]
-            event["passphrase_echoed"] = f.metadata["passphrase"] in text
-        return event
+        passphrase = f.metadata.get("passphrase")
+        return Finish(t=f.finish_s, request_id=f.request_id, finish_reason=f.finish_reason, detail=f.detail,
+                      slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids, output_text=text,
+                      arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
+                      finish_s=f.finish_s, token_times_s=f.token_times_s, passphrase=passphrase,
+                      passphrase_echoed=(passphrase in text) if passphrase else None)
 
     # -- live controls (dashboard keys) ------------------------------------------------------
     def shift_clock(self, seconds: float) -> None:
@@ -242,16 +285,13 @@ class Session:
         Raises:
             ValueError: unknown fault name.
         """
-        from kvtui.scenario import FAULT_NAMES
-
-        if name not in FAULT_NAMES:
-            raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULT_NAMES)}")
+        check_fault_names([name])
         if (name in self.engine.faults) == on:
             return
-        (self.engine.faults.add if on else self.engine.faults.discard)(name)
+        self.engine.set_faults(self.engine.faults | {name} if on else self.engine.faults - {name})
         self.fault_history.append((self.engine.now(), name, on))
-        self.emit({"type": "fault", "t": self.engine.now(), "name": name, "on": on, "source": source,
-                   "active": sorted(self.engine.faults)})
+        self.emit(FaultSwitch(t=self.engine.now(), name=name, on=on, source=source,
+                              active=tuple(sorted(self.engine.faults))))
 
     def scale_arrival_rate(self, factor: float) -> None:
         """Multiply the arrival rate of requests not yet arrived by `factor` (> 0): their remaining
@@ -259,24 +299,20 @@ class Session:
         if factor <= 0:
             raise ValueError(f"{factor = } must be > 0")
         now = self.engine.now()
-        for p in self.pending:
-            if p.arrival_s > now:
-                object.__setattr__(p, "arrival_s", now + (p.arrival_s - now) / factor)
-        self.emit({"type": "marker", "t": now, "text": f"arrival rate x{factor:g}"})
+        self.pending = [replace(p, arrival_s=now + (p.arrival_s - now) / factor) if p.arrival_s > now else p
+                        for p in self.pending]
+        self.emit(Marker(t=now, text=f"arrival rate x{factor:g}"))
 
     def burst(self, count: int) -> int:
         """Make the next `count` pending requests arrive now; returns how many moved."""
         now = self.engine.now()
-        moved = 0
-        for p in self.pending[:count]:
-            if p.arrival_s > now:
-                object.__setattr__(p, "arrival_s", now)
-            moved += 1
+        moved = min(count, len(self.pending))
+        self.pending[:moved] = [replace(p, arrival_s=min(p.arrival_s, now)) for p in self.pending[:moved]]
         if moved:
-            self.emit({"type": "marker", "t": now, "text": f"burst of {moved} requests"})
+            self.emit(Marker(t=now, text=f"burst of {moved} requests"))
         return moved
 
-    def run(self, on_progress: Callable[["Session"], None] | None = None) -> dict:
+    def run(self, on_progress: Callable[["Session"], None] | None = None) -> Summary:
         """Step until done or stop_requested; then close. Returns the summary."""
         try:
             while not self.stop_requested and self.step_once():
@@ -286,7 +322,7 @@ class Session:
             self.close()
         return self.summary
 
-    def close(self) -> dict:
+    def close(self) -> Summary:
         """Abort what is still in flight (after a stop), write the summary line, close the recording."""
         if self.summary is not None:
             return self.summary
@@ -299,13 +335,25 @@ class Session:
                 self.emit(self._finish_event(f))
         if self.reference is not None:
             self._drain_references()
-        summary = self.metrics.summary()
-        summary["faults_active_at_end"] = sorted(self.engine.faults)
-        summary["contamination_by_fault"] = dict(self.fault_counts)
-        summary["stopped_early"] = self.stop_requested
-        summary["requests_not_submitted"] = len(self.pending)
-        self.summary = summary
-        self.emit({"type": "summary", "t": self.engine.now(), **summary})
+        self.summary = self.metrics.summary(
+            t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
+            contamination_by_fault=dict(self.fault_counts), stopped_early=self.stop_requested,
+            requests_not_submitted=len(self.pending))
+        self.emit(self.summary)
         if self.recorder is not None:
             self.recorder.close()
-        return summary
+        return self.summary
+
+
+def _step_event(report, running: tuple[RunningEntry, ...]) -> StepEvent:
+    """The `step` event for a StepReport (finished requests get their own request.finish events)."""
+    data = asdict(report)
+    for key in ("finished", "running", "taint", "flow", "end_s"):
+        data.pop(key)
+    return StepEvent(
+        **data, t=report.end_s, running=running,
+        taint=tuple(TaintEntry(request_id=r.request_id, sources=r.sources, positions=r.positions,
+                               examples=r.examples) for r in report.taint),
+        flow=tuple(FlowEntry(request_id=f.request_id, foreign_mass=f.foreign_mass, pad_mass=f.pad_mass,
+                             top_source=f.top_source) for f in report.flow),
+        foreign_attention={f.request_id: round(f.foreign_mass, 6) for f in report.flow} or None)

@@ -6,88 +6,88 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtui.events import (CanaryEvidence, Contamination, FlowEvidence, Header, NoninterferenceEvidence,
+                          ReferenceEvidence, Summary, TaintEvidence)
 from kvtui.scenario.errors import printable
-
-
-def _plain(text: object) -> str:
-    """User or model text for a table: control characters escaped, rich markup taken literally."""
-    return escape(printable(str(text)))
 
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
-def print_summary(summary: dict, header: dict, console: Console) -> None:
-    """Render the figures of a run (see Metrics.summary for the keys)."""
-    scenario = header.get("scenario", {})
-    title = (f"{scenario.get('name', '?')} on {header.get('model', {}).get('id', '?')} "
-             f"({header.get('clock', '?')} clock, {header.get('engine', {}).get('layout', '?')} layout)")
-    table = Table(title=_plain(title), show_header=False, title_justify="left")
+def print_summary(summary: Summary, header: Header, console: Console) -> None:
+    """Render the figures of a run (see kvtui.events.Summary for the fields)."""
+    title = (f"{header.scenario.get('name', '?')} on {header.model.id} "
+             f"({header.clock} clock, {header.engine.get('layout', '?')} layout)")
+    table = Table(title=escape(printable(title)), show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items())) or "-"
-    ttft, tpot = summary["time_to_first_token_seconds"], summary["time_per_output_token_seconds"]
-    rows = [
-        ("requests", f"{summary['requests_finished']} ({reasons})"),
-        ("prompt tokens", str(summary["prompt_tokens"])),
-        ("generated tokens", str(summary["generated_tokens"])),
-        ("duration", f"{summary['duration_s']:.2f} s over {summary['steps']} steps "
-                     f"(measured step time {summary['measured_step_wall_s']:.2f} s)"),
-        ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"),
-        ("prefill / decode tokens/s", f"{summary['prefill_tokens_per_s']:.1f} / {summary['decode_tokens_per_s']:.1f}"),
-        ("TTFT p50 / p95", f"{_ms(ttft['p50'])} / {_ms(ttft['p95'])}"),
-        ("TPOT p50 / p95", f"{_ms(tpot['p50'])} / {_ms(tpot['p95'])}"),
-        ("padding ratio (mean, query / key)",
-         f"{summary['kvtui:padding_ratio_mean']:.1%} / {summary['kvtui:key_padding_ratio_mean']:.1%}"),
-        ("peak slot occupancy", f"{summary['kvtui:slot_occupancy_peak']:.0%}"),
-        ("peak KV usage", f"{summary['kv_cache_usage_perc_peak']:.1%}"),
-        ("goodput", f"{summary['goodput_requests_per_s']:.2f} req/s"),
-    ]
-    if summary.get("kvtui:passphrase_requests"):
-        rows.append(("own passphrase echoed",
-                     f"{summary['kvtui:passphrase_echoed']}/{summary['kvtui:passphrase_requests']}"))
-    if summary.get("stopped_early"):
-        rows.append(("stopped early", f"yes ({summary.get('requests_not_submitted', 0)} requests not submitted)"))
-    counts = summary.get("kvtui:contamination_events_total", [])
-    real = sum(c["value"] for c in counts if c["kind"] != "numeric")
-    detail = ", ".join(f"{c['detector']} {c['kind']} {c['value']}" for c in counts)
-    rows.append(("contamination events", f"{real}" + (f" ({detail})" if detail else "")))
-    if summary.get("contamination_by_fault"):
-        rows.append(("events while a fault was on",
-                     ", ".join(f"{k} {v}" for k, v in sorted(summary["contamination_by_fault"].items()))))
-    for name, value in rows:
+    for name, value in _rows(summary):
         table.add_row(name, value)
     console.print(table)
 
 
-def print_contamination(events: list[dict], console: Console, limit: int = 12) -> None:
+def _rows(s: Summary) -> list[tuple[str, str]]:
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s.finish_reasons.items())) or "-"
+    ttft, tpot = s.time_to_first_token_seconds, s.time_per_output_token_seconds
+    rows = [
+        ("requests", f"{s.requests_finished} ({reasons})"),
+        ("prompt tokens", str(s.prompt_tokens)),
+        ("generated tokens", str(s.generated_tokens)),
+        ("duration", f"{s.duration_s:.2f} s over {s.steps} steps (measured step time {s.measured_step_wall_s:.2f} s)"),
+        ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
+        ("prefill / decode tokens/s", f"{s.prefill_tokens_per_s:.1f} / {s.decode_tokens_per_s:.1f}"),
+        ("TTFT p50 / p95", f"{_ms(ttft.p50)} / {_ms(ttft.p95)}"),
+        ("TPOT p50 / p95", f"{_ms(tpot.p50)} / {_ms(tpot.p95)}"),
+        ("padding ratio (mean, query / key)", f"{s.padding_ratio_mean:.1%} / {s.key_padding_ratio_mean:.1%}"),
+        ("peak slot occupancy", f"{s.slot_occupancy_peak:.0%}"),
+        ("peak KV usage", f"{s.kv_cache_usage_perc_peak:.1%}"),
+        ("goodput", f"{s.goodput_requests_per_s:.2f} req/s"),
+    ]
+    if s.passphrase_requests:
+        rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
+    if s.stopped_early:
+        rows.append(("stopped early", f"yes ({s.requests_not_submitted} requests not submitted)"))
+    detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
+    rows.append(("contamination events", f"{s.contamination_total()}" + (f" ({detail})" if detail else "")))
+    if s.contamination_by_fault:
+        rows.append(("events while a fault was on",
+                     ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
+    return rows
+
+
+def evidence_text(e: Contamination) -> str:
+    """One line of a report's evidence, by its detector's evidence type."""
+    ev = e.evidence
+    if isinstance(ev, CanaryEvidence):
+        return f"says {ev.matched!r}: …{ev.text[-60:]!r}"
+    if isinstance(ev, FlowEvidence):
+        return f"attention on foreign keys {ev.foreign_mass:.3f}" if ev.foreign_mass is not None else "non-finite"
+    if isinstance(ev, TaintEvidence):
+        first = ev.examples[0] if ev.examples else None
+        return f"{ev.positions} cells" + (f", e.g. slot {first.slot} pos {first.pos}" if first else "")
+    if isinstance(ev, NoninterferenceEvidence):
+        return (f"token {ev.token_index} changed: {ev.baseline_text[:40]!r} -> "
+                f"{ev.text_with_neighbours_replaced[:40]!r}")
+    if isinstance(ev, ReferenceEvidence):
+        gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
+        return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); "
+                f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
+    return str(ev.model_dump())[:100]
+
+
+def print_contamination(events: list[Contamination], console: Console, limit: int = 12) -> None:
     """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last."""
     if not events:
         return
-    ordered = sorted(events, key=lambda e: (e["kind"] == "numeric", e["step"]))
+    ordered = sorted(events, key=lambda e: (e.kind == "numeric", e.step))
     table = Table(title="contamination", title_justify="left")
     for column in ("step", "victim <- source", "kind", "detector", "evidence"):
         table.add_column(column)
     for e in ordered[:limit]:
-        ev = e.get("evidence", {})
-        if "leaked" in ev:
-            text = f"says {ev['matched']!r}: …{ev['text'][-60:]!r}"
-        elif "foreign_mass" in ev:
-            text = f"attention on foreign keys {ev['foreign_mass']:.3f}"
-        elif "examples" in ev:
-            text = f"{ev['positions']} cells, e.g. slot {ev['examples'][0]['slot']} pos {ev['examples'][0]['pos']}"
-        elif "replaced_neighbours" in ev:
-            text = (f"token {ev['token_index']} changed: {ev['baseline_text'][:40]!r} -> "
-                    f"{ev['text_with_neighbours_replaced'][:40]!r}")
-        elif "token_index" in ev:
-            text = (f"token {ev['token_index']}: {ev['batched_token']} vs solo {ev['solo_token']} "
-                    f"(gap {ev['top2_gap']:.3g}); {ev['batched_text'][:40]!r} vs {ev['solo_text'][:40]!r}")
-        else:
-            text = str(ev)[:100]
-        style = "dim" if e["kind"] == "numeric" else ("red" if e["kind"] == "cross_request" else "yellow")
-        table.add_row(str(e["step"]), _plain(f"{e['victim']} <- {e['source'] or '?'}"),
-                      f"[{style}]{_plain(e['kind'])}[/]", _plain(e["detector"]), _plain(text))
+        style = "dim" if e.kind == "numeric" else ("red" if e.kind == "cross_request" else "yellow")
+        table.add_row(str(e.step), escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
+                      e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:
         table.caption = f"{len(ordered) - limit} more in the recording"
     console.print(table)

@@ -19,7 +19,7 @@ def rows(allowed_2d):
 
 # Row A decodes with 3 cached tokens (end 4); row B prefills 2 tokens into a fresh slot (end 2):
 # B's cache is shorter than the longest in the batch, so its key columns 2-3 are cache padding.
-PLAN = StepPlan((chunk("A", 1, 3, [11]), chunk("B", 0, 0, [21, 22])), ())
+PLAN = StepPlan((chunk("A", 1, 3, [11]), chunk("B", 0, 0, [21, 22])))
 
 
 def test_padded_right_mask_positions_and_maps():
@@ -70,7 +70,7 @@ def test_additive_mask_uses_finite_minimum():
 
 def test_freshly_reused_slot_starts_at_position_zero():
     # slot 2 held a 5-token request before; the new owner starts at 0 and must not see positions 2..4
-    plan = StepPlan((chunk("old-neighbour", 0, 4, [5]), chunk("new", 2, 0, [7, 8])), ())
+    plan = StepPlan((chunk("old-neighbour", 0, 4, [5]), chunk("new", 2, 0, [7, 8])))
     b = build_batch(plan, layout="padded", padding_side="right")
     assert b.position_ids[1].tolist() == [0, 1]
     assert rows(b.allowed[1]) == ["10000", "11000"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtui.detect import DETECTOR_NAMES
-from kvtui.engine.faults import FAULTS
+from kvtui.faults import FAULTS
 from kvtui.scenario import reference
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.timeline import RUNTIME_KNOBS

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtui.engine.faults import FAULTS
+from kvtui.events import Finish, Marker
+from kvtui.faults import FAULTS
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 
@@ -43,7 +44,7 @@ def _tiny_in(dtype):
 
 def events_of(session, kind=None, detector=None):
     return [e for e in session.contamination
-            if (kind is None or e["kind"] == kind) and (detector is None or e["detector"] == detector)]
+            if (kind is None or e.kind == kind) and (detector is None or e.detector == detector)]
 
 
 CASES = [(name, layout) for name, fault in FAULTS.items() for layout in fault.layouts]
@@ -55,15 +56,15 @@ def test_fault_is_caught_with_the_right_kind_and_victim(tiny, name, layout):
     expected_kind = FAULTS[name].kind
     found = events_of(session, kind=expected_kind)
     assert found, f"{name} ({layout}): no {expected_kind} event; got {session.contamination}"
-    assert {e["detector"] for e in found} & (set(FAULTS[name].caught_by) | {"engine"})
+    assert {e.detector for e in found} & (set(FAULTS[name].caught_by) | {"engine"})
     ran = set(session.engine.requests)
     for e in found:
-        assert e["victim"] in ran
-        if e["source"] is not None:
-            assert e["source"] in ran and e["source"] != e["victim"]
+        assert e.victim in ran
+        if e.source is not None:
+            assert e.source in ran and e.source != e.victim
     # the victim really was damaged: its tokens differ from its solo run (reference agrees)
-    victims = {e["victim"] for e in found}
-    ref = {e["victim"] for e in events_of(session, detector="reference") if e["kind"] != "numeric"}
+    victims = {e.victim for e in found}
+    ref = {e.victim for e in events_of(session, detector="reference") if e.kind != "numeric"}
     if name not in ("racy_threads",):
         assert victims & ref or not ref
 
@@ -72,25 +73,25 @@ def test_stale_slot_names_the_previous_owner_as_source(tiny):
     session = run(tiny, scenario("padded", faults=["stale_slot"]))
     owners = {}
     for e in events_of(session, kind="cross_request", detector="slot_taint"):
-        owners[e["victim"]] = e["source"]
+        owners[e.victim] = e.source
     assert owners, "stale_slot gave no slot_taint cross_request event"
     # the first three requests fill the 3 slots; r003..r005 reuse slots 0..2 of r000..r002
     assert owners == {"r003": "r000", "r004": "r001", "r005": "r002"}
-    flows = {e["victim"]: e["source"] for e in events_of(session, detector="attention_flow")}
+    flows = {e.victim: e.source for e in events_of(session, detector="attention_flow")}
     assert flows == owners
-    assert all(e["evidence"]["foreign_mass"] > 0.5 for e in events_of(session, detector="attention_flow"))
+    assert all(e.evidence.foreign_mass > 0.5 for e in events_of(session, detector="attention_flow"))
 
 
 def test_no_request_mask_flow_points_at_an_earlier_block(tiny):
     session = run(tiny, scenario("packed", faults=["no_request_mask"]))
     flows = events_of(session, detector="attention_flow")
-    assert flows and all(e["source"] < e["victim"] for e in flows)  # earlier requests sit earlier in the row
+    assert flows and all(e.source < e.victim for e in flows)  # earlier requests sit earlier in the row
 
 
 def test_racy_threads_raises_inside_the_step_and_the_run_goes_on(tiny):
     session = run(tiny, scenario("padded", faults=["racy_threads"]))
-    assert session.summary["requests_finished"] == 6
-    kinds = {e["kind"] for e in session.contamination}
+    assert session.summary.requests_finished == 6
+    kinds = {e.kind for e in session.contamination}
     assert "corruption" in kinds
 
 
@@ -132,7 +133,7 @@ sampling: {{temperature: {temperature}, ignore_eos: true}}
 @given(clean_scenarios())
 def test_isolation_intact_gives_no_contamination(tiny, spec):
     session = run(tiny, spec)
-    bad = [e for e in session.contamination if e["kind"] in CONTAMINATION]
+    bad = [e for e in session.contamination if e.kind in CONTAMINATION]
     assert bad == []
 
 
@@ -155,12 +156,12 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
     session.run()
     stale = {}
     for m in markers:
-        if m["type"] == "marker" and "(stale_slot)" in m["text"]:
-            victim, _, rest = m["text"].partition(" took slot ")
+        if isinstance(m, Marker) and "(stale_slot)" in m.text:
+            victim, _, rest = m.text.partition(" took slot ")
             stale[victim] = rest.split(" of ")[1].split(" kept")[0]
     assert stale, "no slot was reused after stale_slot went on"
     leaks = events_of(session, kind="cross_request", detector="canary")
-    assert leaks, f"no canary leak; outputs: {[e for e in markers if e['type'] == 'request.finish']}"
+    assert leaks, f"no canary leak; outputs: {[e for e in markers if isinstance(e, Finish)]}"
     def earlier_owners(victim):  # a stale slot carries every earlier owner's tokens along the chain
         chain = []
         while victim in stale:
@@ -169,11 +170,11 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
         return chain
 
     for leak in leaks:
-        assert leak["source"] in earlier_owners(leak["victim"])  # the victim answered with an earlier owner's
-        assert leak["evidence"]["matched"].upper() in leak["evidence"]["text"].upper()  # the fragment is really there
-        assert leak["evidence"]["matched"] in leak["evidence"]["leaked"]
-    finished = {m["request_id"]: m for m in markers if m["type"] == "request.finish"}
+        assert leak.source in earlier_owners(leak.victim)  # the victim answered with an earlier owner's
+        assert leak.evidence.matched.upper() in leak.evidence.text.upper()  # the fragment is really there
+        assert leak.evidence.matched in leak.evidence.leaked
+    finished = {m.request_id: m for m in markers if isinstance(m, Finish)}
     first = leaks[0]
-    assert session.canary.passphrases[first["source"]] == first["evidence"]["leaked"]
-    victim_text = finished[first["victim"]]["output_text"].upper()
-    assert first["evidence"]["matched"].upper() in victim_text  # the leak is in the victim's final answer
+    assert session.canary.passphrases[first.source] == first.evidence.leaked
+    victim_text = finished[first.victim].output_text.upper()
+    assert first.evidence.matched.upper() in victim_text  # the leak is in the victim's final answer

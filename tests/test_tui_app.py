@@ -1,8 +1,8 @@
 """The dashboard app driven by Pilot: on a replay of a recording and on a live tiny-llama session.
 
 Screens are checked as text (kvtui.tui.app.screen_text), not pixel-exact SVG, so they survive
-Textual upgrades; tests/data/tui_demo.jsonl is a fixed recording made by `make_demo_recording`
-(tiny-llama, plus a hand-written canary report, since tiny-llama's random text leaks no passphrase).
+Textual upgrades. DEMO is the committed SmolLM2 demo recording (a real stale_slot leak the canary
+catches); `make_demo_recording` makes a fresh tiny-llama one with the current engine and detectors.
 """
 
 from __future__ import annotations
@@ -14,29 +14,31 @@ from pathlib import Path
 
 import pytest
 
+from kvtui.events import Contamination, FaultSwitch
 from kvtui.record import read_recording
 from kvtui.tui.app import KvtuiApp, screen_text
 from kvtui.tui.live import LiveSource
 from kvtui.tui.replay import ReplaySource
+from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.screens import FaultPicker, HelpScreen
 
 DATA = Path(__file__).parent / "data"
-DEMO = DATA / "tui_demo.jsonl"
+DEMO = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"
 LONG = DATA / "tui_long.yaml"
 SIZES = [(160, 45), (100, 30)]
 # live tests leave out the reference detector: its solo reruns at close cost seconds and test nothing here
 LIVE_DETECTORS = ("canary", "attention_flow", "slot_taint")
 
 
-def make_demo_recording(path: Path, loaded) -> list[dict]:
-    """The fixed recording: scenarios/passphrase.yaml on tiny-llama (virtual clock), stale_slot on at
-    step 20 and off at step 45, a marker, and hand-written contamination events (canary and
-    attention_flow naming a running request <- r000) at step 30. Returns the events as the
-    session's listener saw them."""
+def make_demo_recording(path: Path, loaded) -> list:
+    """scenarios/passphrase.yaml on tiny-llama (virtual clock), stale_slot on at step 20 and off at
+    step 45, then a marker. The detectors' reports are their real output. Returns the typed events as
+    the session's listener saw them."""
+    from kvtui.events import Marker
     from kvtui.scenario import load_scenario
     from kvtui.session import Session
 
-    events: list[dict] = []
+    events: list = []
     session = Session(load_scenario("scenarios/passphrase.yaml"), loaded, clock="virtual", record_path=path,
                       listeners=(events.append,))
     n = 0
@@ -44,19 +46,9 @@ def make_demo_recording(path: Path, loaded) -> list[dict]:
         n += 1
         if n == 20:
             session.set_fault("stale_slot", True, source="key")
-        if n == 30:  # a running request is reported to carry r000's passphrase
-            first = next(e for e in events if e.get("passphrase") and e["request_id"] == "r000")
-            last_step = next(e for e in reversed(events) if e["type"] == "step")
-            victim = next(r["id"] for r in last_step["running"] if r["id"] != "r000")
-            t = session.engine.now()
-            for e in ({"type": "contamination", "t": t, "step": n, "detector": "canary", "kind": "cross_request",
-                       "victim": victim, "source": "r000", "evidence": {"passphrase": first["passphrase"]}},
-                      {"type": "contamination", "t": t, "step": n, "detector": "attention_flow",
-                       "kind": "cross_request", "victim": victim, "source": "r000", "evidence": {"mass": 0.82}}):
-                session.emit(e)
         if n == 45:
             session.set_fault("stale_slot", False, source="key")
-            session.emit({"type": "marker", "t": session.engine.now(), "text": "isolation restored"})
+            session.emit(Marker(t=session.engine.now(), text="isolation restored"))
     session.close()
     return events
 
@@ -95,7 +87,7 @@ def test_a_newer_snapshot_replaces_an_unprocessed_older_one():
     from kvtui.tui.sources import SnapshotReady
     from kvtui.tui.state import DashboardState
 
-    older, newer = (SnapshotReady(DashboardState().snapshot(), "LIVE") for _ in range(2))
+    older, newer = (SnapshotReady(build_snapshot(DashboardState()), "LIVE") for _ in range(2))
     assert older.can_replace(newer) and not older.can_replace(Message())
 
 
@@ -106,16 +98,17 @@ def test_main_screen_from_the_fixed_recording(size):
         source = ReplaySource.from_file(DEMO, start_paused=True)
         app = KvtuiApp(source)
         async with app.run_test(size=size) as pilot:
-            source.seek_to(source.times[next(i for i, e in enumerate(source.events) if e["type"] == "contamination")])
+            source.seek_to(source.times[next(i for i, e in enumerate(source.events)
+                                             if isinstance(e, Contamination) and e.detector == "canary")])
             await pilot.pause(0.2)
             text = screen_text(app)
             await pilot.press("q")
         return text
 
     text = asyncio.run(run())
-    for needle in ("passphrase", "tiny-llama", "isolation OFF: stale_slot", "LEAKS 1", "slots", "requests",
-                   "contamination", "events", "canary 1", "r001 ← r000", "LEAK←r000", "tok/s", "TTFT", "p50",
-                   "stale_slot on", "quit"):
+    for needle in ("passphrase_demo", "isolation OFF: stale_slot", "LEAKS", "slots", "requests",
+                   "contamination", "events", "canary 1", "r005 ← r001", "LEAK←r001", "tok/s", "TTFT", "p50",
+                   "took slot", "quit"):
         assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
     assert "isolation" in text.splitlines()[0]
     assert len(text.splitlines()) == size[1]
@@ -137,7 +130,7 @@ def test_replay_plays_to_the_end_then_shows_the_summary_state(recording):
 
     assert 1 / PUBLISH_HZ <= source.min_interval_s <= 1 / MIN_HZ  # paced by the measured drawing cost
     header, events, summary, _ = read_recording(recording)
-    assert source.state.summary is not None and source.state.step == summary["steps"] - 1
+    assert source.state.summary is not None and source.state.step == summary.steps - 1
     assert " END " in text and "isolation ON" in text and "isolation restored" in text
 
 
@@ -158,7 +151,7 @@ def test_replay_pause_step_and_seek(recording):
             forward = source.playhead
             assert forward > 5.0
             await pilot.press("left")
-            rebuilt = source.state.snapshot()
+            rebuilt = build_snapshot(source.state)
             fresh = ReplaySource.from_file(recording, start_paused=True)
             fresh.seek_to(source.playhead)
             assert (rebuilt.step, rebuilt.seq, rebuilt.finished) == (fresh.state.step, fresh.state.seq,
@@ -182,7 +175,7 @@ def test_replay_state_equals_live_state(demo):
         live.apply(event)
     replay = ReplaySource.from_file(path, start_paused=True)
     replay.seek_to(replay.end_t)
-    a, b = live.snapshot(), replay.state.snapshot()
+    a, b = build_snapshot(live), build_snapshot(replay.state)
     assert a.seq == b.seq and a.done and b.done
     for field in ("step", "t", "slots", "requests", "prefill_history", "decode_history", "padding_history",
                   "kv_history", "ttft", "tpot", "contamination", "by_detector", "log", "finished", "active_faults"):
@@ -213,7 +206,7 @@ def test_help_palette_and_screenshot(tmp_path):
             await pilot.press("q")
 
     asyncio.run(run())
-    [svg] = tmp_path.glob("passphrase-*.svg")
+    [svg] = tmp_path.glob("passphrase_demo-*.svg")
     assert "<svg" in svg.read_text()[:200]
 
 
@@ -282,12 +275,12 @@ def test_live_keys_switch_faults_pause_step_and_quit_writes_the_summary(loaded, 
         return app.return_value
 
     summary = asyncio.run(run())
-    assert summary is not None and summary["stopped_early"] is True
+    assert summary is not None and summary.stopped_early is True
     end = last_line(record)
-    assert end["type"] == "summary" and end["steps"] == summary["steps"]
+    assert end["type"] == "summary" and end["steps"] == summary.steps
     header, events, _, truncated = read_recording(record)
     assert not truncated
-    assert [(e["name"], e["on"], e["source"]) for e in events if e["type"] == "fault"] == [
+    assert [(e.name, e.on, e.source) for e in events if isinstance(e, FaultSwitch)] == [
         ("stale_slot", True, "key"), ("stale_slot", False, "key")] * 2
 
 
@@ -374,14 +367,15 @@ def test_run_dashboard_wires_a_recorded_session_and_returns_its_summary(tmp_path
     monkeypatch.setattr(KvtuiApp, "run", headless_run)
     threads = torch.get_num_threads()
     try:
-        summary = run_dashboard(LONG, model="tiny-llama", record=tmp_path / "run.jsonl", faults=("stale_slot",),
-                                detectors=LIVE_DETECTORS, progress=False)
+        summary, live_header = run_dashboard(LONG, model="tiny-llama", record=tmp_path / "run.jsonl",
+                                             faults=("stale_slot",), detectors=LIVE_DETECTORS, progress=False)
     finally:
         torch.set_num_threads(threads)
-    assert summary["stopped_early"] and summary["steps"] >= 3
+    assert summary.stopped_early and summary.steps >= 3
+    assert (live_header.model.id, live_header.engine["layout"]) == ("tiny-llama", "padded")
     header, events, recorded, truncated = read_recording(tmp_path / "run.jsonl")
-    assert not truncated and recorded["steps"] == summary["steps"] and header["clock"] == "wall"
-    assert header["engine"]["faults"] == ["stale_slot"] and header["detectors"] == list(LIVE_DETECTORS)
+    assert not truncated and recorded.steps == summary.steps and header.clock == "wall"
+    assert header.engine["faults"] == ["stale_slot"] and header.detectors == LIVE_DETECTORS
 
 
 def test_entry_points_fail_before_taking_the_terminal(tmp_path, monkeypatch):

@@ -1,50 +1,62 @@
-"""DashboardState, snapshots and panels from hand-written events (no model, no Textual app)."""
+"""DashboardState, snapshots and panels from typed events (kvtui.events): lifecycle events built
+field by field and validated; detector reports taken from real detector output."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pydantic
 import pytest
 from rich.console import Console
 
+from kvtui.detect import CanaryDetector, EngineSignalDetector
+from kvtui.engine.observe import FlowReport, TaintReport
+from kvtui.events import parse_event
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULTS, isolation_fault_set
+from kvtui.metrics import Metrics
 from kvtui.tui import panels
-from kvtui.tui.faults import DEFAULT_ISOLATION_FAULTS, FAULT_DESCRIPTIONS, isolation_fault_set
+from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.state import HISTORY_WINDOW_S, REUSE_MARK_STEPS, DashboardState
 
 P1, P2 = "VELVET-ORCHID-42", "BISCUIT-DRAGON-67"
 
 
-# -- hand-written events (the recording format of recordings/README.md) -----------------------------
+# -- typed events, each validated against its type (kvtui.events) ------------------------------------
 def header(slots=2, max_len=64, faults=(), timeline=(), slo=None):
-    return {"type": "header", "t": 0.0, "clock": "virtual", "scenario": {"name": "hand", "timeline": list(timeline),
-                                                                          "slo": slo or {}},
-            "model": {"id": "tiny-llama", "dtype": "float32"},
-            "engine": {"num_slots": slots, "max_len": max_len, "layout": "padded", "faults": list(faults)}}
+    return parse_event({"type": "header", "clock": "virtual",
+                        "scenario": {"name": "hand", "timeline": list(timeline), "slo": slo or {}},
+                        "model": {"id": "tiny-llama", "dtype": "float32"},
+                        "engine": {"num_slots": slots, "max_len": max_len, "layout": "padded", "faults": list(faults)}})
 
 
 def arrive(rid, t=0.0, prompt_len=8, passphrase=None):
-    e = {"type": "request.arrive", "t": t, "request_id": rid, "prompt_len": prompt_len, "max_new_tokens": 16}
-    if passphrase:
-        e["passphrase"] = passphrase
-    return e
+    return parse_event({"type": "request.arrive", "t": t, "request_id": rid, "prompt_len": prompt_len,
+                        "max_new_tokens": 16, "passphrase": passphrase})
+
+
+def first_token(rid, t):
+    return parse_event({"type": "request.first_token", "t": t, "request_id": rid, "ttft_s": t})
 
 
 def step(n, t, running=(), prefill=0, decode=0, rows=None, padding=0.0, kv=0.0, waiting=0, slots=2, **extra):
     """running: (id, slot, cache_len, token, piece) tuples; phase from token is None / not."""
     run = [{"id": i, "slot": s, "cache_len": c, "q": 1, "token": tok, "phase": "decode" if n else "prefill",
-            **({"piece": piece} if piece is not None else {})} for i, s, c, tok, piece in running]
-    return {"type": "step", "step": n, "start_s": max(t - 0.01, 0.0), "t": t, "wall_s": 0.01, "layout": "padded",
-            "rows": len(run) if rows is None else rows, "prefill_tokens": prefill, "decode_tokens": decode,
-            "padding_ratio": padding, "key_padding_ratio": padding / 2, "slots_used": len(run), "num_slots": slots,
-            "slot_occupancy": len(run) / slots, "kv_tokens": 0, "kv_capacity_tokens": 128, "kv_usage": kv,
-            "num_waiting": waiting, "running": run, **extra}
+            "piece": piece} for i, s, c, tok, piece in running]
+    return parse_event({
+        "type": "step", "step": n, "start_s": max(t - 0.01, 0.0), "t": t, "wall_s": 0.01, "layout": "padded",
+        "rows": len(run) if rows is None else rows, "prefill_tokens": prefill, "decode_tokens": decode,
+        "query_positions": prefill + decode, "padded_positions": 0, "key_positions": 0, "key_padded_positions": 0,
+        "padding_ratio": padding, "key_padding_ratio": padding / 2, "slots_used": len(run), "num_slots": slots,
+        "slot_occupancy": len(run) / slots, "kv_tokens": 0, "kv_capacity_tokens": 128, "kv_usage": kv,
+        "num_waiting": waiting, "running": run, **extra})
 
 
-def finish(rid, t, slot, reason="length", text=None, arrival=0.0, first=None, times=()):
-    return {"type": "request.finish", "t": t, "request_id": rid, "finish_reason": reason, "detail": "", "slot": slot,
-            "prompt_ids": [1] * 8, "output_ids": [5] * len(times), "output_text": text if text is not None else "",
-            "arrival_s": arrival, "scheduled_s": arrival, "first_token_s": first, "finish_s": t,
-            "token_times_s": list(times)}
+def finish(rid, t, slot, reason="length", text=None, arrival=0.0, first=None, times=(), detail=""):
+    return parse_event({
+        "type": "request.finish", "t": t, "request_id": rid, "finish_reason": reason, "detail": detail, "slot": slot,
+        "prompt_ids": [1] * 8, "output_ids": [5] * len(times), "output_text": text if text is not None else "",
+        "arrival_s": arrival, "scheduled_s": arrival, "first_token_s": first, "finish_s": t,
+        "token_times_s": list(times)})
 
 
 def feed(*events, state=None):
@@ -52,6 +64,10 @@ def feed(*events, state=None):
     for e in events:
         state.apply(e)
     return state
+
+
+def snap_of(state):
+    return build_snapshot(state)
 
 
 def render(renderable, width=100) -> str:
@@ -64,22 +80,22 @@ def render(renderable, width=100) -> str:
 def test_slot_owner_cache_and_reuse_mark():
     s = feed(header(), arrive("r1"), arrive("r2", 0.1), step(0, 0.1, [("r1", 0, 8, 5, "a")], prefill=8),
              finish("r1", 0.1, 0), step(1, 0.2, [("r2", 0, 8, 6, "b")], prefill=8))
-    slot0, slot1 = s.snapshot().slots
+    slot0, slot1 = snap_of(s).slots
     assert (slot0.owner, slot0.cache_len, slot0.capacity, slot0.just_reused, slot0.previous_owner) == \
         ("r2", 8, 64, True, "r1")
     assert slot1.owner is None and slot1.color == -1 and not slot1.just_reused
     for n in range(2, 2 + REUSE_MARK_STEPS):
         s.apply(step(n, 0.2 + n / 100, [("r2", 0, 8 + n, 6, "c")], decode=1))
-    assert not s.snapshot().slots[0].just_reused
-    assert s.snapshot().slots[0].cache_len == 8 + 1 + REUSE_MARK_STEPS
+    assert not snap_of(s).slots[0].just_reused
+    assert snap_of(s).slots[0].cache_len == 8 + 1 + REUSE_MARK_STEPS
 
 
 def test_first_owner_is_not_a_reuse_and_same_step_handover_is():
     s = feed(header(), arrive("a"), step(0, 0.1, [("a", 1, 4, 1, "x")]))
-    assert not s.snapshot().slots[1].just_reused
+    assert not snap_of(s).slots[1].just_reused
     # b takes slot 1 in the step where a finishes (its finish event comes after the step)
     feed(arrive("b"), step(1, 0.2, [("b", 1, 4, 1, "y")]), finish("a", 0.2, 1), state=s)
-    view = s.snapshot().slots[1]
+    view = snap_of(s).slots[1]
     assert (view.owner, view.just_reused, view.previous_owner) == ("b", True, "a")
 
 
@@ -87,14 +103,14 @@ def test_first_owner_is_not_a_reuse_and_same_step_handover_is():
 def test_request_rows_status_order_and_ttft():
     s = feed(header(), arrive("r1", prompt_len=5), arrive("r2", prompt_len=7), arrive("r3"),
              step(0, 0.1, [("r1", 0, 5, 9, "hi")], prefill=5, waiting=2),
-             {"type": "request.first_token", "t": 0.1, "request_id": "r1", "ttft_s": 0.1})
-    rows = {r.id: r for r in s.snapshot().requests}
-    assert [r.id for r in s.snapshot().requests] == ["r1", "r2", "r3"]  # running first, then waiting
+             first_token("r1", 0.1))
+    rows = {r.id: r for r in snap_of(s).requests}
+    assert [r.id for r in snap_of(s).requests] == ["r1", "r2", "r3"]  # running first, then waiting
     assert (rows["r1"].status, rows["r1"].slot, rows["r1"].cache_len, rows["r1"].generated_tokens) == \
         ("prefill", 0, 5, 1)
     assert rows["r1"].ttft_s == 0.1 and rows["r2"].status == "waiting" and rows["r2"].prompt_tokens == 7
     feed(finish("r1", 0.3, 0, "stop", text="hi there", first=0.1, times=(0.1, 0.2)), state=s)
-    snap = s.snapshot()
+    snap = snap_of(s)
     assert [r.id for r in snap.requests] == ["r2", "r3", "r1"]  # finished after waiting
     assert (snap.requests[-1].status, snap.requests[-1].text_tail, snap.requests[-1].slot) == ("stop", "hi there", None)
     assert (snap.arrived, snap.running, snap.waiting, snap.finished) == (3, 0, 2, 1)
@@ -104,7 +120,7 @@ def test_text_tail_from_pieces_keeps_the_end_and_marks_newlines():
     s = feed(header(), arrive("r1"))
     for n in range(60):
         s.apply(step(n, n / 10, [("r1", 0, 8 + n, 1, "ab\n" if n == 59 else "xy")], decode=1))
-    tail = s.snapshot().requests[0].text_tail
+    tail = snap_of(s).requests[0].text_tail
     assert tail.endswith("xyab⏎") and len(tail) == 80
     assert panels.clean("a\x0bb\nc") == "a·b⏎c"
 
@@ -114,63 +130,74 @@ def test_another_requests_passphrase_in_the_text_is_a_leak_own_is_an_echo():
     pieces = ["The ", "pass", "phrase is VELVET-", "ORCH", "ID-42. Also ", P2]
     for n, piece in enumerate(pieces):
         s.apply(step(n, n / 10, [("r2", 1, 8 + n, 1, piece)], decode=1))
-    r2 = next(r for r in s.snapshot().requests if r.id == "r2")
+    r2 = next(r for r in snap_of(s).requests if r.id == "r2")
     assert (r2.leaked, r2.leak_sources, r2.echoed) == ((P1,), ("r1",), True)
-    assert s.snapshot().leaks == 1
-    r1 = next(r for r in s.snapshot().requests if r.id == "r1")
+    assert snap_of(s).leaks == 1
+    r1 = next(r for r in snap_of(s).requests if r.id == "r1")
     assert r1.leaked == () and not r1.echoed
 
 
 def test_finish_text_replaces_pieces_and_is_checked_for_leaks():
     s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2),
              step(0, 0.1, [("r2", 0, 8, 1, "x")]), finish("r2", 0.2, 0, text=f"it is {P1}"))
-    r2 = next(r for r in s.snapshot().requests if r.id == "r2")
+    r2 = next(r for r in snap_of(s).requests if r.id == "r2")
     assert r2.text_tail == f"it is {P1}" and r2.leaked == (P1,)
 
 
-# -- contamination (issue 4 events, hand-written) -----------------------------------------------------
-CONTAMINATION = [
-    {"type": "contamination", "t": 1.0, "step": 7, "detector": "canary", "kind": "cross_request", "victim": "r2",
-     "source": "r1", "evidence": {"passphrase": P1}},
-    {"type": "contamination", "t": 1.1, "step": 8, "detector": "attention_flow", "kind": "cross_request",
-     "victim": "r2", "source": "r1", "evidence": {"mass": 0.73}},
-    {"type": "contamination", "t": 1.2, "step": 8, "detector": "reference", "kind": "numeric", "victim": "r1",
-     "source": None, "evidence": {"index": 3, "tokens": [5, 6], "gap": 0.001}},
-]
+# -- contamination: reports made by the real detectors ------------------------------------------------
+class _Report:
+    """The StepReport fields EngineSignalDetector reads."""
+
+    def __init__(self, step, taint=(), flow=()):
+        self.step, self.taint, self.flow = step, taint, flow
+
+
+def detector_reports():
+    """A canary leak (r2 says r1's passphrase), an attention_flow report (r2 weighs r1's keys 0.73)
+    and a slot_taint report (r2 may read r1's positions), as the detectors produce them."""
+    canary = CanaryDetector()
+    canary.on_arrive("r1", P1)
+    canary.on_arrive("r2", P2)
+    leak = canary.on_piece("r2", f"it is {P1}", 1.0, 7)
+    signals = EngineSignalDetector().on_step(_Report(
+        8, taint=(TaintReport("r2", ("r1",), 12, ((0, 3, "r1"),)),),
+        flow=(FlowReport("r2", 0.73, 0.0, "r1"),)), 1.1)
+    return leak + signals
 
 
 def test_contamination_events_counts_victims_and_evidence():
-    s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2), *CONTAMINATION)
-    snap = s.snapshot()
-    assert snap.by_detector == (("attention_flow", 1), ("canary", 1), ("reference", 1))
-    assert snap.by_kind == (("cross_request", 2), ("numeric", 1))
+    s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2), *detector_reports())
+    snap = snap_of(s)
+    assert snap.by_detector == (("attention_flow", 1), ("canary", 1), ("slot_taint", 1))
+    assert snap.by_kind == (("cross_request", 3),)
     r2 = next(r for r in snap.requests if r.id == "r2")
     assert r2.leaked == (P1,) and r2.leak_sources == ("r1",) and r2.contamination == ("cross_request",)
     assert r2.attention_mass == pytest.approx(0.73)
     first = snap.contamination[0]
     assert (first.step, first.detector, first.victim, first.source) == (7, "canary", "r2", "r1")
-    assert P1 in first.evidence and "mass=0.73" in snap.contamination[1].evidence
-    assert "tokens=5,6" in snap.contamination[2].evidence
+    assert P1 in first.evidence
+    assert [c.evidence for c in snap.contamination[1:]] == ["12 cells, e.g. slot 0 pos 3",
+                                                           "attention on foreign keys 0.730"]
 
 
 def test_foreign_attention_in_step_events_feeds_the_meter():
     s = feed(header(), arrive("r1"), arrive("r2"),
              step(0, 0.1, [("r1", 0, 8, 1, "a"), ("r2", 1, 8, 1, "b")], foreign_attention={"r1": 0.0, "r2": 0.61}))
-    masses = {r.id: r.attention_mass for r in s.snapshot().requests}
+    masses = {r.id: r.attention_mass for r in snap_of(s).requests}
     assert masses == {"r1": 0.0, "r2": 0.61}
 
 
 def test_contamination_for_an_unknown_victim_creates_a_row():
-    s = feed(header(), {"type": "contamination", "t": 0.5, "detector": "slot_taint", "kind": "corruption",
-                        "victim": "ghost", "source": None, "evidence": {"positions": list(range(10))}})
-    assert [r.id for r in s.snapshot().requests] == ["ghost"]
-    assert s.snapshot().contamination[0].evidence == "positions=0,1,2,3,4,5…"
+    (report,) = EngineSignalDetector().on_step(_Report(3, taint=(TaintReport("ghost", ("<unwritten>",), 10, ()),)), 0.5)
+    s = feed(header(), report)
+    assert [r.id for r in snap_of(s).requests] == ["ghost"]
+    assert (report.kind, report.source, snap_of(s).contamination[0].evidence) == ("corruption", None, "10 cells")
 
 
 # -- throughput, padding, KV, latency ------------------------------------------------------------------
 def test_throughput_history_per_window_with_empty_windows_as_zero():
     s = feed(header(), step(0, 0.1, prefill=10), step(1, 0.3, decode=2), step(2, 1.2, decode=4))
-    snap = s.snapshot()
+    snap = snap_of(s)
     assert snap.prefill_history == (10 / HISTORY_WINDOW_S, 0.0)
     assert snap.decode_history == (2 / HISTORY_WINDOW_S, 0.0)
     assert snap.decode_rate == pytest.approx(6.0)  # last 1 s of run clock (Metrics.decode_1s)
@@ -179,7 +206,7 @@ def test_throughput_history_per_window_with_empty_windows_as_zero():
 def test_padding_history_skips_idle_steps_and_kv_is_last():
     s = feed(header(), step(0, 0.1, rows=2, padding=0.5, kv=0.1), step(1, 0.2, rows=0, kv=0.0),
              step(2, 0.3, rows=1, padding=0.25, kv=0.3))
-    snap = s.snapshot()
+    snap = snap_of(s)
     assert snap.padding_history == (0.5, 0.25) and snap.padding_ratio == 0.25 and snap.key_padding_ratio == 0.125
     assert snap.kv_history == (0.1, 0.0, 0.3) and snap.kv_usage == 0.3
 
@@ -187,45 +214,49 @@ def test_padding_history_skips_idle_steps_and_kv_is_last():
 def test_latency_percentiles_ttft_at_first_token_tpot_at_finish():
     s = feed(header())
     for i, ttft in enumerate((0.1, 0.2, 0.3, 0.4)):
-        feed(arrive(f"r{i}"), {"type": "request.first_token", "t": ttft, "request_id": f"r{i}", "ttft_s": ttft},
-             state=s)
-    snap = s.snapshot()
+        feed(arrive(f"r{i}"), first_token(f"r{i}", ttft), state=s)
+    snap = snap_of(s)
     assert snap.ttft.p50 == pytest.approx(0.25) and snap.ttft.p95 == pytest.approx(0.385)
     assert snap.tpot.p50 is None  # TPOT needs finished requests (Metrics)
     for i, ttft in enumerate((0.1, 0.2, 0.3, 0.4)):
         s.apply(finish(f"r{i}", 1.0, None, first=ttft, times=(ttft, ttft + 0.05, ttft + 0.15)))
-    assert s.snapshot().tpot.p50 == pytest.approx(0.075) and s.snapshot().ttft.p50 == pytest.approx(0.25)
+    assert snap_of(s).tpot.p50 == pytest.approx(0.075) and snap_of(s).ttft.p50 == pytest.approx(0.25)
 
 
 # -- faults, log, summary ---------------------------------------------------------------------------------
 def test_fault_events_switch_isolation_and_are_logged():
     s = feed(header(faults=("causal_offset",)))
-    assert s.snapshot().active_faults == ("causal_offset",) and not s.snapshot().isolation_on
-    feed({"type": "fault", "t": 1.0, "name": "stale_slot", "on": True, "source": "key",
-          "active": ["causal_offset", "stale_slot"]},
-         {"type": "fault", "t": 2.0, "name": "causal_offset", "on": False, "source": "timeline"}, state=s)
-    snap = s.snapshot()
+    assert snap_of(s).active_faults == ("causal_offset",) and not snap_of(s).isolation_on
+    feed(parse_event({"type": "fault", "t": 1.0, "name": "stale_slot", "on": True, "source": "key",
+                      "active": ["causal_offset", "stale_slot"]}),
+         parse_event({"type": "fault", "t": 2.0, "name": "causal_offset", "on": False, "source": "timeline",
+                      "active": ["stale_slot"]}), state=s)
+    snap = snap_of(s)
     assert snap.active_faults == ("stale_slot",)
     assert [line.text for line in snap.log] == ["fault stale_slot on (key)", "fault causal_offset off (timeline)"]
-    feed({"type": "fault", "t": 3.0, "name": "stale_slot", "on": False, "source": "key", "active": []}, state=s)
-    assert s.snapshot().isolation_on
+    feed(parse_event({"type": "fault", "t": 3.0, "name": "stale_slot", "on": False, "source": "key", "active": []}),
+         state=s)
+    assert snap_of(s).isolation_on
 
 
 def test_markers_timeline_rejections_and_summary_in_the_log():
-    s = feed(header(), {"type": "marker", "t": 0.5, "text": "burst of 4 requests"},
-             {"type": "timeline", "t": 1.0, "set": {"fault": "stale_slot", "on": True}, "marker": "leak on"},
-             arrive("big"), {**finish("big", 1.5, None, "rejected"), "detail": "prompt longer than max_len"},
-             {"type": "summary", "t": 2.0, "stopped_early": True})
-    snap = s.snapshot()
+    s = feed(header(), parse_event({"type": "marker", "t": 0.5, "text": "burst of 4 requests"}),
+             parse_event({"type": "timeline", "t": 1.0, "at_s": 1.0, "set": {"fault": "stale_slot", "on": True},
+                          "marker": "leak on"}),
+             arrive("big"), finish("big", 1.5, None, "rejected", detail="prompt longer than max_len"),
+             Metrics().summary(t=2.0, stopped_early=True))
+    snap = snap_of(s)
     assert [(line.kind, line.text) for line in snap.log] == [
         ("marker", "burst of 4 requests"), ("timeline", "leak on · fault=stale_slot, on=True"),
         ("reject", "big rejected: prompt longer than max_len"), ("info", "run finished (stopped early)")]
-    assert snap.done and snap.rejected == 1 and snap.summary["stopped_early"]
+    assert snap.done and snap.rejected == 1 and snap.summary.stopped_early
+    with pytest.raises(pydantic.ValidationError):  # the summary a snapshot carries is read-only
+        snap.summary.stopped_early = False
 
 
 def test_snapshot_is_frozen_and_unknown_events_are_ignored():
-    s = feed(header(), arrive("r1"), {"type": "something.new", "t": 9.0})
-    snap = s.snapshot()
+    s = feed(header(), arrive("r1", t=9.0), object())
+    snap = snap_of(s)
     with pytest.raises(dataclasses.FrozenInstanceError):
         snap.step = 3
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -234,8 +265,7 @@ def test_snapshot_is_frozen_and_unknown_events_are_ignored():
 
 
 @pytest.mark.parametrize("hdr, expected", [
-    (None, DEFAULT_ISOLATION_FAULTS),
-    (header(), DEFAULT_ISOLATION_FAULTS),
+    (header(), DEFAULT_ISOLATION_OFF),
     (header(faults=("no_request_mask",)), ("no_request_mask",)),
     (header(timeline=[{"at_s": 1, "set": {"fault": "fp16_cache", "on": True}}, {"at_s": 2, "set": {"x": 1}}]),
      ("fp16_cache",)),
@@ -243,13 +273,15 @@ def test_snapshot_is_frozen_and_unknown_events_are_ignored():
      ("shared_cache",)),
 ])
 def test_isolation_fault_set(hdr, expected):
-    assert isolation_fault_set(hdr) == expected
+    assert isolation_fault_set(hdr.engine.get("faults"), hdr.scenario.get("timeline")) == expected
+    assert snap_of(feed(hdr)).isolation_faults == expected
 
 
-def test_every_fault_has_a_description():
+def test_every_fault_has_a_description_and_the_default_set_exists():
     from kvtui.scenario import FAULT_NAMES
 
-    assert set(FAULT_DESCRIPTIONS) == set(FAULT_NAMES) and set(DEFAULT_ISOLATION_FAULTS) <= set(FAULT_NAMES)
+    assert set(FAULTS) == set(FAULT_NAMES) and all(f.breaks and f.caught_by for f in FAULTS.values())
+    assert set(DEFAULT_ISOLATION_OFF) <= set(FAULT_NAMES)
 
 
 # -- panels (pure render functions) -----------------------------------------------------------------------
@@ -270,17 +302,17 @@ def test_bar(fraction, width, expected):
 
 def test_panels_show_leaks_faults_and_detectors_as_text():
     s = feed(header(faults=("stale_slot",)), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2),
-             step(0, 0.1, [("r1", 0, 8, 1, "a"), ("r2", 1, 8, 1, f"=> {P1}")], prefill=16), *CONTAMINATION)
-    snap = s.snapshot()
+             step(0, 0.1, [("r1", 0, 8, 1, "a"), ("r2", 1, 8, 1, f"=> {P1}")], prefill=16), *detector_reports())
+    snap = snap_of(s)
     head = render(panels.header(snap, "LIVE", 200), 200)
     assert "isolation OFF: stale_slot" in head and "LEAKS 1" in head and "step 0" in head
     table = render(panels.request_table(snap, 120, 10), 120)
     assert "LEAK←r1" in table and P1 in table
     cont = render(panels.contamination(snap, 80, 12), 80)
-    assert "canary 1" in cont and "r2 ← r1" in cont and "numeric" in cont and "0.73" in cont
+    assert "canary 1" in cont and "r2 ← r1" in cont and "slot_taint" in cont and "0.73" in cont
     assert "r1 " in render(panels.slot_map(snap, 60, 6), 60)
     assert "running 2" in render(panels.stats(snap, 80, 7), 80)
-    clean = feed(header()).snapshot()
+    clean = snap_of(feed(header()))
     assert "isolation ON" in render(panels.header(clean, "REPLAY x1", 200), 200)
     assert "no contamination detected" in render(panels.contamination(clean, 60, 5), 60)
 
@@ -288,6 +320,6 @@ def test_panels_show_leaks_faults_and_detectors_as_text():
 def test_slot_map_falls_back_to_one_character_per_slot():
     events = [header(slots=64)] + [arrive(f"r{i}") for i in range(40)]
     events.append(step(0, 0.1, [(f"r{i}", i, 8, 1, "x") for i in range(40)], slots=64))
-    snap = feed(*events).snapshot()
+    snap = snap_of(feed(*events))
     text = render(panels.slot_map(snap, 40, 5), 40)
     assert "40/64 slots in use" in text and "·" * 24 in text

@@ -1,5 +1,5 @@
-"""Contamination detectors (docs/faults.md). Each turns what it sees into `contamination`
-events: victim request, source request when known, step, kind and evidence.
+"""Contamination detectors. Each turns what it sees into typed `Contamination` events
+(kvtui.events): victim request, source request when known, step, kind and evidence.
 
 Kinds: `cross_request` (information from another request reached the victim), `corruption`
 (self-damage: pads, wrong offsets, NaN), `numeric` (a near-tie flipped by numerical batch variance;
@@ -13,13 +13,5 @@ from kvtui.detect.reference import ReferenceDetector, numeric_tolerance
 DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint")
 CONTAMINATION_KINDS = ("cross_request", "corruption")
 
-
-def contamination_event(*, t: float, step: int, detector: str, kind: str, victim: str, source: str | None,
-                        evidence: dict) -> dict:
-    """The recorded form of one detection."""
-    return {"type": "contamination", "t": t, "step": step, "detector": detector, "kind": kind, "victim": victim,
-            "source": source, "evidence": evidence}
-
-
 __all__ = ["DETECTOR_NAMES", "CONTAMINATION_KINDS", "CanaryDetector", "EngineSignalDetector", "ReferenceDetector",
-           "contamination_event", "numeric_tolerance"]
+           "numeric_tolerance"]

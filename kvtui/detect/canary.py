@@ -4,6 +4,8 @@ naming its source. Checked on the text so far at every step, and on the final te
 
 from __future__ import annotations
 
+from kvtui.events import CanaryEvidence, Contamination
+
 
 def fragments(passphrase: str) -> list[str]:
     """The passphrase and its two-part fragments (WORD-WORD, WORD-NN) for a WORD-WORD-NN passphrase."""
@@ -15,7 +17,8 @@ def fragments(passphrase: str) -> list[str]:
 
 
 class CanaryDetector:
-    """Watches every request's text for passphrases of other requests of the run."""
+    """Watches every request's text for passphrases of other requests of the run; reports each
+    (victim, source) pair once, at the first step its text holds the source's passphrase."""
 
     def __init__(self) -> None:
         self.passphrases: dict[str, str] = {}  # request id -> passphrase
@@ -26,7 +29,7 @@ class CanaryDetector:
         if passphrase:
             self.passphrases[request_id] = passphrase
 
-    def _check(self, victim: str, text: str, t: float, step: int, make_event) -> list[dict]:
+    def _check(self, victim: str, text: str, t: float, step: int) -> list[Contamination]:
         events = []
         own = self.passphrases.get(victim, "")
         upper = text.upper()
@@ -38,16 +41,18 @@ class CanaryDetector:
                     continue
                 if fragment.upper() in upper:
                     self._seen.add((victim, source))
-                    events.append(make_event(t=t, step=step, detector="canary", kind="cross_request", victim=victim,
-                                             source=source, evidence={"leaked": phrase, "matched": fragment,
-                                                                      "text": text[-160:]}))
+                    events.append(Contamination(
+                        t=t, step=step, detector="canary", kind="cross_request", victim=victim, source=source,
+                        evidence=CanaryEvidence(leaked=phrase, matched=fragment, text=text[-160:])))
                     break
         return events
 
-    def on_piece(self, request_id: str, piece: str, t: float, step: int, make_event) -> list[dict]:
+    def on_piece(self, request_id: str, piece: str, t: float, step: int) -> list[Contamination]:
+        """A new token's text for `request_id` at `step`; returns new leak reports."""
         self.text[request_id] = self.text.get(request_id, "") + piece
-        return self._check(request_id, self.text[request_id], t, step, make_event)
+        return self._check(request_id, self.text[request_id], t, step)
 
-    def on_finish(self, request_id: str, text: str, t: float, step: int, make_event) -> list[dict]:
-        self.text[request_id] = text
-        return self._check(request_id, text, t, step, make_event)
+    def on_finish(self, request_id: str, text: str, t: float, step: int) -> list[Contamination]:
+        """The request's final text; returns new leak reports. Forgets the request's running text."""
+        self.text.pop(request_id, None)
+        return self._check(request_id, text, t, step)

@@ -3,6 +3,8 @@ once per (victim, source) pair so a leak that lasts many steps is one event with
 
 from __future__ import annotations
 
+from kvtui.events import Contamination, FlowEvidence, TaintEvidence, TaintExample
+
 FLOW_THRESHOLD = 1e-6  # attention mass on foreign keys; exactly 0.0 with isolation intact
 
 
@@ -14,7 +16,8 @@ class EngineSignalDetector:
         self.flow = flow
         self._seen: set[tuple] = set()
 
-    def on_step(self, report, t: float, make_event) -> list[dict]:
+    def on_step(self, report, t: float) -> list[Contamination]:
+        """Events for a StepReport's taint and flow entries (each (detector, victim, source) once)."""
         events = []
         if self.taint:
             for r in report.taint:
@@ -24,11 +27,11 @@ class EngineSignalDetector:
                 if key in self._seen:
                     continue
                 self._seen.add(key)
-                events.append(make_event(
+                events.append(Contamination(
                     t=t, step=report.step, detector="slot_taint", kind=kind, victim=r.request_id,
                     source=None if kind == "corruption" else source,
-                    evidence={"positions": r.positions, "sources": list(r.sources),
-                              "examples": [{"slot": s, "pos": p, "written_by": w} for s, p, w in r.examples]}))
+                    evidence=TaintEvidence(positions=r.positions, sources=r.sources, examples=tuple(
+                        TaintExample(slot=s, pos=p, written_by=w) for s, p, w in r.examples))))
         if self.flow:
             for f in report.flow:
                 if f.foreign_mass <= FLOW_THRESHOLD:
@@ -37,8 +40,8 @@ class EngineSignalDetector:
                 if key in self._seen:
                     continue
                 self._seen.add(key)
-                events.append(make_event(
+                events.append(Contamination(
                     t=t, step=report.step, detector="attention_flow", kind="cross_request", victim=f.request_id,
-                    source=f.top_source, evidence={"foreign_mass": round(f.foreign_mass, 6),
-                                                   "pad_mass": round(f.pad_mass, 6)}))
+                    source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
+                                                               pad_mass=round(f.pad_mass, 6))))
         return events

@@ -15,6 +15,7 @@ import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine
+from kvtui.events import Contamination, ReferenceEvidence
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch.bfloat16: 0.5}
 
@@ -52,7 +53,7 @@ class ReferenceDetector:
             self._cache[key] = (list(state.generated_ids), list(state.top2_gaps))
         return self._cache[key]
 
-    def drain(self, t: float, make_event, limit: int | None = None) -> list[dict]:
+    def drain(self, t: float, limit: int | None = None) -> list[Contamination]:
         """Check up to `limit` queued requests (all when None); return their events."""
         events = []
         while self.queue and (limit is None or limit > 0):
@@ -65,10 +66,10 @@ class ReferenceDetector:
             gap = min(gaps[index] if index < len(gaps) else float("inf"), ref_gaps[index])
             kind = "numeric" if gap <= self.tolerance else "corruption"
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            events.append(make_event(
+            events.append(Contamination(
                 t=t, step=steps[index] if index < len(steps) else -1, detector="reference", kind=kind,
                 victim=request_id, source=None,
-                evidence={"token_index": index, "batched_token": output[index], "solo_token": reference[index],
-                          "top2_gap": round(gap, 6), "tolerance": self.tolerance,
-                          "batched_text": decode(output), "solo_text": decode(reference[: len(output)])}))
+                evidence=ReferenceEvidence(token_index=index, batched_token=output[index], solo_token=reference[index],
+                                           top2_gap=round(gap, 6), tolerance=self.tolerance,
+                                           batched_text=decode(output), solo_text=decode(reference[: len(output)]))))
         return events

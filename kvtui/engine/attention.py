@@ -13,7 +13,7 @@ attn_implementation="eager".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -43,7 +43,6 @@ class StepState:
     attn_sum: torch.Tensor | None = None
     flow_terms: int = 0
     fp16: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 class PooledCacheLayer(CacheLayerMixin):

@@ -11,7 +11,7 @@ padded: one row per request, right- or left-padded to the longest chunk. Row b's
 packed: one row holding every request's tokens back to back; keys are each request's positions
     0 .. end_b-1 concatenated. The mask is block-diagonal and causal within each block.
 
-Faults (kvtui/engine/faults.py) change these tables where named: shared_cache maps every request to
+Faults (kvtui/faults.py) change these tables where named: shared_cache maps every request to
 slot 0; shared_position_offset takes position ids from a batch-wide counter; causal_offset builds the
 causal part as key index <= query index; unmasked_cache_padding leaves cache padding visible;
 no_request_mask drops the block-diagonal part of the packed mask; fp16_cache also writes pad rows.
@@ -29,6 +29,32 @@ import torch
 from kvtui.engine.scheduler import StepPlan
 
 PAD_OWNER = -1
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """How much one step computed, pads included, for the step report and the virtual clock.
+
+    Attributes:
+        rows: rows of the model input (requests in the padded layout, 1 packed, 0 idle).
+        query_positions: query positions computed, pads included (tokens).
+        padded_positions: query positions that were padding (tokens).
+        key_cells: rows x key columns: key positions read per query column (the cost model's keys).
+        key_positions: real query tokens x key columns of their row (mask cells of real queries).
+        key_padded_positions: of those, cells whose key is not the query's own request's.
+    """
+
+    rows: int = 0
+    query_positions: int = 0
+    padded_positions: int = 0
+    key_cells: int = 0
+    key_positions: int = 0
+    key_padded_positions: int = 0
+
+    @staticmethod
+    def total(parts: "list[BatchStats]") -> "BatchStats":
+        """The sum of several batches' figures (racy_threads runs one batch per request)."""
+        return BatchStats(*(sum(getattr(p, f) for p in parts) for f in BatchStats.__dataclass_fields__))
 
 
 @dataclass
@@ -80,6 +106,15 @@ class BatchTensors:
     @property
     def query_positions(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def stats(self) -> BatchStats:
+        """This batch's figures (see BatchStats)."""
+        rows, k_len = self.key_slot.shape
+        real = self.query_positions - self.padded_positions
+        return BatchStats(rows=self.rows, query_positions=self.query_positions,
+                          padded_positions=self.padded_positions, key_cells=rows * k_len,
+                          key_positions=real * k_len, key_padded_positions=self.key_padded_positions)
 
     def additive_mask(self, dtype: torch.dtype, masked_value: float | None = None) -> torch.Tensor:
         """[R, 1, Q, K] additive mask in `dtype`: 0 allowed, finfo(dtype).min (or masked_value) not."""

@@ -9,13 +9,13 @@ time of each step is still reported beside it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvtui.config import EngineConfig
-from kvtui.engine.batching import build_batch
-from kvtui.engine.faults import check_fault_names
+from kvtui.engine.batching import BatchStats, build_batch
+from kvtui.engine.faults import StaleStart, racy_forward, stale_slot_admission
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, slot_taint
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
@@ -23,7 +23,20 @@ from kvtui.engine.request import FinishReason, RequestState, RequestStatus, Samp
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import make_generator, sample_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
+from kvtui.faults import check_fault_names
 from kvtui.models.compat import check_model
+
+
+@dataclass(frozen=True)
+class ForwardOutcome:
+    """What one forward produced: logits [V] float32 per sampling chunk index, the batch's figures,
+    the in-engine detectors' reports, and (chunk index, error text) for chunks a fault broke."""
+
+    logits: dict = field(default_factory=dict)
+    stats: BatchStats = BatchStats()
+    taint: tuple = ()
+    flow: tuple = ()
+    errors: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ class Engine:
         self._pending_finished: list[RequestState] = []
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
-        self.faults: set[str] = set(check_fault_names(config.faults))  # active faults; switched between steps
+        self._faults: frozenset[str] = check_fault_names(config.faults)  # switched between steps
         self._serial: dict[str, int] = {}
         self._names: dict[int, str] = {}
 
@@ -176,6 +189,19 @@ class Engine:
             self.scheduler.remove(request)
             self._finish(request, FinishReason.ABORT, "aborted by caller")
 
+    @property
+    def faults(self) -> frozenset[str]:
+        """The isolation faults active from the next step."""
+        return self._faults
+
+    def set_faults(self, names) -> None:
+        """Switch exactly `names` on from the next step.
+
+        Raises:
+            ValueError: an unknown fault name (see kvtui.faults).
+        """
+        self._faults = check_fault_names(names)
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
 
@@ -189,95 +215,90 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Admit, schedule, run one forward, sample, retire finished requests; report the step."""
-        start_s = self.now()
-        wall_start = time.perf_counter()
-        faults = frozenset(self.faults)
+        """One engine step: admit waiting requests into free slots, plan the batch, run one forward,
+        sample and retire finished requests, report (schedule -> run -> postprocess)."""
+        start_s, wall_start = self.now(), time.perf_counter()
+        faults = self._faults
+        stale = self._admit(start_s, faults)
+        plan = self.scheduler.plan()
+        outcome = self._forward(plan, faults)
+        end_s = self._advance_clock(start_s, outcome.stats)
+        running = self._postprocess(plan, outcome, end_s)
+        report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running, stale)
+        self.step_index += 1
+        return report
+
+    def _admit(self, start_s: float, faults: frozenset) -> tuple[StaleStart, ...]:
+        """Give waiting requests free slots (FIFO); returns the stale starts of the stale_slot fault."""
         stale = []
         for request in self.scheduler.admit(self.pool.num_free):
             request.slot = self.pool.allocate(request.request_id, fresh=self.config.slot_reuse == "reallocate")
             request.cache_len = 0
             request.scheduled_s = start_s
-            kept = self.pool.last_len[request.slot]
-            if "stale_slot" in faults and kept:
-                # the fault: the slot's old length and contents stay, and the engine takes them for the
-                # new prompt's cached prefix (a stale prefix-cache hit): only the part of the prompt past
-                # the old length, or at least its last token, is fed
-                fed = max(request.prompt_len - kept, 1)
-                if kept + fed + request.sampling.max_new_tokens <= self.pool.max_len:
-                    request.cache_len = kept
-                    request.prefill_done = request.prompt_len - fed
-                    stale.append((request.request_id, request.slot, self.pool.previous_owner[request.slot], kept))
-        plan = self.scheduler.plan()
-        running_reports, batch, taint, flow, errors = [], None, (), (), []
-        if not plan.empty:
-            if "racy_threads" in faults:
-                logits_by_chunk, errors, batch = self._forward_racy(plan, faults)
-            else:
-                batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
-                                    pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len)
-                own = [self._serial[c.request.request_id] for c in plan.chunks]
-                ids = [c.request.request_id for c in plan.chunks]
-                writers = self._tag_writes(batch, own)
-                if self.detect_taint:
-                    taint = tuple(slot_taint(batch, writers, own, self._names, ids))
-                logits_by_chunk = {}
-                try:
-                    logits, state = self.runner.forward(batch, measure_flow=self.measure_flow,
-                                                        fp16="fp16_cache" in faults)
-                    logits_by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
-                    if self.measure_flow and state.attn_sum is not None:
-                        flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own,
-                                                    self._names, ids))
-                except Exception as e:
-                    if not faults:
-                        raise  # with isolation intact an exception is a bug, not a symptom
-                    errors = [(i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))]
-            end_s = self._end_time(start_s, plan, batch, wall_start)
-            failed = dict(errors)
-            for index, chunk in enumerate(plan.chunks):
-                if index in failed:
-                    self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
-                    continue
-                running_reports.append(self._postprocess(chunk, logits_by_chunk.get(index), end_s))
-        wall_s = time.perf_counter() - wall_start
-        finished = tuple(self._finished_report(r) for r in self._pending_finished)
-        self._pending_finished.clear()
-        report = self._report(start_s, wall_s, plan, batch, tuple(running_reports), finished)
-        report = replace(report, faults=tuple(sorted(faults)), taint=taint, flow=flow, stale_starts=tuple(stale),
-                         errors=tuple((plan.chunks[i].request.request_id, text) for i, text in errors))
-        self.step_index += 1
-        return report
+            if "stale_slot" in faults:
+                start = stale_slot_admission(request, self.pool)
+                if start is not None:
+                    stale.append(start)
+        return tuple(stale)
 
-    def _tag_writes(self, batch, own: list[int]) -> torch.Tensor:
+    def _forward(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
+        """Run the model on the plan's batch; under a fault, an exception is a symptom, not a crash."""
+        if plan.empty:
+            return ForwardOutcome()
+        if "racy_threads" in faults:
+            racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
+                                faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes)
+            return ForwardOutcome(racy.logits, racy.stats, errors=racy.errors)
+        batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
+                            pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len)
+        writers = self._tag_writes(batch, plan.chunks)
+        own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
+        taint = tuple(slot_taint(batch, writers, own, self._names, ids)) if self.detect_taint else ()
+        try:
+            logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults)
+        except Exception as e:
+            if not faults:
+                raise  # with isolation intact an exception is a bug, not a symptom
+            return ForwardOutcome(stats=batch.stats, taint=taint,
+                                  errors=tuple((i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))))
+        flow = ()
+        if self.measure_flow and state.attn_sum is not None:
+            flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids))
+        by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
+        return ForwardOutcome(by_chunk, batch.stats, taint, flow)
+
+    def _serials(self, chunks) -> list[int]:
+        return [self._serial[c.request.request_id] for c in chunks]
+
+    def _tag_writes(self, batch, chunks) -> torch.Tensor:
         """Tag the pool positions this step writes with their request's serial; return the [R, K]
         writer serials of the batch's keys."""
         chunk_of_write = batch.query_owner[batch.write_row, batch.write_col]
-        serials = torch.tensor(own, dtype=torch.long)[chunk_of_write]
+        serials = torch.tensor(self._serials(chunks), dtype=torch.long)[chunk_of_write]
         self.pool.writer[batch.write_slot.cpu(), batch.write_pos.cpu()] = serials
         if batch.pad_write_row is not None:
             self.pool.writer[batch.pad_write_slot, batch.pad_write_pos] = PAD_WRITTEN
         return key_writers(self.pool.writer, batch)
 
-    def _forward_racy(self, plan: StepPlan, faults: frozenset):
-        """racy_threads: a batch-of-one per request, run by one thread each (see ModelRunner.forward_racy)."""
-        batches = [build_batch(StepPlan((chunk,), ()), layout=self.config.layout, pad_token_id=self.pad_token_id,
-                               faults=faults, max_len=self.pool.max_len) for chunk in plan.chunks]
-        for chunk, b in zip(plan.chunks, batches):
-            self._tag_writes(b, [self._serial[chunk.request.request_id]])
-        results = self.runner.forward_racy(batches, fp16="fp16_cache" in faults)
-        logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
-        errors = [(i, err) for i, (out, err) in enumerate(results) if err]
-        return logits, errors, _RacyBatchStats(batches)
-
-    def _end_time(self, start_s: float, plan: StepPlan, batch, wall_start: float) -> float:
-        if self.clock == "virtual":
-            tokens = batch.query_positions  # padded positions are computed too: padding costs time
-            keys = int(batch.key_slot.numel())
-            self._virtual_now = start_s + self.cost_model.duration(batch.rows, tokens, keys)
+    def _advance_clock(self, start_s: float, stats: BatchStats) -> float:
+        """End of the step: virtual clock += modeled duration (padded positions cost time too)."""
+        if self.clock == "virtual" and stats.rows:
+            self._virtual_now = start_s + self.cost_model.duration(stats.rows, stats.query_positions,
+                                                                   stats.key_cells)
         return self.now()
 
-    def _postprocess(self, chunk, logits, end_s: float) -> RunningRequestReport:
+    def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningRequestReport, ...]:
+        """Advance every chunk's request; sample where the chunk samples; finish what stops."""
+        failed = dict(outcome.errors)
+        running = []
+        for index, chunk in enumerate(plan.chunks):
+            if index in failed:
+                self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
+            else:
+                running.append(self._advance(chunk, outcome.logits.get(index), end_s))
+        return tuple(running)
+
+    def _advance(self, chunk, logits, end_s: float) -> RunningRequestReport:
         request = chunk.request
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
@@ -333,29 +354,26 @@ class Engine:
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata))
 
-    def _report(self, start_s, wall_s, plan: StepPlan, batch, running, finished) -> StepReport:
-        prefill = sum(c.num_tokens for c in plan.chunks if c.phase == "prefill")
-        decode = sum(c.num_tokens for c in plan.chunks if c.phase == "decode")
-        real = prefill + decode
-        if batch is not None:
-            query_positions, padded = batch.query_positions, batch.padded_positions
-            key_positions = real * batch.key_slot.shape[1]
-            key_padded = batch.key_padded_positions
-        else:
-            query_positions = padded = key_positions = key_padded = 0
+    def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
+                running: tuple[RunningRequestReport, ...], stale: tuple[StaleStart, ...]) -> StepReport:
+        stats, pool = outcome.stats, self.pool
+        finished = tuple(self._finished_report(r) for r in self._pending_finished)
+        self._pending_finished.clear()
         kv_tokens = sum(r.cache_len for r in self.scheduler.running)
-        pool = self.pool
         return StepReport(
             step=self.step_index, start_s=start_s, end_s=self.now(), wall_s=wall_s, layout=self.config.layout,
-            rows=batch.rows if batch is not None else 0, prefill_tokens=prefill, decode_tokens=decode,
-            query_positions=query_positions, padded_positions=padded,
-            padding_ratio=padded / query_positions if query_positions else 0.0,
-            key_positions=key_positions, key_padded_positions=key_padded,
-            key_padding_ratio=key_padded / key_positions if key_positions else 0.0,
+            rows=stats.rows, prefill_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "prefill"),
+            decode_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "decode"),
+            query_positions=stats.query_positions, padded_positions=stats.padded_positions,
+            padding_ratio=_ratio(stats.padded_positions, stats.query_positions),
+            key_positions=stats.key_positions, key_padded_positions=stats.key_padded_positions,
+            key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions),
             slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
-            kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
-            kv_usage=kv_tokens / pool.capacity_tokens, running=running, finished=finished,
-            num_waiting=len(self.scheduler.waiting),
+            kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens, kv_usage=kv_tokens / pool.capacity_tokens,
+            running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
+            faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow,
+            errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
+            stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale),
         )
 
     def run_until_done(self, max_steps: int = 100_000) -> list[StepReport]:
@@ -368,12 +386,5 @@ class Engine:
         return reports
 
 
-class _RacyBatchStats:
-    """Step figures for racy_threads, where each request ran as its own batch of one."""
-
-    def __init__(self, batches) -> None:
-        self.rows = len(batches)
-        self.query_positions = sum(b.query_positions for b in batches)
-        self.padded_positions = 0
-        self.key_padded_positions = 0
-        self.key_slot = torch.zeros((1, max(b.key_slot.shape[1] for b in batches)), dtype=torch.long)
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0

@@ -1,68 +1,70 @@
-"""The named isolation faults (docs/faults.md). Each is a switch the real code path consults:
-the batch really is built, masked, positioned or cached wrongly; nothing is simulated.
-
-| fault | where it acts |
-|---|---|
-| shared_cache | batching: every request reads and writes slot 0, one global cache region |
-| racy_threads | runner: one Python thread per request, all sharing one cache-state variable |
-| no_request_mask | batching, packed: plain causal mask over the concatenation, no block-diagonal part |
-| unmasked_cache_padding | batching, padded: cache padding columns left visible |
-| shared_position_offset | batching: position ids from a batch-wide counter (the longest cache) |
-| stale_slot | engine admission: a reused slot keeps its previous owner's length and contents, taken |
-|  | for the new prompt's cached prefix: the new request continues the old conversation |
-| causal_offset | batching: causal mask built square (key <= query index), ignoring the cache offset |
-| fp16_cache | attention and cache: float16 with a -1e9 mask constant (-inf in float16), padded rows |
-|  | cached whole (pads included), so a fully masked pad row's NaN lands in the cache |
+"""The two faults that change the engine's control flow, each beside its own code: stale_slot at
+admission and racy_threads at the forward. The other faults are table changes in batching.py and
+attention.py. Names, descriptions and detectors are in the catalogue, kvtui/faults.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kvtui.engine.batching import BatchStats, build_batch
+from kvtui.engine.kv_pool import KVPool
+from kvtui.engine.request import RequestState
+from kvtui.engine.scheduler import StepPlan
+
 
 @dataclass(frozen=True)
-class Fault:
-    """One fault: its name, what it breaks (one line), the layouts it acts in, and the detectors
-    expected to catch it with the kind they report."""
+class StaleStart:
+    """A request that took a slot stale (stale_slot): `kept` tokens of `previous` owner's KV were
+    taken for the start of its prompt."""
 
-    name: str
-    breaks: str
-    layouts: tuple[str, ...]
-    caught_by: tuple[str, ...]
-    kind: str
-
-
-FAULTS: dict[str, Fault] = {f.name: f for f in (
-    Fault("shared_cache", "all requests read and write one cache region (a global past_key_values)",
-          ("padded", "packed"), ("slot_taint", "attention_flow", "reference", "canary"), "cross_request"),
-    Fault("racy_threads", "one thread per request over a shared cache variable: state races, shape errors",
-          ("padded", "packed"), ("reference", "slot_taint"), "corruption"),
-    Fault("no_request_mask", "packed batch without the block-diagonal mask: queries see other requests' keys",
-          ("packed",), ("attention_flow", "slot_taint", "reference"), "cross_request"),
-    Fault("unmasked_cache_padding", "mask hides input pads but not the padding inside cached K/V",
-          ("padded",), ("slot_taint", "reference"), "corruption"),
-    Fault("shared_position_offset", "position ids from a batch-wide counter: shorter rows get wrong RoPE offsets",
-          ("padded", "packed"), ("reference",), "corruption"),
-    Fault("stale_slot", "a reused slot keeps its old length and contents: the new request continues the old one",
-          ("padded", "packed"), ("slot_taint", "attention_flow", "canary", "reference"), "cross_request"),
-    Fault("causal_offset", "causal mask built square, ignoring the cache offset: decode sees only the first keys",
-          ("padded", "packed"), ("reference",), "corruption"),
-    Fault("fp16_cache", "float16 cache and attention with a -1e9 mask (= -inf): pad rows turn NaN and poison",
-          ("padded",), ("reference",), "corruption"),
-)}
-
-FAULT_NAMES = tuple(FAULTS)
-
-# `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).
-DEFAULT_ISOLATION_OFF = ("stale_slot",)
-
-FP16_MASK_CONSTANT = -1e9  # a common hand-written mask constant; float16 rounds it to -inf
+    request_id: str
+    slot: int
+    previous: str | None
+    kept: int
 
 
-def check_fault_names(names) -> frozenset[str]:
-    """Validate fault names; raises ValueError naming the unknown one and the known list."""
-    names = frozenset(names)
-    unknown = sorted(names - set(FAULTS))
-    if unknown:
-        raise ValueError(f"unknown fault {unknown[0]!r}; known: {', '.join(FAULT_NAMES)} (see `kvtui faults`)")
-    return names
+def stale_slot_admission(request: RequestState, pool: KVPool) -> StaleStart | None:
+    """stale_slot: the reused slot's old length and contents stay, and the engine takes them for the
+    new prompt's cached prefix (a stale prefix-cache hit): only the part of the prompt past the old
+    length, or at least its last token, is fed. Sets the request's cache_len and prefill_done.
+
+    Returns:
+        what was kept, or None when the slot was empty or the stale prefix would not fit max_len.
+    """
+    kept = pool.last_len[request.slot]
+    if not kept:
+        return None
+    fed = max(request.prompt_len - kept, 1)
+    if kept + fed + request.sampling.max_new_tokens > pool.max_len:
+        return None
+    request.cache_len = kept
+    request.prefill_done = request.prompt_len - fed
+    return StaleStart(request.request_id, request.slot, pool.previous_owner[request.slot], kept)
+
+
+@dataclass(frozen=True)
+class RacyOutcome:
+    """What the racy_threads forward produced: logits per chunk index that survived, errors per
+    chunk index, and the summed figures of the per-request batches."""
+
+    logits: dict[int, torch.Tensor]
+    errors: tuple[tuple[int, str], ...]
+    stats: BatchStats
+
+
+def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faults: frozenset, max_len: int,
+                 tag_writes) -> RacyOutcome:
+    """racy_threads: a batch of one per request, each run by its own thread through the runner's single
+    cache-state variable (see ModelRunner.forward_racy). `tag_writes(batch, chunks)` tags the pool
+    positions each batch writes, for the detectors."""
+    batches = [build_batch(StepPlan((chunk,)), layout=layout, pad_token_id=pad_token_id, faults=faults,
+                           max_len=max_len) for chunk in plan.chunks]
+    for chunk, batch in zip(plan.chunks, batches):
+        tag_writes(batch, (chunk,))
+    results = runner.forward_racy(batches, fp16="fp16_cache" in faults)
+    logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
+    errors = tuple((i, err) for i, (out, err) in enumerate(results) if err)
+    return RacyOutcome(logits, errors, BatchStats.total([b.stats for b in batches]))

@@ -14,7 +14,7 @@ import torch
 
 from kvtui.engine.attention import PooledCache, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
-from kvtui.engine.faults import FP16_MASK_CONSTANT
+from kvtui.faults import FP16_MASK_CONSTANT
 from kvtui.engine.kv_pool import KVPool
 
 

@@ -54,11 +54,9 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one step computes: chunks in row order (padded) or segment order (packed), and the
-    requests admitted into slots before it."""
+    """What one step computes: chunks in row order (padded) or segment order (packed)."""
 
     chunks: tuple[ScheduledChunk, ...]
-    admitted: tuple[RequestState, ...]
 
     @property
     def empty(self) -> bool:
@@ -119,7 +117,7 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def plan(self, admitted: list[RequestState] | tuple = ()) -> StepPlan:
+    def plan(self) -> StepPlan:
         """Choose this step's chunks from the running requests (see module docstring)."""
         decodes = [r for r in self.running if not r.in_prefill]
         prefills = [r for r in self.running if r.in_prefill]
@@ -135,7 +133,7 @@ class Scheduler:
             assert request.slot is not None, f"{request.request_id = } runs without a slot"
             chunks.append(ScheduledChunk(request, request.slot, request.cache_len, token_ids, samples, phase))
             budget -= len(token_ids)
-        return StepPlan(tuple(chunks), tuple(admitted))
+        return StepPlan(tuple(chunks))
 
     def _bucket(self, ordered: list[RequestState]) -> list[RequestState]:
         """Keep the oldest runnable request and those whose context length stays within tolerance."""

@@ -4,8 +4,6 @@ Modules: state (DashboardState fed by events) -> snapshot (frozen views) -> pane
 functions) -> widgets/app (Textual). sources/live/replay say where events come from.
 """
 
-from kvtui.tui.faults import DEFAULT_ISOLATION_FAULTS, FAULT_DESCRIPTIONS, isolation_fault_set
 from kvtui.tui.launch import replay_dashboard, run_dashboard
 
-__all__ = ["DEFAULT_ISOLATION_FAULTS", "FAULT_DESCRIPTIONS", "isolation_fault_set", "replay_dashboard",
-           "run_dashboard"]
+__all__ = ["replay_dashboard", "run_dashboard"]

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.scenario import FAULT_NAMES
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -123,14 +123,14 @@ class KvtuiApp(App[dict | None]):
         return True
 
     def _isolation_faults(self) -> tuple[str, ...]:
-        from kvtui.tui.faults import isolation_fault_set
+        return self.snapshot.isolation_faults if self.snapshot else DEFAULT_ISOLATION_OFF
 
-        source_state = getattr(self.source, "state", None)
-        return isolation_fault_set(source_state.header if source_state else None)
+    def _active_faults(self) -> set[str]:
+        return set(self.snapshot.active_faults) if self.snapshot else set()
 
     def action_isolation(self) -> None:
         """Isolation OFF -> turn every fault off; ON -> switch the configured set on."""
-        if self.source.active_faults():
+        if self._active_faults():
             self.source.set_faults(set())
             self.notify("isolation ON: all faults off")
         else:
@@ -143,7 +143,7 @@ class KvtuiApp(App[dict | None]):
             if names is not None:
                 self.source.set_faults(names)
 
-        self.push_screen(FaultPicker(self.source.active_faults(), FAULT_NAMES), chosen)
+        self.push_screen(FaultPicker(self._active_faults(), FAULT_NAMES), chosen)
 
     def action_pause(self) -> None:
         self.source.toggle_pause()

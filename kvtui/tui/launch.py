@@ -39,10 +39,9 @@ def restart_path(record: str | Path | None, generation: int) -> Path | None:
 def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype: str | None = None,
                   clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
-                  detectors: tuple[str, ...] | None = None, progress: bool = True,
-                  torch_threads: int | None = None) -> dict | None:
-    """Run a scenario live in the dashboard until `q` (or the terminal closes). Returns the summary
-    of the last session (None if it never closed cleanly).
+                  detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
+                  torch_threads: int | None = None):
+    """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
         scenario_path: scenario YAML.
@@ -51,46 +50,44 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         record: JSONL recording path; a restart (`r`) records to NAME.restartN.jsonl.
         layout: "padded" or "packed" to override the scenario's engine layout.
         device: torch device.
-        faults: faults on from the start (added to the scenario's).
-        detectors: which detectors run (None: the Session's default, all).
+        faults: faults on from the start (added to the scenario's); clear_faults: drop the scenario's.
+        detectors: which detectors run (None: all).
         progress: show model-loading progress on stderr.
         torch_threads: torch.set_num_threads for the engine worker (None: default_torch_threads()).
             It is process-wide: the dashboard process runs nothing else on torch.
 
+    Returns:
+        (summary, header) of the last session: kvtui.events.Summary (None if it never closed cleanly)
+        and its Header.
+
     Raises:
         kvtui.scenario.ScenarioError, kvtui.models.ModelLoadError, OSError (recording path),
-        ValueError (bad clock/layout/fault): all before the terminal is taken over.
+        ValueError (bad clock/layout/fault/detector): all before the terminal is taken over.
     """
+    from kvtui.detect import DETECTOR_NAMES
+    from kvtui.faults import check_fault_names
     from kvtui.models import load_model
-    from kvtui.scenario import FAULT_NAMES, load_scenario
-    from kvtui.session import Session
+    from kvtui.scenario import load_scenario
+    from kvtui.session import build_session
     from kvtui.tui.app import KvtuiApp
     from kvtui.tui.live import LiveSource
 
     if clock not in ("wall", "virtual"):
         raise ValueError(f"clock {clock!r}: use 'wall' or 'virtual'")
-    if layout not in (None, "padded", "packed"):
-        raise ValueError(f"layout {layout!r}: use 'padded' or 'packed'")
-    unknown = [f for f in faults if f not in FAULT_NAMES]
-    if unknown:
-        raise ValueError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULT_NAMES)}")
+    check_fault_names(faults)
     scenario = load_scenario(scenario_path)
     loaded = load_model(model or scenario.model, dtype=dtype or scenario.dtype, device=device, progress=progress)
-    overrides: dict = {"device": device}
-    if layout:
-        overrides["layout"] = layout
-    extra: dict = {"faults": tuple(faults)}
-    if detectors is not None:
-        extra["detectors"] = tuple(detectors)
 
-    def make_session(listener, generation: int) -> Session:
-        return Session(scenario, loaded, clock=clock, record_path=restart_path(record, generation),
-                       engine_overrides=overrides, listeners=(listener,), **extra)
+    def make_session(listener, generation: int):
+        return build_session(scenario, loaded, clock=clock, record=restart_path(record, generation), device=device,
+                             layout=layout, faults=tuple(faults), clear_faults=clear_faults,
+                             detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
+                             listeners=(listener,))
 
     source = LiveSource(make_session, torch_threads=torch_threads or default_torch_threads())
-    app = KvtuiApp(source)
-    _run_app(app, source)
-    return source.shutdown()
+    _run_app(KvtuiApp(source), source)
+    summary = source.shutdown()
+    return summary, source.session.header()
 
 
 def replay_dashboard(recording_path: str | Path, *, speed: float = 1.0) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtui.tui.sources import Source
+from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.state import DashboardState
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class LiveSource(Source):
         self.state = DashboardState()
         self.session: Session = make_session(self._apply, 0)
         self.done = False
-        self.summary: dict | None = None
+        self.summary = None  # kvtui.events.Summary once the session closed
         self.worker: Worker | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -63,7 +64,7 @@ class LiveSource(Source):
     def _apply(self, event: dict) -> None:
         self.state.apply(event)
         if self._closing and self.publish_due():  # close() may take seconds (reference checks)
-            self.publish(self.state.snapshot(), force=True)
+            self.publish(build_snapshot(self.state), force=True)
 
     def mode(self) -> str:
         if self.done:
@@ -91,13 +92,13 @@ class LiveSource(Source):
             import torch
 
             torch.set_num_threads(self.torch_threads)
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
         while not self._stop.is_set():
             self._wake.clear()  # before draining, so a command queued from now on wakes the wait below
             ran = self._drain()
             if self.paused or self.done:
                 if ran:
-                    self.publish(self.state.snapshot(), force=True)
+                    self.publish(build_snapshot(self.state), force=True)
                 self.parked = True
                 self._wake.wait(0.5)
                 continue
@@ -110,14 +111,14 @@ class LiveSource(Source):
             if not more:
                 self._finish()
             if self.done or self.publish_due():
-                self.publish(self.state.snapshot(), force=True)  # the snapshot is built only when due
+                self.publish(build_snapshot(self.state), force=True)  # the snapshot is built only when due
         self._finish(early=True)
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
 
     def _fail(self, error: Exception) -> None:
         self.state.note("error", f"{type(error).__name__}: {error} (paused; r restarts)")
         self.paused = True
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
 
     def _finish(self, early: bool = False) -> None:
         """Close the session once (summary written); `early`: it was cut short (quit, restart)."""
@@ -127,7 +128,7 @@ class LiveSource(Source):
             self._closing = True
             try:
                 if self.app is not None:
-                    self.publish(self.state.snapshot(), force=True)  # shows CLOSING while close() runs
+                    self.publish(build_snapshot(self.state), force=True)  # shows CLOSING while close() runs
                 self.summary = self.session.close()
             finally:
                 self._closing = False
@@ -181,7 +182,7 @@ class LiveSource(Source):
         """Switch faults so that exactly `names` are on (at the next step boundary)."""
         wanted = set(names)
 
-        def switch() -> None:
+        def switch() -> None:  # runs in the worker, between steps
             current = set(self.session.engine.faults)
             for name in sorted(current - wanted):
                 self.session.set_fault(name, False, source=source)
@@ -189,9 +190,6 @@ class LiveSource(Source):
                 self.session.set_fault(name, True, source=source)
 
         self._queue(switch)
-
-    def active_faults(self) -> set[str]:
-        return set(self.state.active_faults)
 
     def scale_rate(self, factor: float) -> None:
         self._queue(lambda: self.session.scale_arrival_rate(factor))

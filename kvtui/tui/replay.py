@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from kvtui.events import StepEvent
 from kvtui.tui.sources import Source
+from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.state import DashboardState
 
 if TYPE_CHECKING:
@@ -24,9 +26,9 @@ class ReplaySource(Source):
     """Plays `events` (as read by kvtui.record.read_recording, the summary appended when present).
 
     Args:
-        header: the recording's header event.
-        events: its events in file order.
-        summary: its summary event, or None (cut recording).
+        header: the recording's Header.
+        events: its typed events in file order.
+        summary: its Summary, or None (cut recording).
         speed: run-clock seconds played per real second.
         start_paused: begin paused (tests, or to seek before playing).
     """
@@ -34,7 +36,7 @@ class ReplaySource(Source):
     kind = "replay"
     LIVE_ACTIONS = frozenset({"seek", "rate", "step"})
 
-    def __init__(self, header: dict, events: list[dict], summary: dict | None = None, *, speed: float = 1.0,
+    def __init__(self, header, events: list, summary=None, *, speed: float = 1.0,
                  start_paused: bool = False) -> None:
         super().__init__()
         self.header = header
@@ -43,7 +45,7 @@ class ReplaySource(Source):
         self.times: list[float] = []
         latest = 0.0
         for event in self.events:
-            t = event.get("t")
+            t = getattr(event, "t", None)
             latest = max(latest, float(t)) if isinstance(t, (int, float)) else latest
             self.times.append(latest)
         self.speed = min(max(speed, MIN_SPEED), MAX_SPEED)
@@ -93,7 +95,7 @@ class ReplaySource(Source):
         if not super().attach(app):
             return False
         app.set_interval(TICK_S, self._tick, name="replay")
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
         return True
 
     def _tick(self) -> None:
@@ -104,22 +106,22 @@ class ReplaySource(Source):
             return
         self._changed |= self._advance_to(self.playhead + dt * self.speed)
         if self._changed and (self.at_end or self.publish_due()):
-            self._changed = not self.publish(self.state.snapshot(), force=self.at_end)
+            self._changed = not self.publish(build_snapshot(self.state), force=self.at_end)
 
     # -- controls ---------------------------------------------------------------------------------
     def toggle_pause(self) -> None:
         self.paused = not self.paused
         self._tick_at = None
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
 
     def step(self) -> None:
         """Apply events up to and including the next step event."""
         while self.index < len(self.events):
             event = self.events[self.index]
             self._advance_to(self.times[self.index])
-            if event.get("type") == "step":
+            if isinstance(event, StepEvent):
                 break
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
 
     def seek(self, delta_s: float) -> None:
         """Move the playhead by `delta_s` seconds of run clock (back: rebuild from the start)."""
@@ -128,7 +130,7 @@ class ReplaySource(Source):
             self._rebuild(target)
         else:
             self._advance_to(target)
-        self.publish(self.state.snapshot(), force=True)
+        self.publish(build_snapshot(self.state), force=True)
 
     def seek_to(self, t: float) -> None:
         """Jump to run-clock time `t` (seconds)."""
@@ -137,7 +139,4 @@ class ReplaySource(Source):
     def scale_rate(self, factor: float) -> None:
         """Playback speed x factor."""
         self.speed = min(max(self.speed * factor, MIN_SPEED), MAX_SPEED)
-        self.publish(self.state.snapshot(), force=True)
-
-    def active_faults(self) -> set[str]:
-        return set(self.state.active_faults)
+        self.publish(build_snapshot(self.state), force=True)

@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, SelectionList, Static
 from textual.widgets.selection_list import Selection
 
-from kvtui.tui.faults import FAULT_DESCRIPTIONS
+from kvtui.faults import FAULTS
 
 
 class FaultPicker(ModalScreen[set[str] | None]):
@@ -26,7 +26,7 @@ class FaultPicker(ModalScreen[set[str] | None]):
         with Vertical(id="picker"):
             yield Static("[b]Faults[/b]  space toggles · enter applies · esc cancels", id="picker-title")
             yield SelectionList[str](
-                *(Selection(f"{name:<24} {FAULT_DESCRIPTIONS.get(name, '')}", name, name in self.active)
+                *(Selection(f"{name:<24} {FAULTS[name].breaks if name in FAULTS else ''}", name, name in self.active)
                   for name in self.names),
                 id="fault-list",
             )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtui.events import Summary
+
 
 @dataclass(frozen=True)
 class SlotView:
@@ -127,7 +129,7 @@ class Snapshot:
         ttft, tpot: latency percentiles (seconds).
         contamination: latest detector reports, oldest first; by_detector, by_kind: counts.
         log: latest event-log lines, oldest first.
-        done: the run has ended (summary seen); summary: the summary event or None.
+        done: the run has ended (summary seen); summary: the (frozen) summary event or None.
     """
 
     seq: int
@@ -164,7 +166,7 @@ class Snapshot:
     by_kind: tuple[tuple[str, int], ...]
     log: tuple[LogLine, ...]
     done: bool
-    summary: dict | None
+    summary: Summary | None
 
     @property
     def isolation_on(self) -> bool:

@@ -94,9 +94,6 @@ class Source:
     def set_faults(self, names: set[str], source: str = "key") -> None:
         raise NotImplementedError
 
-    def active_faults(self) -> set[str]:
-        return set()
-
     def scale_rate(self, factor: float) -> None:
         """Live: arrival rate x factor; replay: playback speed x factor."""
 

@@ -2,7 +2,8 @@
 
 Live runs and replays feed the same events (see recordings/README.md), so one piece of code serves
 both. It is plain Python with no Textual import: the live worker thread owns one instance and hands
-the UI thread immutable `snapshot()`s; a replay rebuilds one from the recording's events.
+the UI thread immutable snapshots (snapshot_build.build_snapshot); a replay rebuilds one from the
+recording's events.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvtui.events import (Arrive, Contamination, FaultSwitch, Finish, FirstToken, Header, Marker, StepEvent, Summary,
+                          TimelineApplied)
+from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
-from kvtui.tui.faults import isolation_fault_set
-from kvtui.tui.snapshot import ContaminationView, Latency, LogLine, RequestView, SlotView, Snapshot
+from kvtui.summary import evidence_text
+from kvtui.tui.snapshot import ContaminationView, LogLine
 
 HISTORY_WINDOW_S = 0.5  # width of one throughput-history bar (seconds of run clock)
 HISTORY_LEN = 240  # bars / steps kept in each history
@@ -43,34 +47,11 @@ class _Request:
     finished_order: int = -1
 
 
-def _evidence_text(evidence: object) -> str:
-    """One short line from a detector's evidence dict."""
-    if not isinstance(evidence, dict):
-        return "" if evidence is None else str(evidence)[:80]
-    parts = []
-    for key, value in evidence.items():
-        if isinstance(value, float):
-            value = f"{value:.3g}"
-        elif isinstance(value, (list, tuple)):
-            if all(isinstance(v, (int, float, str)) for v in value):
-                value = ",".join(str(v) for v in value[:6]) + ("…" if len(value) > 6 else "")
-            else:
-                value = f"[{len(value)}]"
-        elif isinstance(value, dict):
-            value = "{…}"
-        elif isinstance(value, str):
-            value = value if len(value) <= 24 else value[:23] + "…"
-            if not value or any(c.isspace() for c in value):
-                value = repr(value)  # texts (e.g. both continuations at a divergence) keep their spaces visible
-        parts.append(f"{key}={value}")
-    return " ".join(parts)[:160]
-
-
 class DashboardState:
-    """Everything the panels show, updated by `apply(event)`; `snapshot()` freezes it."""
+    """Everything the panels show, updated by `apply(event)`; snapshot_build.build_snapshot freezes it."""
 
     def __init__(self) -> None:
-        self.header: dict = {}
+        self.header: Header | None = None
         self.metrics = Metrics()
         self.seq = 0
         self.step = -1
@@ -88,7 +69,7 @@ class DashboardState:
         self.slot_reused_step: dict[int, int] = {}
         self.num_slots = 0
         self.capacity = 0
-        self.last_step: dict = {}
+        self.last_step: StepEvent | None = None
         self.finished = self.rejected = 0
         self._window: int | None = None
         self._window_tokens = [0, 0]
@@ -101,20 +82,19 @@ class DashboardState:
         self.by_kind: Counter = Counter()
         self.log: deque = deque(maxlen=MAX_LOG)
         self._log_seq = 0
-        self.summary: dict | None = None
+        self.summary: Summary | None = None
         self.latency_cache: dict = {}  # used by snapshot_build
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
 
     # -- feeding -----------------------------------------------------------------------------
-    def apply(self, event: dict) -> None:
-        """Apply one event (a dict with "type" and "t"); unknown types are ignored."""
+    def apply(self, event) -> None:
+        """Apply one typed event (kvtui.events); types the dashboard does not show are ignored."""
         self.seq += 1
-        kind = event.get("type")
-        t = event.get("t")
+        t = getattr(event, "t", None)
         if isinstance(t, (int, float)):
             self.t = max(self.t, float(t))
         self.metrics.add_event(event)
-        handler = _HANDLERS.get(kind)
+        handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
 
@@ -123,60 +103,58 @@ class DashboardState:
         self._log_seq += 1
         self.log.append(LogLine(self._log_seq, self.t if t is None else t, kind, text))
 
-    def _header(self, e: dict) -> None:
+    def _header(self, e: Header) -> None:
         self.header = e
-        slo = (e.get("scenario") or {}).get("slo") or {}
+        slo = e.scenario.get("slo") or {}
         self.metrics = Metrics(SLO(slo.get("ttft_s"), slo.get("tpot_s")))
         self.latency_cache = {}
-        engine = e.get("engine") or {}
-        self.num_slots = int(engine.get("num_slots") or 0)
-        self.capacity = int(engine.get("max_len") or 0)
-        self.active_faults = tuple(sorted(engine.get("faults") or ()))
+        self.num_slots = int(e.engine.get("num_slots") or 0)
+        self.capacity = int(e.engine.get("max_len") or 0)
+        self.active_faults = tuple(sorted(e.engine.get("faults") or ()))
 
-    def _arrive(self, e: dict) -> None:
-        rid = e["request_id"]
-        r = self.requests.get(rid) or _Request(rid, len(self.requests) % PALETTE_SIZE)
-        r.prompt_tokens = e.get("prompt_len", 0)
-        r.max_new_tokens = e.get("max_new_tokens", 0)
-        r.passphrase = e.get("passphrase")
-        self.requests[rid] = r
+    def _arrive(self, e: Arrive) -> None:
+        r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
+        r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
+        self.requests[r.id] = r
         if r.status == "waiting":
-            self.waiting[rid] = None
+            self.waiting[r.id] = None
         if r.passphrase:
-            self.passphrases[r.passphrase] = rid
+            self.passphrases[r.passphrase] = r.id
 
     def _request(self, rid: str) -> _Request:
         if rid not in self.requests:  # a step naming a request we never saw arrive (cut recording)
             self.requests[rid] = _Request(rid, len(self.requests) % PALETTE_SIZE)
         return self.requests[rid]
 
-    def _step(self, e: dict) -> None:
-        self.step = e.get("step", self.step + 1)
+    def _step(self, e: StepEvent) -> None:
+        self.step = e.step
         self.last_step = e
-        self.num_slots = e.get("num_slots", self.num_slots)
+        self.num_slots = e.num_slots
         if self.capacity == 0 and self.num_slots:
-            self.capacity = e.get("kv_capacity_tokens", 0) // self.num_slots
-        flow = e.get("foreign_attention") or {}
-        for entry in e.get("running", ()):
-            r = self._request(entry["id"])
-            slot = entry["slot"]
-            r.status, r.slot, r.cache_len = entry.get("phase", "decode"), slot, entry["cache_len"]
-            self.waiting.pop(r.id, None)
-            self.active[r.id] = None
-            if self.slot_owner.get(slot) != r.id:
-                previous = self.slot_owner.get(slot) or self.slot_prev.get(slot)
-                if previous is not None and previous != r.id:
-                    self.slot_prev[slot] = previous
-                    self.slot_reused_step[slot] = self.step
-                self.slot_owner[slot] = r.id
-            self.slot_cache[slot] = entry["cache_len"]
-            if entry.get("token") is not None:
-                r.generated += 1
-                self._add_text(r, entry.get("piece") or "")
-        for rid, mass in flow.items():
+            self.capacity = e.kv_capacity_tokens // self.num_slots
+        for entry in e.running:
+            self._running(entry)
+        for rid, mass in (e.foreign_attention or {}).items():
             if rid in self.requests:
                 self.requests[rid].attention_mass = float(mass)
         self._add_history(e)
+
+    def _running(self, entry) -> None:
+        r = self._request(entry.id)
+        slot = entry.slot
+        r.status, r.slot, r.cache_len = entry.phase, slot, entry.cache_len
+        self.waiting.pop(r.id, None)
+        self.active[r.id] = None
+        if self.slot_owner.get(slot) != r.id:
+            previous = self.slot_owner.get(slot) or self.slot_prev.get(slot)
+            if previous is not None and previous != r.id:
+                self.slot_prev[slot] = previous
+                self.slot_reused_step[slot] = self.step
+            self.slot_owner[slot] = r.id
+        self.slot_cache[slot] = entry.cache_len
+        if entry.token is not None:
+            r.generated += 1
+            self._add_text(r, entry.piece or "")
 
     def _add_text(self, r: _Request, piece: str) -> None:
         if not piece:
@@ -187,8 +165,8 @@ class DashboardState:
                 r.leaked[phrase] = owner
                 self.flagged[r.id] = None
 
-    def _add_history(self, e: dict) -> None:
-        window = int(e["t"] // HISTORY_WINDOW_S)
+    def _add_history(self, e: StepEvent) -> None:
+        window = int(e.t // HISTORY_WINDOW_S)
         if self._window is None:
             self._window = window
         while self._window < window:  # close finished windows, empty ones as 0
@@ -198,101 +176,80 @@ class DashboardState:
             self._window += 1
             if window - self._window > HISTORY_LEN:
                 self._window = window - HISTORY_LEN
-        self._window_tokens[0] += e.get("prefill_tokens", 0)
-        self._window_tokens[1] += e.get("decode_tokens", 0)
-        if e.get("rows"):
-            self.padding_history.append(e.get("padding_ratio", 0.0))
-        self.kv_history.append(e.get("kv_usage", 0.0))
+        self._window_tokens[0] += e.prefill_tokens
+        self._window_tokens[1] += e.decode_tokens
+        if e.rows:
+            self.padding_history.append(e.padding_ratio)
+        self.kv_history.append(e.kv_usage)
 
-    def _first_token(self, e: dict) -> None:
-        ttft = e.get("ttft_s")
-        self._request(e["request_id"]).ttft_s = ttft
-        if isinstance(ttft, (int, float)):
-            self.ttft_live.append(float(ttft))
+    def _first_token(self, e: FirstToken) -> None:
+        self._request(e.request_id).ttft_s = e.ttft_s
+        if e.ttft_s is not None:
+            self.ttft_live.append(float(e.ttft_s))
 
-    def _finish(self, e: dict) -> None:
-        r = self._request(e["request_id"])
-        reason = e.get("finish_reason", "stop")
-        r.status = reason
+    def _finish(self, e: Finish) -> None:
+        r = self._request(e.request_id)
+        r.status = e.finish_reason
         self.waiting.pop(r.id, None)
         self.active.pop(r.id, None)
         self.recent_finished.appendleft(r.id)
         self.finished += 1
         r.finished_order = self.finished
-        if reason == "rejected":
+        if e.finish_reason == "rejected":
             self.rejected += 1
-            self.note("reject", f"{r.id} rejected: {e.get('detail') or 'does not fit'}", e.get("t"))
-        slot = e.get("slot")
-        if slot is not None and self.slot_owner.get(slot) == r.id:
-            del self.slot_owner[slot]
-            self.slot_prev[slot] = r.id
-            self.slot_cache[slot] = 0
+            self.note("reject", f"{r.id} rejected: {e.detail or 'does not fit'}", e.t)
+        if e.slot is not None and self.slot_owner.get(e.slot) == r.id:
+            del self.slot_owner[e.slot]
+            self.slot_prev[e.slot] = r.id
+            self.slot_cache[e.slot] = 0
         r.slot = None
-        text = e.get("output_text")
-        if isinstance(text, str) and text != r.text:
+        if e.output_text != r.text:
             r.text = ""
-            self._add_text(r, text)
-        if e.get("output_ids") is not None:
-            r.generated = len(e["output_ids"])
+            self._add_text(r, e.output_text)
+        r.generated = len(e.output_ids)
 
-    def _fault(self, e: dict) -> None:
-        active = e.get("active")
-        if active is None:
-            names = set(self.active_faults)
-            (names.add if e.get("on") else names.discard)(e["name"])
-            active = names
-        self.active_faults = tuple(sorted(active))
-        state = "on" if e.get("on") else "off"
-        self.note("fault", f"fault {e.get('name')} {state} ({e.get('source', '?')})", e.get("t"))
+    def _fault(self, e: FaultSwitch) -> None:
+        self.active_faults = tuple(sorted(e.active))
+        self.note("fault", f"fault {e.name} {'on' if e.on else 'off'} ({e.source})", e.t)
 
-    def _contamination(self, e: dict) -> None:
-        detector, kind = e.get("detector", "?"), e.get("kind", "?")
-        victim, source = e.get("victim"), e.get("source")
-        evidence = e.get("evidence") or {}
-        self.by_detector[detector] += 1
-        self.by_kind[kind] += 1
-        self.contamination.append(ContaminationView(e.get("t", self.t), e.get("step"), detector, kind, victim,
-                                                    source, _evidence_text(evidence)))
-        if victim is None:
-            return
-        r = self._request(victim)
+    def _contamination(self, e: Contamination) -> None:
+        self.by_detector[e.detector] += 1
+        self.by_kind[e.kind] += 1
+        self.contamination.append(ContaminationView(e.t, e.step, e.detector, e.kind, e.victim, e.source,
+                                                    evidence_text(e)))
+        r = self._request(e.victim)
         self.flagged[r.id] = None
-        if kind not in r.contamination:
-            r.contamination.append(kind)
-        phrase = (evidence.get("passphrase") or evidence.get("leaked")) if isinstance(evidence, dict) else None
-        if isinstance(phrase, str) and phrase and phrase != r.passphrase:
-            r.leaked.setdefault(phrase, source or self.passphrases.get(phrase))
-        mass = evidence.get("mass", evidence.get("foreign_mass")) if isinstance(evidence, dict) else None
-        if isinstance(mass, (int, float)):
+        if e.kind not in r.contamination:
+            r.contamination.append(e.kind)
+        phrase = getattr(e.evidence, "leaked", None)
+        if phrase and phrase != r.passphrase:
+            r.leaked.setdefault(phrase, e.source or self.passphrases.get(phrase))
+        mass = getattr(e.evidence, "foreign_mass", None)
+        if mass is not None:
             r.attention_mass = float(mass)
 
-    def _marker(self, e: dict) -> None:
-        self.note("marker", str(e.get("text", "")), e.get("t"))
+    def _marker(self, e: Marker) -> None:
+        self.note("marker", e.text, e.t)
 
-    def _timeline(self, e: dict) -> None:
-        sets = ", ".join(f"{k}={v}" for k, v in (e.get("set") or {}).items())
-        marker = e.get("marker")
-        self.note("timeline", " · ".join(x for x in (marker, sets) if x), e.get("t"))
+    def _timeline(self, e: TimelineApplied) -> None:
+        sets = ", ".join(f"{k}={v}" for k, v in e.set.items())
+        self.note("timeline", " · ".join(x for x in (e.marker, sets) if x), e.t)
 
-    def _summary(self, e: dict) -> None:
-        self.summary = dict(e)
-        self.note("info", "run finished" + (" (stopped early)" if e.get("stopped_early") else ""), e.get("t"))
+    def _summary(self, e: Summary) -> None:
+        self.summary = e
+        self.note("info", "run finished" + (" (stopped early)" if e.stopped_early else ""), e.t)
 
     # -- reading -----------------------------------------------------------------------------
     @property
     def isolation_faults(self) -> tuple[str, ...]:
-        return isolation_fault_set(self.header)
-
-    def snapshot(self) -> Snapshot:
-        """An immutable view of the current state (cheap: O(slots + MAX_TABLE_ROWS))."""
-        from kvtui.tui.snapshot_build import build_snapshot
-
-        return build_snapshot(self)
+        header = self.header
+        return isolation_fault_set(header.engine.get("faults") if header else (),
+                                   header.scenario.get("timeline") if header else ())
 
 
 _HANDLERS = {
-    "header": DashboardState._header, "request.arrive": DashboardState._arrive, "step": DashboardState._step,
-    "request.first_token": DashboardState._first_token, "request.finish": DashboardState._finish,
-    "fault": DashboardState._fault, "contamination": DashboardState._contamination,
-    "marker": DashboardState._marker, "timeline": DashboardState._timeline, "summary": DashboardState._summary,
+    Header: DashboardState._header, Arrive: DashboardState._arrive, StepEvent: DashboardState._step,
+    FirstToken: DashboardState._first_token, Finish: DashboardState._finish, FaultSwitch: DashboardState._fault,
+    Contamination: DashboardState._contamination, Marker: DashboardState._marker,
+    TimelineApplied: DashboardState._timeline, Summary: DashboardState._summary,
 }
