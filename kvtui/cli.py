@@ -56,7 +56,7 @@ def _load_scenario(path: Path):
     except ScenarioError as e:
         for line in e.errors:
             say("error", line)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     for line in spec.warnings:
         say("warning", line)
     return spec
@@ -199,7 +199,7 @@ def _dashboard(scenario: Path, **options) -> None:
     except ScenarioError as e:
         for line in e.errors:
             say("error", line)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     except (ModelLoadError, RecordingError, ValueError) as e:
         fail(str(e))
     except OSError as e:
@@ -383,7 +383,7 @@ def main() -> int:
     except click_errors.UsageError as e:
         command = f"kvtui {e.ctx.info_name}" if e.ctx and e.ctx.parent else "kvtui"
         message = e.format_message().replace("Value error, ", "")
-        err.print(f"[bold red]error:[/] {escape(message)} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        say("error", f"{message} (see `{command} --help`)")
         return EXIT_BAD_INPUT
     except typer.Abort:
         return 130

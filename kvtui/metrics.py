@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from kvtui.events import Contamination, CounterEntry, Finish, LatencyStats, StepEvent, Summary
 
-
 PERCENTILES = (50, 90, 95, 99)
 
 

@@ -18,9 +18,23 @@ import transformers
 import kvtui
 from kvtui.detect import DETECTOR_NAMES, CanaryDetector, EngineSignalDetector, ReferenceDetector
 from kvtui.engine import Engine
-from kvtui.events import (Arrive, Contamination, EngineErrorEvidence, FaultSwitch, Finish, FirstToken, Header,
-                          Marker, ModelInfo, RunningEntry, StepEvent, Summary, TaintEntry, FlowEntry,
-                          TimelineApplied)
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    EngineErrorEvidence,
+    FaultSwitch,
+    Finish,
+    FirstToken,
+    FlowEntry,
+    Header,
+    Marker,
+    ModelInfo,
+    RunningEntry,
+    StepEvent,
+    Summary,
+    TaintEntry,
+    TimelineApplied,
+)
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter

@@ -6,8 +6,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvtui.events import (CanaryEvidence, Contamination, FlowEvidence, Header, NoninterferenceEvidence,
-                          ReferenceEvidence, Summary, TaintEvidence)
+from kvtui.events import (
+    CanaryEvidence,
+    Contamination,
+    FlowEvidence,
+    Header,
+    NoninterferenceEvidence,
+    ReferenceEvidence,
+    Summary,
+    TaintEvidence,
+)
 from kvtui.scenario.errors import printable
 
 

@@ -1,8 +1,8 @@
 """Engine behaviour with real values: step reports, chunked prefill, slot reuse, rejection, stops."""
 
 import pytest
-
 from helpers import solo
+
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 

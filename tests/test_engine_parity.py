@@ -1,10 +1,10 @@
 """Batched == solo: the isolation property of the engine, on tiny Llama (GQA) and GPT-2."""
 
 import pytest
+from helpers import run_batched, solo, uncached_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import run_batched, solo, uncached_greedy
 from kvtui.config import EngineConfig
 from kvtui.engine import SamplingParams
 
@@ -27,7 +27,7 @@ def workloads(draw):
     arrivals = [draw(st.integers(0, 12)) for _ in range(n)]
     sampled = draw(st.booleans())
     params = []
-    for i in range(n):
+    for _ in range(n):
         max_new = draw(st.integers(1, 12))
         if sampled:
             params.append(SamplingParams(temperature=draw(st.sampled_from([0.7, 1.0, 1.5])),

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_scenario_plan import FakeTokenizer
 
 from kvtui.config import EngineConfig
 from kvtui.scenario import load_scenario, parse_scenario, plan_requests
-
-from test_scenario_plan import FakeTokenizer
 
 SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
 IDS = [p.stem for p in SCENARIOS]

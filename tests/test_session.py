@@ -2,14 +2,12 @@
 recordings, clean stop on SIGTERM, and the CLI's exit codes and one-line errors."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from kvtui.metrics import Metrics, SLO
+from kvtui.metrics import SLO, Metrics
 from kvtui.record import read_recording
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session

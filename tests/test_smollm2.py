@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import run_batched, solo
+
 from kvtui.config import EngineConfig
 from kvtui.engine import SamplingParams
 

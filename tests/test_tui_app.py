@@ -19,8 +19,8 @@ from kvtui.record import read_recording
 from kvtui.tui.app import KvtuiApp, screen_text
 from kvtui.tui.live import LiveSource
 from kvtui.tui.replay import ReplaySource
-from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.screens import FaultPicker, HelpScreen
+from kvtui.tui.snapshot_build import build_snapshot
 
 DATA = Path(__file__).parent / "data"
 DEMO = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"

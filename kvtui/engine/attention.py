@@ -1,10 +1,21 @@
 """Attention over pooled K/V, plugged into transformers through its extension points.
 
-`PooledCacheLayer` (a transformers `CacheLayerMixin`) writes each step's new K/V into the KV pool
-and returns the keys/values the batch may read, gathered through the step's key map. The attention
-function registered as "kvtui" (`AttentionInterface`) computes softmax(q k^T * scale + mask) v with
-kvtui's 4D additive mask, exactly like transformers' eager attention, and can measure how much
-attention mass each request puts on keys it does not own.
+`PooledCacheLayer` (a transformers `CacheLayerMixin`) writes each step's new K/V into the KV pool.
+The attention function registered as "kvtui" (`AttentionInterface`) then runs one of two paths:
+
+own-range (the default): each chunk's queries attend to exactly its own request's keys, positions
+    0 .. end-1 of its slot, read as a view of the pool (no copy). Keys of other requests and whatever
+    an earlier owner left past the chunk's end are never read, so they cannot reach the output, NaN
+    or not. The computation per chunk is the one a solo run of that request does.
+    `torch.nn.functional.scaled_dot_product_attention` (grouped-query heads without repeating K/V)
+    does the work, or the exact eager softmax(q k^T * scale) v when the attention_flow detector
+    needs the probabilities.
+mask (while a fault that changes the mask is on: no_request_mask, unmasked_cache_padding,
+    causal_offset, fp16_cache): the batch's keys are gathered through the step's key map and masked
+    with the step's [R, 1, Q, K] table. Masked scores are replaced (not added to), and a value row
+    contributes only where its probability is non-zero, so masked positions add exactly zero
+    whatever they hold. The fp16_cache fault keeps the naive float16 formula on purpose (additive
+    -1e9 mask, 0 x NaN = NaN): that is the bug it demonstrates.
 
 When the model is called without a kvtui step (e.g. `model.generate`), the mask interface
 registered under the same name builds transformers' eager mask, so the model behaves as with
@@ -16,11 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from kvtui.engine.batching import BatchTensors
+from kvtui.engine.batching import BatchTensors, Segment
 from kvtui.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "kvtui"
@@ -32,6 +44,7 @@ class StepState:
 
     Attributes:
         batch: the step's BatchTensors, moved to the pool device.
+        own_range: the own-range path (see module docstring); False: the mask path.
         measure_flow: when True the attention function accumulates `attn_sum`.
         attn_sum: [R, Q, K] float32, attention probabilities summed over layers and heads.
         flow_terms: how many (layer x head) terms attn_sum sums (divide by it for a mean in [0, 1]).
@@ -39,6 +52,7 @@ class StepState:
     """
 
     batch: BatchTensors
+    own_range: bool = True
     measure_flow: bool = False
     attn_sum: torch.Tensor | None = None
     flow_terms: int = 0
@@ -49,8 +63,9 @@ class PooledCacheLayer(CacheLayerMixin):
     """One layer's view of the KV pool for transformers. Holds no tensors of its own.
 
     update(key_states [R, Hkv, Q, D], value_states [R, Hkv, Q, D]) writes the real tokens' K/V to
-    pool[write_slot, :, write_pos] and returns (keys, values) [R, Hkv, K, D] gathered from
-    pool[key_slot, :, key_pos].
+    pool[write_slot, :, write_pos]. It returns, on the own-range path, the layer's whole pool tensors
+    [S, Hkv, L, D] (the attention function slices each chunk's own range), and on the mask path the
+    batch's keys and values [R, Hkv, K, D] gathered from pool[key_slot, :, key_pos].
     """
 
     is_compileable = False
@@ -84,6 +99,8 @@ class PooledCacheLayer(CacheLayerMixin):
                 new_k, new_v = new_k.half(), new_v.half()
             pool_k[slots, :, positions] = new_k.to(pool_k.dtype)
             pool_v[slots, :, positions] = new_v.to(pool_v.dtype)
+        if state.own_range:
+            return pool_k, pool_v
         keys = pool_k[b.key_slot, :, b.key_pos].transpose(1, 2)  # [R, Hkv, K, D]
         values = pool_v[b.key_slot, :, b.key_pos].transpose(1, 2)
         return keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -108,41 +125,118 @@ class PooledCache(Cache):
 
 
 def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """softmax(q k^T * scaling + mask) v, as transformers' eager attention.
+    """Attention for a kvtui step (see the module docstring for the two paths).
 
     Args:
-        query: [R, Hq, Q, D]; key, value: [R, Hkv, K, D] (Hkv divides Hq: grouped-query attention).
-        attention_mask: [R, 1, Q, K] additive mask, or None (no masking).
+        query: [R, Hq, Q, D].
+        key, value: own-range path: the layer's pool [S, Hkv, L, D]; mask path: [R, Hkv, K, D]
+            (Hkv divides Hq: grouped-query attention).
+        attention_mask: [R, 1, Q, K] additive mask (mask path), or None outside a kvtui step.
         scaling: score scale, default D ** -0.5.
     Returns:
-        (output [R, Q, Hq, D], None).
+        (output [R, Q, Hq, D], None). On the own-range path pad query positions get zeros.
     """
     state: StepState | None = kwargs.get("kvtui_state")
-    if state is not None and state.fp16:  # the fp16_cache fault: the whole attention in float16
-        dtype = query.dtype
-        query, key, value = query.half(), key.half(), value.half()
-        if attention_mask is not None:
-            attention_mask = attention_mask.half()
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if state is None:
+        return _masked(query, key, value, attention_mask, scaling, None), None
+    if state.fp16:
+        return _naive_fp16(query, key, value, attention_mask, scaling), None
+    if state.own_range:
+        return _own_range(query, key, value, scaling, state), None
+    return _masked(query, key, value, attention_mask, scaling, state), None
+
+
+def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch.Tensor:
+    """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view)."""
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
+    for seg in state.batch.segments:
+        q = query[seg.row, :, seg.q_start : seg.q_start + seg.num_tokens]  # [Hq, n, D]
+        k, v = pool_k[seg.slot, :, : seg.end_pos], pool_v[seg.slot, :, : seg.end_pos]  # [Hkv, end, D]
+        causal = _causal(seg, query.device)
+        if state.measure_flow:
+            o, probs = _eager(q, k, v, causal, scaling)
+            _add_flow(state, seg, probs)
+        else:
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, scale=scaling,
+                                               enable_gqa=True)[0]
+        out[seg.row, seg.q_start : seg.q_start + seg.num_tokens] = o.transpose(0, 1)
+    return out
+
+
+def _causal(seg: Segment, device) -> torch.Tensor | None:
+    """[n, end] bool, True where query t (position start + t) may see key j (j <= start + t); None
+    for a single query, which sees every key of its range."""
+    if seg.num_tokens == 1:
+        return None
+    positions = torch.arange(seg.start_pos, seg.end_pos, device=device)
+    return torch.arange(seg.end_pos, device=device)[None, :] <= positions[:, None]
+
+
+def _eager(q, k, v, allowed: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax(q k^T * scale) v for one segment, as transformers' eager attention (scores in the
+    model dtype, softmax in float32). q [Hq, n, D], k and v [Hkv, end, D] (grouped-query heads share
+    K/V without copies). Returns (output [Hq, n, D], probabilities [Hq, n, end])."""
+    hq, n, d = q.shape
+    hkv = k.shape[0]
+    grouped = q.reshape(hkv, hq // hkv * n, d)  # heads of a group share their K/V head
+    scores = (grouped @ k.transpose(1, 2) * scaling).reshape(hq, n, -1)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = (probs.reshape(hkv, -1, probs.shape[-1]) @ v).reshape(hq, n, d)
+    return out, probs
+
+
+def _add_flow(state: StepState, seg: Segment, probs: torch.Tensor) -> None:
+    """Accumulate one segment's probabilities (summed over heads) into attn_sum [R, Q, K]."""
+    if state.attn_sum is None:
+        b = state.batch
+        state.attn_sum = torch.zeros(b.allowed.shape, dtype=torch.float32, device=probs.device)
+    rows = slice(seg.q_start, seg.q_start + seg.num_tokens)
+    state.attn_sum[seg.row, rows, seg.key_start : seg.key_start + seg.end_pos] += probs.float().sum(dim=0)
+    if seg is state.batch.segments[-1]:
+        state.flow_terms += probs.shape[0]
+
+
+def _masked(query, key, value, attention_mask, scaling: float, state: StepState | None) -> torch.Tensor:
+    """The mask path over gathered keys [R, Hkv, K, D]: masked scores replaced by finfo.min, and a
+    value row counted only where its probability is non-zero (0 x NaN stays 0)."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, : key.shape[-2]]
-    if state is not None and state.fp16:
-        probs = torch.softmax(scores, dim=-1)  # float16 softmax: a row of -inf gives NaN
-        out = torch.matmul(probs, value).to(dtype)
-        return out.transpose(1, 2).contiguous(), None
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        scores = scores.masked_fill(mask != 0, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     if state is not None and state.measure_flow:
         summed = probs.float().sum(dim=1)  # [R, Q, K] over heads
         state.attn_sum = summed if state.attn_sum is None else state.attn_sum + summed
         state.flow_terms += probs.shape[1]
-    out = torch.matmul(probs, value)
-    return out.transpose(1, 2).contiguous(), None
+    bad = ~torch.isfinite(value)
+    if not bad.any():
+        return torch.matmul(probs, value).transpose(1, 2).contiguous()
+    out = torch.matmul(probs, value.masked_fill(bad, 0))
+    reached = torch.matmul((probs != 0).to(value.dtype), bad.to(value.dtype)) > 0  # a non-finite value weighed
+    return out.masked_fill(reached, float("nan")).transpose(1, 2).contiguous()
+
+
+def _naive_fp16(query, key, value, attention_mask, scaling: float) -> torch.Tensor:
+    """The fp16_cache fault: the whole attention in float16 with an additive mask whose -1e9 is -inf
+    there, so a fully masked row is NaN and a zero weight times a NaN value is NaN."""
+    dtype = query.dtype
+    query, key, value = query.half(), key.half(), value.half()
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, : key.shape[-2]].half()
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, value).to(dtype).transpose(1, 2).contiguous()
 
 
 _registered = False

@@ -26,9 +26,30 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtui.engine.scheduler import StepPlan
+from kvtui.engine.scheduler import ScheduledChunk, StepPlan
 
 PAD_OWNER = -1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One chunk's place in a batch.
+
+    Attributes:
+        row: its row of input_ids.
+        q_start, num_tokens: its query columns q_start .. q_start + num_tokens - 1 (tokens).
+        slot: the KV slot its keys are read from and written to.
+        start_pos, end_pos: positions of its fed tokens (cache_len before and after the step).
+        key_start: the key column of its position 0 in the row (0 padded; its offset packed).
+    """
+
+    row: int
+    q_start: int
+    num_tokens: int
+    slot: int
+    start_pos: int
+    end_pos: int
+    key_start: int
 
 
 @dataclass(frozen=True)
@@ -75,6 +96,7 @@ class BatchTensors:
         padded_positions: query positions that are padding (tokens).
         key_padded_positions: sum over real query positions of key columns not owned by the
             query's own request (cache padding, other requests' blocks).
+        segments: one Segment per chunk (chunk order): where its queries and its own keys are.
         pad_write_*: [P] int64, pad cells whose K/V are cached too (fp16_cache fault only), else None.
     """
 
@@ -94,6 +116,7 @@ class BatchTensors:
     sample_chunk: list[int]
     padded_positions: int
     key_padded_positions: int
+    segments: tuple[Segment, ...] = ()
     pad_write_row: torch.Tensor | None = None
     pad_write_col: torch.Tensor | None = None
     pad_write_slot: torch.Tensor | None = None
@@ -128,108 +151,102 @@ def _tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
+class _Tables:
+    """Accumulates one batch's tables chunk by chunk (see BatchTensors for each table)."""
+
+    def __init__(self, rows: int, q_len: int, k_len: int, pad_token_id: int) -> None:
+        self.input_ids = torch.full((rows, q_len), pad_token_id, dtype=torch.long)
+        self.position_ids = torch.zeros((rows, q_len), dtype=torch.long)
+        self.allowed = torch.zeros((rows, q_len, k_len), dtype=torch.bool)
+        self.query_owner = torch.full((rows, q_len), PAD_OWNER, dtype=torch.long)
+        self.key_slot = torch.zeros((rows, k_len), dtype=torch.long)
+        self.key_pos = torch.zeros((rows, k_len), dtype=torch.long)
+        self.key_owner = torch.full((rows, k_len), PAD_OWNER, dtype=torch.long)
+        self.writes: list[list[int]] = [[], [], [], []]  # row, col, slot, pos
+        self.pad_writes: list[list[int]] = [[], [], [], []]
+        self.samples: list[list[int]] = [[], [], []]  # row, col, chunk
+        self.segments: list[Segment] = []
+        self.key_padded = 0
+
+    def add(self, index: int, chunk: ScheduledChunk, row: int, q0: int, k0: int, counter: int,
+            faults: frozenset) -> None:
+        """Place chunk `index` at query columns q0.. of `row`, its keys (positions 0..end-1 of its slot)
+        at key columns k0.. of the row; `counter` is the batch-wide position counter of
+        shared_position_offset."""
+        n, end = chunk.num_tokens, chunk.end_pos
+        cols = torch.arange(q0, q0 + n)
+        positions = torch.arange(chunk.start_pos, end)
+        slot = 0 if "shared_cache" in faults else chunk.slot
+        self.input_ids[row, cols] = torch.tensor(chunk.token_ids, dtype=torch.long)
+        shifted = "shared_position_offset" in faults
+        self.position_ids[row, cols] = counter + torch.arange(n) if shifted else positions
+        self.query_owner[row, cols] = index
+        self.key_slot[row, k0 : k0 + end] = slot
+        self.key_pos[row, k0 : k0 + end] = torch.arange(end)
+        self.key_owner[row, k0 : k0 + end] = index
+        # a query at position p sees keys 0..p of its own request (causal_offset: 0..t, its index)
+        seen = torch.arange(n) if "causal_offset" in faults else positions
+        self.allowed[row, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= seen[:, None]
+        for table, values in zip(self.writes, ([row] * n, cols.tolist(), [slot] * n, positions.tolist())):
+            table += values
+        if chunk.samples:
+            for table, value in zip(self.samples, (row, q0 + n - 1, index)):
+                table.append(value)
+        self.segments.append(Segment(row, q0, n, slot, chunk.start_pos, end, k0))
+        self.key_padded += n * (self.allowed.shape[2] - end)
+
+    def add_pad_writes(self, row: int, cols: list[int], slot: int, first_pos: int, max_len: int | None) -> None:
+        """fp16_cache: a naive padded cache stores whole rows, so pad cells land after the row's tokens."""
+        for j, col in enumerate(cols):
+            if max_len is None or first_pos + j < max_len:
+                for table, value in zip(self.pad_writes, (row, col, slot, first_pos + j)):
+                    table.append(value)
+
+    def build(self, padded_positions: int) -> BatchTensors:
+        pads = {}
+        if self.pad_writes[0]:
+            pads = dict(zip(("pad_write_row", "pad_write_col", "pad_write_slot", "pad_write_pos"),
+                            map(_tensor, self.pad_writes)))
+        row, col, chunk = self.samples
+        return BatchTensors(self.input_ids, self.position_ids, self.allowed, *map(_tensor, self.writes),
+                            self.key_slot, self.key_pos, self.key_owner, self.query_owner, _tensor(row), _tensor(col),
+                            chunk, padded_positions=padded_positions, key_padded_positions=self.key_padded,
+                            segments=tuple(self.segments), **pads)
+
+
 def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0,
                  faults: frozenset = frozenset(), max_len: int | None = None) -> BatchTensors:
     """Padded layout for `plan`: one row per chunk. See the module docstring."""
     chunks = plan.chunks
     counter = max(c.start_pos for c in chunks)  # the batch-wide counter of shared_position_offset
-    p_row, p_col, p_slot, p_pos = [], [], [], []
-    rows, q_len = len(chunks), max(c.num_tokens for c in chunks)
-    k_len = max(c.end_pos for c in chunks)
-    input_ids = torch.full((rows, q_len), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((rows, q_len), dtype=torch.long)
-    allowed = torch.zeros((rows, q_len, k_len), dtype=torch.bool)
-    query_owner = torch.full((rows, q_len), PAD_OWNER, dtype=torch.long)
-    key_slot = torch.zeros((rows, k_len), dtype=torch.long)
-    key_pos = torch.zeros((rows, k_len), dtype=torch.long)
-    key_owner = torch.full((rows, k_len), PAD_OWNER, dtype=torch.long)
-    w_row, w_col, w_slot, w_pos, s_row, s_col, s_chunk = [], [], [], [], [], [], []
-    key_padded = 0
+    q_len, k_len = max(c.num_tokens for c in chunks), max(c.end_pos for c in chunks)
+    tables = _Tables(len(chunks), q_len, k_len, pad_token_id)
     for b, chunk in enumerate(chunks):
-        n = chunk.num_tokens
-        offset = q_len - n if padding_side == "left" else 0
-        cols = torch.arange(offset, offset + n)
-        positions = torch.arange(chunk.start_pos, chunk.end_pos)
-        slot = 0 if "shared_cache" in faults else chunk.slot
-        input_ids[b, cols] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        position_ids[b, cols] = (counter + torch.arange(n)) if "shared_position_offset" in faults else positions
-        query_owner[b, cols] = b
-        key_slot[b, :] = slot
-        key_pos[b, :] = torch.arange(k_len)  # the slot's region [0, K): beyond end_b it is cache padding
-        key_owner[b, : chunk.end_pos] = b
-        # query at position p sees keys 0..p of its own slot
-        mask_positions = torch.arange(n) if "causal_offset" in faults else positions
-        allowed[b, cols, :] = torch.arange(k_len)[None, :] <= mask_positions[:, None]
+        offset = q_len - chunk.num_tokens if padding_side == "left" else 0
+        tables.add(b, chunk, b, offset, 0, counter, faults)
         if "unmasked_cache_padding" in faults:
-            allowed[b, cols, chunk.end_pos :] = True
-        key_padded += n * (k_len - chunk.end_pos)
-        w_row += [b] * n
-        w_col += cols.tolist()
-        w_slot += [slot] * n
-        w_pos += positions.tolist()
-        if "fp16_cache" in faults:  # a naive padded cache stores whole rows: pads land after the row's tokens
-            pad_cols = [c for c in range(q_len) if not offset <= c < offset + n]
-            for j, c in enumerate(pad_cols):
-                if max_len is None or chunk.end_pos + j < max_len:
-                    p_row.append(b), p_col.append(c), p_slot.append(slot), p_pos.append(chunk.end_pos + j)
-        if chunk.samples:
-            s_row.append(b)
-            s_col.append(offset + n - 1)
-            s_chunk.append(b)
-    real = sum(c.num_tokens for c in chunks)
-    return BatchTensors(
-        input_ids, position_ids, allowed, _tensor(w_row), _tensor(w_col), _tensor(w_slot), _tensor(w_pos),
-        key_slot, key_pos, key_owner, query_owner, _tensor(s_row), _tensor(s_col), s_chunk,
-        padded_positions=rows * q_len - real, key_padded_positions=key_padded,
-        **({"pad_write_row": _tensor(p_row), "pad_write_col": _tensor(p_col), "pad_write_slot": _tensor(p_slot),
-            "pad_write_pos": _tensor(p_pos)} if p_row else {}),
-    )
+            tables.allowed[b, offset : offset + chunk.num_tokens, chunk.end_pos :] = True
+        if "fp16_cache" in faults:
+            pad_cols = [c for c in range(q_len) if not offset <= c < offset + chunk.num_tokens]
+            tables.add_pad_writes(b, pad_cols, tables.segments[-1].slot, chunk.end_pos, max_len)
+        tables.key_slot[b, chunk.end_pos :] = tables.segments[-1].slot  # the slot's region beyond end_b
+        tables.key_pos[b, chunk.end_pos :] = torch.arange(chunk.end_pos, k_len)  # (cache padding)
+    return tables.build(padded_positions=len(chunks) * q_len - sum(c.num_tokens for c in chunks))
 
 
 def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = frozenset()) -> BatchTensors:
     """Packed layout for `plan`: all chunks in one row, block-diagonal causal mask."""
     chunks = plan.chunks
     counter = max(c.start_pos for c in chunks)
-    q_len = sum(c.num_tokens for c in chunks)
-    k_len = sum(c.end_pos for c in chunks)
-    input_ids = torch.empty((1, q_len), dtype=torch.long)
-    position_ids = torch.empty((1, q_len), dtype=torch.long)
-    allowed = torch.zeros((1, q_len, k_len), dtype=torch.bool)
-    query_owner = torch.empty((1, q_len), dtype=torch.long)
-    key_slot = torch.empty((1, k_len), dtype=torch.long)
-    key_pos = torch.empty((1, k_len), dtype=torch.long)
-    key_owner = torch.empty((1, k_len), dtype=torch.long)
-    w_pos, w_slot, s_col, s_chunk = [], [], [], []
+    tables = _Tables(1, sum(c.num_tokens for c in chunks), sum(c.end_pos for c in chunks), pad_token_id)
     q0 = k0 = 0
-    key_padded = 0
     for b, chunk in enumerate(chunks):
-        n, end = chunk.num_tokens, chunk.end_pos
-        positions = torch.arange(chunk.start_pos, end)
-        slot = 0 if "shared_cache" in faults else chunk.slot
-        input_ids[0, q0 : q0 + n] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        position_ids[0, q0 : q0 + n] = (counter + torch.arange(n)) if "shared_position_offset" in faults else positions
-        query_owner[0, q0 : q0 + n] = b
-        key_slot[0, k0 : k0 + end] = slot
-        key_pos[0, k0 : k0 + end] = torch.arange(end)
-        key_owner[0, k0 : k0 + end] = b
-        mask_positions = torch.arange(n) if "causal_offset" in faults else positions
-        allowed[0, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= mask_positions[:, None]
+        tables.add(b, chunk, 0, q0, k0, counter, faults)
         if "no_request_mask" in faults:  # plain causal over the concatenation: every earlier block is visible
-            allowed[0, q0 : q0 + n, :k0] = True
-        key_padded += n * (k_len - end)
-        w_pos += positions.tolist()
-        w_slot += [slot] * n
-        if chunk.samples:
-            s_col.append(q0 + n - 1)
-            s_chunk.append(b)
-        q0 += n
-        k0 += end
-    return BatchTensors(
-        input_ids, position_ids, allowed, torch.zeros(q_len, dtype=torch.long), torch.arange(q_len),
-        _tensor(w_slot), _tensor(w_pos), key_slot, key_pos, key_owner, query_owner,
-        torch.zeros(len(s_col), dtype=torch.long), _tensor(s_col), s_chunk,
-        padded_positions=0, key_padded_positions=key_padded,
-    )
+            tables.allowed[0, q0 : q0 + chunk.num_tokens, :k0] = True
+        q0 += chunk.num_tokens
+        k0 += chunk.end_pos
+    return tables.build(padded_positions=0)
 
 
 def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad_token_id: int = 0,

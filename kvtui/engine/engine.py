@@ -15,7 +15,7 @@ import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine.batching import BatchStats, build_batch
-from kvtui.engine.faults import StaleStart, racy_forward, stale_slot_admission
+from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slot_admission
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, slot_taint
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
@@ -255,7 +255,8 @@ class Engine:
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
         taint = tuple(slot_taint(batch, writers, own, self._names, ids)) if self.detect_taint else ()
         try:
-            logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults)
+            logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults,
+                                                own_range=not faults & MASK_FAULTS)
         except Exception as e:
             if not faults:
                 raise  # with isolation intact an exception is a bug, not a symptom

@@ -14,6 +14,10 @@ from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.request import RequestState
 from kvtui.engine.scheduler import StepPlan
 
+# Faults that change the attention mask itself: while one is on, attention takes the mask path over
+# the gathered keys (attention.py); otherwise each chunk reads only its own keys.
+MASK_FAULTS = frozenset({"no_request_mask", "unmasked_cache_padding", "causal_offset", "fp16_cache"})
+
 
 @dataclass(frozen=True)
 class StaleStart:
@@ -64,7 +68,7 @@ def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faul
                            max_len=max_len) for chunk in plan.chunks]
     for chunk, batch in zip(plan.chunks, batches):
         tag_writes(batch, (chunk,))
-    results = runner.forward_racy(batches, fp16="fp16_cache" in faults)
+    results = runner.forward_racy(batches, fp16="fp16_cache" in faults, own_range=not faults & MASK_FAULTS)
     logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and not err}
     errors = tuple((i, err) for i, (out, err) in enumerate(results) if err)
     return RacyOutcome(logits, errors, BatchStats.total([b.stats for b in batches]))

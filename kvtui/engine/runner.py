@@ -14,8 +14,8 @@ import torch
 
 from kvtui.engine.attention import PooledCache, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
-from kvtui.faults import FP16_MASK_CONSTANT
 from kvtui.engine.kv_pool import KVPool
+from kvtui.faults import FP16_MASK_CONSTANT
 
 
 def model_geometry(model) -> tuple[int, int, int, int]:
@@ -68,26 +68,28 @@ class ModelRunner:
         return self.head(hidden).float().cpu()
 
     @torch.inference_mode()
-    def forward(self, batch: BatchTensors, *, measure_flow: bool = False,
-                fp16: bool = False) -> tuple[torch.Tensor, StepState]:
+    def forward(self, batch: BatchTensors, *, measure_flow: bool = False, fp16: bool = False,
+                own_range: bool = True) -> tuple[torch.Tensor, StepState]:
         """One forward over the step's batch.
 
         Args:
             measure_flow: accumulate attention probabilities for the attention_flow detector.
-            fp16: the fp16_cache fault (see faults.py).
+            fp16: the fp16_cache fault (see kvtui/faults.py).
+            own_range: the own-range attention path; False: the mask path (see attention.py).
         Returns:
             logits: [S, V] float32 on the CPU, one row per sampling chunk (batch.sample_chunk order).
             state: the StepState (attention sums when measure_flow).
         """
         batch = self._to_device(batch)
-        state = StepState(batch=batch, measure_flow=measure_flow, fp16=fp16)
+        state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16)
         try:
             logits = self._run_body(batch, state)
         finally:
             self.cache.state = None
         return logits, state
 
-    def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False) -> list[tuple[torch.Tensor | None, str]]:
+    def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False,
+                     own_range: bool = True) -> list[tuple[torch.Tensor | None, str]]:
         """The racy_threads fault: one Python thread per request, each running its own batch-of-one
         forward, all through this runner's single cache-state variable (like a global
         past_key_values). Whichever thread set it last decides where every thread's layers write and
@@ -99,7 +101,8 @@ class ModelRunner:
             try:
                 with torch.inference_mode():
                     barrier.wait(timeout=10)
-                    results[index] = (self._run_body(self._to_device(batch), StepState(batch=batch, fp16=fp16)), "")
+                    state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16)
+                    results[index] = (self._run_body(self._to_device(batch), state), "")
             except Exception as e:  # the race's own failures, e.g. mismatched tensor sizes
                 results[index] = (None, f"{type(e).__name__}: {e}")
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pydantic
 
-# Named isolation faults (docs/faults.md); the engine's faults module implements them.
-FAULT_NAMES = (
-    "shared_cache", "racy_threads", "no_request_mask", "unmasked_cache_padding",
-    "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache",
-)
+from kvtui.faults import FAULT_NAMES  # the catalogue owns the fault names
+
+__all__ = ["FAULT_NAMES", "MAX_PLANNED", "MAX_PROMPT_CHARS", "MAX_RATE", "MAX_SECONDS", "Strict"]
 MAX_PLANNED = 100_000  # most requests one scenario may plan
 MAX_RATE = 10_000.0  # requests per second
 MAX_SECONDS = 7 * 24 * 3600.0  # longest duration or timestamp (seconds)

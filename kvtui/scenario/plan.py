@@ -11,10 +11,18 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.prompts import (
-    FilePrompts, PassphrasePrompts, SyntheticPrompts, chat_ids, encode_text, passphrases, random_ids, user_chat,
+    FilePrompts,
+    PassphrasePrompts,
+    SyntheticPrompts,
+    chat_ids,
+    encode_text,
+    passphrases,
+    random_ids,
+    user_chat,
 )
 from kvtui.scenario.schema import Scenario
 

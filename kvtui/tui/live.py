@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtui.tui.sources import Source
 from kvtui.tui.snapshot_build import build_snapshot
+from kvtui.tui.sources import Source
 from kvtui.tui.state import DashboardState
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ import time
 from typing import TYPE_CHECKING
 
 from kvtui.events import StepEvent
-from kvtui.tui.sources import Source
 from kvtui.tui.snapshot_build import build_snapshot
+from kvtui.tui.sources import Source
 from kvtui.tui.state import DashboardState
 
 if TYPE_CHECKING:

@@ -11,8 +11,18 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvtui.events import (Arrive, Contamination, FaultSwitch, Finish, FirstToken, Header, Marker, StepEvent, Summary,
-                          TimelineApplied)
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    FaultSwitch,
+    Finish,
+    FirstToken,
+    Header,
+    Marker,
+    StepEvent,
+    Summary,
+    TimelineApplied,
+)
 from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
 from kvtui.summary import evidence_text

@@ -1,0 +1,86 @@
+"""Masked keys contribute exactly zero, whatever they hold.
+
+A slot's previous owner may leave NaN or inf past the next owner's length (an fp16 overflow, a
+poisoned embedding row). The next owner, batched beside a longer request, must still produce its
+solo tokens, in every layout and attention path. The oracle is transformers' own attention on a
+separate model instance, greedy, with no cache and no kvtui code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtui.config import EngineConfig
+from kvtui.engine import Engine, SamplingParams
+from kvtui.engine.attention import kvtui_attention
+from kvtui.models import build_tiny
+
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """A separate tiny-llama instance (same seed, same weights) on transformers' eager attention."""
+    model, _ = build_tiny("tiny-llama")
+    model.set_attn_implementation("eager")
+    return model.eval()
+
+
+@torch.inference_mode()
+def reference_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from re-running the whole sequence each step: no cache, transformers' attention."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def poison(engine: Engine, slot: int, start: int, value: float) -> None:
+    """Leave `value` in every layer's K and V of `slot` from position `start` on, as a previous owner would."""
+    for layer in range(engine.pool.num_layers):
+        engine.pool.keys[layer][slot, :, start:] = value
+        engine.pool.values[layer][slot, :, start:] = value
+
+
+CLEAN = [17, 42, 99, 7, 250]  # 5 tokens
+LONG = [(i * 37) % 250 + 3 for i in range(30)]  # 30 tokens
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("layout,side", [("padded", "right"), ("padded", "left"), ("packed", "right")])
+@pytest.mark.parametrize("measure_flow", [False, True], ids=["sdpa", "eager-flow"])
+def test_a_clean_request_in_a_poisoned_slot_gives_its_solo_tokens(tiny, oracle, value, layout, side, measure_flow):
+    loaded = tiny["tiny-llama"]
+    engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=64, layout=layout, padding_side=side),
+                    eos_token_ids=())
+    engine.measure_flow = measure_flow
+    engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.run_until_done()
+    assert engine.pool.previous_owner[0] == "previous"
+    poison(engine, slot=0, start=5, value=value)  # what the previous owner left past position 5
+    engine.submit("clean", CLEAN, GREEDY)  # takes slot 0 (lowest free)
+    engine.submit("long", LONG, GREEDY)  # slot 1: the batch's keys run to 30+ positions
+    reports = engine.run_until_done()
+    assert reports[0].running[0].slot == 0 and reports[0].rows == (2 if layout == "padded" else 1)
+    assert not any(r.nonfinite for report in reports for r in report.running)
+    assert engine.requests["clean"].generated_ids == reference_tokens(oracle, CLEAN, 8)
+    assert engine.requests["long"].generated_ids == reference_tokens(oracle, LONG, 8)
+
+
+def test_the_mask_path_ignores_non_finite_values_at_masked_keys_and_keeps_them_where_weighed():
+    """The attention function's mask path (used while a mask fault is on), on one layer's tensors."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    allowed = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    allowed[0, :, :, 4:] = False  # row 0 may not see keys 4-5
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    clean, _ = kvtui_attention(None, q, k, v, mask)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, :, 4:] = float("nan")
+    v_bad[0, :, 4:] = float("inf")
+    out, _ = kvtui_attention(None, q, k_bad, v_bad, mask)
+    assert torch.equal(out, clean)  # exactly: masked cells add zero
+    v_bad[1, :, 2] = float("nan")  # row 1 may see key 2: its NaN must show
+    out, _ = kvtui_attention(None, q, k_bad, v_bad, mask)
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0])
