@@ -32,21 +32,34 @@ err = Console(stderr=True)
 EXIT_OK, EXIT_CONTAMINATION, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
 
 
+def say(label: str, text: str) -> None:
+    """One line on stderr: `error: text`, `warning: text` or `note: text`. User text is shown as
+    written: control characters escaped (\\n, \\x1b), rich markup characters taken literally."""
+    from kvtui.scenario.errors import printable
+
+    style = {"error": "bold red", "warning": "yellow", "note": "yellow"}.get(label, "bold")
+    err.print(f"[{style}]{label}:[/] {escape(printable(text))}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """Print one line to stderr and exit with `code` (2 bad input, 3 runtime error)."""
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    say("error", message)
     raise typer.Exit(code)
 
 
 def _load_scenario(path: Path):
+    """The scenario at `path`, its warnings printed; on errors one line each and exit 2."""
     from kvtui.scenario import ScenarioError, load_scenario
 
     try:
-        return load_scenario(path)
+        spec = load_scenario(path)
     except ScenarioError as e:
         for line in e.errors:
-            err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+            say("error", line)
         raise typer.Exit(EXIT_BAD_INPUT) from None
+    for line in spec.warnings:
+        say("warning", line)
+    return spec
 
 
 def _load_model(name: str, dtype: str, device: str):
@@ -105,7 +118,7 @@ def run(
     faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
     chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
-        err.print("[yellow]note:[/] not a terminal: running headless (pass --headless to silence this).")
+        say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults)
@@ -121,13 +134,13 @@ def run(
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out)
     if record:
-        out.print(f"recording: {record}")
+        out.print(f"recording: {record}", markup=False, highlight=False)
     code, reason = verdict(spec, session, expect_override="none" if clear_faults and not faults else None)
     if code:
-        err.print(f"[bold red]{reason}[/]", highlight=False)
+        err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
         raise typer.Exit(code)
     if reason:
-        out.print(reason)
+        out.print(reason, markup=False, highlight=False)
 
 
 def _session(spec, path: Path, loaded, **options):
@@ -185,7 +198,7 @@ def _dashboard(scenario: Path, **options) -> None:
         summary, header = run_dashboard(scenario, **options)
     except ScenarioError as e:
         for line in e.errors:
-            err.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+            say("error", line)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except (ModelLoadError, RecordingError, ValueError) as e:
         fail(str(e))
@@ -194,7 +207,7 @@ def _dashboard(scenario: Path, **options) -> None:
     if summary is not None:
         print_summary(summary, header, out)
     if options.get("record"):
-        out.print(f"recording: {options['record']}")
+        out.print(f"recording: {options['record']}", markup=False, highlight=False)
 
 
 def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
@@ -241,7 +254,7 @@ def replay(
         fail(str(e))
     summary = replay_summary(header, events, recorded)
     if truncated:
-        err.print(f"[yellow]note:[/] {recording} ends early (killed run?); replayed {len(events)} events")
+        say("note", f"{recording} ends early (killed run?); replayed {len(events)} events")
     print_summary(summary, header, out)
     print_contamination([e for e in events if isinstance(e, Contamination)], out)
 
@@ -268,7 +281,7 @@ def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file."
     import yaml
 
     spec = _load_scenario(scenario)
-    out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False)
+    out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False, markup=False)
 
 
 @app.command()
@@ -300,7 +313,10 @@ def audit(
 
     spec = _load_scenario(scenario)
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
-    events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
+    try:
+        events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
+    except ValueError as e:  # an engine the model or the memory cannot hold
+        fail(f"{scenario}: {e}")
     from kvtui.summary import print_contamination
 
     print_contamination(events, out)
@@ -323,9 +339,11 @@ def model_cmd(
     out.print(f"{loaded.model_id}: {type(loaded.model).__name__}, "
               f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters, "
               f"{loaded.num_layers} layers, {loaded.num_heads} heads, {loaded.num_kv_heads} KV heads, "
-              f"head_dim {loaded.head_dim}, vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.1f} s")
+              f"head_dim {loaded.head_dim}, vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.1f} s",
+              markup=False, highlight=False)
     if loaded.source_path:
-        out.print(f"source: {loaded.source_path}" + (f" (sha256 {loaded.source_sha256})" if loaded.source_sha256 else ""))
+        out.print(f"source: {loaded.source_path}" + (f" (sha256 {loaded.source_sha256})" if loaded.source_sha256 else ""),
+                  markup=False, highlight=False)
 
 
 @app.command()
@@ -365,7 +383,7 @@ def main() -> int:
     except click_errors.UsageError as e:
         command = f"kvtui {e.ctx.info_name}" if e.ctx and e.ctx.parent else "kvtui"
         message = e.format_message().replace("Value error, ", "")
-        err.print(f"[bold red]error:[/] {escape(message)} (see `{command} --help`)", highlight=False, soft_wrap=True)
+        say("error", f"{message} (see `{command} --help`)")
         return EXIT_BAD_INPUT
     except typer.Abort:
         return 130

@@ -28,10 +28,9 @@ class EngineConfig:
         layout: "padded" (a row per request) or "packed" (all tokens in one row).
         padding_side: "right" or "left", padded layout only.
         bucketing: batch together only requests whose lengths differ by at most bucket_tolerance
-            (relative, 0.2 = 20%, the spread the source experiment found to keep batching 3-4x
-            faster than serial).
+            (relative, 0.2 = 20%: a small spread keeps padding, and so wasted compute, low).
         slot_reuse: "reuse" keeps the preallocated pool; "reallocate" gives each admitted request
-            a freshly allocated (zeroed) slot tensor, the comparison the source experiment measured.
+            a freshly allocated (zeroed) slot tensor, to compare the cost of allocating per request.
         on_too_long: a request with prompt + max_new_tokens > max_len is "reject"ed, or "cap"ped
             (max_new_tokens lowered to fit); a prompt that alone does not fit is always rejected.
         max_waiting: most requests queued for a slot; later arrivals are rejected (None = unbounded).

@@ -94,7 +94,7 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
         table.add_column(column)
     for e in ordered[:limit]:
         style = "dim" if e.kind == "numeric" else ("red" if e.kind == "cross_request" else "yellow")
-        table.add_row(str(e.step), printable(f"{e.victim} <- {e.source or '?'}"), f"[{style}]{e.kind}[/]",
+        table.add_row(str(e.step), escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
                       e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:
         table.caption = f"{len(ordered) - limit} more in the recording"

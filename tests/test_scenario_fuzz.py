@@ -1,15 +1,21 @@
 """Loader fuzzing: whatever the input, parse_scenario returns a Scenario or raises ScenarioError whose
-lines are well formed; it never raises anything else and never reports an internal error."""
+lines are well formed; it never raises anything else and never reports an internal error. The same
+through the CLI: `kvtui validate` on hostile YAML (wrong types, huge numbers, nested junk, control
+characters, unicode, rich markup) exits 0 or 2, never with a traceback, one stderr line per problem."""
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
+from kvtui.cli import app
 from kvtui.scenario import Scenario, ScenarioError, parse_scenario
 
 LINE_RE = re.compile(r"^<fuzz>(:\d+)?: \S.*: .+; .+$")
@@ -114,3 +120,63 @@ def test_nasty_yaml():
                  "max_requests: 1_000", "seed: 12345678901234567890123", "max_requests: 4\nname: ''",
                  "max_requests: 4\nsampling: {}", "max_requests: 4\nsampling: greedy\n---\nx: 1"]:
         check(text)
+
+
+# -- the CLI: `kvtui validate` on hostile documents -------------------------------------------------------
+
+CLI_LINE = re.compile(r"^(error|warning): \S.*: .+; .+$")
+_FUZZ_DIR = Path(tempfile.mkdtemp(prefix="kvtui-fuzz-"))
+hostile_text = st.text(alphabet=st.one_of(st.characters(max_codepoint=0x1F), st.sampled_from("\x7f\x1b[]/\\:{}'\""),
+                                          st.characters()), max_size=24)
+hostile_scalars = st.one_of(
+    scalars, hostile_text, st.integers(-10**30, 10**30), st.floats(min_value=-1e308, max_value=1e308),
+    st.sampled_from([2**63, 2**50, 10**6, 4096, "1e3", "1.0e+3", "[/]", "[bold red]x", "\u202e", "\ufeff", "\x00"]),
+)
+hostile_values = st.recursive(hostile_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.one_of(hostile_text, st.integers()), inner, max_size=4)),
+    max_leaves=16)
+hostile_docs = st.one_of(
+    hostile_values,
+    st.dictionaries(st.sampled_from(list(VALID)), hostile_values, max_size=6),
+    st.builds(lambda path, value: mutate(VALID, path, value), st.lists(st.integers(0, 50), max_size=4),
+              hostile_values),
+)
+
+
+def validate_cli(text: str):
+    """`kvtui validate` in-process on `text`; checks the contract and returns the result."""
+    path = _FUZZ_DIR / "fuzz.yaml"
+    path.write_text(text, encoding="utf-8")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code in (0, 2), (result.exit_code, result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    for line in lines:
+        assert CLI_LINE.match(line), line
+        assert all(c.isprintable() for c in line), line
+        assert "internal error" not in line, line
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert bool(errors) == (result.exit_code == 2), result.stderr
+    if result.exit_code == 0:
+        assert isinstance(yaml.safe_load(result.stdout), dict)
+    return result
+
+
+@FUZZ
+@given(hostile_docs)
+def test_validate_cli_on_hostile_documents(doc):
+    validate_cli(yaml.safe_dump(doc, allow_unicode=True))
+
+
+@FUZZ
+@given(st.text(max_size=300))
+def test_validate_cli_on_arbitrary_text(text):
+    validate_cli(text)
+
+
+def test_validate_cli_examples():
+    assert validate_cli(yaml.safe_dump(VALID)).exit_code == 0
+    for text in ["name: \"\\x1b[31m[/]\"\nmax_requests: 1e3\n", "max_requests: 4\nengine: {slots: 4096, max_len: 1000000}\n",
+                 "max_requests: 4\nunknown_[/]: 1\n", "max_requests: 4\nmodel: \"[bold]\\x07\"\n", "\x00", "[" * 5000]:
+        assert validate_cli(text).exit_code == 2, text

@@ -72,7 +72,7 @@ def test_engine_config_mapping_and_overrides():
         num_slots=3, max_len=64, max_batch_size=2, max_tokens_per_step=99, layout="packed", padding_side="left",
         bucketing=True, bucket_tolerance=0.5, slot_reuse="reallocate", on_too_long="cap", max_waiting=7,
         device="cuda", faults=frozenset({"stale_slot"}))
-    budget = parse_scenario("max_requests: 2\nengine: {kv_budget_bytes: 1000000, bucketing: true}")
+    budget = parse_scenario("max_requests: 2\nmodel: tiny-llama\nengine: {kv_budget_bytes: 1000000, bucketing: true}")
     assert budget.engine_config().kv_budget_bytes == 1_000_000 and budget.engine.slots is None
     assert budget.engine_config().bucketing is True
 

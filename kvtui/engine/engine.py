@@ -24,6 +24,7 @@ from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import make_generator, sample_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.faults import check_fault_names
+from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
 
@@ -45,8 +46,8 @@ class StepCostModel:
     """Modeled step duration for the virtual clock, in seconds:
     base_s + per_row_s * rows + per_token_s * query positions (pads included) + per_key_s * key positions read.
 
-    Defaults are rough fits for SmolLM2-135M fp32 on 2 CPU cores (DESIGN.md section 7: batch-1
-    decode ~25 tokens/s, batch-8 ~134 tokens/s); they set pacing only, never token values.
+    Defaults are rough fits for SmolLM2-135M fp32 on 2 CPU cores (measured bare-forward decode: batch 1
+    ~25 tokens/s, batch 8 ~134 tokens/s); they set pacing only, never token values.
     """
 
     base_s: float = 0.035
@@ -67,6 +68,10 @@ class Engine:
         eos_token_ids: tokens that end a request (finish reason "stop") unless ignore_eos.
         tokenizer: optional, needed only for stop strings.
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
+
+    Raises:
+        ValueError: a model or max_len the engine cannot serve (kvtui.models.compat.check_model), or a KV
+            pool that does not fit in memory (KVPool); one line each.
     """
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
@@ -78,6 +83,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.pad_token_id = pad_token_id
+        check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
         layers, _, kv_heads, head_dim = model_geometry(model)
         dtype = next(model.parameters()).dtype
         self.pool = KVPool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_slots=config.num_slots,

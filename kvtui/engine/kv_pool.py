@@ -15,6 +15,18 @@ import heapq
 
 import torch
 
+from kvtui.memory import available_memory_bytes, gib, pool_bytes
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can take: MemAvailable for the CPU, the CUDA driver's free
+    figure for a GPU, None where unknown (no check is made then)."""
+    if device.type == "cpu":
+        return available_memory_bytes()
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[0])
+    return None
+
 
 def slot_bytes(num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one slot takes: K and V, every layer: 2 * layers * kv_heads * max_len * head_dim * itemsize."""
@@ -33,7 +45,9 @@ class KVPool:
         kv_budget_bytes: size the pool by bytes: num_slots = budget // slot_bytes(...).
 
     Raises:
-        ValueError: the budget does not hold even one slot.
+        ValueError: the budget does not hold even one slot, or the pool does not fit in the device's
+            available memory (checked before allocating; an allocation that still fails is turned
+            into the same one-line error).
     """
 
     def __init__(
@@ -64,11 +78,7 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.bytes_per_slot = per_slot
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        # who last wrote each position: a request serial, -1 never written (see observe.py); CPU bookkeeping
-        self.writer = torch.full((num_slots, max_len), -1, dtype=torch.long)
+        self._allocate(kv_budget_bytes)
         # cache_len each slot's last owner left behind (what the stale_slot fault wrongly keeps)
         self.last_len = [0] * num_slots
         self.owner: list[str | None] = [None] * num_slots
@@ -77,6 +87,26 @@ class KVPool:
         self.times_used = [0] * num_slots
         self._free = list(range(num_slots))
         heapq.heapify(self._free)
+
+    def _allocate(self, kv_budget_bytes: int | None) -> None:
+        need = pool_bytes(self.num_slots, self.max_len, self.bytes_per_slot)
+        size = f"KV pool of {self.num_slots} slots x {self.max_len} tokens"
+        fix = ("lower engine.kv_budget_bytes" if kv_budget_bytes is not None
+               else "lower engine.slots or engine.max_len")
+        free = free_device_bytes(self.device)
+        if free is not None and need > free:
+            raise ValueError(f"{size} needs {gib(need)}, more than the {gib(free)} of {self.device.type} "
+                             f"memory available; {fix}")
+        shape = (self.num_slots, self.num_kv_heads, self.max_len, self.head_dim)
+        try:
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            # who last wrote each position: a request serial, -1 never written (see observe.py); CPU bookkeeping
+            self.writer = torch.full((self.num_slots, self.max_len), -1, dtype=torch.long)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            self.keys = self.values = []
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ValueError(f"{size} ({gib(need)}) could not be allocated ({reason}); {fix}") from None
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +129,7 @@ class KVPool:
         """Give the lowest free slot to `request_id` and return its index.
 
         fresh=True replaces the slot's tensors with newly allocated zeros (the "allocate a new cache per
-        request" mode the source experiment compared against reuse).
+        request" mode, to compare against reuse).
 
         Raises:
             RuntimeError: no slot is free (the scheduler checks num_free first).

@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, eos_token_ids, prepare_tokenizer
+from kvtui.models.compat import IncompatibleModel, check_batch_invariant
 from kvtui.models.tiny import TINY_NAMES, build_tiny
 from kvtui.models.types import LoadedModel, ModelLoadError, one_line
 
@@ -64,8 +65,8 @@ def load_model(
 
     Raises:
         ModelLoadError: unknown name or path, default model not installed or corrupt, unreadable
-            file or cache, unsupported dtype, unusable device. The message is one line saying
-            what to do.
+            file or cache, unsupported dtype, unusable device, or a model the engine cannot run
+            batch-invariantly (see kvtui.models.compat). The message is one line saying what to do.
     """
     torch_dtype = parse_dtype(dtype)
     key = name.strip().lower()
@@ -77,6 +78,10 @@ def load_model(
             loaded = _loaded(model.to(torch_dtype), tokenizer, key, None, None)
         else:
             loaded = _load_path(name, torch_dtype, progress)
+    try:
+        check_batch_invariant(loaded.model.config)
+    except IncompatibleModel as exc:
+        raise ModelLoadError(f"cannot serve {name}: {exc}") from None
     return _finish(loaded, device)
 
 

@@ -31,22 +31,27 @@ from typing import Annotated, Literal, Union
 import pydantic
 from pydantic import Field
 
-from kvtui.scenario.base import MAX_PLANNED, MAX_RATE, MAX_SECONDS, Strict
+from kvtui.scenario.base import MAX_PLANNED, MAX_PROMPT_CHARS, MAX_RATE, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem
-from kvtui.scenario.trace import TraceRow, read_trace
+from kvtui.scenario.trace import MAX_TRACE_BYTES, TraceRow, read_trace
 
 Rate = Annotated[float, Field(ge=0, le=MAX_RATE)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 
 
 class Stage(Strict):
-    rate_per_s: Rate  # requests per second during this stage (0 = a pause)
-    duration_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+    """One stretch of a piecewise-constant rate (a ramp is several stages)."""
+
+    rate_per_s: Rate = Field(description="requests per second during this stage; 0 is a pause")
+    duration_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = Field(description="length of the stage (seconds)")
 
 
 class _RateProcess(Strict):
-    rate_per_s: Annotated[float, Field(gt=0, le=MAX_RATE)] | None = None
-    stages: Annotated[list[Stage], Field(min_length=1, max_length=1000)] | None = None
+    rate_per_s: Annotated[float, Field(gt=0, le=MAX_RATE)] | None = Field(
+        None, description="mean requests per second; give this or `stages`, not both")
+    stages: Annotated[list[Stage], Field(min_length=1, max_length=1000)] | None = Field(
+        None, description="a piecewise rate, `[{rate_per_s, duration_s}, ...]` (see Stage); arrivals stop when "
+                          "the last stage ends")
 
     @pydantic.model_validator(mode="after")
     def _rate_or_stages(self):
@@ -59,28 +64,51 @@ class _RateProcess(Strict):
 
 
 class Constant(_RateProcess):
+    """Evenly spaced arrivals: one every 1 / rate_per_s seconds, the first at 0."""
+
     process: Literal["constant"]
 
 
 class Poisson(_RateProcess):
+    """A Poisson process: exponentially distributed gaps with mean 1 / rate_per_s, the first arrival at
+    0. Arrivals are independent of each other, as from many users who do not coordinate."""
+
     process: Literal["poisson"]
 
 
 class Gamma(_RateProcess):
+    """Gamma-distributed gaps, as vLLM's serving benchmark draws them (its `--burstiness` option): shape
+    = burstiness and scale = 1 / (rate_per_s x burstiness), so the mean gap stays 1 / rate_per_s
+    whatever the burstiness. burstiness 1 is exactly Poisson; below 1 the gaps vary more (bursts of
+    close arrivals, then lulls); above 1 they are more regular, tending to constant. The gaps'
+    coefficient of variation is 1 / sqrt(burstiness). The first arrival is at 0."""
+
     process: Literal["gamma"]
-    burstiness: Annotated[float, Field(gt=0, le=1000)] = 1.0  # gamma shape; 1 = Poisson, < 1 burstier
+    burstiness: Annotated[float, Field(gt=0, le=1000)] = Field(
+        1.0, description="gamma shape: 1 = Poisson, below 1 burstier, above 1 more regular")
 
 
 class Burst(Strict):
+    """`size` requests at once at 0, every_s, 2 x every_s, ..."""
+
     process: Literal["burst"]
-    size: Annotated[int, Field(ge=1, le=10_000)]  # requests per burst
-    every_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)]  # seconds between bursts
+    size: Annotated[int, Field(ge=1, le=10_000)] = Field(description="requests per burst")
+    every_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] = Field(description="seconds between bursts")
 
 
 class Trace(Strict):
+    """Arrival times and lengths from a CSV file of rows `timestamp,prompt_tokens,output_tokens`
+    (seconds, tokens, tokens). A header naming the three columns (in any order) is optional; blank lines
+    and lines starting with `#` are skipped. Timestamps may be absolute (epoch seconds) or relative and
+    must not decrease; request i arrives at (timestamp_i - first timestamp) x time_scale. A row's
+    prompt_tokens sets the length of a synthetic prompt, its output_tokens the request's max new tokens."""
+
     process: Literal["trace"]
-    file: Annotated[str, Field(min_length=1, max_length=4096)]  # relative to the scenario file
-    time_scale: Annotated[float, Field(gt=0, le=1e6)] = 1.0  # multiplies trace gaps (0.5 = 2x faster)
+    file: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        description=f"CSV path, relative to the scenario file; at most {MAX_TRACE_BYTES >> 20} MiB and "
+                    f"{MAX_PLANNED} rows")
+    time_scale: Annotated[float, Field(gt=0, le=1e6)] = Field(
+        1.0, description="multiplies the trace's gaps: 0.5 replays it twice as fast")
     _rows: list[TraceRow] = pydantic.PrivateAttr(default_factory=list)
 
     @pydantic.model_validator(mode="after")
@@ -98,15 +126,22 @@ class Trace(Strict):
 
 
 class ScriptedRequest(Strict):
-    at_s: Seconds
-    prompt: Annotated[str, Field(min_length=1, max_length=100_000)] | None = None  # None: from `prompts`
-    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # None: from output_tokens
-    chat: bool = True  # wrap `prompt` in the model's chat template
+    """One request of a scripted arrival list."""
+
+    at_s: Seconds = Field(description="arrival time (seconds from the start)")
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = Field(
+        None, description="the prompt text; null takes the next prompt of the `prompts` section")
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
+        None, description="tokens to generate at most; null draws from `output_tokens`")
+    chat: bool = Field(True, description="wrap `prompt` in the model's chat template")
 
 
 class Scripted(Strict):
+    """An explicit list of requests, each with its own arrival time (sorted by at_s)."""
+
     process: Literal["scripted"]
-    requests: Annotated[list[ScriptedRequest], Field(min_length=1, max_length=MAX_PLANNED)]
+    requests: Annotated[list[ScriptedRequest], Field(min_length=1, max_length=MAX_PLANNED)] = Field(
+        description="`[{at_s, prompt, max_new_tokens, chat}, ...]` (see ScriptedRequest)")
 
 
 ArrivalSpec = Annotated[Union[Constant, Poisson, Gamma, Burst, Trace, Scripted], Field(discriminator="process")]

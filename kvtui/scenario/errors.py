@@ -8,6 +8,7 @@ the formatter can read the fix and an optional sub-path below the field that rai
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import reprlib
 import types
@@ -71,6 +72,28 @@ def did_you_mean(word: object, choices: Sequence[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+_EXPONENT = re.compile(r"([-+]?)(\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)")
+
+
+def yaml11_exponent(value: object) -> tuple[str, str, str] | None:
+    """For text such as '1e3' that YAML 1.1 (PyYAML) reads as a string because its exponent form
+    lacks a dot or a sign: (what was read, the number written plainly, the number in YAML 1.1's
+    exponent form), e.g. ("'1e3' (text: YAML 1.1 reads an exponent without a dot and a sign as
+    text)", "1000", "1.0e+3"). None for anything else."""
+    if not isinstance(value, str):
+        return None
+    m = _EXPONENT.fullmatch(value.strip())
+    if not m or not math.isfinite(float(value)):
+        return None
+    sign, whole, frac, exp_sign, exp = m.groups()
+    number = float(value)
+    plain = str(int(number)) if number.is_integer() and abs(number) < 1e16 else repr(number)
+    if "e" in plain:  # repr fell back to an exponent: give only the YAML 1.1 form
+        plain = f"{sign}{whole}.{frac or '0'}e{exp_sign or '+'}{exp}"
+    read = f"{short(value)} (text: YAML 1.1 reads an exponent without a dot and a sign as text)"
+    return read, plain, f"{sign}{whole}.{frac or '0'}e{exp_sign or '+'}{exp}"
+
+
 def type_name(value: object) -> str:
     names = {dict: "a mapping", list: "a list", str: "text", bool: "true/false", int: "an integer",
              float: "a number", type(None): "nothing (null)"}
@@ -119,33 +142,52 @@ def describe(err: dict, allowed_keys: Callable[[tuple], list[str]],
             return f"`{tag}` is missing", f"add `{tag}: <one of {', '.join(choices)}>`", ()
         return (f"unknown {tag} {short(ctx.get('tag'))}{did_you_mean(ctx.get('tag'), choices)}",
                 f"use one of: {', '.join(choices)}", (tag,))
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return f"expected a mapping (key: value lines), got {type_name(value)}", "write it as `key: value` entries", ()
-    if kind == "list_type":
-        return f"expected a list, got {type_name(value)}", "write it as `- item` lines or [a, b]", ()
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return f"expected a whole number, got {short(value)}", "write an integer like 4", ()
-    if kind in ("float_type", "float_parsing"):
-        return f"expected a number, got {short(value)}", "write a number like 2.0", ()
-    if kind == "finite_number":
-        return f"expected a finite number, got {short(value)}", "write a number like 2.0", ()
-    if kind in ("bool_type", "bool_parsing"):
-        return f"expected true or false, got {short(value)}", "write true or false", ()
-    if kind in ("string_type", "string_unicode"):
-        return f"expected text, got {short(value)}", 'write text, quoted if needed: "..."', ()
-    if kind == "string_too_short":
-        return "must not be empty", "write some text", ()
-    if kind == "too_short":
-        return "must not be empty", "give at least one entry", ()
-    if kind in ("string_too_long", "too_long"):
-        return f"too long ({ctx.get('max_length')} at most)", "shorten it", ()
-    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-    if kind in bounds:
-        op = bounds[kind]
-        limit = next(iter(ctx.values()), "?")
-        return f"must be {op} {limit}, got {short(value)}", f"use a value {op} {limit}", ()
+    found = _number_problem(kind, value) or _shape_problem(kind, value, ctx)
+    if found:
+        return (*found, ())
     msg = str(err.get("msg", kind))
     return msg.removeprefix("Value error, "), "check the value against the scenario reference", ()
+
+
+# pydantic error type -> (problem, fix); {type}, {value} and {max_length} are filled in
+_SHAPES = {
+    **dict.fromkeys(("model_type", "model_attributes_type", "dict_type"), (
+        "expected a mapping (key: value lines), got {type}", "write it as `key: value` entries")),
+    "list_type": ("expected a list, got {type}", "write it as `- item` lines or [a, b]"),
+    "finite_number": ("expected a finite number, got {value}", "write a number like 2.0"),
+    **dict.fromkeys(("bool_type", "bool_parsing"), ("expected true or false, got {value}", "write true or false")),
+    **dict.fromkeys(("string_type", "string_unicode"), ("expected text, got {value}",
+                                                         'write text, quoted if needed: "..."')),
+    "string_too_short": ("must not be empty", "write some text"),
+    "too_short": ("must not be empty", "give at least one entry"),
+    **dict.fromkeys(("string_too_long", "too_long"), ("too long ({max_length} at most)", "shorten it")),
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _number_problem(kind: str, value: object) -> tuple[str, str] | None:
+    """(problem, fix) for a value that is not a number (with YAML 1.1's '1e3' explained), else None."""
+    yaml_number = yaml11_exponent(value)
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        if yaml_number and float(value).is_integer():
+            return f"expected a whole number, got {yaml_number[0]}", f"write {yaml_number[1]}"
+        return f"expected a whole number, got {short(value)}", "write an integer like 4"
+    if kind in ("float_type", "float_parsing"):
+        if yaml_number:
+            return f"expected a number, got {yaml_number[0]}", f"write {' or '.join(dict.fromkeys(yaml_number[1:]))}"
+        return f"expected a number, got {short(value)}", "write a number like 2.0"
+    return None
+
+
+def _shape_problem(kind: str, value: object, ctx: dict) -> tuple[str, str] | None:
+    """(problem, fix) for a wrong type, size or bound, else None."""
+    if kind in _SHAPES:
+        problem, fix = _SHAPES[kind]
+        return problem.format(type=type_name(value), value=short(value), max_length=ctx.get("max_length")), fix
+    if kind in _BOUNDS:
+        op, limit = _BOUNDS[kind], next(iter(ctx.values()), "?")
+        return f"must be {op} {limit}, got {short(value)}", f"use a value {op} {limit}"
+    return None
 
 
 def allowed_keys_for(root: type[pydantic.BaseModel]) -> Callable[[tuple], list[str]]:

@@ -30,8 +30,8 @@ Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 
 
 class _Bounded(Strict):
-    min: Tokens = 1
-    max: Tokens = MAX_TOKENS
+    min: Tokens = Field(1, description="smallest length drawn (tokens); draws below are raised to it")
+    max: Tokens = Field(MAX_TOKENS, description="largest length drawn (tokens); draws above are cut to it")
 
     @pydantic.model_validator(mode="after")
     def _ordered(self):
@@ -47,7 +47,7 @@ class Fixed(Strict):
     """Always `value` tokens."""
 
     dist: Literal["fixed"] = "fixed"
-    value: Tokens
+    value: Tokens = Field(description="the length (tokens)")
 
     def sample(self, rng: random.Random) -> int:
         return self.value
@@ -57,8 +57,8 @@ class Uniform(_Bounded):
     """Whole numbers in [min, max], each equally likely."""
 
     dist: Literal["uniform"] = "uniform"
-    min: Tokens
-    max: Tokens
+    min: Tokens = Field(description="shortest length (tokens)")
+    max: Tokens = Field(description="longest length (tokens), at least min")
 
     def sample(self, rng: random.Random) -> int:
         return self.min + int(rng.random() * (self.max - self.min + 1))
@@ -68,8 +68,8 @@ class Normal(_Bounded):
     """Normal(mean, stdev) rounded and clipped to [min, max]."""
 
     dist: Literal["normal"] = "normal"
-    mean: Annotated[float, Field(gt=0, le=MAX_TOKENS)]
-    stdev: Annotated[float, Field(ge=0, le=MAX_TOKENS)]
+    mean: Annotated[float, Field(gt=0, le=MAX_TOKENS)] = Field(description="mean length (tokens)")
+    stdev: Annotated[float, Field(ge=0, le=MAX_TOKENS)] = Field(description="standard deviation (tokens)")
 
     def sample(self, rng: random.Random) -> int:
         return self.clip(rng.gauss(self.mean, self.stdev))
@@ -83,8 +83,9 @@ class LogNormal(_Bounded):
     """
 
     dist: Literal["lognormal"] = "lognormal"
-    mean: Annotated[float, Field(gt=0, le=MAX_TOKENS)]
-    sigma: Annotated[float, Field(ge=0, le=4)]
+    mean: Annotated[float, Field(gt=0, le=MAX_TOKENS)] = Field(description="mean length before clipping (tokens)")
+    sigma: Annotated[float, Field(ge=0, le=4)] = Field(
+        description="standard deviation of the length's logarithm: 0.5 a mild tail, 1.0 a heavy one")
 
     def sample(self, rng: random.Random) -> int:
         mu = math.log(self.mean) - self.sigma**2 / 2
@@ -95,8 +96,10 @@ class Choice(Strict):
     """One of `values`, with optional relative `weights` (default all equal)."""
 
     dist: Literal["choice"] = "choice"
-    values: Annotated[list[Tokens], Field(min_length=1, max_length=10_000)]
-    weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1, max_length=10_000)] | None = None
+    values: Annotated[list[Tokens], Field(min_length=1, max_length=10_000)] = Field(
+        description="the lengths to choose from (tokens)")
+    weights: Annotated[list[Annotated[float, Field(ge=0)]], Field(min_length=1, max_length=10_000)] | None = Field(
+        None, description="relative weight of each value, one per value; null = all equal")
 
     @pydantic.model_validator(mode="after")
     def _weights(self):
@@ -118,8 +121,8 @@ class Zipf(_Bounded):
     `min`, a few very long (a ~ 1 heavy tail, a >= 2 light)."""
 
     dist: Literal["zipf"] = "zipf"
-    a: Annotated[float, Field(gt=0, le=10)]
-    max: Annotated[int, Field(ge=1, le=100_000)]
+    a: Annotated[float, Field(gt=0, le=10)] = Field(description="exponent: about 1 a heavy tail, 2 or more a light one")
+    max: Annotated[int, Field(ge=1, le=100_000)] = Field(description="longest length (tokens)")
 
     def sample(self, rng: random.Random) -> int:
         cum = _zipf_cdf(self.a, self.max - self.min + 1)

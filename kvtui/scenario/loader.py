@@ -15,6 +15,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from kvtui.scenario.arrivals import PROCESS_NAMES
 from kvtui.scenario.errors import ScenarioError, allowed_keys_for, describe, path_part, short, type_name
 from kvtui.scenario.lengths import DIST_NAMES
+from kvtui.scenario.plan import planned_arrivals
 from kvtui.scenario.prompts import PROMPT_KINDS
 from kvtui.scenario.schema import Scenario
 
@@ -80,10 +81,33 @@ def _parse(text: str, source: str, base_dir: Path | None) -> Scenario:
         stem = Path(source).stem if not source.startswith("<") else ""
         data = {**data, "name": stem or "scenario"}
     try:
-        return Scenario.model_validate(data, context={"base_dir": base_dir})
+        scenario = Scenario.model_validate(data, context={"base_dir": base_dir})
     except pydantic.ValidationError as e:
         lines = [_format(err, data, node, source) for err in e.errors()]
         raise ScenarioError(list(dict.fromkeys(lines))) from None
+    scenario.add_warnings(_late_timeline(scenario, data.get("timeline"), node, source))
+    return scenario
+
+
+def _late_timeline(scenario: Scenario, raw: object, node: Node | None, source: str) -> list[str]:
+    """A warning line for each timeline event set after the run's arrivals end (after duration_s, or
+    after the last planned arrival without one): it applies only if requests are still running then."""
+    if not scenario.timeline or not isinstance(raw, list):
+        return []
+    if scenario.duration_s is not None:
+        end, what, fix = scenario.duration_s, f"duration_s ({scenario.duration_s:g} s)", "raise duration_s"
+    else:
+        times = [a.at_s for a in planned_arrivals(scenario)]
+        end = times[-1] if times else 0.0
+        what, fix = f"the last planned arrival ({end:.2f} s)", "let arrivals run longer"
+    lines = []
+    for i, event in enumerate(raw):
+        at_s = event.get("at_s") if isinstance(event, dict) else None
+        if isinstance(at_s, (int, float)) and at_s > end:
+            where = _line_at(node, ["timeline", i, "at_s"])
+            lines.append(f"{source}:{where}: timeline.{i}.at_s: at {at_s:g} s, after {what}: it applies only if "
+                         f"requests are still running then, else never; move it earlier or {fix}")
+    return lines
 
 
 def _read_yaml(text: str, source: str) -> tuple[Node | None, object]:

@@ -100,26 +100,37 @@ class PromptMaker:
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
 
 
-def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
-    """The requests of a run, in arrival order, fully determined by the scenario (and its seed).
+def planned_arrivals(scenario: Scenario, *, limit: int | None = None) -> list[Arrival]:
+    """The run's arrivals in time order, without prompts (no tokenizer needed).
 
     Stops at the first of: `max_requests`, an arrival at or after `duration_s` (seconds), `limit`,
     the end of a finite process (trace, scripted, stages), or MAX_PLANNED. Arrival-rate changes in
-    the timeline are applied here; the other timeline knobs are the session's to apply.
+    the timeline are applied here.
+    """
+    cap = min(n for n in (scenario.max_requests, limit, MAX_PLANNED) if n is not None)
+    changes = [(e.at_s, e.arrival_changes()) for e in scenario.timeline if e.arrival_changes()]
+    stream = arrivals(scenario.arrivals, random.Random(derive_seed(scenario.seed, "arrivals")), changes)
+    out: list[Arrival] = []
+    for arrival in stream:
+        if len(out) >= cap or (scenario.duration_s is not None and arrival.at_s >= scenario.duration_s):
+            break
+        out.append(arrival)
+    return out
+
+
+def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
+    """The requests of a run, in arrival order, fully determined by the scenario (and its seed): one
+    per `planned_arrivals(scenario, limit=limit)`. The timeline's arrival-rate changes are applied there;
+    the other timeline knobs are the session's to apply.
     """
     from kvtui.engine.request import SamplingParams
 
-    cap = min(n for n in (scenario.max_requests, limit, MAX_PLANNED) if n is not None)
     seed = scenario.seed
-    changes = [(e.at_s, e.arrival_changes()) for e in scenario.timeline if e.arrival_changes()]
-    stream = arrivals(scenario.arrivals, random.Random(derive_seed(seed, "arrivals")), changes)
     maker = PromptMaker(scenario, tokenizer)
     out_rng = random.Random(derive_seed(seed, "output_tokens"))
     s = scenario.sampling
     planned: list[tuple[Arrival, list[int], dict, int]] = []
-    for arrival in stream:
-        if len(planned) >= cap or (scenario.duration_s is not None and arrival.at_s >= scenario.duration_s):
-            break
+    for arrival in planned_arrivals(scenario, limit=limit):
         ids, meta = maker.make(arrival)
         drawn = scenario.output_tokens.sample(out_rng)
         planned.append((arrival, ids, meta, arrival.output_tokens or drawn))

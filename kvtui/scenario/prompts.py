@@ -3,7 +3,7 @@
 YAML `prompts:` takes one of
   - `{kind: passphrase}`: a chat prompt asking the model to remember and repeat a unique generated
     passphrase WORD-WORD-NN (e.g. VELVET-ORCHID-42); the passphrase is the request's canary
-    (DESIGN.md section 5), kept in its metadata. Optional `template` with `{passphrase}` in it.
+    (what the canary detector looks for), kept in its metadata. Optional `template` with `{passphrase}` in it.
   - `{kind: synthetic, prompt_tokens: <length dist>, shared_prefix_tokens: N}`: random token ids
     (special tokens avoided), N of them common to all requests first (total = N + prompt_tokens, as
     vLLM's random dataset adds its prefix length to the input length).
@@ -25,7 +25,7 @@ from typing import Annotated, Literal, Union
 import pydantic
 from pydantic import Field
 
-from kvtui.scenario.base import MAX_PLANNED, Strict
+from kvtui.scenario.base import MAX_PLANNED, MAX_PROMPT_CHARS, Strict
 from kvtui.scenario.errors import Problem
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.trace import resolve
@@ -42,12 +42,18 @@ WORDS = (
     "TIGER", "TULIP", "VELVET", "WALNUT",
 )
 DEFAULT_TEMPLATE = "The passphrase is {passphrase}. Reply with only the passphrase."
-MAX_PROMPT_FILE_BYTES = 16 * 1024 * 1024
+MAX_PROMPT_FILE_BYTES = 16 * 1024 * 1024  # a prompt file's size (bytes)
 
 
 class PassphrasePrompts(Strict):
+    """A chat prompt asking the model to remember and repeat a unique generated passphrase
+    WORD-WORD-NN (two different words from a fixed list of short common words, NN in 10..99, e.g.
+    VELVET-ORCHID-42). The passphrase is the request's canary: another request's output holding it
+    (or two of its three parts) is a leak that names its source."""
+
     kind: Literal["passphrase"]
-    template: Annotated[str, Field(min_length=1, max_length=10_000)] = DEFAULT_TEMPLATE
+    template: Annotated[str, Field(min_length=1, max_length=10_000)] = Field(
+        DEFAULT_TEMPLATE, description="the user message; must contain `{passphrase}`, replaced by the passphrase")
 
     @pydantic.field_validator("template")
     @classmethod
@@ -58,15 +64,28 @@ class PassphrasePrompts(Strict):
 
 
 class SyntheticPrompts(Strict):
+    """Random token ids drawn uniformly from the vocabulary (special tokens left out), no chat template.
+    A prompt is `shared_prefix_tokens` ids common to every request followed by `prompt_tokens` ids of
+    its own, so its length is their sum (as vLLM's random dataset adds its prefix length to the input
+    length). A trace row's prompt_tokens replaces the drawn length."""
+
     kind: Literal["synthetic"]
-    prompt_tokens: LengthDist = Fixed(value=128)  # tokens after the shared prefix
-    shared_prefix_tokens: Annotated[int, Field(ge=0, le=100_000)] = 0  # tokens common to all requests
+    prompt_tokens: LengthDist = Field(Fixed(value=128), description="length after the shared prefix (tokens)")
+    shared_prefix_tokens: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        0, description="tokens common to all requests, before each request's own")
 
 
 class FilePrompts(Strict):
+    """Prompts from a file, used in order and cycled when there are more requests than prompts. A text
+    file has one prompt per non-empty line. A `.jsonl` file has one JSON value per line: a string, an
+    object with `prompt` text, or an object with chat `messages` (`[{role, content}, ...]`, always
+    wrapped in the chat template)."""
+
     kind: Literal["file"]
-    path: Annotated[str, Field(min_length=1, max_length=4096)]  # relative to the scenario file
-    chat: bool = True  # wrap text prompts in the model's chat template
+    path: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        description=f"relative to the scenario file; at most {MAX_PROMPT_FILE_BYTES >> 20} MiB, 1 to "
+                    f"{MAX_PLANNED} prompts of at most {MAX_PROMPT_CHARS} characters each")
+    chat: bool = Field(True, description="wrap text prompts in the model's chat template")
     _prompts: list = pydantic.PrivateAttr(default_factory=list)
 
     @pydantic.model_validator(mode="after")
@@ -91,8 +110,10 @@ def read_prompt_file(path: str, base_dir: Path | None) -> list:
     """Prompts from a text file (one per non-empty line) or JSON Lines file. Raises Problem."""
     full = resolve(path, base_dir)
     try:
-        if full.stat().st_size > MAX_PROMPT_FILE_BYTES:
-            raise Problem(f"prompt file {path} is over 16 MiB", "use a shorter file")
+        size = full.stat().st_size
+        if size > MAX_PROMPT_FILE_BYTES:
+            raise Problem(f"prompt file {path} is {size} bytes, over the {MAX_PROMPT_FILE_BYTES} byte "
+                          f"({MAX_PROMPT_FILE_BYTES >> 20} MiB) limit", "use a smaller file")
         lines = full.read_text(encoding="utf-8").splitlines()
     except (OSError, ValueError, UnicodeError) as e:
         if isinstance(e, Problem):
@@ -103,7 +124,13 @@ def read_prompt_file(path: str, base_dir: Path | None) -> list:
     out: list = []
     for lineno, line in enumerate(lines, start=1):
         if line.strip():
-            out.append(_jsonl_prompt(path, lineno, line) if full.suffix == ".jsonl" else line)
+            prompt = _jsonl_prompt(path, lineno, line) if full.suffix == ".jsonl" else line
+            chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+            if chars > MAX_PROMPT_CHARS:
+                raise Problem(f"{path} line {lineno}: prompt of {chars} characters, over the {MAX_PROMPT_CHARS} "
+                              "character limit", "shorten or split it (for long inputs of a given length "
+                              "use `kind: synthetic` with prompt_tokens)")
+            out.append(prompt)
     if not out or len(out) > MAX_PLANNED:
         raise Problem(f"prompt file {path} has {len(out)} prompts", f"give 1 to {MAX_PLANNED} prompts")
     return out

@@ -33,39 +33,69 @@ import pydantic
 from pydantic import Field
 
 from kvtui.config import EngineConfig
+from kvtui.memory import available_memory_bytes, gib, pool_bytes
+from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
 from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
-from kvtui.scenario.errors import Problem, did_you_mean
+from kvtui.scenario.errors import Problem, did_you_mean, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
 from kvtui.scenario.timeline import TimelineEvent
 from kvtui.scenario.trace import resolve
 
 MODEL_NAMES = ("default", "tiny-llama", "tiny-gpt2")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each scenario dtype
 _D = EngineConfig()  # defaults come from the engine's own config
 
 
 class Bucketing(Strict):
-    enabled: bool = _D.bucketing
-    tolerance: Annotated[float, Field(ge=0, le=10)] = _D.bucket_tolerance  # relative length spread
+    """Length bucketing: a step batches only requests whose context lengths (cached + fed this step)
+    lie within `tolerance` of each other, relative to the shorter; the others wait. `bucketing: true`
+    is short for `{enabled: true}`."""
+
+    enabled: bool = Field(_D.bucketing, description="turn bucketing on")
+    tolerance: Annotated[float, Field(ge=0, le=10)] = Field(
+        _D.bucket_tolerance, description="largest relative length spread in a batch: 0.2 = the longest is at most "
+                                          "20% longer than the shortest")
 
 
 class EngineSection(Strict):
-    """Maps onto kvtui.config.EngineConfig (see its docstring for each field's meaning)."""
+    """The engine: KV slot pool, scheduler and batch layout (kvtui.config.EngineConfig). The pool must
+    fit in the machine's available memory; for a model whose geometry is known without loading it (the
+    named models, a folder's config.json, a .gguf's metadata) validation checks that, and that max_len
+    stays within a learned position table (GPT-2's n_positions)."""
 
-    slots: Annotated[int, Field(ge=1, le=4096)] | None = None  # None with kv_budget_bytes
-    max_len: Annotated[int, Field(ge=2, le=1_000_000)] = _D.max_len  # tokens per slot
-    kv_budget_bytes: Annotated[int, Field(gt=0, le=2**50)] | None = None
-    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = _D.max_batch_size
-    max_tokens_per_step: Annotated[int, Field(ge=1, le=1_000_000)] = _D.max_tokens_per_step
-    layout: Literal["padded", "packed"] = _D.layout
-    padding_side: Literal["right", "left"] = _D.padding_side
+    slots: Annotated[int, Field(ge=1, le=4096)] | None = Field(
+        None, description="KV slots, the most requests running at once; null with kv_budget_bytes",
+        json_schema_extra={"x-default": f"{_D.num_slots} (null with kv_budget_bytes)"})
+    max_len: Annotated[int, Field(ge=2, le=1_000_000)] = Field(
+        _D.max_len, description="tokens one slot holds: prompt + generated tokens of one request")
+    kv_budget_bytes: Annotated[int, Field(gt=0, le=2**50)] | None = Field(
+        None, description="size the pool in bytes instead of slots: slots = budget / bytes per slot (2 x layers x "
+                          "KV heads x max_len x head size x bytes per value)")
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = Field(
+        _D.max_batch_size, description="most requests in one step (rows of the padded layout)")
+    max_tokens_per_step: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+        _D.max_tokens_per_step, description="token budget of one step, prefill + decode, pads excluded; a longer "
+                                            "prompt is fed in chunks over several steps (chunked prefill)")
+    layout: Literal["padded", "packed"] = Field(
+        _D.layout, description="`padded`: one row per request, padded to the longest; `packed`: all tokens in "
+                               "one row with a block-diagonal causal mask")
+    padding_side: Literal["right", "left"] = Field(_D.padding_side, description="padded layout only")
     bucketing: Annotated[Bucketing, pydantic.BeforeValidator(
-        lambda v: {"enabled": v} if isinstance(v, bool) else v)] = Bucketing()
-    slot_reuse: Literal["reuse", "reallocate"] = _D.slot_reuse
-    on_too_long: Literal["reject", "cap"] = _D.on_too_long
-    max_waiting: Annotated[int, Field(ge=0, le=10**9)] | None = _D.max_waiting  # None = unbounded
-    faults: Annotated[list[Literal[FAULT_NAMES]], Field(max_length=len(FAULT_NAMES))] = []  # on from the start
+        lambda v: {"enabled": v} if isinstance(v, bool) else v)] = Field(
+        Bucketing(), description="length bucketing (see Bucketing), or true / false")
+    slot_reuse: Literal["reuse", "reallocate"] = Field(
+        _D.slot_reuse, description="`reuse` the preallocated slots, or give each admitted request a freshly "
+                                   "allocated (zeroed) slot")
+    on_too_long: Literal["reject", "cap"] = Field(
+        _D.on_too_long, description="a request whose prompt + max new tokens exceed max_len is rejected, or "
+                                    "its max new tokens lowered to fit; a prompt that alone does not fit is "
+                                    "always rejected")
+    max_waiting: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
+        _D.max_waiting, description="most requests queued for a slot; later arrivals are rejected; null = no limit")
+    faults: Annotated[list[Literal[FAULT_NAMES]], Field(max_length=len(FAULT_NAMES))] = Field(
+        [], description="isolation faults on from the start (docs/faults.md)")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -97,55 +127,80 @@ class EngineSection(Strict):
 
 
 class SamplingSection(Strict):
-    """temperature 0 = greedy; per-request seeds come from the scenario seed (see plan.py)."""
+    """How every request picks its tokens. Temperature 0 is greedy (argmax). Otherwise each request
+    samples with its own generator, seeded from the scenario seed and its index, so its draws do not
+    depend on its slot or its neighbours. `sampling: greedy` is short for the defaults."""
 
-    temperature: Annotated[float, Field(ge=0, le=100)] = 0.0
-    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0  # 0 = all tokens
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    ignore_eos: bool = False  # True: every request generates exactly its output length
-    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = []
-    include_stop_str_in_output: bool = False  # vLLM's option: keep the stop string in the returned text
+    temperature: Annotated[float, Field(ge=0, le=100)] = Field(0.0, description="0 = greedy")
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = Field(0, description="keep the k most likely tokens; 0 = all")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="keep the smallest set of tokens whose probability reaches top_p")
+    ignore_eos: bool = Field(False, description="true: every request generates exactly its output length")
+    stop: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] = Field(
+        [], description="stop strings: a request ends once its text contains one")
+    include_stop_str_in_output: bool = Field(
+        False, description="keep the stop string in the returned text (vLLM's option); by default it is cut, "
+                           "as in the OpenAI API")
 
 
 class SLO(Strict):
-    """Service level objective for goodput; None = not constrained."""
+    """Service level objective: goodput counts the finished requests per second that meet both limits."""
 
-    ttft_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = None  # time to first token, seconds
-    tpot_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = None  # time per output token, seconds
+    ttft_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = Field(
+        None, description="time to first token limit (seconds); null = no limit")
+    tpot_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = Field(
+        None, description="time per output token limit, first token excluded (seconds); null = no limit")
 
 
 class Expect(Strict):
-    """What a run of this scenario should find (checked by tests and `kvtui run --check`)."""
+    """What a headless run of this scenario should find; it decides the exit code."""
 
-    contamination: Literal["none", "detected"] = "none"
+    contamination: Literal["none", "detected"] = Field(
+        "none", description="`none`: exit 1 if any cross_request or corruption event appears; `detected`: "
+                            "exit 1 if none does")
 
 
 class Scenario(Strict):
     """A load scenario: who arrives when, saying what, served by which engine."""
 
-    name: Annotated[str, Field(min_length=1, max_length=200)]
-    description: Annotated[str, Field(max_length=10_000)] = ""
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
-    max_requests: Annotated[int, Field(ge=1, le=MAX_PLANNED)] | None = None  # stop after this many
-    duration_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = None  # no arrivals after this
-    model: Annotated[str, Field(min_length=1, max_length=4096)] = "default"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    engine: EngineSection = EngineSection()
-    arrivals: ArrivalSpec = Poisson(process="poisson", rate_per_s=1.0)
-    prompts: PromptSpec = PassphrasePrompts(kind="passphrase")
-    output_tokens: LengthDist = Fixed(value=32)  # max new tokens per request
+    name: Annotated[str, Field(min_length=1, max_length=200)] = Field(
+        description="shown in the summary and the recording", json_schema_extra={"x-default": "the file name"})
+    description: Annotated[str, Field(max_length=10_000)] = Field("", description="free text")
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = Field(
+        0, description="fixes every random choice: arrivals, prompts, lengths, sampling")
+    max_requests: Annotated[int, Field(ge=1, le=MAX_PLANNED)] | None = Field(
+        None, description="stop after this many requests")
+    duration_s: Annotated[float, Field(gt=0, le=MAX_SECONDS)] | None = Field(
+        None, description="no arrivals at or after this time (seconds); requests already in flight finish")
+    model: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        "default", description="`default` (SmolLM2-135M-Instruct), `tiny-llama`, `tiny-gpt2`, or a Hugging Face "
+                               "model folder or .gguf file, relative to the scenario file")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights, KV cache and activations")
+    engine: EngineSection = Field(EngineSection(), description="see engine")
+    arrivals: ArrivalSpec = Field(
+        Poisson(process="poisson", rate_per_s=1.0), description="when requests arrive: one of the processes "
+                                                                "under arrivals, chosen by `process`")
+    prompts: PromptSpec = Field(
+        PassphrasePrompts(kind="passphrase"), description="what each request says: one of the kinds under "
+                                                          "prompts, chosen by `kind`")
+    output_tokens: LengthDist = Field(
+        Fixed(value=32), description="max new tokens per request: a length distribution, or a plain integer")
     sampling: Annotated[SamplingSection, pydantic.BeforeValidator(
-        lambda v: {} if v == "greedy" else v)] = SamplingSection()
-    slo: SLO = SLO()
+        lambda v: {} if v == "greedy" else v)] = Field(SamplingSection(), description="see sampling")
+    slo: SLO = Field(SLO(), description="see slo")
     timeline: Annotated[list[TimelineEvent], Field(max_length=10_000),
-                        pydantic.AfterValidator(lambda v: sorted(v, key=lambda e: e.at_s))] = []  # by at_s
-    expect: Expect = Expect()
+                        pydantic.AfterValidator(lambda v: sorted(v, key=lambda e: e.at_s))] = Field(
+        [], description="knob changes at given times (see timeline), applied in at_s order")
+    expect: Expect = Field(Expect(), description="see expect")
     _base_dir: Path | None = pydantic.PrivateAttr(default=None)
+    _warnings: list[str] = pydantic.PrivateAttr(default_factory=list)
 
     @pydantic.model_validator(mode="after")
     def _semantics(self, info: pydantic.ValidationInfo):
         self._base_dir = (info.context or {}).get("base_dir")
         self._check_model()
+        self._check_fits()
         self._check_stop()
         self._check_timeline()
         return self
@@ -165,6 +220,40 @@ class Scenario(Strict):
             return
         raise Problem(f"unknown model {m!r}{did_you_mean(m, MODEL_NAMES)}",
                       f"use one of {', '.join(MODEL_NAMES)}, or a path to a folder or .gguf file", ("model",))
+
+    def _check_fits(self) -> None:
+        """The model's limits against the engine section, when the model's config can be read without
+        its weights (named models, a folder's config.json, a .gguf's metadata): RoPE that depends on
+        the batch, max_len past a learned position table, a KV pool larger than the available memory."""
+        cfg = read_config(self.model, self._base_dir)
+        if cfg is None:
+            return
+        try:
+            check_batch_invariant(cfg)
+        except IncompatibleModel as e:
+            raise Problem(f"model {self.model}: {e.problem}", e.fix, ("model",)) from None
+        try:
+            shape = shape_from_config(cfg)
+            check_max_len(cfg, self.engine.max_len)
+        except IncompatibleModel as e:
+            raise Problem(e.problem, e.fix, ("engine", "max_len")) from None
+        except ValueError:  # a config without layer/head counts: the run-time checks apply
+            return
+        self._check_memory(shape.kv_bytes_per_token(ITEMSIZE[self.dtype]) * self.engine.max_len)
+
+    def _check_memory(self, per_slot: int) -> None:
+        e, budget = self.engine, self.engine.kv_budget_bytes
+        slots = e.slots if budget is None else budget // per_slot
+        where, fix = (("engine", "kv_budget_bytes"), "lower engine.kv_budget_bytes") if budget is not None else \
+            (("engine",), "lower engine.slots or engine.max_len")
+        if slots < 1:
+            raise Problem(f"kv_budget_bytes {budget} holds no slot: one slot of max_len {e.max_len} needs "
+                          f"{per_slot} bytes for {self.model} ({self.dtype})",
+                          "raise engine.kv_budget_bytes or lower engine.max_len", where)
+        need, free = pool_bytes(slots, e.max_len, per_slot), available_memory_bytes()
+        if free is not None and need > free:
+            raise Problem(f"KV pool of {slots} slots x {e.max_len} tokens needs {gib(need)} for {self.model} "
+                          f"({self.dtype}), more than the {gib(free)} of memory available", fix, where)
 
     def _check_stop(self) -> None:
         a = self.arrivals
@@ -194,6 +283,16 @@ class Scenario(Strict):
                     raise Problem("arrivals.burstiness applies to process gamma only",
                                   "set `process: gamma` or remove this knob",
                                   ("timeline", i, "set", "arrivals.burstiness"))
+
+    @property
+    def warnings(self) -> list[str]:
+        """Lines about things that are valid but probably not meant (e.g. a timeline event after the
+        arrivals end), `<file>:<line>: <field.path>: <what>; <fix>`, control characters escaped."""
+        return list(self._warnings)
+
+    def add_warnings(self, lines: list[str]) -> None:
+        """Append warning lines (the loader adds them once the document is valid)."""
+        self._warnings.extend(printable(line) for line in lines)
 
     @property
     def base_dir(self) -> Path | None:

@@ -78,11 +78,16 @@ def _check_set(value: object) -> dict:
 
 
 class TimelineEvent(Strict):
-    """At `at_s` seconds: apply `set`, and show `marker` (text) on the dashboard and in the recording."""
+    """At `at_s` seconds: apply `set`, and show `marker` (text) on the dashboard and in the recording.
+    Arrival knobs change the arrivals planned from `at_s` on; engine knobs and fault switches take effect
+    at the first step boundary at or after `at_s`. An event after the arrivals end (after duration_s, or
+    after the last planned arrival) applies only if requests are still running then; validation warns."""
 
-    at_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)]
-    set: Annotated[dict[str, Any], pydantic.BeforeValidator(_check_set)] = {}
-    marker: Annotated[str, Field(max_length=200)] = ""
+    at_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = Field(description="when (seconds from the start)")
+    set: Annotated[dict[str, Any], pydantic.BeforeValidator(_check_set)] = Field(
+        {}, description="`{knob: value}`, knobs from the table below; `{fault: NAME, on: true}` switches a fault")
+    marker: Annotated[str, Field(max_length=200)] = Field(
+        "", description="text shown on the dashboard and written to the recording")
 
     @pydantic.model_validator(mode="after")
     def _not_empty(self):

@@ -12,8 +12,8 @@ import signal
 from pathlib import Path
 
 # CPU cores kept free of torch's intra-op (OpenMP) threads while the dashboard runs, for the UI
-# thread. On 2 cores, 2 OpenMP threads plus any other busy thread slow a step 10-30x (DESIGN.md
-# section 7). Measured (2 cores, other load present, virtual clock, engine tokens per second of
+# thread. On 2 cores, 2 OpenMP threads plus any other busy thread slow a step 10-30x (measured).
+# Measured (2 cores, other load present, virtual clock, engine tokens per second of
 # step time): SmolLM2 8 x 24 tokens: headless 1 thread 138-152, dashboard 1 thread 136-148 (98%),
 # headless 2 threads 4-12; tiny-llama (pure-Python steps of ~3 ms, the worst case for sharing the
 # GIL with the UI): headless 3216-3534, dashboard 1986-2258 (63%).
