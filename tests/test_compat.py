@@ -132,11 +132,11 @@ def test_max_len_equal_to_the_table_runs_a_long_prompt_beside_a_short_one(tiny):
     loaded = tiny["tiny-gpt2"]
     engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=2048, max_tokens_per_step=4096), eos_token_ids=())
     params = SamplingParams(max_new_tokens=8)
-    engine.submit("long", [7 + i % 200 for i in range(2040)], params)
-    engine.submit("short", [9, 10, 11, 12, 13, 14, 15, 16], params)
+    long = engine.submit("long", [7 + i % 200 for i in range(2040)], params)
+    short = engine.submit("short", [9, 10, 11, 12, 13, 14, 15, 16], params)
     engine.run_until_done()
-    assert [len(engine.requests[r].generated_ids) for r in ("long", "short")] == [8, 8]
-    assert engine.requests["long"].cache_len == 2047  # positions 0..2046 were fed
+    assert [len(r.generated_ids) for r in (long, short)] == [8, 8]
+    assert long.cache_len == 2047  # positions 0..2046 were fed
 
 
 def test_rope_models_have_no_position_limit(tiny):
