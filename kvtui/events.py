@@ -127,6 +127,8 @@ class RunningEntry(_Frozen):
     token: int | None  # token sampled this step, None during an unfinished chunked prefill
     phase: Literal["prefill", "decode"]
     piece: str | None = None  # the sampled token's text
+    # (v2) when the request asked for them: (token id, logprob) of the sampled token, then the top k
+    logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class TaintEntry(_Frozen):

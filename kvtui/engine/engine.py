@@ -324,12 +324,14 @@ class Engine:
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
-        token, gap, nonfinite = None, None, False
+        token, gap, nonfinite, logprobs = None, None, False, None
         if logits is not None:
             nonfinite = not bool(torch.isfinite(logits).all())
             top2 = torch.topk(logits, 2).values
             gap = float(top2[0] - top2[1])
             token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
+            if request.sampling.logprobs is not None:
+                logprobs = token_logprobs(logits, token, request.sampling.logprobs)
             request.generated_ids.append(token)
             request.top2_gaps.append(gap)
             request.token_times_s.append(end_s)
@@ -340,7 +342,7 @@ class Engine:
                 self._finish(request, reason, "")
         first = token is not None and len(request.generated_ids) == 1
         return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos, chunk.num_tokens, token,
-                                    chunk.phase, gap, nonfinite, request.ttft_s if first else None)
+                                    chunk.phase, gap, nonfinite, request.ttft_s if first else None, logprobs)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
@@ -419,6 +421,23 @@ class Engine:
                 raise RuntimeError(f"engine did not finish within {max_steps = }")
             reports.append(self.step())
         return reports
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[tuple[int, float], ...]:
+    """(token id, logprob) of the sampled `token`, then of the `k` most likely tokens (descending).
+
+    Args:
+        logits: [V] logits of the sampled position (any float dtype; computed in float32).
+        token: the sampled id; k: how many of the most likely to add (0: none).
+    Returns natural-log probabilities, log_softmax(logits) (as vLLM's raw logprobs and OpenAI's
+    `logprob`): temperature, top-k and top-p do not change them.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    pairs = [(int(token), float(logp[token]))]
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        pairs += [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return tuple(pairs)
 
 
 def _ratio(part: int, whole: int) -> float:
