@@ -6,6 +6,8 @@ Rules (as vLLM's incremental detokenizer):
   character completes;
 - with stop strings (and include_stop_str_in_output off) the last `max(len(stop)) - 1` characters are
   held, since the engine cuts the returned text before a stop string that the next tokens may complete;
+- the token that completes a stop string ends the text where the engine ends it (before the stop
+  string, or after it with include_stop_str_in_output), as the engine's check on the same text does;
 - when the request finishes, the rest of the engine's returned text (stop string cut) is sent, so the
   concatenated stream equals the non-streamed text.
 
@@ -29,6 +31,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.stop, self.include_stop = tuple(stop), include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1 if stop and not include_stop else 0
         self._ids: list[int] = []
         self._prefix = 0  # start of the decoding window
@@ -49,12 +52,21 @@ class TextStream:
             self._text += new  # leading space of the first token they see)
             self._prefix, self._read = self._read, len(self._ids)
             visible = self._text
-        end = len(visible) - self.hold
+        end = self._stop_end(visible)
         if end <= len(self.sent):
             return ""
         delta = visible[len(self.sent):end]
         self.sent += delta
         return delta
+
+    def _stop_end(self, visible: str) -> int:
+        """How much of `visible` may be sent: up to a stop string it now holds (the request ends at this
+        token), else all but the held characters."""
+        found = [(i, s) for s in self.stop if (i := visible.find(s, len(self.sent))) >= 0]
+        if not found:
+            return len(visible) - self.hold
+        index, stop = min(found)
+        return index + len(stop) if self.include_stop else index
 
     def finish(self, final_text: str) -> str:
         """The rest of `final_text` (the engine's returned text) after what was sent."""

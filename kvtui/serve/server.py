@@ -78,8 +78,10 @@ def serve_scenario(options: ServeOptions):
             "dtype": options.dtype, "max_requests": 1, "engine": engine})
     except pydantic.ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{FLAGS.get(where, where)}: {first['msg'].removeprefix('Value error, ')}") from None
+        cause = (first.get("ctx") or {}).get("error")
+        where = ".".join(str(p) for p in (*first["loc"], *getattr(cause, "subpath", ())))
+        raise ValueError(f"{FLAGS.get(where, where or 'engine')}: {first['msg'].removeprefix('Value error, ')}") \
+            from None
 
 
 class ServeServer:
@@ -108,6 +110,7 @@ class ServeServer:
         self._http_thread: threading.Thread | None = None
         self._engine_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._port = 0
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def start_http(self, timeout_s: float = 30.0) -> None:
@@ -126,11 +129,12 @@ class ServeServer:
             if not self._http_thread.is_alive() or time.monotonic() > deadline:
                 raise OSError(f"cannot listen on {self.options.host}:{self.options.port} (in use, or not permitted)")
             time.sleep(0.01)
+        self._port = self._http.servers[0].sockets[0].getsockname()[1]
 
     @property
     def port(self) -> int:
-        """The bound TCP port."""
-        return self._http.servers[0].sockets[0].getsockname()[1]
+        """The bound TCP port (known once start_http returned)."""
+        return self._port
 
     @property
     def url(self) -> str:
