@@ -490,3 +490,26 @@ def test_the_dashboard_shows_the_served_engine(tmp_path):
     assert {a.id for a in answers} <= set(source.state.requests)
     assert source.summary is not None and source.summary.requests_finished == 2
     assert any(e.detector == "slot_taint" for e in source.session.contamination)
+
+
+# -- the engine's log-probabilities ------------------------------------------------------------------------
+@torch.inference_mode()
+def test_engine_reports_logprobs_only_when_asked(tiny, oracle_tiny):
+    from kvtui.config import EngineConfig
+    from kvtui.engine import Engine, SamplingParams
+
+    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+    prompt = [5, 17, 42, 9]
+    engine.submit("on", prompt, SamplingParams(max_new_tokens=4, logprobs=5))
+    engine.submit("off", prompt, SamplingParams(max_new_tokens=4))
+    reports = engine.run_until_done()
+    entries = [r.logprobs for report in reports for r in report.running if r.request_id == "on"]
+    assert all(r.logprobs is None for report in reports for r in report.running if r.request_id == "off")
+    tokens = [pairs[0][0] for pairs in entries]
+    logits = oracle_tiny.model(input_ids=torch.tensor([prompt + tokens]), use_cache=False).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    for i, ((token, logprob), *top) in enumerate(entries):
+        assert abs(logprob - float(expected[i, token])) < 1e-4
+        values, ids = torch.topk(expected[i], 5)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(lp - float(v)) for (_, lp), v in zip(top, values.tolist())) < 1e-4

@@ -11,8 +11,9 @@ next step boundary.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
-import uuid
+import secrets
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ from kvtui.serve.responses import Formatter, sse
 # A passphrase as kvtui's passphrase prompts make them (WORD-WORD-NN): found in a prompt, it becomes
 # the request's canary, so the canary detector can see it leak into another client's answer.
 PASSPHRASE = re.compile(r"\b[A-Z]+-[A-Z]+-\d{2}\b")
+_serial = itertools.count(1)  # request ids: a serial (unique in the process) and a random tail, short for the dashboard
 
 
 @dataclass
@@ -138,7 +140,7 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     sampling = sampling_params(body, prompt_len=len(prompt_ids), max_len=ctx.max_len,
                                endpoint="chat" if chat else "completion")
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_serial)}-{secrets.token_hex(3)}"
     metadata = {"prompt_text": prompt_text} if prompt_text is not None else {}
     found = PASSPHRASE.search(prompt_text or "")
     if found:

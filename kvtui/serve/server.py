@@ -111,6 +111,7 @@ class ServeServer:
         self._engine_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._port = 0
+        self.reference_skipped = 0  # reference checks still queued at stop, left undone
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def start_http(self, timeout_s: float = 30.0) -> None:
@@ -198,6 +199,7 @@ class ServeServer:
         finally:
             self.bridge.close_intake()
             session.stop_requested = True
+            self.reference_skipped = skip_reference_checks(session)
             self.summary = session.close()
             self._stop.set()
 
@@ -235,6 +237,17 @@ class ServeServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def skip_reference_checks(session) -> int:
+    """Drop the reference detector's queued solo reruns (returns how many), so a stop does not wait for
+    them: each costs a whole solo generation, and a busy server may have hundreds queued."""
+    queue = getattr(session.reference, "queue", None)
+    if not queue:
+        return 0
+    skipped = len(queue)
+    queue.clear()
+    return skipped
 
 
 def _load_model(options: ServeOptions):
