@@ -424,7 +424,7 @@ def test_restart_pause_step_resume_keeps_every_latency_non_negative(loaded, tmp_
             for _ in range(4):
                 step = source.state.step
                 await pilot.press("n")
-                await until(lambda: source.state.step > step, pilot=pilot)
+                await until(lambda step=step: source.state.step > step, pilot=pilot)
             await pilot.pause(0.5)
             await pilot.press("space")
             await until(lambda: source.state.step >= step + 10, pilot=pilot, timeout_s=20)
