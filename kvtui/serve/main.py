@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtui.serve.server import ServeOptions, ServeServer, skip_reference_checks
+from kvtui.serve.server import ServeOptions, ServeServer
 
 
 class BadInput(Exception):
@@ -89,8 +89,6 @@ def _plain(server: ServeServer, note: Callable[[str], None]):
             pass
         note("stopping: aborting requests in flight, writing the summary")
         server.stop()
-        if server.reference_skipped:
-            note(f"{server.reference_skipped} finished requests left without their reference check")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -111,7 +109,6 @@ def _dashboard(server: ServeServer):
         _run_app(KvtuiApp(source), source)
     finally:
         server.bridge.close_intake()
-        skip_reference_checks(source.session)  # the worker's close() would rerun each one solo first
         summary = source.shutdown()
         server.stop_http()
     return _result(source.session, summary)

@@ -8,8 +8,9 @@ Threads:
   (LiveSource), so the dashboard shows the served engine live;
 - the main thread loads the model (uvicorn answers /health with 503 meanwhile), then waits for Ctrl-C
   / SIGTERM (or runs the dashboard). Stopping: take no new requests, stop the session (in-flight
-  requests are aborted and their clients get finish_reason "abort"), write the recording's summary,
-  stop uvicorn. Each wait is bounded, so a stop never hangs.
+  requests are aborted and their clients get finish_reason "abort"; the reference checks still
+  waiting are skipped and counted), write the recording's summary, stop uvicorn. Each wait is
+  bounded, so a stop never hangs.
 """
 
 from __future__ import annotations
@@ -111,7 +112,6 @@ class ServeServer:
         self._engine_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._port = 0
-        self.reference_skipped = 0  # reference checks still queued at stop, left undone
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def start_http(self, timeout_s: float = 30.0) -> None:
@@ -199,7 +199,6 @@ class ServeServer:
         finally:
             self.bridge.close_intake()
             session.stop_requested = True
-            self.reference_skipped = skip_reference_checks(session)
             self.summary = session.close()
             self._stop.set()
 
@@ -237,17 +236,6 @@ class ServeServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def skip_reference_checks(session) -> int:
-    """Drop the reference detector's queued solo reruns (returns how many), so a stop does not wait for
-    them: each costs a whole solo generation, and a busy server may have hundreds queued."""
-    queue = getattr(session.reference, "queue", None)
-    if not queue:
-        return 0
-    skipped = len(queue)
-    queue.clear()
-    return skipped
 
 
 def _load_model(options: ServeOptions):
