@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+REPEAT = 3
 sys.path.insert(0, str(ROOT))
 
 
@@ -79,9 +80,12 @@ def pct(values: list[float], q: float) -> float | None:
     return values[low] + (values[high] - values[low]) * (rank - low)
 
 
-def measure(url: str, n: int, max_tokens: int) -> dict:
-    asyncio.run(workload(url, n, max_tokens, seed=1))  # warm up on other passphrases: a prefix cache reuses
-    return asyncio.run(workload(url, n, max_tokens))  # the shared chat-template prefix, not whole prompts
+def measure(url: str, n: int, max_tokens: int, repeat: int = REPEAT) -> dict:
+    """One warm-up, then `repeat` measured runs on other passphrases each (a prefix cache may reuse the
+    shared chat-template prefix, never a whole prompt); returns the run of median wall time."""
+    asyncio.run(workload(url, n, max_tokens, seed=1000))
+    runs = sorted((asyncio.run(workload(url, n, max_tokens, seed=i)) for i in range(repeat)), key=lambda r: r["wall_s"])
+    return {**runs[len(runs) // 2], "wall_s_all": [round(r["wall_s"], 2) for r in runs]}
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -139,7 +143,7 @@ def main() -> None:
                 "llama-server -np 4": llama_server(n, m, 4), f"llama-server -np {n}": llama_server(n, m, n)}
     else:
         parser.error("give --url or --compare")
-    print(f"{n} concurrent chat requests, max_tokens {m}, greedy; one CPU thread per server")
+    print(f"{n} concurrent chat requests, max_tokens {m}, greedy; one CPU thread per server; median of {REPEAT}")
     print(f"{'server':44} {'tokens':>6} {'wall s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'echoed':>6}")
     for name, r in rows.items():
         print(f"{name:44} {r['output_tokens']:>6} {r['wall_s']:>7.2f} {r['output_tokens_per_s']:>7.1f} "
