@@ -57,13 +57,15 @@ MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (al
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
-                  serving: bool = False) -> "Session":
+                  cost_model: str = "auto", serving: bool = False) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
         layout: overrides the scenario's engine layout when given.
         faults: faults on from the start, added to the scenario's.
         clear_faults: drop the scenario's faults (engine.faults and timeline switches).
+        cost_model: the virtual clock's step costs: "auto" (this machine's `kvtui calibrate` fit for the
+            model when there is one, else the built-in fit) or "default" (the built-in fit).
         serving: requests come from submit_external (kvtui serve), not the scenario (see Session).
 
     Raises:
@@ -76,7 +78,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   serving=serving)
+                   cost_model=cost_model, serving=serving)
 
 
 class Session:
@@ -92,6 +94,8 @@ class Session:
         detectors: which of DETECTOR_NAMES run (all by default).
         faults: isolation faults on from the start (added to the scenario's engine.faults).
         fault_switches: False ignores the timeline's fault switches (a run "with the fault removed").
+        cost_model: "default" (the built-in step-cost fit) or "auto" (the calibrated fit when there is
+            one; see kvtui/calibrate.py). Virtual clock only.
         serving: plan no scenario arrivals; requests come only from `submit_external` (any thread), and
             the session is never done until stopped (kvtui serve). Use the wall clock.
 
@@ -103,15 +107,16 @@ class Session:
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
-                 fault_switches: bool = True, serving: bool = False) -> None:
+                 fault_switches: bool = True, cost_model: str = "default", serving: bool = False) -> None:
         from kvtui.scenario import plan_requests
 
         self.scenario, self.loaded, self.clock = scenario, loaded, clock
         self.tokenizer = loaded.tokenizer
         self.config = self._engine_config(engine_overrides, faults)
         self.detectors = self._check_detectors(detectors)
+        self.cost_model = self._cost_model(cost_model)
         self.engine = Engine(loaded.model, self.config, eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer,
-                             clock=clock, pad_token_id=self.tokenizer.pad_token_id or 0)
+                             clock=clock, cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
         self.engine.detect_taint = "slot_taint" in self.detectors
         self.engine.measure_flow = "attention_flow" in self.detectors
         self.serving = serving
@@ -144,6 +149,19 @@ class Session:
             overrides["faults"] = frozenset(base.faults) | check_fault_names(faults)
         return self.scenario.engine_config(**overrides)
 
+    def _cost_model(self, which: str):
+        from kvtui.calibrate import load_cost_model
+
+        if which not in ("auto", "default"):
+            raise ValueError(f"cost model {which!r}: use 'auto' or 'default'")
+        model, described = load_cost_model(self.loaded.model_id, str(self.loaded.dtype).replace("torch.", ""),
+                                           str(self.config.device))
+        if which == "default" and described["source"] != "default":
+            from kvtui.engine import StepCostModel
+
+            model, described = StepCostModel(), {"source": "default", **asdict(StepCostModel())}
+        return model, described
+
     @staticmethod
     def _check_detectors(detectors) -> tuple[str, ...]:
         unknown = sorted(set(detectors) - set(DETECTOR_NAMES))
@@ -169,7 +187,8 @@ class Session:
             model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                             dtype=str(loaded.dtype).replace("torch.", "")),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if self.clock == "virtual" else ())
+            modeled=MODELED_VIRTUAL if self.clock == "virtual" else (),
+            cost_model=self.cost_model[1] if self.clock == "virtual" else None)
 
     def emit(self, event) -> None:
         """Send one typed event to the recording, the metrics and every listener. A contamination
@@ -330,6 +349,9 @@ class Session:
         """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
         request ends it between engine steps. Emits the reports and a reference.status event."""
         ref = self.reference
+        if progress is not None and ref.pending:  # say what is waiting before the first batch
+            self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
+                                      pending=ref.pending))
         while ref.pending and (limit is None or limit > 0) and not self.stop_requested:
             batch = min(ref.batch, limit or ref.batch)
             for event in ref.drain(self.engine.now(), limit=batch, should_stop=lambda: self.stop_requested):
@@ -412,6 +434,7 @@ class Session:
         them, counted in the summary), write the summary line, close the recording."""
         if self.summary is not None:
             return self.summary
+        cut_short = self.stop_requested and bool(self.pending or self.engine.has_unfinished())
         for request_id, state in list(self.engine.requests.items()):
             if not state.is_done:
                 self.engine.abort(request_id)
@@ -420,7 +443,7 @@ class Session:
             for f in report.finished:
                 self.emit(self._finish_event(f))
         if self.reference is not None:
-            self._drain_references(progress=on_reference)
+            self._drain_references(progress=on_reference or (lambda checked, total: None))
             if self.reference.pending:
                 self.reference.skip_pending()
                 self.emit(ReferenceStatus(t=self.engine.now(), checked=self.reference.checked,
@@ -428,7 +451,7 @@ class Session:
         self._note_unapplied_timeline()
         self.summary = self.metrics.summary(
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
-            contamination_by_fault=dict(self.fault_counts), stopped_early=self.stop_requested,
+            contamination_by_fault=dict(self.fault_counts), stopped_early=cut_short,
             requests_not_submitted=len(self.pending))
         self.emit(self.summary)
         if self.recorder is not None:
