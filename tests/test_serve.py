@@ -513,3 +513,23 @@ def test_engine_reports_logprobs_only_when_asked(tiny, oracle_tiny):
         values, ids = torch.topk(expected[i], 5)
         assert [t for t, _ in top] == ids.tolist()
         assert max(abs(lp - float(v)) for (_, lp), v in zip(top, values.tolist())) < 1e-4
+
+
+def test_a_snapshot_that_arrives_while_the_dashboard_closes_is_ignored():
+    """A served session publishes snapshots until the very end: one can reach the app after its
+    widgets are gone (seen at quit in test_the_dashboard_shows_the_served_engine)."""
+    from kvtui.tui.app import KvtuiApp
+    from kvtui.tui.snapshot_build import build_snapshot
+    from kvtui.tui.sources import SnapshotReady, Source
+    from kvtui.tui.state import DashboardState
+    from kvtui.tui.widgets import HeaderBar
+
+    async def run():
+        app = KvtuiApp(Source())
+        async with app.run_test(size=(100, 30)) as pilot:
+            await app.query_one(HeaderBar).remove()
+            app.post_message(SnapshotReady(build_snapshot(DashboardState()), "CLOSING"))
+            await pilot.pause(0.1)
+            assert app.frames == 1
+
+    asyncio.run(run())
