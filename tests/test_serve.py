@@ -64,7 +64,7 @@ def oracle_tiny():
 
 @pytest.fixture(scope="module")
 def tiny_server():
-    options = ServeOptions(model="tiny-llama", port=0, slots=4, max_len=160, detectors=CHEAP_DETECTORS)
+    options = ServeOptions(model="tiny-llama", port=0, slots=4, max_len=2048, detectors=CHEAP_DETECTORS)
     with ServeServer(options) as server:
         yield server
 
@@ -202,8 +202,8 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
     ("completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),  # FastAPI's 422, as 400
     ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("completions", {}, 400, "prompt", None),
-    ("completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens", "context_length_exceeded"),
-    ("completions", {"prompt": "x" * 200}, 400, "max_tokens", "context_length_exceeded"),
+    ("completions", {"prompt": "x", "max_tokens": 2048}, 400, "max_tokens", "context_length_exceeded"),
+    ("completions", {"prompt": "x" * 2040}, 400, "max_tokens", "context_length_exceeded"),
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
@@ -236,10 +236,10 @@ def test_the_openai_client_raises_its_own_errors(tiny_server):
 
 
 def test_a_full_waiting_queue_answers_429():
-    options = ServeOptions(model="tiny-llama", port=0, slots=1, max_len=400, max_waiting=0, detectors=())
+    options = ServeOptions(model="tiny-llama", port=0, slots=1, max_len=2048, max_waiting=0, detectors=())
     with ServeServer(options) as server:
         c = client(server)
-        long = c.completions.create(model="tiny-llama", prompt="a", max_tokens=390, temperature=0, stream=True,
+        long = c.completions.create(model="tiny-llama", prompt="a", max_tokens=2000, temperature=0, stream=True,
                                     extra_body={"ignore_eos": True})
         next(iter(long))  # running: it holds the only slot
         with pytest.raises(openai.RateLimitError) as caught:
@@ -253,7 +253,7 @@ def test_a_full_waiting_queue_answers_429():
 # -- disconnects, loading, shutdown ---------------------------------------------------------------------
 def test_a_client_that_disconnects_aborts_its_request_and_frees_its_slot(tiny_server):
     engine = tiny_server.session.engine
-    body = {"prompt": "go on", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "go on", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # seconds of decoding
     before = metrics(tiny_server).get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0)
     with httpx.stream("POST", tiny_server.url + "/v1/completions", json={**body, "stream": True}) as response:
         next(response.iter_lines())
@@ -298,14 +298,14 @@ def test_503_while_the_model_loads_then_200(oracle_tiny):
 
 def test_stop_aborts_requests_in_flight_and_writes_the_summary(tmp_path):
     record = tmp_path / "serve.jsonl"
-    server = ServeServer(ServeOptions(model="tiny-llama", port=0, max_len=600, record=record, detectors=()))
+    server = ServeServer(ServeOptions(model="tiny-llama", port=0, max_len=2048, record=record, detectors=()))
     server.__enter__()
     lines: list[str] = []
     first = threading.Event()
 
     def read():
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                          json={"prompt": "x", "max_tokens": 590, "ignore_eos": True, "stream": True}) as r:
+                          json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
