@@ -50,6 +50,29 @@ MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", 
 
 Listener = Callable[[object], None]
 MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (all go to the recording)
+TRIM_EVERY_STEPS = 256
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere).
+
+    Steps allocate tensors of ever-changing shapes (prompt lengths, batch sizes); glibc keeps freed heap
+    memory for reuse, and over a long run the process's resident size creeps up with fragmentation
+    (measured: a 30-minute wall-clock soak of SmolLM2 grew from 1.05 to 1.39 GB). Trimming every few
+    hundred steps keeps it flat; it costs about a millisecond."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
@@ -220,6 +243,8 @@ class Session:
         self._emit_finished(report)
         if self.clock == "virtual" and self.reference is not None and self.reference.pending >= self.reference.batch:
             self._drain_references(limit=self.reference.batch)  # spread over the run, not all at the end
+        if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
+            release_free_memory()
         return not self.done
 
     def _submit_due(self) -> None:
