@@ -106,7 +106,8 @@ def run(
     isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
-    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ("reference,canary,attention_flow,slot_taint,"
+                                                                    "prefix_provenance"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI.

@@ -30,8 +30,8 @@ class EngineSignalDetector:
                 events.append(Contamination(
                     t=t, step=report.step, detector="slot_taint", kind=kind, victim=r.request_id,
                     source=None if kind == "corruption" else source,
-                    evidence=TaintEvidence(positions=r.positions, sources=r.sources, examples=tuple(
-                        TaintExample(slot=s, pos=p, written_by=w) for s, p, w in r.examples))))
+                    evidence=TaintEvidence(positions=r.positions, sources=r.sources,
+                                           examples=_examples(r.examples, getattr(report, "kv", "slots")))))
         if self.flow:
             for f in report.flow:
                 if f.foreign_mass <= FLOW_THRESHOLD:
@@ -45,3 +45,10 @@ class EngineSignalDetector:
                     source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
                                                                pad_mass=round(f.pad_mass, 6))))
         return events
+
+
+def _examples(examples, kv: str) -> tuple[TaintExample, ...]:
+    """The engine's (slot, position, writer) triples; with paged KV they are (block, offset, writer)."""
+    if kv == "paged":
+        return tuple(TaintExample(block=b, offset=o, written_by=w) for b, o, w in examples)
+    return tuple(TaintExample(slot=s, pos=p, written_by=w) for s, p, w in examples)

@@ -18,8 +18,9 @@ nano-vllm's block_manager.py is the same design in small):
 - Only full blocks are cached, and a hit never covers the last prompt token: that token must be
   computed to sample the next one (vLLM's max_cache_hit_length = prompt length - 1).
 - Each cached block remembers where its contents came from (BlockOrigin): the writer, its tenant, a
-  digest of its salt, and the true chain key of the contents (parent chain and salt, whatever faults
-  the lookup key had), so a reuse can be checked against what the reader would have computed.
+  digest of its salt, and the content key of the contents (its tokens chained to its whole prefix,
+  without salt, whatever faults the lookup key had), so a reuse can be checked against what the
+  reader would have computed there: same content key and same salt.
 
 Faults (kvtui/faults.py) act here when named in `BlockManager.faults`: `unsalted_prefix` leaves the
 salt out of the lookup key, `prefix_key_no_parent` the parent key; `block_refcount` frees a request's
@@ -78,7 +79,8 @@ class BlockOrigin:
 
     Attributes:
         writer: the request that computed them; tenant: its tenant; salt: digest of its cache_salt.
-        true_key: the correct chain key of the contents (parent chain and salt, no fault).
+        true_key: the content key: the block's tokens chained to its whole prefix (parent keys), no
+            salt, no fault; equal true keys mean equal K/V.
         tokens: tokens the block holds (block_size for a full block).
     """
 
@@ -106,7 +108,8 @@ class Reuse:
     Attributes:
         index: its place in the reader's block table; block_id: the block.
         tokens: tokens of it the reader takes (block_size, fewer for a partial block).
-        origin: what the block holds; reader_key: the true key of what the reader would compute there.
+        origin: what the block holds; reader_key: the content key of what the reader would compute
+            there; reader_salt: the digest of the reader's salt.
     """
 
     index: int
@@ -114,11 +117,13 @@ class Reuse:
     tokens: int
     origin: BlockOrigin
     reader_key: bytes
+    reader_salt: str | None = None
 
     @property
     def verified(self) -> bool:
-        """The reused contents are exactly what the reader would compute: same tokens, same prefix, same salt."""
-        return self.origin.true_key == self.reader_key
+        """The reused contents are exactly what the reader would compute (same tokens, same prefix) and
+        were computed under the reader's own salt."""
+        return self.origin.true_key == self.reader_key and self.origin.salt == self.reader_salt
 
 
 @dataclass(frozen=True)
@@ -271,13 +276,13 @@ class BlockManager:
         """The longest cached prefix of `token_ids` (no side effects): consecutive full blocks whose
         keys are cached, within len(token_ids) - 1 tokens."""
         cap, bs = len(token_ids) - 1, self.block_size
-        keys, truth = self._lookup_keys(token_ids, salt), chain_keys(token_ids, bs, salt)
+        keys, truth = self._lookup_keys(token_ids, salt), chain_keys(token_ids, bs, None)
         out: list[Reuse] = []
         for i, key in enumerate(keys):
             block_id = self.pool.cached.get(key)
             if (i + 1) * bs > cap or block_id is None:
                 break
-            out.append(Reuse(i, block_id, bs, self.pool.blocks[block_id].origin, truth[i]))
+            out.append(Reuse(i, block_id, bs, self.pool.blocks[block_id].origin, truth[i], salt_digest(salt)))
         if "shared_partial_block" in self.faults and len(out) == len(keys) and len(token_ids) % bs:
             out += self._partial_hit(token_ids, salt, keys, truth, cap)
         return out
@@ -291,7 +296,7 @@ class BlockManager:
         if block_id is None or tokens < 1:
             return []
         return [Reuse(len(keys), block_id, tokens, self.pool.blocks[block_id].origin,
-                      partial_key(token_ids, self.block_size, salt, truth))]
+                      partial_key(token_ids, self.block_size, None, truth), salt_digest(salt))]
 
     # -- requests -----------------------------------------------------------------------------------
     def admit(self, request_id: str, token_ids: Sequence[int], *, salt: str | None = None,
@@ -340,7 +345,7 @@ class BlockManager:
         full = min(num_tokens // self.block_size, len(table.blocks))
         if full > table.cached:
             keys = self._lookup_keys(token_ids[: full * self.block_size], table.salt)
-            truth = chain_keys(token_ids[: full * self.block_size], self.block_size, table.salt)
+            truth = chain_keys(token_ids[: full * self.block_size], self.block_size, None)
             for i in range(table.cached, full):
                 origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth[i], self.block_size)
                 self.pool.cache(table.blocks[i], keys[i], origin)
@@ -356,7 +361,7 @@ class BlockManager:
         keys = self._lookup_keys(prompt, table.salt)
         key = partial_key(prompt, self.block_size, table.salt, keys, parent="prefix_key_no_parent" not in self.faults,
                           salted="unsalted_prefix" not in self.faults)
-        truth = partial_key(prompt, self.block_size, table.salt, chain_keys(prompt, self.block_size, table.salt))
+        truth = partial_key(prompt, self.block_size, None, chain_keys(prompt, self.block_size, None))
         origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth, len(prompt) % self.block_size)
         self.pool.cache(table.blocks[full], key, origin)
 

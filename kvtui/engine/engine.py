@@ -128,9 +128,11 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
-               arrival_s: float | None = None, metadata: dict | None = None) -> RequestState:
+               arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
+               cache_salt: str | None = None) -> RequestState:
         """Queue a request. A request that cannot fit is rejected (or capped, per config.on_too_long);
-        a rejected request is reported in the next StepReport's `finished`, never raised.
+        a rejected request is reported in the next StepReport's `finished`, never raised. `tenant` and
+        `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
         Raises:
             ValueError: request_id already used.
@@ -139,7 +141,8 @@ class Engine:
             raise ValueError(f"duplicate {request_id = }")
         sampling = sampling or SamplingParams()
         request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
-                               arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}))
+                               arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}),
+                               tenant=tenant, cache_salt=cache_salt)
         self.requests[request_id] = request
         self._serial[request_id] = self._next_serial
         self._names[self._next_serial] = request_id
@@ -417,7 +420,7 @@ class Engine:
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
-            r.faults_seen)
+            r.faults_seen, r.tenant)
 
     def _pool_fields(self) -> dict:
         """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)

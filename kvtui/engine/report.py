@@ -41,8 +41,9 @@ class ReusedBlockReport:
         index: its place in the reader's block table; block: the block id; tokens: tokens reused.
         writer, writer_tenant, writer_salt: the request that computed the block, its tenant, a
             digest of its cache_salt (None: no salt).
-        writer_key, reader_key: true chain keys (hex, parent chain and salt, no fault) of the block's
-            contents and of what the reader would have computed there; equal for a sound reuse.
+        writer_key, reader_key: content keys (hex: tokens chained to the whole prefix, no salt, no
+            fault) of the block's contents and of what the reader would have computed there. A sound
+            reuse has equal keys and the reader's own salt.
     """
 
     index: int
@@ -103,6 +104,7 @@ class FinishedRequestReport:
     top2_gaps: tuple[float, ...] = ()
     sampling: object = None
     faults: frozenset = frozenset()
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
