@@ -22,7 +22,8 @@ class EngineSignalDetector:
         if self.taint:
             for r in report.taint:
                 source = r.sources[0]
-                kind = "corruption" if source.startswith("<") else "cross_request"
+                # never-written or pad positions, or its own writes where another's belong: self-damage
+                kind = "corruption" if source.startswith("<") or source == r.request_id else "cross_request"
                 key = ("slot_taint", r.request_id, source)
                 if key in self._seen:
                     continue
@@ -40,10 +41,11 @@ class EngineSignalDetector:
                 if key in self._seen:
                     continue
                 self._seen.add(key)
+                own = f.top_source == f.request_id  # its own later writes over a block it reads: self-damage
                 events.append(Contamination(
-                    t=t, step=report.step, detector="attention_flow", kind="cross_request", victim=f.request_id,
-                    source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
-                                                               pad_mass=round(f.pad_mass, 6))))
+                    t=t, step=report.step, detector="attention_flow", kind="corruption" if own else "cross_request",
+                    victim=f.request_id, source=None if own else f.top_source,
+                    evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6), pad_mass=round(f.pad_mass, 6))))
         return events
 
 
