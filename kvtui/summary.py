@@ -97,9 +97,12 @@ def evidence_text(e: Contamination) -> str:
             return f"{ev.positions} cells, e.g. block {first.block} offset {first.offset}"
         return f"{ev.positions} cells" + (f", e.g. slot {first.slot} pos {first.pos}" if first else "")
     if isinstance(ev, ProvenanceEvidence):
-        return (f"{ev.hit_tokens} tokens of blocks {', '.join(map(str, ev.blocks[:4]))} written by tenant "
-                f"{ev.source_tenant} (victim's tenant {ev.victim_tenant}; "
-                f"{'same' if ev.same_salt else 'another'} salt, {'same' if ev.same_prefix else 'another'} prefix)")
+        blocks = ", ".join(map(str, ev.blocks[:4])) + (" ..." if len(ev.blocks) > 4 else "")
+        tenants = "" if ev.source_tenant is None and ev.victim_tenant is None else \
+            f" by tenant {ev.source_tenant} for tenant {ev.victim_tenant}"
+        return (f"{ev.hit_tokens} tokens of blocks {blocks} computed{tenants} under "
+                f"{'the same' if ev.same_salt else 'another'} salt, {'the same' if ev.same_prefix else 'another'} "
+                "prefix")
     if isinstance(ev, NoninterferenceEvidence):
         return (f"token {ev.token_index} changed: {ev.baseline_text[:40]!r} -> "
                 f"{ev.text_with_neighbours_replaced[:40]!r}")
