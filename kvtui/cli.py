@@ -307,13 +307,22 @@ def audit(
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
                                                                "(repeatable).")] = None,
+    timing: Annotated[bool, typer.Option("--timing", help="Instead: the prefix-cache timing side channel (paged "
+                                         "KV): how well TTFT tells apart probes whose prefix another tenant has "
+                                         "cached, with and without per-tenant salts.")] = False,
+    probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
+                                        max=1000)] = 16,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
-    must not change. Exit 1 when some did."""
-    from kvtui.audit import run_audit
-
+    must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
+    when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks."""
     spec = _load_scenario(scenario)
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
+    if timing:
+        _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)
+        return
+    from kvtui.audit import run_audit
+
     try:
         events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
     except ValueError as e:  # an engine the model or the memory cannot hold
@@ -325,6 +334,22 @@ def audit(
         err.print(f"[bold red]noninterference violated: {len(events)} requests changed with their neighbours[/]")
         raise typer.Exit(EXIT_CONTAMINATION)
     out.print("noninterference holds: every request's tokens stayed the same with its neighbours replaced")
+
+
+def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:
+    from kvtui.audit_timing import print_timing, run_timing_audit
+
+    try:
+        rows = run_timing_audit(spec, loaded, faults=faults, probes=probes, console=err)
+    except ValueError as e:  # a fault the paged engine refuses, a pool the memory cannot hold
+        fail(f"{path}: {e}")
+    print_timing(rows, out)
+    leaked = max((r.cross_tenant_hit_tokens for r in rows if r.salts == "per_tenant"), default=0)
+    if leaked:
+        err.print(f"[bold red]with per-tenant salts the attacker's probes hit {leaked} tokens of the victim's cached "
+                  "blocks: the salt does not separate tenants[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    out.print("per-tenant salts hold: no probe hit another tenant's cached blocks")
 
 
 @app.command("model")
