@@ -109,6 +109,10 @@ def run(
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ("reference,canary,attention_flow,slot_taint,"
                                                                     "prefix_provenance"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
+                                                           help="Override engine.prefix_caching (paged KV; headless "
+                                                           "runs), e.g. to compare a scenario with it on and off."
+                                                           )] = None,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI.
 
@@ -121,6 +125,8 @@ def run(
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
+    if prefix_caching is not None:
+        spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults)
     if not headless:
@@ -142,6 +148,19 @@ def run(
         raise typer.Exit(code)
     if reason:
         out.print(reason, markup=False, highlight=False)
+
+
+def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):
+    """The scenario with engine.prefix_caching set to `on` (one line and exit 2 where it cannot be)."""
+    if not headless:
+        fail("--prefix-caching / --no-prefix-caching apply to --headless runs; edit engine.prefix_caching "
+             "in the scenario for the dashboard")
+    if on and spec.engine.kv != "paged":
+        fail(f"{path}: --prefix-caching needs paged KV; set engine.kv: paged in the scenario")
+    engine = spec.engine.model_copy(update={"prefix_caching": on})
+    copy = spec.model_copy(update={"engine": engine})
+    copy._base_dir = spec.base_dir
+    return copy
 
 
 def _session(spec, path: Path, loaded, **options):
