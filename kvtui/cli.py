@@ -140,6 +140,10 @@ def run(
 
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out)
+    if session.unapplied_timeline:
+        err.print(f"[yellow]warning:[/] {len(session.unapplied_timeline)} timeline event(s) came after the run's end "
+                  f"and were not applied (first at {session.unapplied_timeline[0].at_s:g} s)", highlight=False,
+                  soft_wrap=True)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
     code, reason = verdict(spec, session, expect_override="none" if clear_faults and not faults else None)
@@ -188,8 +192,8 @@ def _install_stop_handlers(session) -> None:
 
 
 def _run_headless(session, record, quiet: bool):
-    """Run to the end with a progress line on a terminal; a runtime failure keeps the recording and
-    exits 3 with one line."""
+    """Run to the end with a progress line on a terminal (steps, then the last reference checks,
+    which Ctrl-C skips); a runtime failure keeps the recording and exits 3 with one line."""
     total = len(session.pending)
     try:
         if quiet or not err.is_terminal:
@@ -199,7 +203,10 @@ def _run_headless(session, record, quiet: bool):
                 status.update(f"step {s.metrics.steps}  finished {s.metrics.requests_finished}/{total}  "
                               f"running {s.engine.num_running}  waiting {s.engine.num_waiting}  "
                               f"t={s.engine.now():.1f}s")
-            return session.run(progress)
+
+            def references(checked: int, of: int):
+                status.update(f"reference checks {checked}/{of} (Ctrl-C skips the rest)")
+            return session.run(progress, on_reference=references)
     except Exception as e:  # a bug or a runtime failure, not a user mistake: keep the recording, say where
         session.close()
         fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
@@ -224,6 +231,8 @@ def _dashboard(scenario: Path, **options) -> None:
         fail(str(e))
     except OSError as e:
         fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+    except Exception as e:  # a bug or a runtime failure: one line, the recording kept
+        fail(f"runtime error: {type(e).__name__}: {e}", EXIT_RUNTIME)
     if summary is not None:
         print_summary(summary, header, out)
     if options.get("record"):

@@ -262,6 +262,7 @@ class TaintEvidence(_Frozen):
     positions: int
     sources: tuple[str, ...]
     examples: tuple[TaintExample, ...]
+    nonfinite: bool = False  # (v2) the positions read hold NaN/inf (the victim's logits were not finite)
 
 
 class ProvenanceEvidence(_Frozen):
@@ -351,6 +352,17 @@ class Marker(_Frozen):
     text: str
 
 
+class ReferenceStatus(_Frozen):
+    """Progress of the reference detector's checks (v2): completed requests checked against their
+    reference run, skipped (sampled out when it fell behind, or left at a quit), still waiting."""
+
+    type: Literal["reference.status"] = "reference.status"
+    t: float
+    checked: int
+    skipped: int
+    pending: int
+
+
 # -- summary ------------------------------------------------------------------------------------------
 class LatencyStats(_Frozen):
     """Count, mean and percentiles (linear interpolation) of a latency list, seconds."""
@@ -420,12 +432,12 @@ class Summary(_Frozen):
 
 
 Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-                        Summary], Field(discriminator="type")]
+                        ReferenceStatus, Summary], Field(discriminator="type")]
 _EVENT = pydantic.TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Frozen]] = {
     m.model_fields["type"].default: m
     for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-              Summary)}
+              ReferenceStatus, Summary)}
 
 
 def parse_event(data: dict) -> _Frozen:

@@ -63,8 +63,15 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
     if s.stopped_early:
         rows.append(("stopped early", f"yes ({s.requests_not_submitted} requests not submitted)"))
+    if s.requests_in_flight:
+        rows.append(("in flight at the end", f"{s.requests_in_flight} requests arrived but never finished"))
+    if s.reference_checked is not None:
+        rows.append(("reference checks", f"{s.reference_checked} checked"
+                     + (f", {s.reference_skipped} skipped (sampled out or left at a stop)" if s.reference_skipped else "")))
+    findings = ", ".join(f"{k} {n}" for k, n in sorted((s.findings_by_kind or {}).items()))
     detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
-    rows.append(("contamination events", f"{s.contamination_total()}" + (f" ({detail})" if detail else "")))
+    rows.append(("contamination findings", f"{sum((s.findings_by_kind or {}).values())}"
+                 + (f" ({findings}; reports: {detail})" if detail else "")))
     if s.contamination_by_fault:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))

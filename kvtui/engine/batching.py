@@ -238,6 +238,15 @@ class _Tables:
                             segments=tuple(self.segments), **pads)
 
 
+def _pad_addresses(blocks: tuple[int, ...], end: int, k_len: int, block_size: int):
+    """Paged KV: (block [k_len - end], offset) of cache-padding columns end .. k_len - 1: on through the
+    request's own block table (what a block's earlier user left there), the null block past its end.
+    Masked out unless unmasked_cache_padding is on."""
+    positions = torch.arange(end, k_len)
+    table = torch.tensor(blocks + (NULL_BLOCK,), dtype=torch.long)
+    return table[(positions // block_size).clamp(max=len(blocks))], positions % block_size
+
+
 def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0,
                  faults: frozenset = frozenset(), max_len: int | None = None,
                  block_size: int | None = None) -> BatchTensors:
@@ -257,9 +266,9 @@ def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: i
         if chunk.blocks is None:
             tables.key_slot[b, chunk.end_pos :] = tables.segments[-1].slot  # the slot's region beyond end_b
             tables.key_pos[b, chunk.end_pos :] = torch.arange(chunk.end_pos, k_len)  # (cache padding)
-        else:  # paged: cache padding reads the null block
-            tables.key_slot[b, chunk.end_pos :] = NULL_BLOCK
-            tables.key_pos[b, chunk.end_pos :] = torch.arange(chunk.end_pos, k_len) % block_size
+        else:  # paged: cache padding reads on in the row's own blocks (stale contents), then the null block
+            tables.key_slot[b, chunk.end_pos :], tables.key_pos[b, chunk.end_pos :] = _pad_addresses(
+                chunk.blocks, chunk.end_pos, k_len, block_size)
     return tables.build(padded_positions=len(chunks) * q_len - sum(c.num_tokens for c in chunks))
 
 

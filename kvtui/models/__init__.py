@@ -16,14 +16,15 @@ import importlib
 _EXPORTS = {
     "DEFAULT_GGUF_SHA256": "default", "DEFAULT_MODEL_ID": "default", "INSTALL_COMMAND": "default",
     "cache_dir": "default", "default_model_path": "default",
-    "load_model": "loader", "parse_dtype": "loader",
+    "load_model": "loader", "parse_dtype": "loader", "check_model_available": "loader",
     "TINY_NAMES": "tiny", "build_tiny": "tiny", "build_tiny_tokenizer": "tiny",
     "LoadedModel": "types", "ModelLoadError": "types",
 }
 
 __all__ = [
     "DEFAULT_GGUF_SHA256", "DEFAULT_MODEL_ID", "INSTALL_COMMAND", "TINY_NAMES", "LoadedModel", "ModelLoadError",
-    "build_tiny", "build_tiny_tokenizer", "cache_dir", "default_model_path", "load_model", "parse_dtype",
+    "build_tiny", "build_tiny_tokenizer", "cache_dir", "check_model_available", "default_model_path", "load_model",
+    "parse_dtype",
 ]
 
 
