@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from kvtui.config import Clock, DType, Layout
 from kvtui.events import Contamination
-from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_isolation_off
 
 Isolation = Literal["on", "off"]
 
@@ -103,7 +103,9 @@ def run(
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
                                                                "the start (repeatable); see `kvtui faults`.")] = None,
-    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot; with "
+                                                 "paged KV block_refcount, or shared_position_offset without "
+                                                 "prefix caching).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ("reference,canary,attention_flow,slot_taint,"
@@ -120,7 +122,8 @@ def run(
     `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
     """
     spec = _load_scenario(scenario)
-    faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
+    off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
+    faults = _fault_names(fault) + off
     chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: running headless (pass --headless to silence this).")

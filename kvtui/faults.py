@@ -128,6 +128,19 @@ assert FAULT_NAMES == FaultName.__args__, "FaultName and FAULTS must list the sa
 # `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).
 DEFAULT_ISOLATION_OFF: tuple[str, ...] = ("stale_slot",)
 
+
+def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tuple[str, ...]:
+    """The default fault set for an engine's KV mode: stale_slot with slots; with paged KV block_refcount
+    (a shared block freed while still read) when prefix caching is on, else shared_position_offset."""
+    if kv != "paged":
+        return DEFAULT_ISOLATION_OFF
+    return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
+
+
+def faults_for(kv: str = "slots") -> tuple[str, ...]:
+    """The faults that act in KV mode `kv`, in catalogue order."""
+    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv)
+
 FP16_MASK_CONSTANT = -1e9  # the classic hand-written mask constant; float16 rounds it to -inf
 
 
@@ -146,10 +159,10 @@ def check_fault_names(names) -> frozenset[str]:
     return names
 
 
-def isolation_fault_set(engine_faults, timeline) -> tuple[str, ...]:
+def isolation_fault_set(engine_faults, timeline, kv: str = "slots", prefix_caching: bool = False) -> tuple[str, ...]:
     """The faults the dashboard's `i` key switches on: those a scenario starts with (`engine_faults`) or
     names in its timeline (`timeline`: normalized entries `{"set": {"fault": NAME}}`), in that order;
-    DEFAULT_ISOLATION_OFF when it names none."""
+    default_isolation_off(kv, prefix_caching) when it names none."""
     names: list[str] = []
     for name in engine_faults or ():
         if name not in names:
@@ -158,4 +171,4 @@ def isolation_fault_set(engine_faults, timeline) -> tuple[str, ...]:
         name = (entry.get("set") or {}).get("fault") if isinstance(entry, dict) else None
         if isinstance(name, str) and name not in names:
             names.append(name)
-    return tuple(names) or DEFAULT_ISOLATION_OFF
+    return tuple(names) or default_isolation_off(kv, prefix_caching)

@@ -120,3 +120,19 @@ def test_block_map_live(loaded, tmp_path):
     text, summary = asyncio.run(run())
     assert "KV blocks" in text and "prefix hit rate" in text
     assert summary.prefix_cache_hits > 0 and summary.num_preemptions_total is not None
+
+
+def test_the_isolation_key_and_the_fault_picker_follow_the_kv_mode():
+    from kvtui.events import Header
+    from kvtui.faults import FAULTS, faults_for
+    from kvtui.tui.state import DashboardState
+
+    for engine, expected in (({}, ("stale_slot",)), ({"kv": "paged", "prefix_caching": True}, ("block_refcount",)),
+                             ({"kv": "paged"}, ("shared_position_offset",))):
+        state = DashboardState()
+        state.apply(Header(engine=engine))
+        assert state.isolation_faults == expected
+        kv = engine.get("kv", "slots")
+        assert all(kv in FAULTS[name].kv for name in expected)
+    assert "stale_slot" not in faults_for("paged") and "unsalted_prefix" in faults_for("paged")
+    assert "unsalted_prefix" not in faults_for("slots") and "stale_slot" in faults_for("slots")

@@ -297,7 +297,9 @@ class DashboardState:
     def isolation_faults(self) -> tuple[str, ...]:
         header = self.header
         return isolation_fault_set(header.engine.get("faults") if header else (),
-                                   header.scenario.get("timeline") if header else ())
+                                   header.scenario.get("timeline") if header else (),
+                                   header.engine.get("kv") or "slots" if header else "slots",
+                                   bool(header.engine.get("prefix_caching")) if header else False)
 
 
 _HANDLERS = {
