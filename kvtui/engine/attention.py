@@ -65,8 +65,9 @@ class PooledCacheLayer(CacheLayerMixin):
 
     update(key_states [R, Hkv, Q, D], value_states [R, Hkv, Q, D]) writes the real tokens' K/V to
     pool[write_slot, :, write_pos]. It returns, on the own-range path, the layer's whole pool tensors
-    [S, Hkv, L, D] (the attention function slices each chunk's own range), and on the mask path the
-    batch's keys and values [R, Hkv, K, D] gathered from pool[key_slot, :, key_pos].
+    [S, Hkv, L, D] (paged: [blocks, Hkv, block_size, D]; the attention function takes each chunk's own
+    range), and on the mask path the batch's keys and values [R, Hkv, K, D] gathered from
+    pool[key_slot, :, key_pos] (paged: block ids and offsets).
     """
 
     is_compileable = False

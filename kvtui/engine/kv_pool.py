@@ -7,6 +7,9 @@ request reuses it starting at position 0 (its cache_len resets; the old contents
 
 Only plain Python bookkeeping lives here besides the two tensor lists; reads and writes of the
 tensors happen in runner.py.
+
+PagedKVPool is the paged alternative (`engine.kv: paged`): blocks of block_size tokens reached
+through per-request block tables, whose bookkeeping lives in block_manager.py.
 """
 
 from __future__ import annotations

@@ -8,13 +8,15 @@ Policy, in order, every step:
 2. Batch choice: running requests in admission order, decodes first (one token each), then prefills;
    at most max_batch_size rows and max_tokens_per_step real tokens. A prompt longer than the budget
    left is fed in chunks over several steps (chunked prefill); only its last chunk samples a token.
-With paged KV (plan_paged), admission also needs free blocks, and a running request whose next
-token needs a block when none is free makes the newest running request give its blocks back and
-return to the front of the waiting queue (preemption by recompute, as vLLM V1).
 3. Optional length bucketing: with an anchor (the oldest runnable request), only requests whose
    context length (cache_len + tokens this step) differs from every other member's by at most
    `tolerance` (relative to the longer) join the batch; the others wait for a later step. The 20%
    default keeps the padding of a padded batch small.
+
+With paged KV (admit_paged, plan_paged) admission needs the blocks of the request's whole prefill
+instead of a slot, and a running request whose next token needs a block when none is free makes
+the newest running request give its blocks back and return to the front of the waiting queue
+(preemption by recompute, as vLLM V1's scheduler).
 """
 
 from __future__ import annotations
