@@ -71,6 +71,9 @@ class TimingRow:
 
 @dataclass(frozen=True)
 class Probes:
+    """The experiment's prompts (token ids): the victim's, the attacker's warm-up, and the probes in the
+    order they are sent, each with whether its prefix matches a victim's secret."""
+
     victims: list[list[int]]
     warmup: list[int]
     probes: list[tuple[bool, list[int]]]  # (matching, prompt), in the order they are sent

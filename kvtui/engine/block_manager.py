@@ -243,10 +243,12 @@ class BlockManager:
     # -- sizes ------------------------------------------------------------------------------------
     @property
     def num_usable(self) -> int:
+        """Blocks requests can hold: all but the null block."""
         return len(self.pool.blocks) - 1
 
     @property
     def num_free(self) -> int:
+        """Blocks with reference count 0 (cached or not): what allocation can take."""
         return self.pool.num_free
 
     @property
@@ -264,6 +266,7 @@ class BlockManager:
         return self.blocks_for(num_tokens) <= self.num_usable - self.watermark_blocks
 
     def table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table (block ids in position order). Raises KeyError for an unknown request."""
         return tuple(self.tables[request_id].blocks)
 
     # -- keys ---------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class PagedCache:
         self.cross_tenant_hits = 0
 
     def set_faults(self, faults: frozenset) -> None:
+        """The faults the block bookkeeping acts on from the next step (the paged ones; others are ignored)."""
         self.manager.faults = faults
 
     def rejection(self, request: RequestState) -> str:
