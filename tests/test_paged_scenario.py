@@ -105,3 +105,19 @@ def test_multi_turn_each_turn_extends_the_previous_one():
         assert len({p.tenant for p in turns}) == 1  # a session belongs to one tenant
     first_turns = [turns[0].prompt_ids[:6] for turns in by_session.values()]
     assert all(ids == first_turns[0] for ids in first_turns)  # one system prompt for every session
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--fault", "unsalted_prefix"], "fault 'unsalted_prefix' acts with kv: paged only; this engine runs kv: slots"),
+    (["--prefix-caching"], "--prefix-caching needs paged KV; set engine.kv: paged"),
+])
+def test_cli_refuses_paged_options_on_a_slot_scenario_in_one_line(tmp_path, args, fragment):
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+
+    path = tmp_path / "slots.yaml"
+    path.write_text(OK + "output_tokens: 2\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--headless", "-q", *args])
+    assert result.exit_code == 2
+    assert fragment in result.output and "Traceback" not in result.output
