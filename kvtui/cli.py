@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from kvtui.config import Clock, DType, Layout
 from kvtui.events import Contamination
-from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_isolation_off
 
 Isolation = Literal["on", "off"]
 CostModel = Literal["auto", "default"]
@@ -104,11 +104,18 @@ def run(
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
                                                                "the start (repeatable); see `kvtui faults`.")] = None,
-    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot; with "
+                                                 "paged KV block_refcount, or shared_position_offset without "
+                                                 "prefix caching).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
-    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ("reference,canary,attention_flow,slot_taint,"
+                                                                    "prefix_provenance"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
+                                                           help="Override engine.prefix_caching (paged KV; headless "
+                                                           "runs), e.g. to compare a scenario with it on and off."
+                                                           )] = None,
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
@@ -119,11 +126,14 @@ def run(
     `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
     """
     spec = _load_scenario(scenario)
-    faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
+    off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
+    faults = _fault_names(fault) + off
     chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
+    if prefix_caching is not None:
+        spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model)
     if not headless:
@@ -149,6 +159,19 @@ def run(
         raise typer.Exit(code)
     if reason:
         out.print(reason, markup=False, highlight=False)
+
+
+def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):
+    """The scenario with engine.prefix_caching set to `on` (one line and exit 2 where it cannot be)."""
+    if not headless:
+        fail("--prefix-caching / --no-prefix-caching apply to --headless runs; edit engine.prefix_caching "
+             "in the scenario for the dashboard")
+    if on and spec.engine.kv != "paged":
+        fail(f"{path}: --prefix-caching needs paged KV; set engine.kv: paged in the scenario")
+    engine = spec.engine.model_copy(update={"prefix_caching": on})
+    copy = spec.model_copy(update={"engine": engine})
+    copy._base_dir = spec.base_dir
+    return copy
 
 
 def _session(spec, path: Path, loaded, **options):
@@ -299,16 +322,16 @@ def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file."
 
 @app.command()
 def faults() -> None:
-    """List the isolation faults, what each breaks, and the layouts it acts in."""
+    """List the isolation faults, what each breaks, and the layouts and KV modes (slots, paged) it acts in."""
     from rich.table import Table
 
     table = Table(title="isolation faults (--fault NAME, timeline {fault: NAME, on: true}, dashboard key f)",
                   title_justify="left")
-    for column in ("fault", "what it breaks", "layouts", "caught by"):
+    for column in ("fault", "what it breaks", "layouts", "kv", "caught by"):
         table.add_column(column)
     for f in FAULTS.values():
         name = f.name + (" *" if f.name in DEFAULT_ISOLATION_OFF else "")
-        table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.caught_by))
+        table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.kv), ", ".join(f.caught_by))
     table.caption = "* in the default set of --isolation off and the dashboard's i key"
     out.print(table)
 
@@ -319,13 +342,22 @@ def audit(
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
                                                                "(repeatable).")] = None,
+    timing: Annotated[bool, typer.Option("--timing", help="Instead: the prefix-cache timing side channel (paged "
+                                         "KV): how well TTFT tells apart probes whose prefix another tenant has "
+                                         "cached, with and without per-tenant salts.")] = False,
+    probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
+                                        max=1000)] = 16,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
-    must not change. Exit 1 when some did."""
-    from kvtui.audit import run_audit
-
+    must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
+    when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks."""
     spec = _load_scenario(scenario)
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
+    if timing:
+        _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)
+        return
+    from kvtui.audit import run_audit
+
     try:
         events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
     except ValueError as e:  # an engine the model or the memory cannot hold
@@ -395,6 +427,22 @@ def serve(
         out.print(f"recording: {record}", markup=False, highlight=False)
     if result.error is not None:
         fail(f"runtime error: {type(result.error).__name__}: {result.error}", EXIT_RUNTIME)
+
+
+def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:
+    from kvtui.audit_timing import print_timing, run_timing_audit
+
+    try:
+        rows = run_timing_audit(spec, loaded, faults=faults, probes=probes, console=err)
+    except ValueError as e:  # a fault the paged engine refuses, a pool the memory cannot hold
+        fail(f"{path}: {e}")
+    print_timing(rows, out)
+    leaked = max((r.cross_tenant_hit_tokens for r in rows if r.salts == "per_tenant"), default=0)
+    if leaked:
+        err.print(f"[bold red]with per-tenant salts the attacker's probes hit {leaked} tokens of the victim's cached "
+                  "blocks: the salt does not separate tenants[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    out.print("per-tenant salts hold: no probe hit another tenant's cached blocks")
 
 
 @app.command("model")
