@@ -126,3 +126,14 @@ def test_abort_frees_slot(tiny):
     r = engine.step()
     assert [(f.request_id, f.finish_reason) for f in r.finished] == [("a", "abort")]
     assert engine.pool.num_free == 1
+
+
+def test_a_paused_wall_clock_advanced_to_an_arrival_reaches_it_exactly(tiny):
+    """advance_to(t) on a paused wall clock must give now() >= t, or an arrival at t is never due
+    (perf_counter's magnitude makes t0 - (t - now) round short by a few 1e-13 s)."""
+    engine = make(tiny["tiny-llama"])
+    engine.clock = "wall"
+    engine.pause_clock()
+    for t in (0.924062925044169, 3.000000000001, 12.5, 1234.000000001):
+        engine.advance_to(t)
+        assert engine.now() >= t

@@ -415,19 +415,19 @@ def test_restart_pause_step_resume_keeps_every_latency_non_negative(loaded, tmp_
     async def run():
         app = KvtuiApp(source)
         async with app.run_test(size=(120, 36)) as pilot:
-            await until(lambda: source.state.step >= 2, pilot=pilot)
+            await until(lambda: source.state.step >= 2, pilot=pilot, timeout_s=30)
             await pilot.press("r")
-            await until(lambda: source.generation == 1 and source.state.step >= 1, pilot=pilot)
+            await until(lambda: source.generation == 1 and source.state.step >= 1, pilot=pilot, timeout_s=30)
             await pilot.press("space")
-            await until(lambda: source.parked, pilot=pilot)
+            await until(lambda: source.parked, pilot=pilot, timeout_s=30)
             await pilot.pause(1.0)  # paused time: not latency
             for _ in range(4):
                 step = source.state.step
                 await pilot.press("n")
-                await until(lambda step=step: source.state.step > step, pilot=pilot)
+                await until(lambda step=step: source.state.step > step, pilot=pilot, timeout_s=30)
             await pilot.pause(0.5)
             await pilot.press("space")
-            await until(lambda: source.state.step >= step + 10, pilot=pilot, timeout_s=20)
+            await until(lambda: source.state.step >= step + 10, pilot=pilot, timeout_s=60)
             await pilot.press("q")
         return app.return_value
 

@@ -8,6 +8,7 @@ time of each step is still reported beside it.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -141,6 +142,8 @@ class Engine:
             self._virtual_now = max(self._virtual_now, t)
         elif t > self.now():
             self._t0 -= t - self.now()
+            while self.now() < t:  # float rounding at perf_counter's magnitude: make now() >= t for sure
+                self._t0 = math.nextafter(self._t0, -math.inf)
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
