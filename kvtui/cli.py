@@ -18,6 +18,7 @@ from kvtui.events import Contamination
 from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
 
 Isolation = Literal["on", "off"]
+Api = Literal["auto", "chat", "completions"]
 
 app = typer.Typer(
     name="kvtui",
@@ -73,6 +74,7 @@ def _load_model(name: str, dtype: str, device: str):
 
 FaultChoice = enum.Enum("FaultChoice", {name: name for name in FAULT_NAMES}, type=str)
 DETECTORS_HELP = "Comma-separated detectors, or 'none'."
+DEFAULT_DETECTORS = "reference,canary,attention_flow,slot_taint"
 
 
 def _fault_names(chosen) -> tuple[str, ...]:
@@ -106,15 +108,46 @@ def run(
     isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
-    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = DEFAULT_DETECTORS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+    target: Annotated[Optional[str], typer.Option("--target", help="Drive an OpenAI-compatible server at this "
+                                                  "URL (http://HOST:PORT) instead of kvtui's engine.",
+                                                  rich_help_panel="Target server")] = None,
+    api: Annotated[Api, typer.Option(help="With --target: chat or completions endpoint (auto: chat when every "
+                                     "prompt has text).", rich_help_panel="Target server")] = "auto",
+    served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
+                                                        "to send (default: the first of /v1/models).",
+                                                        rich_help_panel="Target server")] = None,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
+                                                 "flight at most.", rich_help_panel="Target server")] = 64,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
+                                           "take, no retry.", rich_help_panel="Target server")] = 120.0,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
+                                             "(nats) under which a reference divergence is numeric.",
+                                             rich_help_panel="Target server")] = 0.5,
+    logprobs: Annotated[bool, typer.Option("--logprobs/--no-logprobs", help="With --target: ask for top "
+                                           "logprobs (labels reference divergences).",
+                                           rich_help_panel="Target server")] = True,
 ) -> None:
-    """Run a scenario on a real model: the dashboard, or --headless for CI.
+    """Run a scenario on a real model: the dashboard, or --headless for CI. With --target, drive a real
+    inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
 
     Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
-    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
+    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error (against a
+    target: no request completed).
     """
     spec = _load_scenario(scenario)
+    if target is not None:
+        from kvtui.target import command
+
+        command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
+                                           clear_faults=clear_faults, device=device != "cpu", clock=clock))
+        run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
+                                     max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
+                                     logprobs=logprobs)
+        chosen = command.target_detectors(_detectors(detectors), explicit=detectors != DEFAULT_DETECTORS)
+        command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
+        return
     faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
     chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
@@ -221,9 +254,10 @@ def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str
                                     f"{first.source or '?'} ({first.kind}, {first.detector}, step "
                                     f"{first.step}); the scenario expects none")
     if expect == "detected" and not found:
-        return EXIT_CONTAMINATION, ("expected contamination to be detected" +
-                                    (" (a fault was on)" if faults_seen else " but no fault was on") +
-                                    ", yet no detector fired")
+        on = " (a fault was on)" if faults_seen else " but no fault was on"
+        if getattr(session, "options", None) is not None:  # a target server: its faults are not known here
+            on = ""
+        return EXIT_CONTAMINATION, f"expected contamination to be detected{on}, yet no detector fired"
     if expect == "detected":
         return EXIT_OK, f"contamination detected as expected: {len(found)} events"
     return EXIT_OK, ""
@@ -271,7 +305,8 @@ def replay_summary(header, events, recorded):
     session_fields = {}
     if recorded is not None:
         session_fields = {k: getattr(recorded, k) for k in ("faults_active_at_end", "contamination_by_fault",
-                                                            "stopped_early", "requests_not_submitted")}
+                                                            "stopped_early", "requests_not_submitted",
+                                                            "reference_checked", "reference_skipped")}
     return metrics.summary(t=recorded.t if recorded is not None else None, **session_fields)
 
 

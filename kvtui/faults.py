@@ -25,7 +25,9 @@ from typing import Literal
 
 FaultName = Literal["shared_cache", "racy_threads", "no_request_mask", "unmasked_cache_padding",
                     "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache"]
-ContaminationKind = Literal["cross_request", "corruption", "numeric"]
+# numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
+# its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
+ContaminationKind = Literal["cross_request", "corruption", "numeric", "unknown"]
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,13 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     """Render the figures of a run (see kvtui.events.Summary for the fields)."""
     title = (f"{header.scenario.get('name', '?')} on {header.model.id} "
              f"({header.clock} clock, {header.engine.get('layout', '?')} layout)")
+    if header.target:
+        title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
+                 f"{header.engine.get('api', '?')} API, client-side wall clock)")
     table = Table(title=escape(printable(title)), show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    for name, value in _rows(summary):
+    for name, value in (_target_rows(summary) if header.target else _rows(summary)):
         table.add_row(name, value)
     console.print(table)
 
@@ -64,6 +67,24 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
+def _target_rows(s: Summary) -> list[tuple[str, str]]:
+    """The rows that mean something for a server timed from outside (no steps, padding or slots)."""
+    keep = ("requests", "prompt tokens", "generated tokens", "output tokens/s", "TTFT p50 / p95", "TPOT p50 / p95",
+            "goodput", "own passphrase echoed", "stopped early", "contamination events")
+    rows = [row for row in _rows(s) if row[0] in keep]
+    itl, e2e = s.inter_token_latency_seconds, s.e2e_request_latency_seconds
+    rows[4:4] = [("duration", f"{s.duration_s:.2f} s"), ("request throughput", f"{s.request_throughput_per_s:.2f} req/s")]
+    rows.insert(8, ("ITL p50 / p95", f"{_ms(itl.p50)} / {_ms(itl.p95)}"))
+    rows.insert(9, ("E2E latency p50 / p95", f"{_ms(e2e.p50)} / {_ms(e2e.p95)}"))
+    if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak:
+        rows.insert(10, ("server peak KV usage / waiting",
+                         f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}"))
+    if s.reference_checked is not None:
+        rows.append(("reference check", f"{s.reference_checked} requests compared with their solo run, "
+                                        f"{s.reference_skipped or 0} skipped"))
+    return rows
+
+
 def evidence_text(e: Contamination) -> str:
     """One line of a report's evidence, by its detector's evidence type."""
     ev = e.evidence
@@ -88,13 +109,13 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
     """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last."""
     if not events:
         return
-    ordered = sorted(events, key=lambda e: (e.kind == "numeric", e.step))
+    ordered = sorted(events, key=lambda e: (e.kind in ("numeric", "unknown"), e.step))
     table = Table(title="contamination", title_justify="left")
     for column in ("step", "victim <- source", "kind", "detector", "evidence"):
         table.add_column(column)
     for e in ordered[:limit]:
-        style = "dim" if e.kind == "numeric" else ("red" if e.kind == "cross_request" else "yellow")
-        table.add_row(str(e.step), escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
+        style = "dim" if e.kind in ("numeric", "unknown") else ("red" if e.kind == "cross_request" else "yellow")
+        table.add_row(str(e.step) if e.step >= 0 else "-", escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
                       e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:
         table.caption = f"{len(ordered) - limit} more in the recording"

@@ -1,0 +1,81 @@
+"""The black-box reference check: a request's answer under load against the same prompt sent alone.
+
+After the load, each completed greedy request (temperature 0) is sent again on its own, one at a time,
+at temperature 0, and the two answers are compared token by token (by token id when the server gives
+ids, else by token string; by text when it returns no logprobs). At the first differing token:
+
+- both runs' top-1 minus top-2 logprob known (the server returned top logprobs): the smaller of the two
+  within `tolerance` is a near tie that numerical batch variance may flip: kind `numeric`; beyond it,
+  the batched run's context was not what the solo run saw: kind `corruption` (the token before was the
+  same in both, so the logits should have been too, up to numerical noise).
+- no logprobs: kind `unknown`: the answer changed under load, but the server gave nothing to tell a
+  near tie from damage. Neither `numeric` nor `unknown` counts toward the exit code.
+
+A divergence is never labelled `cross_request`: nothing in a changed token names a source. The requests
+that were in flight at the same time are listed as `suspects` in the evidence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtui.events import Contamination, ReferenceEvidence
+from kvtui.target.openai import StreamResult
+
+# Top-1 minus top-2 logprob (nats) under which a divergence counts as numeric. Batched-vs-solo flips
+# measured on llama-server (SmolLM2 Q4_1, CPU, -np 4) had gaps under 0.05; bfloat16 GPU servers flip
+# gaps up to a few tenths (kvtui's own bfloat16 tolerance is 0.5 logits), so the default is 0.5.
+DEFAULT_TOLERANCE = 0.5
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two answers first differ.
+
+    Attributes:
+        index: the token (or, without logprobs, streamed chunk) index of the first difference.
+        batched_token / solo_token: the token ids there when the server gives ids (None past an end).
+        gap: the smaller top-1 minus top-2 logprob of the two runs there (nats), None when unknown.
+        kind: numeric, corruption or unknown (see the module docstring).
+    """
+
+    index: int
+    batched_token: int | None
+    solo_token: int | None
+    gap: float | None
+    kind: str
+
+
+def first_divergence(batched: StreamResult, solo: StreamResult, tolerance: float) -> Divergence | None:
+    """The first difference between two answers to the same prompt, or None when they are the same."""
+    if batched.tokens and solo.tokens:
+        a, b = [t.key for t in batched.tokens], [t.key for t in solo.tokens]
+        if a == b:
+            return None
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        gaps = [t.top2_gap for t in batched.tokens[i:i + 1] + solo.tokens[i:i + 1] if t.top2_gap is not None]
+        gap = min(gaps) if gaps else None
+        kind = "unknown" if gap is None else ("numeric" if gap <= tolerance else "corruption")
+        return Divergence(i, _id(batched, i), _id(solo, i), gap, kind)
+    if batched.text == solo.text:
+        return None
+    a, b = [p for p in batched.pieces if p], [p for p in solo.pieces if p]
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return Divergence(i, None, None, None, "unknown")
+
+
+def _id(result: StreamResult, i: int) -> int | None:
+    return result.tokens[i].id if i < len(result.tokens) else None
+
+
+def reference_event(request_id: str, batched: StreamResult, solo: StreamResult, *, tolerance: float, t: float,
+                    suspects: tuple[str, ...] = ()) -> Contamination | None:
+    """A `reference` contamination report for `request_id` when its answer differs from its solo run."""
+    d = first_divergence(batched, solo, tolerance)
+    if d is None:
+        return None
+    return Contamination(
+        t=t, step=-1, detector="reference", kind=d.kind, victim=request_id, source=None,
+        evidence=ReferenceEvidence(token_index=d.index, batched_token=d.batched_token, solo_token=d.solo_token,
+                                   top2_gap=None if d.gap is None else round(d.gap, 6), tolerance=tolerance,
+                                   batched_text=batched.text, solo_text=solo.text, suspects=suspects))

@@ -1,0 +1,263 @@
+"""`kvtui run --target`: black-box runs against HTTP servers.
+
+Fast and deterministic checks run against a fake OpenAI-compatible server (tests/fake_openai.py) as an
+in-process httpx transport or over real HTTP in a thread: streaming TTFT/ITL/TPOT arithmetic (against
+the formulas of vLLM's `bench serve`), per-request errors and timeouts, the concurrency cap, /metrics and
+/slots parsing, the canary naming victim and source when the server leaks, and the reference check's
+labels. The llama-server checks need scripts/build-llama-server.sh (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy
+import pytest
+from fake_openai import LLAMACPP_METRICS, FakeHTTPServer, FakeOpenAI
+
+from kvtui.events import Finish, FirstToken, ServerSample
+from kvtui.models import build_tiny_tokenizer
+from kvtui.record import read_recording
+from kvtui.scenario import parse_scenario, plan_requests
+from kvtui.target.server_view import parse_metrics, parse_slots
+from kvtui.target.session import TargetOptions, TargetSession
+
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+TOK = build_tiny_tokenizer()
+
+
+def scenario(n: int = 4, arrivals: str = "{process: burst, size: 16, every_s: 100}", extra: str = ""):
+    return parse_scenario(f"name: target-test\nseed: 3\nmax_requests: {n}\nmodel: tiny-llama\n"
+                          f"arrivals: {arrivals}\nprompts: {{kind: passphrase}}\noutput_tokens: 8\n"
+                          f"slo: {{ttft_s: 1.0, tpot_s: 0.5}}\n{extra}")
+
+
+def run(fake: FakeOpenAI, spec, *, detectors=("reference", "canary"), clock=None, record=None, **options):
+    events = []
+    kwargs = {"clock": clock} if clock is not None else {}
+    session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport(), **options),
+                            detectors=detectors, listeners=(events.append,), record_path=record, **kwargs)
+    session.run()
+    return session, events
+
+
+def phrases(spec) -> dict[str, str]:
+    """passphrase -> request id, from the scenario's own plan."""
+    return {p.metadata["passphrase"]: p.request_id for p in plan_requests(spec, TOK)}
+
+
+# -- timing --------------------------------------------------------------------------------------------
+def test_ttft_itl_tpot_e2e_follow_vllm_bench_serve():
+    """One chat request on a fake clock: send at 10.0; the role chunk at 10.5, five token chunks, the
+    finish chunk at 11.5, the usage-only chunk at 11.9. vLLM's bench serve: TTFT = first choice chunk -
+    send = 0.5; ITL = gaps between choice chunks; latency = last choice chunk - send = 1.5 (the usage
+    chunk carries no token); TPOT = (latency - TTFT) / (output tokens - 1) = 1.0 / 4."""
+    steps = [10.5, 10.6, 10.8, 11.1, 11.2, 11.4, 11.5, 11.9]
+    fake = FakeOpenAI(clock_steps=steps, now=10.0)
+    session, events = run(fake, scenario(1), detectors=("canary",), clock=fake.clock)
+    s = session.summary
+    assert s.time_to_first_token_seconds.p50 == pytest.approx(0.5)
+    itl = [b - a for a, b in zip(steps[:7], steps[1:7])]
+    assert s.inter_token_latency_seconds.count == 6
+    assert s.inter_token_latency_seconds.mean == pytest.approx(sum(itl) / 6)
+    assert s.inter_token_latency_seconds.p99 == pytest.approx(numpy.percentile(itl, 99))
+    assert s.e2e_request_latency_seconds.p50 == pytest.approx(1.5)
+    assert s.time_per_output_token_seconds.p50 == pytest.approx(1.0 / 4)
+    assert (s.generated_tokens, s.prompt_tokens) == (5, 7)  # the server's usage, not our tokenizer
+    first = next(e for e in events if isinstance(e, FirstToken))
+    assert first.ttft_s == pytest.approx(0.5)
+
+
+# -- errors, timeouts, the cap -----------------------------------------------------------------------
+def test_errors_and_timeouts_are_recorded_per_request_without_retry():
+    spec = scenario(4)
+    by_phrase = phrases(spec)
+    failing, hanging = sorted(by_phrase)[:2]
+    fake = FakeOpenAI(fail=(failing,), hang=(hanging,))
+    session, events = run(fake, spec, timeout_s=0.5)
+    finishes = {e.request_id: e for e in events if isinstance(e, Finish)}
+    assert finishes[by_phrase[failing]].finish_reason == "error"
+    assert finishes[by_phrase[failing]].detail.startswith("HTTP 500") and failing in finishes[by_phrase[failing]].detail
+    assert finishes[by_phrase[hanging]].finish_reason == "error"
+    assert "timeout" in finishes[by_phrase[hanging]].detail
+    others = [f for rid, f in finishes.items() if rid not in (by_phrase[failing], by_phrase[hanging])]
+    assert [f.finish_reason for f in others] == ["stop", "stop"]
+    sent = [json.dumps(b.get("messages")) for b in fake.requests]
+    assert sum(failing in text for text in sent) == 1  # no retry (and no reference check of a failed request)
+    s = session.summary
+    assert s.finish_reasons == {"stop": 2, "error": 2}
+    assert s.time_to_first_token_seconds.count == 2  # latency statistics count successful requests only
+
+
+@pytest.mark.parametrize("cap", [2, 6])
+def test_concurrency_cap_bounds_requests_in_flight(cap):
+    fake = FakeOpenAI(delay_s=0.02)
+    session, events = run(fake, scenario(6), detectors=("canary",), max_concurrency=cap)
+    assert fake.max_in_flight == cap  # six arrive at once: the cap, and nothing else, limits them
+    assert session.summary.finish_reasons == {"stop": 6}
+    finishes = [e for e in events if isinstance(e, Finish)]
+    queued = sorted(f.sent_s - f.arrival_s for f in finishes)
+    assert (queued[-1] > 0.05) == (cap == 2)  # with cap 2 the last ones waited for a place
+
+
+# -- what the server exposes ---------------------------------------------------------------------------
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 5.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.375
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 9.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 99.0
+"""
+
+
+def test_metrics_parsing_vllm_and_llamacpp():
+    assert parse_metrics(VLLM_METRICS) == {"vllm:num_requests_running": 7.0, "vllm:num_requests_waiting": 4.0,
+                                           "vllm:kv_cache_usage_perc": 0.375, "vllm:prompt_tokens_total": 1234.0}
+    assert parse_metrics(LLAMACPP_METRICS) == {"llamacpp:prompt_tokens_total": 58.0,
+                                               "llamacpp:tokens_predicted_total": 16.0,
+                                               "llamacpp:requests_processing": 3.0, "llamacpp:requests_deferred": 1.0}
+
+
+SLOTS = [
+    {"id": 0, "n_ctx": 512, "speculative": False, "is_processing": False},
+    {"id": 1, "n_ctx": 512, "is_processing": True, "n_prompt_tokens": 351,
+     "next_token": [{"has_next_token": True, "n_decoded": 9}], "prompt": "<|im_start|>user\nsay AMBER-CEDAR-11"},
+    {"id": 2, "n_ctx": 512, "is_processing": True},
+]
+
+
+def test_slots_parsing_busy_context_and_owner():
+    slots = parse_slots(SLOTS, {"r007": "AMBER-CEDAR-11", "r008": "TULIP-RIVER-20"})
+    assert [(s.id, s.n_ctx, s.busy, s.context_tokens, s.request_id) for s in slots] == [
+        (0, 512, False, None, None), (1, 512, True, 360, "r007"), (2, 512, True, None, None)]
+    assert parse_slots({"error": "slots endpoint disabled"}) is None
+
+
+def test_server_samples_in_the_run_and_the_summary():
+    fake = FakeOpenAI(delay_s=0.01, metrics=VLLM_METRICS, slots=SLOTS)
+    session, events = run(fake, scenario(2), detectors=("canary",), poll_interval_s=0.01)
+    samples = [e for e in events if isinstance(e, ServerSample)]
+    assert samples and all((s.running, s.waiting, s.kv_usage) == (7.0, 4.0, 0.375) for s in samples)
+    assert [slot.id for slot in samples[0].slots] == [0, 1, 2]
+    assert session.summary.kv_cache_usage_perc_peak == 0.375
+    assert session.summary.num_requests_waiting_peak == 4
+
+
+def test_a_server_without_metrics_or_slots_gives_no_samples():
+    fake = FakeOpenAI()
+    _, events = run(fake, scenario(2), detectors=("canary",), poll_interval_s=0.01)
+    assert not [e for e in events if isinstance(e, ServerSample)]
+
+
+# -- detectors -------------------------------------------------------------------------------------------
+def test_leaking_server_is_caught_by_canary_with_victim_and_source():
+    from kvtui.cli import verdict
+
+    spec = scenario(4)
+    fake = FakeOpenAI(leak=True, delay_s=0.01)
+    session, _ = run(fake, spec, detectors=("canary",))
+    by_phrase = phrases(spec)
+    truth = {(by_phrase[victim], by_phrase[leaked]) for victim, leaked in fake.leaks}
+    assert len(truth) == 3  # every request after the first was answered with the one before's passphrase
+    found = {(e.victim, e.source) for e in session.contamination if e.detector == "canary"}
+    assert found == truth
+    assert all(e.kind == "cross_request" for e in session.contamination)
+    assert verdict(spec, session)[0] == 1
+
+
+@pytest.mark.parametrize(("gap", "logprobs", "kind"), [(0.01, True, "numeric"), (2.0, True, "corruption"),
+                                                        (2.0, False, "unknown")])
+def test_reference_labels_a_load_dependent_answer(gap, logprobs, kind):
+    from kvtui.cli import verdict
+
+    spec = scenario(3)
+    fake = FakeOpenAI(delay_s=0.02, vary_under_load=(2, gap), logprobs=logprobs)
+    session, _ = run(fake, spec)
+    reports = [e for e in session.contamination if e.detector == "reference"]
+    assert sorted(e.victim for e in reports) == sorted(phrases(spec).values())
+    assert {e.kind for e in reports} == {kind}
+    assert all(e.source is None for e in reports)  # a changed token names no source
+    assert all(e.evidence.token_index == 2 for e in reports)
+    assert all(len(e.evidence.suspects) == 2 for e in reports)  # the other two were in flight alongside
+    assert session.summary.reference_checked == 3
+    assert verdict(spec, session)[0] == (1 if kind == "corruption" else 0)
+
+
+def test_a_correct_server_passes_every_detector():
+    spec = scenario(4)
+    fake = FakeOpenAI(delay_s=0.01)
+    session, _ = run(fake, spec)
+    assert session.contamination == []
+    assert session.summary.reference_checked == 4 and session.summary.passphrase_echoed == 4
+    assert len(fake.requests) == 8  # the load, then each prompt once more alone
+
+
+# -- the command line, over real HTTP ------------------------------------------------------------------
+def write_scenario(tmp_path, n=4, expect="none"):
+    path = tmp_path / "s.yaml"
+    path.write_text(f"name: cli-target\nseed: 3\nmax_requests: {n}\nmodel: tiny-llama\n"
+                    "arrivals: {process: poisson, rate_per_s: 40}\nprompts: {kind: passphrase}\n"
+                    f"output_tokens: 8\nexpect: {{contamination: {expect}}}\n")
+    return path
+
+
+def test_cli_run_target_records_and_replays(tmp_path):
+    path, rec = write_scenario(tmp_path), tmp_path / "run.jsonl"
+    with FakeHTTPServer(FakeOpenAI(metrics=LLAMACPP_METRICS, slots=SLOTS[:1])) as url:
+        out = subprocess.run(KVTUI + ["run", str(path), "--target", url, "--headless", "--record", str(rec)],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    header, events, summary, truncated = read_recording(rec)
+    assert header.target == url and header.clock == "wall" and not truncated
+    assert summary.finish_reasons == {"stop": 4} and summary.reference_checked == 4
+    assert any(isinstance(e, ServerSample) and e.running == 3.0 for e in events)
+    replay = subprocess.run(KVTUI + ["replay", str(rec), "--summary"], capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0
+    assert re.search(r"own passphrase echoed +│ 4/4", replay.stdout)
+    assert re.search(r"reference check +│ 4 requests compared", replay.stdout)
+
+
+def test_cli_run_target_leak_exits_1_naming_victim_and_source(tmp_path):
+    fake = FakeOpenAI(leak=True)
+    with FakeHTTPServer(fake) as url:
+        out = subprocess.run(KVTUI + ["run", str(write_scenario(tmp_path)), "--target", url, "--headless"],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    by_phrase = {p.metadata["passphrase"]: p.request_id
+                 for p in plan_requests(parse_scenario(write_scenario(tmp_path).read_text()), TOK)}
+    victim, leaked = fake.leaks[0]
+    assert f"{by_phrase[victim]} <- {by_phrase[leaked]}" in out.stdout + out.stderr
+
+
+def test_cli_target_bad_input_is_one_line_exit_2(tmp_path):
+    path = write_scenario(tmp_path)
+    cases = [(["--target", "localhost:8000"], "not an http(s) URL"),
+             (["--target", "http://127.0.0.1:9", "--fault", "stale_slot"], "--fault"),
+             (["--target", "http://127.0.0.1:9"], "cannot reach")]
+    for args, message in cases:
+        out = subprocess.run(KVTUI + ["run", str(path), "--headless", *args], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, (args, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
