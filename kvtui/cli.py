@@ -341,12 +341,35 @@ def audit(
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
                                                                "(repeatable).")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", help="Audit an OpenAI-compatible server at this "
+                                                  "URL instead of kvtui's engine.",
+                                                  rich_help_panel="Target server")] = None,
+    api: Annotated[Api, typer.Option(help="With --target: chat or completions (auto: chat when every prompt "
+                                     "has text).", rich_help_panel="Target server")] = "auto",
+    served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
+                                                        "to send.", rich_help_panel="Target server")] = None,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
+                                                 "flight at most.", rich_help_panel="Target server")] = 64,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
+                                           "take.", rich_help_panel="Target server")] = 120.0,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
+                                             "(nats) under which a change is numeric.",
+                                             rich_help_panel="Target server")] = 0.5,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
-    must not change. Exit 1 when some did."""
+    must not change. Exit 1 when some did. With --target, the same three runs against a server."""
     from kvtui.audit import run_audit
 
     spec = _load_scenario(scenario)
+    if target is not None:
+        from kvtui.target import command
+
+        command.refuse_engine_options(dict(fault=fault))
+        run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
+                                     max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
+                                     logprobs=True)
+        command.audit_target(spec, scenario, run_spec, model=model)
+        return
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
     try:
         events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)

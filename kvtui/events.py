@@ -234,6 +234,8 @@ class NoninterferenceEvidence(_Frozen):
     baseline_text: str
     text_with_neighbours_replaced: str
     replaced_neighbours: tuple[str, ...]
+    top2_gap: float | None = None  # (v2, target runs) top-2 logprob gap at the changed token, when known
+    tolerance: float | None = None  # (v2, target runs) the gap under which a change counts as numeric
 
 
 EVIDENCE: dict[str, type[_Frozen]] = {

@@ -261,3 +261,57 @@ def test_cli_target_bad_input_is_one_line_exit_2(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+# -- noninterference -------------------------------------------------------------------------------------
+def test_noninterference_audit_against_a_correct_and_a_leaking_server():
+    from kvtui.target.audit import run_target_audit
+
+    spec = scenario(4)
+    options = dict(url="http://fake", max_concurrency=8)
+    clean = FakeOpenAI(delay_s=0.01)
+    assert run_target_audit(spec, TOK, TargetOptions(transport=clean.transport(), **options)) == []
+    assert len(clean.requests) == 12  # three runs of four
+    leaky = FakeOpenAI(delay_s=0.01, leak=True)
+    events = run_target_audit(spec, TOK, TargetOptions(transport=leaky.transport(), **options))
+    assert events and {e.kind for e in events} == {"cross_request"}
+    for e in events:  # a kept request, and the neighbours named were the replaced ones
+        replaced_parity = 1 - int(e.victim[1:]) % 2
+        assert e.evidence.replaced_neighbours
+        assert all(int(n[1:]) % 2 == replaced_parity for n in e.evidence.replaced_neighbours)
+        assert e.evidence.baseline_text != e.evidence.text_with_neighbours_replaced
+
+
+# -- llama.cpp's llama-server ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_server_url():
+    from kvtui.models import ModelLoadError, default_model_path
+    from kvtui.target.llama_server import LlamaServer, find_llama_server
+
+    if find_llama_server() is None:
+        pytest.skip("llama-server not built: run scripts/build-llama-server.sh")
+    try:
+        gguf = default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+    with LlamaServer(gguf, parallel=4, ctx_per_slot=512, threads=1, slots_debug=True) as server:
+        yield server.url
+
+
+@pytest.mark.llama_server
+def test_passphrase_against_llama_server_is_clean_and_replays(llama_server_url, tmp_path):
+    rec = tmp_path / "llama.jsonl"
+    out = subprocess.run(KVTUI + ["run", "scenarios/passphrase.yaml", "--target", llama_server_url, "--headless",
+                                  "--record", str(rec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    header, events, summary, truncated = read_recording(rec)
+    assert not truncated and header.target == llama_server_url
+    assert summary.finish_reasons == {"stop": 8} and summary.passphrase_echoed == 8
+    assert summary.reference_checked == 8 and summary.contamination_total() == 0
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert all(f.prompt_tokens == len(f.prompt_ids) for f in finishes)  # the server's count = our tokenizer's
+    samples = [e for e in events if isinstance(e, ServerSample)]
+    assert {len(s.slots) for s in samples} == {4} and {s.slots[0].n_ctx for s in samples} == {512}
+    assert any(slot.busy and slot.request_id for s in samples for slot in s.slots)  # slots matched to requests
+    replay = subprocess.run(KVTUI + ["replay", str(rec), "--summary"], capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0 and re.search(r"requests +│ 8 \(stop 8\)", replay.stdout)

@@ -96,6 +96,36 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
         out.print(reason, markup=False, highlight=False)
 
 
+def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
+    """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
+    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out
+    from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.summary import print_contamination
+    from kvtui.target.audit import run_target_audit
+
+    try:
+        tokenizer = load_tokenizer(model or spec.model)
+    except ModelLoadError as e:
+        fail(str(e))
+    options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
+                            max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance)
+    try:
+        events = run_target_audit(spec, tokenizer, options, console=err)
+    except TargetError as e:
+        fail(str(e))
+    except ValueError as e:
+        fail(f"{scenario_path}: {e}")
+    print_contamination(events, out)
+    counted = [e for e in events if e.counts]
+    if counted:
+        err.print(f"[bold red]noninterference violated: {len(counted)} requests changed with their neighbours[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    numeric = len(events) - len(counted)
+    out.print("noninterference holds: no request's answer moved with its neighbours' prompts beyond numeric "
+              f"noise ({numeric} near-tie or unlabelled changes)" if numeric else
+              "noninterference holds: every request's answer stayed the same with its neighbours replaced")
+
+
 def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                          detectors: tuple[str, ...], listeners=(), planned=None) -> TargetSession:
     """The tokenizer of the scenario's model (or `model`) and a TargetSession; input errors exit 2."""

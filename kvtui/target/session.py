@@ -257,8 +257,8 @@ class TargetSession:
         self._finish(p, result)
 
     def _body(self, p, temperature: float | None) -> tuple[str, dict]:
-        return request_body(p, self.api, self.served_model, logprobs=self.options.logprobs and "reference" in
-                            self.detectors, messages=self._messages(p), temperature=temperature)
+        return request_body(p, self.api, self.served_model, logprobs=self.options.logprobs,
+                            messages=self._messages(p), temperature=temperature)
 
     def _messages(self, p) -> list | None:
         """The scenario's own chat messages for a prompt-file entry that is a chat, else None."""
