@@ -13,6 +13,12 @@ ids, else by token string; by text when it returns no logprobs). At the first di
 
 A divergence is never labelled `cross_request`: nothing in a changed token names a source. The requests
 that were in flight at the same time are listed as `suspects` in the evidence.
+
+A solo run on llama.cpp's server is sent with `cache_prompt: false`. Its prompt cache otherwise restores
+the KV the load run left for the same prompt and prefills only the last token, and a one-token prefill
+rounds differently from a whole-prompt one: measured on SmolLM2 Q4_1 (bursty.yaml's r011, -np 1), the
+same prompt sent twice at temperature 0 gave different greedy tokens, top-2 gap 0.012 nats, with 63 of
+its 64 prompt tokens from the cache the second time, and the first answer again with `cache_prompt: false`.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class TargetSession:
         self.results: dict[str, StreamResult] = {}
         self.in_flight: dict[str, str] = {}  # request id -> a text unique to it (slot attribution)
         self.served_model: str | None = options.served_model
+        self.server_kind: str | None = None  # "llama.cpp" when /v1/models says so
         self.stop_requested = False
         self.summary: Summary | None = None
         self.reference_checked = self.reference_skipped = 0
@@ -139,7 +140,8 @@ class TargetSession:
                 torch=torch.__version__, transformers=transformers.__version__,
                 scenario=self.scenario.normalized(), scenario_hash=self.scenario.content_hash(),
                 seed=self.scenario.seed, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="?"),
-                engine={"api": self.api, "max_concurrency": o.max_concurrency, "timeout_s": o.timeout_s,
+                engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
+                        "timeout_s": o.timeout_s,
                         "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance},
                 clock="wall", detectors=self.detectors, measured=MEASURED, target=o.url)
         return self._header
@@ -194,11 +196,14 @@ class TargetSession:
         except httpx.HTTPError as e:
             raise TargetError(f"cannot reach {self.options.url} ({type(e).__name__}: {e}); "
                               "check --target (http://HOST:PORT) and that the server is up") from None
-        if self.served_model is None and response.status_code == 200:
-            try:
-                self.served_model = response.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                self.served_model = None
+        try:
+            first = response.json()["data"][0] if response.status_code == 200 else {}
+        except (ValueError, KeyError, IndexError, TypeError):
+            first = {}
+        if self.served_model is None and isinstance(first, dict):
+            self.served_model = first.get("id")
+        if isinstance(first, dict) and first.get("owned_by") == "llamacpp":
+            self.server_kind = "llama.cpp"
 
     async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
         """Send each planned request at its arrival time; returns the request tasks."""
@@ -315,6 +320,8 @@ class TargetSession:
                 self.reference_skipped += 1
                 continue
             path, body = self._body(self.planned[rid], temperature=0.0)
+            if self.server_kind == "llama.cpp":  # a fresh prefill: not the KV its prompt cache kept from the load
+                body["cache_prompt"] = False
             solo = await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now)
             if solo.finish_reason == "error":
                 self.reference_skipped += 1
