@@ -315,3 +315,36 @@ def test_passphrase_against_llama_server_is_clean_and_replays(llama_server_url, 
     assert any(slot.busy and slot.request_id for s in samples for slot in s.slots)  # slots matched to requests
     replay = subprocess.run(KVTUI + ["replay", str(rec), "--summary"], capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0 and re.search(r"requests +│ 8 \(stop 8\)", replay.stdout)
+
+
+# -- request bodies and the tokenizer ------------------------------------------------------------------
+def test_request_bodies_per_api_and_prompt_kind():
+    synthetic = parse_scenario("max_requests: 1\nmodel: tiny-llama\narrivals: {process: burst, size: 1, every_s: 9}\n"
+                               "prompts: {kind: synthetic, prompt_tokens: 12}\noutput_tokens: 5\n"
+                               'sampling: {temperature: 0.7, top_k: 5, stop: ["\\n"]}\n')
+    fake = FakeOpenAI()
+    run(fake, synthetic, detectors=(), api="completions")
+    run(fake, synthetic, detectors=(), api="chat")
+    planned = plan_requests(synthetic, TOK)[0]
+    completions, chat = fake.requests
+    assert completions["prompt"] == planned.prompt_ids  # no text: the token ids
+    assert chat["messages"] == [{"role": "user", "content": TOK.decode(planned.prompt_ids)}]
+    for body in (completions, chat):
+        assert (body["max_tokens"], body["temperature"], body["top_k"], body["stop"]) == (5, 0.7, 5, ["\n"])
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["model"] == "fake-model"  # the first of /v1/models
+    assert completions["logprobs"] == 2 and (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
+    passphrase = scenario(1)
+    run(fake, passphrase, detectors=(), api="completions")
+    text = plan_requests(passphrase, TOK)[0].metadata["prompt_text"]
+    assert fake.requests[-1]["prompt"] == text  # a prompt with text is sent as text
+
+
+@pytest.mark.smollm
+def test_tokenizer_alone_plans_the_same_prompts_as_the_loaded_model(smollm2):
+    from kvtui.models import load_tokenizer
+    from kvtui.scenario import load_scenario
+
+    spec = load_scenario("scenarios/passphrase.yaml")
+    alone = plan_requests(spec, load_tokenizer("default"))
+    assert [p.prompt_ids for p in alone] == [p.prompt_ids for p in plan_requests(spec, smollm2.tokenizer)]

@@ -266,12 +266,15 @@ class TargetSession:
                             messages=self._messages(p), temperature=temperature)
 
     def _messages(self, p) -> list | None:
-        """The scenario's own chat messages for a prompt-file entry that is a chat, else None."""
+        """Chat messages to send instead of one user message with the prompt text: the scenario's own for a
+        prompt-file entry that is a chat; the decoded token ids for a prompt without text (synthetic)."""
+        if self.api != "chat":
+            return None
+        if "prompt_text" not in p.metadata:
+            return [{"role": "user", "content": self.tokenizer.decode(p.prompt_ids, skip_special_tokens=True)}]
         index = p.metadata.get("prompt_index")
         prompts = getattr(self.scenario.prompts, "prompts", None)
-        if index is None or not prompts or self.api != "chat":
-            return None
-        item = prompts[index]
+        item = prompts[index] if index is not None and prompts else None
         return item if isinstance(item, list) else None
 
     def _on_chunk(self, request_id: str, result: StreamResult, piece: str) -> None:
