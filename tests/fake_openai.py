@@ -199,6 +199,8 @@ class FakeHTTPServer:
                         self.wfile.write(chunk.encode())
                         self.wfile.flush()
                         time.sleep(delay)
+                except (BrokenPipeError, ConnectionResetError):  # the client went away (a stopped run)
+                    pass
                 finally:
                     with lock:
                         fake_ref.in_flight -= 1

@@ -348,3 +348,35 @@ def test_tokenizer_alone_plans_the_same_prompts_as_the_loaded_model(smollm2):
     spec = load_scenario("scenarios/passphrase.yaml")
     alone = plan_requests(spec, load_tokenizer("default"))
     assert [p.prompt_ids for p in alone] == [p.prompt_ids for p in plan_requests(spec, smollm2.tokenizer)]
+
+
+def test_cli_sigterm_aborts_in_flight_requests_and_writes_the_summary(tmp_path):
+    import signal
+    import time
+
+    rec = tmp_path / "stopped.jsonl"
+    with FakeHTTPServer(FakeOpenAI(), chunk_delay_s=1.0) as url:  # each answer takes about 8 s
+        proc = subprocess.Popen(KVTUI + ["run", str(write_scenario(tmp_path)), "--target", url, "--headless",
+                                         "--record", str(rec)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not rec.exists() or "request.arrive" not in rec.read_text()):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    header, events, summary, truncated = read_recording(rec)
+    assert not truncated and summary.stopped_early
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert finishes and {f.finish_reason for f in finishes} == {"abort"}
+    assert summary.reference_skipped == len(finishes) and summary.reference_checked == 0
+
+
+def test_cli_exits_3_when_no_request_completes(tmp_path):
+    path = write_scenario(tmp_path)
+    every = tuple(phrases(parse_scenario(path.read_text())))
+    with FakeHTTPServer(FakeOpenAI(fail=every)) as url:
+        out = subprocess.run(KVTUI + ["run", str(path), "--target", url, "--headless"], capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 3
+    assert out.stderr.strip().splitlines()[-1].startswith("error: no request completed") and "HTTP 500" in out.stderr

@@ -85,8 +85,8 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
     print_contamination(session.contamination, out)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
-    if not summary.requests_completed and summary.requests_finished:
-        first = next(r for r in session.results.values() if r.error)
+    if not summary.requests_completed and summary.finish_reasons.get("error") and not summary.stopped_early:
+        first = next(r for r in session.results.values() if r.finish_reason == "error")
         fail(f"no request completed against {run.url}: first error: {first.error}", EXIT_RUNTIME)
     code, reason = verdict(spec, session)
     if code:

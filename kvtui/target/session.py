@@ -180,6 +180,8 @@ class TargetSession:
                 await self._wait_all(await self._drive(client))
                 if "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
+                elif "reference" in self.detectors:
+                    self.reference_skipped = len(self.results)
             finally:
                 poller.cancel()
                 markers.cancel()
