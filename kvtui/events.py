@@ -199,6 +199,8 @@ class ReferenceEvidence(_Frozen):
     solo_text: str
     nonfinite: bool = False  # (v2) the batched logits held NaN/inf at or before the divergence
     suspects: tuple[str, ...] = ()  # (v2) co-batched requests and the slot's earlier owners
+    batched_piece: str | None = None  # (v2, target runs) the two tokens' text at the divergence
+    solo_piece: str | None = None
 
 
 class CanaryEvidence(_Frozen):

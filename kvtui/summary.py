@@ -100,6 +100,9 @@ def evidence_text(e: Contamination) -> str:
                 f"{ev.text_with_neighbours_replaced[:40]!r}")
     if isinstance(ev, ReferenceEvidence):
         gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
+        if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
+            return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
+                    f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
         return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); "
                 f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
     return str(ev.model_dump())[:100]

@@ -47,8 +47,9 @@ class FakeOpenAI:
         leak: answer with the passphrase of the previous different request seen (a cross-request leak).
         fail: passphrases whose requests get HTTP 500.
         hang: passphrases whose requests stall for 30 s before their first chunk (for timeouts).
-        vary_under_load: (token index, gap) - while another request is in flight, the answer's token at
-            that index changes, and the top-2 logprob gap there is `gap`.
+        vary_under_load: (token index, gap, swap) - while another request is in flight, the answer's token
+            at that index changes, and the top-2 logprob gap there is `gap` in every run; with `swap` the
+            runner-up there is the other run's token (a near tie flipped), else an unrelated token.
         logprobs: return logprobs when asked.
         metrics: Prometheus text for /metrics (None: 404). slots: JSON for /slots (None: 404).
         clock_steps: transport mode: before chunk k, set `self.now` to clock_steps[k] (a fake clock).
@@ -58,7 +59,7 @@ class FakeOpenAI:
     leak: bool = False
     fail: tuple[str, ...] = ()
     hang: tuple[str, ...] = ()
-    vary_under_load: tuple[int, float] | None = None
+    vary_under_load: tuple[int, float, bool] | None = None
     logprobs: bool = True
     metrics: str | None = None
     slots: list | None = None
@@ -70,6 +71,7 @@ class FakeOpenAI:
     requests: list[dict] = field(default_factory=list)
     leaks: list[tuple[str, str]] = field(default_factory=list)  # (victim passphrase, leaked passphrase)
     _last: str | None = None
+    _original: list = field(default_factory=list)  # the last answer before any change
 
     def clock(self) -> float:
         return self.now
@@ -87,6 +89,7 @@ class FakeOpenAI:
         if own:
             self._last = own
         pieces = ["The", " passphrase", " is", f" {said}", "."]
+        self._original = list(pieces)
         changed = None
         if self.vary_under_load and self.in_flight > 1:
             changed = self.vary_under_load[0]
@@ -98,11 +101,15 @@ class FakeOpenAI:
         want = self.logprobs and (body.get("logprobs") is not None and body.get("logprobs") is not False)
         out = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}] if chat else []
         for i, piece in enumerate(pieces):
-            gap = self.vary_under_load[1] if self.vary_under_load and i == self.vary_under_load[0] else 3.0
+            gap, other = 3.0, "?"
+            if self.vary_under_load and i == self.vary_under_load[0]:
+                gap = self.vary_under_load[1]
+                if self.vary_under_load[2]:
+                    other = self._original[i] if i == changed else " CHANGED"
             choice = {"index": 0, "finish_reason": None}
             choice.update({"delta": {"content": piece}} if chat else {"text": piece})
             if want:
-                choice["logprobs"] = {"content": [_token(piece, gap)]}
+                choice["logprobs"] = {"content": [_token(piece, gap, other)]}
             out.append({"choices": [choice]})
         last = "length" if len(pieces) < 5 else "stop"
         out.append({"choices": [{"index": 0, "finish_reason": last, **({"delta": {}} if chat else {"text": ""})}]})
@@ -151,11 +158,12 @@ class FakeOpenAI:
                 self.in_flight -= 1
 
 
-def _token(piece: str, gap: float) -> dict:
+def _token(piece: str, gap: float, other: str) -> dict:
+    """One logprobs entry: `piece` chosen, `other` the runner-up `gap` nats below."""
     ident = zlib.crc32(piece.encode()) % 49152
     return {"id": ident, "token": piece, "logprob": -0.1,
             "top_logprobs": [{"id": ident, "token": piece, "logprob": -0.1},
-                             {"id": ident + 1, "token": "?", "logprob": -0.1 - gap}]}
+                             {"id": zlib.crc32(other.encode()) % 49152, "token": other, "logprob": -0.1 - gap}]}
 
 
 class FakeHTTPServer:

@@ -186,13 +186,16 @@ def test_leaking_server_is_caught_by_canary_with_victim_and_source():
     assert verdict(spec, session)[0] == 1
 
 
-@pytest.mark.parametrize(("gap", "logprobs", "kind"), [(0.01, True, "numeric"), (2.0, True, "corruption"),
-                                                        (2.0, False, "unknown")])
-def test_reference_labels_a_load_dependent_answer(gap, logprobs, kind):
+@pytest.mark.parametrize(("gap", "swap", "logprobs", "kind"), [
+    (0.01, True, True, "numeric"),  # the same top two, swapped, within the tolerance: a flipped near tie
+    (2.0, True, True, "corruption"),  # swapped but far apart
+    (0.01, False, True, "corruption"),  # close, but the load run's runner-up is not the solo run's token
+    (2.0, True, False, "unknown")])  # no logprobs: nothing to judge by
+def test_reference_labels_a_load_dependent_answer(gap, swap, logprobs, kind):
     from kvtui.cli import verdict
 
     spec = scenario(3)
-    fake = FakeOpenAI(delay_s=0.02, vary_under_load=(2, gap), logprobs=logprobs)
+    fake = FakeOpenAI(delay_s=0.02, vary_under_load=(2, gap, swap), logprobs=logprobs)
     session, _ = run(fake, spec)
     reports = [e for e in session.contamination if e.detector == "reference"]
     assert sorted(e.victim for e in reports) == sorted(phrases(spec).values())

@@ -41,11 +41,13 @@ class TokenInfo:
         token: its text (or the server's token string).
         id: its token id when the server gives one (llama.cpp does), else None.
         top2_gap: top-1 minus top-2 logprob (nats, = the logit gap); None without two alternatives.
+        runner_up: the key (id, else text) of the most likely other token, None when not returned.
     """
 
     token: str
     id: int | None
     top2_gap: float | None
+    runner_up: int | str | None = None
 
     @property
     def key(self) -> int | str:
@@ -219,14 +221,22 @@ def parse_logprobs(logprobs) -> list[TokenInfo]:
     if not logprobs:
         return []
     if isinstance(logprobs.get("content"), list):
-        return [TokenInfo(token=e.get("token", ""), id=e.get("id"),
-                          top2_gap=_gap([t["logprob"] for t in e.get("top_logprobs") or ()]))
-                for e in logprobs["content"]]
+        out = []
+        for e in logprobs["content"]:
+            chosen = e.get("id") if e.get("id") is not None else e.get("token", "")
+            tops = [(t.get("id") if t.get("id") is not None else t.get("token", ""), t["logprob"])
+                    for t in e.get("top_logprobs") or ()]
+            out.append(TokenInfo(e.get("token", ""), e.get("id"), *_gap_and_runner_up(chosen, tops)))
+        return out
     tokens = logprobs.get("tokens") or []
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
-    return [TokenInfo(token=tok, id=None, top2_gap=_gap(list((top or {}).values()))) for tok, top in zip(tokens, tops)]
+    return [TokenInfo(tok, None, *_gap_and_runner_up(tok, list((top or {}).items()))) for tok, top in zip(tokens, tops)]
 
 
-def _gap(values: list[float]) -> float | None:
-    finite = sorted((v for v in values if v is not None and v > float("-inf")), reverse=True)
-    return finite[0] - finite[1] if len(finite) >= 2 else None
+def _gap_and_runner_up(chosen, tops: list[tuple]) -> tuple[float | None, int | str | None]:
+    """(top-1 minus top-2 logprob, the key of the most likely token other than `chosen`) from
+    (key, logprob) pairs; None for what the pairs cannot give."""
+    ranked = sorted(((k, v) for k, v in tops if v is not None and v > float("-inf")), key=lambda kv: -kv[1])
+    gap = ranked[0][1] - ranked[1][1] if len(ranked) >= 2 else None
+    runner_up = next((k for k, _ in ranked if k != chosen), None)
+    return gap, runner_up

@@ -4,10 +4,12 @@ After the load, each completed greedy request (temperature 0) is sent again on i
 at temperature 0, and the two answers are compared token by token (by token id when the server gives
 ids, else by token string; by text when it returns no logprobs). At the first differing token:
 
-- both runs' top-1 minus top-2 logprob known (the server returned top logprobs): the smaller of the two
-  within `tolerance` is a near tie that numerical batch variance may flip: kind `numeric`; beyond it,
-  the batched run's context was not what the solo run saw: kind `corruption` (the token before was the
-  same in both, so the logits should have been too, up to numerical noise).
+- the server returned top logprobs: when the two runs' top two tokens there are the same pair, swapped,
+  and the smaller top-1 minus top-2 logprob of the two runs is within `tolerance`, it is a near tie that
+  numerical batch variance flipped: kind `numeric`. Otherwise the batched run's context was not what
+  the solo run saw: kind `corruption` (every token before was the same in both, so the logits should
+  have been too, up to numerical noise). Where one run has no token at that index (it ended), the gap
+  alone decides.
 - no logprobs: kind `unknown`: the answer changed under load, but the server gave nothing to tell a
   near tie from damage. Neither `numeric` nor `unknown` counts toward the exit code.
 
@@ -43,6 +45,7 @@ class Divergence:
         batched_token / solo_token: the token ids there when the server gives ids (None past an end).
         gap: the smaller top-1 minus top-2 logprob of the two runs there (nats), None when unknown.
         kind: numeric, corruption or unknown (see the module docstring).
+        batched_piece / solo_piece: the two tokens' text (None past an end).
     """
 
     index: int
@@ -50,6 +53,8 @@ class Divergence:
     solo_token: int | None
     gap: float | None
     kind: str
+    batched_piece: str | None = None
+    solo_piece: str | None = None
 
 
 def first_divergence(batched: StreamResult, solo: StreamResult, tolerance: float) -> Divergence | None:
@@ -59,19 +64,25 @@ def first_divergence(batched: StreamResult, solo: StreamResult, tolerance: float
         if a == b:
             return None
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        gaps = [t.top2_gap for t in batched.tokens[i:i + 1] + solo.tokens[i:i + 1] if t.top2_gap is not None]
+        here = batched.tokens[i:i + 1] + solo.tokens[i:i + 1]
+        gaps = [t.top2_gap for t in here if t.top2_gap is not None]
         gap = min(gaps) if gaps else None
-        kind = "unknown" if gap is None else ("numeric" if gap <= tolerance else "corruption")
-        return Divergence(i, _id(batched, i), _id(solo, i), gap, kind)
+        swapped = len(here) < 2 or (here[0].runner_up == here[1].key and here[1].runner_up == here[0].key)
+        kind = "unknown" if gap is None else ("numeric" if gap <= tolerance and swapped else "corruption")
+        return Divergence(i, _id(batched, i), _id(solo, i), gap, kind, _text(batched, i), _text(solo, i))
     if batched.text == solo.text:
         return None
     a, b = [p for p in batched.pieces if p], [p for p in solo.pieces if p]
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return Divergence(i, None, None, None, "unknown")
+    return Divergence(i, None, None, None, "unknown", a[i] if i < len(a) else None, b[i] if i < len(b) else None)
 
 
 def _id(result: StreamResult, i: int) -> int | None:
     return result.tokens[i].id if i < len(result.tokens) else None
+
+
+def _text(result: StreamResult, i: int) -> str | None:
+    return result.tokens[i].token if i < len(result.tokens) else None
 
 
 def reference_event(request_id: str, batched: StreamResult, solo: StreamResult, *, tolerance: float, t: float,
@@ -84,4 +95,5 @@ def reference_event(request_id: str, batched: StreamResult, solo: StreamResult, 
         t=t, step=-1, detector="reference", kind=d.kind, victim=request_id, source=None,
         evidence=ReferenceEvidence(token_index=d.index, batched_token=d.batched_token, solo_token=d.solo_token,
                                    top2_gap=None if d.gap is None else round(d.gap, 6), tolerance=tolerance,
-                                   batched_text=batched.text, solo_text=solo.text, suspects=suspects))
+                                   batched_text=batched.text, solo_text=solo.text, suspects=suspects,
+                                   batched_piece=d.batched_piece, solo_piece=d.solo_piece))
