@@ -383,3 +383,81 @@ def test_cli_exits_3_when_no_request_completes(tmp_path):
                              text=True, timeout=120)
     assert out.returncode == 3
     assert out.stderr.strip().splitlines()[-1].startswith("error: no request completed") and "HTTP 500" in out.stderr
+
+
+# -- kvtui's own server (`kvtui serve`) as the target: ground truth from its own events ---------------------
+@pytest.fixture
+def kvtui_serve(tmp_path):
+    """Start `kvtui serve` on SmolLM2 (4 slots of 512 tokens, as scenarios/passphrase.yaml's engine) with the
+    given faults; yields (url, recording path); stopped with SIGINT (it then writes its summary)."""
+    import contextlib
+    import signal
+    import time
+
+    pytest.importorskip("kvtui.serve", reason="kvtui serve is not in this checkout")
+
+    @contextlib.contextmanager
+    def start(*faults: str):
+        rec = tmp_path / f"serve{'-'.join(('',) + faults)}.jsonl"
+        args = ["serve", "--model", "default", "--port", "0", "--slots", "4", "--max-len", "512", "--threads", "1",
+                "--record", str(rec)] + [a for f in faults for a in ("--fault", f)]
+        proc = subprocess.Popen(KVTUI + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            url, deadline = None, time.monotonic() + 120
+            while url is None and time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                found = re.search(r"serving .* at (http://127\.0\.0\.1:\d+)/v1", line)
+                url = found.group(1) if found else None
+                assert line or proc.poll() is None, "kvtui serve exited during startup"
+            assert url, "kvtui serve did not start"
+            yield url, rec
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    return start
+
+
+def server_truth(serve_rec, client_rec) -> tuple[set[str], set[str]]:
+    """The server's own finding: (our ids of load-run requests its engine detectors saw contaminated, our
+    ids of every load-run request), matched by prompt ids; the load is the server's first 8 arrivals."""
+    from kvtui.events import Arrive, Contamination
+
+    _, ours, _, _ = read_recording(client_rec)
+    by_prompt = {tuple(f.prompt_ids): f.request_id for f in ours if isinstance(f, Finish)}
+    _, theirs, _, _ = read_recording(serve_rec)
+    load = [e.request_id for e in theirs if isinstance(e, Arrive)][:8]
+    prompts = {f.request_id: tuple(f.prompt_ids) for f in theirs if isinstance(f, Finish)}
+    victims = {by_prompt[prompts[e.victim]] for e in theirs if isinstance(e, Contamination) and e.victim in load
+               and e.detector in ("slot_taint", "attention_flow") and e.kind == "cross_request"}
+    return victims, {by_prompt[prompts[rid]] for rid in load}
+
+
+@pytest.mark.smollm
+def test_kvtui_serve_without_faults_is_clean_from_outside_and_inside(kvtui_serve, tmp_path, smollm2):
+    rec = tmp_path / "clean.jsonl"
+    with kvtui_serve() as (url, serve_rec):
+        out = subprocess.run(KVTUI + ["run", "scenarios/passphrase.yaml", "--target", url, "--headless", "--record",
+                                      str(rec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    _, events, summary, _ = read_recording(rec)
+    assert summary.contamination_events_total == () and summary.reference_checked == 8
+    victims, load = server_truth(serve_rec, rec)
+    assert victims == set() and len(load) == 8  # the server's own detectors agree: nothing leaked
+
+
+@pytest.mark.smollm
+def test_kvtui_serve_with_stale_slot_is_caught_from_outside(kvtui_serve, tmp_path, smollm2):
+    """stale_slot on the server: the requests its in-engine detectors saw reading an earlier request's KV
+    are all reported from outside. The reference check reports more: on this server a request sent alone
+    also lands in a used slot, so its solo run is damaged too and differs from a clean load-run answer."""
+    rec = tmp_path / "stale.jsonl"
+    with kvtui_serve("stale_slot") as (url, serve_rec):
+        out = subprocess.run(KVTUI + ["run", "scenarios/passphrase.yaml", "--target", url, "--headless", "--record",
+                                      str(rec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1 and "unexpected contamination" in out.stderr
+    _, events, summary, _ = read_recording(rec)
+    caught = {e.victim for e in events if getattr(e, "detector", None) in ("reference", "canary")
+              and e.kind in ("cross_request", "corruption")}
+    victims, load = server_truth(serve_rec, rec)
+    assert victims  # the fault acted on the load
+    assert victims <= caught <= load
