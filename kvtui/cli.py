@@ -166,6 +166,10 @@ def run(
 
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out)
+    if session.unapplied_timeline:
+        err.print(f"[yellow]warning:[/] {len(session.unapplied_timeline)} timeline event(s) came after the run's end "
+                  f"and were not applied (first at {session.unapplied_timeline[0].at_s:g} s)", highlight=False,
+                  soft_wrap=True)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
     code, reason = verdict(spec, session, expect_override="none" if clear_faults and not faults else None)
@@ -201,8 +205,8 @@ def _install_stop_handlers(session) -> None:
 
 
 def _run_headless(session, record, quiet: bool):
-    """Run to the end with a progress line on a terminal; a runtime failure keeps the recording and
-    exits 3 with one line."""
+    """Run to the end with a progress line on a terminal (steps, then the last reference checks,
+    which Ctrl-C skips); a runtime failure keeps the recording and exits 3 with one line."""
     total = len(session.pending)
     try:
         if quiet or not err.is_terminal:
@@ -212,7 +216,10 @@ def _run_headless(session, record, quiet: bool):
                 status.update(f"step {s.metrics.steps}  finished {s.metrics.requests_finished}/{total}  "
                               f"running {s.engine.num_running}  waiting {s.engine.num_waiting}  "
                               f"t={s.engine.now():.1f}s")
-            return session.run(progress)
+
+            def references(checked: int, of: int):
+                status.update(f"reference checks {checked}/{of} (Ctrl-C skips the rest)")
+            return session.run(progress, on_reference=references)
     except Exception as e:  # a bug or a runtime failure, not a user mistake: keep the recording, say where
         session.close()
         fail(f"runtime error: {type(e).__name__}: {e} (recording kept{': ' + str(record) if record else ''})",
@@ -237,6 +244,8 @@ def _dashboard(scenario: Path, **options) -> None:
         fail(str(e))
     except OSError as e:
         fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+    except Exception as e:  # a bug or a runtime failure: one line, the recording kept
+        fail(f"runtime error: {type(e).__name__}: {e}", EXIT_RUNTIME)
     if summary is not None:
         print_summary(summary, header, out)
     if options.get("record"):
@@ -305,8 +314,7 @@ def replay_summary(header, events, recorded):
     session_fields = {}
     if recorded is not None:
         session_fields = {k: getattr(recorded, k) for k in ("faults_active_at_end", "contamination_by_fault",
-                                                            "stopped_early", "requests_not_submitted",
-                                                            "reference_checked", "reference_skipped")}
+                                                            "stopped_early", "requests_not_submitted")}
     return metrics.summary(t=recorded.t if recorded is not None else None, **session_fields)
 
 

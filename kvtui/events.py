@@ -225,6 +225,7 @@ class TaintEvidence(_Frozen):
     positions: int
     sources: tuple[str, ...]
     examples: tuple[TaintExample, ...]
+    nonfinite: bool = False  # (v2) the positions read hold NaN/inf (the victim's logits were not finite)
 
 
 class EngineErrorEvidence(_Frozen):
@@ -303,6 +304,17 @@ class Marker(_Frozen):
     type: Literal["marker"] = "marker"
     t: float
     text: str
+
+
+class ReferenceStatus(_Frozen):
+    """Progress of the reference detector's checks (v2): completed requests checked against their
+    reference run, skipped (sampled out when it fell behind, or left at a quit), still waiting."""
+
+    type: Literal["reference.status"] = "reference.status"
+    t: float
+    checked: int
+    skipped: int
+    pending: int
 
 
 # -- a target server's own view ---------------------------------------------------------------------
@@ -399,12 +411,12 @@ class Summary(_Frozen):
 
 
 Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-                        ServerSample, Summary], Field(discriminator="type")]
+                        ReferenceStatus, ServerSample, Summary], Field(discriminator="type")]
 _EVENT = pydantic.TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Frozen]] = {
     m.model_fields["type"].default: m
     for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-              ServerSample, Summary)}
+              ReferenceStatus, ServerSample, Summary)}
 
 
 def parse_event(data: dict) -> _Frozen:

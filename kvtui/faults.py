@@ -40,8 +40,9 @@ class Fault:
         acts_in: where in the code path it acts, one line.
         user_sees: the symptom a user sees.
         layouts: the layouts it acts in ("padded", "packed").
-        caught_by: the detectors expected to catch it.
-        kind: the kind those detectors report (cross_request or corruption).
+        caught_by: the detectors expected to catch it ("engine": the step fails under the fault).
+        kind: the kind of the findings it causes: cross_request when the damage needs another request
+            (alone, with the same fault, the request gives its clean tokens), corruption when it does not.
     """
 
     name: str
@@ -61,7 +62,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("racy_threads", "one thread per request over a shared cache variable: state races, shape errors",
           "runner: a Python thread per request, all through one cache-state variable",
           "outputs differ from run to run; shape errors",
-          ("padded", "packed"), ("reference", "slot_taint"), "corruption"),
+          ("padded", "packed"), ("reference",), "cross_request"),
     Fault("no_request_mask", "packed batch without the block-diagonal mask: queries see other requests' keys",
           "batching (packed): a plain causal mask over the concatenated requests",
           "A drifts toward B; passphrases leak",
@@ -69,11 +70,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("unmasked_cache_padding", "mask hides input pads but not the padding inside cached K/V",
           "batching (padded): cache-padding key columns are left visible",
           "repetition and garbage on shorter rows",
-          ("padded",), ("slot_taint", "reference"), "corruption"),
+          ("padded",), ("slot_taint", "attention_flow", "reference"), "cross_request"),
     Fault("shared_position_offset", "position ids from a batch-wide counter: shorter rows get wrong RoPE offsets",
           "batching: every row's position ids start at the longest cache in the batch",
           "drift on the shorter rows of a batch",
-          ("padded", "packed"), ("reference",), "corruption"),
+          ("padded", "packed"), ("reference",), "cross_request"),
     Fault("stale_slot", "a reused slot keeps its old length and contents: the new request continues the old one",
           "admission: the slot's old length and contents are taken for the new prompt's cached prefix",
           "a new request continues the previous occupant's conversation",
@@ -85,7 +86,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("fp16_cache", "float16 cache and attention with a -1e9 mask (= -inf): pad rows turn NaN and poison",
           "attention and cache: float16 with the -1e9 constant; pad rows cached whole",
           "NaN logits, garbled text (float32 or bfloat16 avoids it)",
-          ("padded",), ("reference",), "corruption"),
+          ("padded",), ("reference",), "cross_request"),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

@@ -13,7 +13,18 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvtui.events import Contamination, CounterEntry, Finish, LatencyStats, ServerSample, StepEvent, Summary
+from kvtui.detect.findings import Findings
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    CounterEntry,
+    Finish,
+    LatencyStats,
+    ReferenceStatus,
+    ServerSample,
+    StepEvent,
+    Summary,
+)
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -94,6 +105,9 @@ class Metrics:
         self.peak_waiting = 0
         self.last: StepEvent | None = None
         self.contamination: Counter = Counter()  # (kind, detector) -> events
+        self.findings = Findings()  # reports joined per victim
+        self.arrived = 0
+        self.reference: ReferenceStatus | None = None
         self.canary_requests = 0
         self.canary_echoed = 0
         self.ttft: list[float] = []
@@ -115,6 +129,11 @@ class Metrics:
             self._add_finished(event)
         elif isinstance(event, Contamination):
             self.contamination[(event.kind, event.detector)] += 1
+            self.findings.add(event)
+        elif isinstance(event, Arrive):
+            self.arrived += 1
+        elif isinstance(event, ReferenceStatus):
+            self.reference = event
         elif isinstance(event, ServerSample):
             self._add_server_sample(event)
 
@@ -208,5 +227,8 @@ class Metrics:
             contamination_events_total=tuple(
                 CounterEntry(kind=kind, detector=detector, value=n)
                 for (kind, detector), n in sorted(self.contamination.items())),
+            findings_by_kind=self.findings.by_kind(), requests_in_flight=self.arrived - self.requests_finished,
+            reference_checked=self.reference.checked if self.reference else None,
+            reference_skipped=self.reference.skipped if self.reference else None,
             **session_fields,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
@@ -16,7 +17,10 @@ import torch
 import transformers
 
 import kvtui
-from kvtui.detect import DETECTOR_NAMES, CanaryDetector, EngineSignalDetector, ReferenceDetector
+from kvtui.detect import DETECTOR_NAMES
+from kvtui.detect.canary import CanaryDetector
+from kvtui.detect.engine_signals import EngineSignalDetector
+from kvtui.detect.reference import PendingCheck, ReferenceDetector
 from kvtui.engine import Engine
 from kvtui.events import (
     Arrive,
@@ -29,6 +33,7 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
+    ReferenceStatus,
     RunningEntry,
     StepEvent,
     Summary,
@@ -44,6 +49,7 @@ MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", 
                    "all latencies and tokens/s in the summary")
 
 Listener = Callable[[object], None]
+MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (all go to the recording)
 
 
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
@@ -105,17 +111,19 @@ class Session:
         self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
         self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.reference = ReferenceDetector(loaded, self.tokenizer) if "reference" in self.detectors else None
+        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config)
+                          if "reference" in self.detectors else None)
         self.timeline = list(scenario.timeline)
         self.fault_switches = fault_switches
         self.recorder = RecordingWriter(record_path) if record_path else None
         self.listeners = list(listeners)
         self.stop_requested = False
         self.summary: Summary | None = None
-        self.contamination: list[Contamination] = []
+        self.contamination: list[Contamination] = []  # the first MAX_KEPT_REPORTS; counts are in metrics
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
         self.fault_counts: dict[str, int] = {}
-        self._token_steps: dict[str, list[int]] = {}
+        self.unapplied_timeline: list = []
+        self._trails = _Trails()
         self._started()
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
@@ -153,9 +161,12 @@ class Session:
             modeled=MODELED_VIRTUAL if self.clock == "virtual" else ())
 
     def emit(self, event) -> None:
-        """Send one typed event to the recording, the metrics and every listener."""
+        """Send one typed event to the recording, the metrics and every listener. A contamination
+        report first joins its victim's finding (kvtui/detect/findings.py)."""
         if isinstance(event, Contamination):
-            self.contamination.append(event)
+            event = self.metrics.findings.add(event)
+            if len(self.contamination) < MAX_KEPT_REPORTS:
+                self.contamination.append(event)
             if event.counts:
                 for name in self.engine.faults:
                     self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
@@ -182,9 +193,12 @@ class Session:
             self._idle()
             return True
         report = self.engine.step()
+        self._trails.on_step(report)
         pieces = self._emit_step(report)
         self._detect(report, pieces)
         self._emit_finished(report)
+        if self.clock == "virtual" and self.reference is not None and self.reference.pending >= self.reference.batch:
+            self._drain_references(limit=self.reference.batch)  # spread over the run, not all at the end
         return not self.done
 
     def _submit_due(self) -> None:
@@ -219,9 +233,9 @@ class Session:
     def _idle(self) -> None:
         """Nothing to run: check a finished request against its solo run (wall clock), else wait for
         (wall) or jump to (virtual) the next arrival."""
-        if self.reference is not None and self.reference.queue and self.clock == "wall":
-            self._drain_references(limit=1)
-        elif self.clock == "virtual":
+        if self.reference is not None and self.reference.pending and self.clock == "wall":
+            self._drain_references(limit=self.reference.batch)
+        elif self.clock == "virtual" or self.engine.clock_paused:
             self.engine.advance_to(self.pending[0].arrival_s)
         else:
             time.sleep(min(max(self.pending[0].arrival_s - self.engine.now(), 0.0), 0.05))
@@ -235,7 +249,6 @@ class Session:
             if r.new_token_id is not None:
                 piece = self.tokenizer.decode([r.new_token_id], skip_special_tokens=True)
                 pieces.append((r.request_id, piece))
-                self._token_steps.setdefault(r.request_id, []).append(report.step)
             running.append(RunningEntry(id=r.request_id, slot=r.slot, cache_len=r.cache_len, q=r.query_tokens,
                                         token=r.new_token_id, phase=r.phase, piece=piece))
         self.emit(_step_event(report, tuple(running)))
@@ -268,13 +281,24 @@ class Session:
                 for event in self.canary.on_finish(f.request_id, finish.output_text, report.end_s, report.step):
                     self.emit(event)
             self.emit(finish)
-            steps = self._token_steps.pop(f.request_id, [])
+            steps, cobatched, earlier = self._trails.pop(f.request_id)
             if self.reference is not None and finish.completed:
-                self.reference.on_finish(f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps)
+                self.reference.on_finish(PendingCheck(
+                    f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
+                    frozenset(f.faults)))
 
-    def _drain_references(self, limit: int | None = None) -> None:
-        for event in self.reference.drain(self.engine.now(), limit=limit):
-            self.emit(event)
+    def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None) -> None:
+        """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
+        request ends it between engine steps. Emits the reports and a reference.status event."""
+        ref = self.reference
+        while ref.pending and (limit is None or limit > 0) and not self.stop_requested:
+            batch = min(ref.batch, limit or ref.batch)
+            for event in ref.drain(self.engine.now(), limit=batch, should_stop=lambda: self.stop_requested):
+                self.emit(event)
+            limit = None if limit is None else limit - batch
+            if progress is not None:
+                progress(ref.checked, ref.checked + ref.pending)
+        self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped, pending=ref.pending))
 
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
@@ -286,10 +310,14 @@ class Session:
                       passphrase_echoed=(passphrase in text) if passphrase else None)
 
     # -- live controls (dashboard keys) ------------------------------------------------------
-    def shift_clock(self, seconds: float) -> None:
-        """Wall clock: exclude `seconds` (a pause) from every later timestamp; pending arrivals keep their
-        place relative to the run."""
-        self.engine.shift_clock(seconds)
+    def pause_clock(self) -> None:
+        """Wall clock: stop the run's clock (a paused dashboard); steps taken while paused advance it
+        by their own duration only (see Engine.pause_clock)."""
+        self.engine.pause_clock()
+
+    def resume_clock(self) -> None:
+        """Wall clock: let the run's clock go on from where it stopped."""
+        self.engine.resume_clock()
 
     def set_fault(self, name: str, on: bool, source: str = "key") -> None:
         """Switch one isolation fault on or off from the next step; emits a `fault` event.
@@ -324,18 +352,25 @@ class Session:
             self.emit(Marker(t=now, text=f"burst of {moved} requests"))
         return moved
 
-    def run(self, on_progress: Callable[["Session"], None] | None = None) -> Summary:
-        """Step until done or stop_requested; then close. Returns the summary."""
+    def run(self, on_progress: Callable[["Session"], None] | None = None,
+            on_reference: Callable[[int, int], None] | None = None) -> Summary:
+        """Step until done or stop_requested; then close. Returns the summary.
+
+        Args:
+            on_progress: called after every step_once.
+            on_reference: called with (checked, total) while the last reference checks run.
+        """
         try:
             while not self.stop_requested and self.step_once():
                 if on_progress is not None:
                     on_progress(self)
         finally:
-            self.close()
+            self.close(on_reference)
         return self.summary
 
-    def close(self) -> Summary:
-        """Abort what is still in flight (after a stop), write the summary line, close the recording."""
+    def close(self, on_reference: Callable[[int, int], None] | None = None) -> Summary:
+        """Abort what is still in flight (after a stop), run the waiting reference checks (a stop skips
+        them, counted in the summary), write the summary line, close the recording."""
         if self.summary is not None:
             return self.summary
         for request_id, state in list(self.engine.requests.items()):
@@ -346,7 +381,12 @@ class Session:
             for f in report.finished:
                 self.emit(self._finish_event(f))
         if self.reference is not None:
-            self._drain_references()
+            self._drain_references(progress=on_reference)
+            if self.reference.pending:
+                self.reference.skip_pending()
+                self.emit(ReferenceStatus(t=self.engine.now(), checked=self.reference.checked,
+                                          skipped=self.reference.skipped, pending=0))
+        self._note_unapplied_timeline()
         self.summary = self.metrics.summary(
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
             contamination_by_fault=dict(self.fault_counts), stopped_early=self.stop_requested,
@@ -356,11 +396,45 @@ class Session:
             self.recorder.close()
         return self.summary
 
+    def _note_unapplied_timeline(self) -> None:
+        """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""
+        self.unapplied_timeline = list(self.timeline)
+        if self.timeline and not self.stop_requested:
+            at = ", ".join(f"{e.at_s:g} s" for e in self.timeline[:5])
+            self.emit(Marker(t=self.engine.now(), text=f"timeline events after the run's end were not applied "
+                                                       f"(at {at})"))
+
+
+class _Trails:
+    """What a reference check needs of each running request, kept while it runs: the step of each of
+    its tokens, the requests co-batched with it at that step, and its slot's earlier owners."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, list[int]] = {}
+        self.cobatched: dict[str, list[tuple[str, ...]]] = {}
+        self.earlier: dict[str, tuple[str, ...]] = {}
+        self.slot_owners: dict[int, deque] = {}
+
+    def on_step(self, report) -> None:
+        ids = [r.request_id for r in report.running]
+        for r in report.running:
+            if r.request_id not in self.earlier:
+                owners = self.slot_owners.setdefault(r.slot, deque(maxlen=4))
+                self.earlier[r.request_id] = tuple(owners)
+                owners.append(r.request_id)
+            if r.new_token_id is not None:
+                self.steps.setdefault(r.request_id, []).append(report.step)
+                self.cobatched.setdefault(r.request_id, []).append(tuple(i for i in ids if i != r.request_id))
+
+    def pop(self, request_id: str) -> tuple[tuple[int, ...], tuple[tuple[str, ...], ...], tuple[str, ...]]:
+        return (tuple(self.steps.pop(request_id, ())), tuple(self.cobatched.pop(request_id, ())),
+                self.earlier.pop(request_id, ()))
+
 
 def _step_event(report, running: tuple[RunningEntry, ...]) -> StepEvent:
     """The `step` event for a StepReport (finished requests get their own request.finish events)."""
     data = asdict(report)
-    for key in ("finished", "running", "taint", "flow", "end_s"):
+    for key in ("finished", "running", "taint", "flow", "nonfinite", "end_s"):
         data.pop(key)
     return StepEvent(
         **data, t=report.end_s, running=running,

@@ -59,29 +59,41 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
     if s.stopped_early:
         rows.append(("stopped early", f"yes ({s.requests_not_submitted} requests not submitted)"))
+    if s.requests_in_flight:
+        rows.append(("in flight at the end", f"{s.requests_in_flight} requests arrived but never finished"))
+    if s.reference_checked is not None:
+        rows.append(("reference checks", f"{s.reference_checked} checked"
+                     + (f", {s.reference_skipped} skipped (sampled out or left at a stop)" if s.reference_skipped else "")))
+    findings = ", ".join(f"{k} {n}" for k, n in sorted((s.findings_by_kind or {}).items()))
     detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
-    rows.append(("contamination events", f"{s.contamination_total()}" + (f" ({detail})" if detail else "")))
+    rows.append(("contamination findings", f"{sum((s.findings_by_kind or {}).values())}"
+                 + (f" ({findings}; reports: {detail})" if detail else "")))
     if s.contamination_by_fault:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
     return rows
 
 
+ENGINE_ONLY_ROWS = ("duration", "prefill / decode tokens/s", "padding ratio (mean, query / key)",
+                    "peak slot occupancy", "peak KV usage")
+
+
 def _target_rows(s: Summary) -> list[tuple[str, str]]:
-    """The rows that mean something for a server timed from outside (no steps, padding or slots)."""
-    keep = ("requests", "prompt tokens", "generated tokens", "output tokens/s", "TTFT p50 / p95", "TPOT p50 / p95",
-            "goodput", "own passphrase echoed", "stopped early", "contamination events")
-    rows = [row for row in _rows(s) if row[0] in keep]
+    """A server timed from outside: the engine-only rows (steps, padding, slots) give way to client-side
+    request figures and the server's own gauges."""
     itl, e2e = s.inter_token_latency_seconds, s.e2e_request_latency_seconds
-    rows[4:4] = [("duration", f"{s.duration_s:.2f} s"), ("request throughput", f"{s.request_throughput_per_s:.2f} req/s")]
-    rows.insert(8, ("ITL p50 / p95", f"{_ms(itl.p50)} / {_ms(itl.p95)}"))
-    rows.insert(9, ("E2E latency p50 / p95", f"{_ms(e2e.p50)} / {_ms(e2e.p95)}"))
-    if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak:
-        rows.insert(10, ("server peak KV usage / waiting",
-                         f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}"))
-    if s.reference_checked is not None:
-        rows.append(("reference check", f"{s.reference_checked} requests compared with their solo run, "
-                                        f"{s.reference_skipped or 0} skipped"))
+    extra = {
+        "output tokens/s": [("duration", f"{s.duration_s:.2f} s"),
+                            ("request throughput", f"{s.request_throughput_per_s:.2f} req/s")],
+        "TPOT p50 / p95": [("ITL p50 / p95", f"{_ms(itl.p50)} / {_ms(itl.p95)}"),
+                           ("E2E latency p50 / p95", f"{_ms(e2e.p50)} / {_ms(e2e.p95)}")]
+        + ([("server peak KV usage / waiting", f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}")]
+           if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak else []),
+    }
+    rows = []
+    for row in _rows(s):
+        if row[0] not in ENGINE_ONLY_ROWS:
+            rows += [row] + extra.get(row[0], [])
     return rows
 
 

@@ -46,3 +46,50 @@ def uncached_greedy(model, prompt: list[int], n: int) -> list[int]:
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+_oracles: dict = {}
+
+
+def oracle_model(name: str, attn: str):
+    """A SEPARATE instance of model `name` ("tiny-llama", "tiny-gpt2" or "default") running transformers'
+    own attention (`attn`: "eager" or "sdpa"): no kvtui code path is involved in what it computes."""
+    key = (name, attn)
+    if key not in _oracles:
+        if name == "default":
+            from kvtui.models import load_model
+
+            model = load_model("default", progress=False).model
+        else:
+            from kvtui.models import build_tiny
+
+            model, _ = build_tiny(name)
+        model.set_attn_implementation(attn)
+        _oracles[key] = model.eval()
+    return _oracles[key]
+
+
+@torch.inference_mode()
+def oracle_tokens(model, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Tokens of `prompt` from a full-sequence forward per step (no cache), sampled with the request's own
+    seeded generator; and the top-1 minus top-2 logit gap at each token."""
+    from kvtui.engine.sampling import make_generator, sample_token
+
+    ids, gaps, generator = list(prompt), [], make_generator(params)
+    for _ in range(params.max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        gaps.append(float(top2[0] - top2[1]))
+        ids.append(sample_token(logits, params, generator))
+    return ids[len(prompt):], gaps
+
+
+def assert_matches_oracle(ours: list[int], theirs: list[int], gaps: list[float], what: str,
+                          near_tie: float = 1e-4) -> None:
+    """`ours` equals the oracle's tokens, or first differs at a near tie of the oracle's logits (float
+    noise between two implementations can flip a tie; nothing after it is compared)."""
+    index = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if index is not None:
+        assert gaps[index] < near_tie, f"{what}: token {index} is {ours[index]}, oracle says {theirs[index]} " \
+                                       f"(top-2 gap {gaps[index]:.3g}, not a near tie)"
+    assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens, oracle {len(theirs)}"

@@ -1,7 +1,9 @@
-"""Batched == solo: the isolation property of the engine, on tiny Llama (GQA) and GPT-2."""
+"""Batched == solo: the isolation property of the engine, on tiny Llama (GQA) and GPT-2, against
+kvtui's own solo run AND against transformers' own attention (eager and sdpa) on a separate model
+instance, so kvtui's attention is never only compared with itself."""
 
 import pytest
-from helpers import run_batched, solo, uncached_greedy
+from helpers import assert_matches_oracle, oracle_model, oracle_tokens, run_batched, solo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,12 +13,17 @@ from kvtui.engine import SamplingParams
 MODELS = ("tiny-llama", "tiny-gpt2")
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", MODELS)
-def test_solo_engine_matches_uncached_forward(tiny, name):
-    """The solo path itself is right: pooled cache + kvtui attention == plain full-sequence forward."""
-    loaded = tiny[name]
+def test_solo_engine_matches_transformers_attention(tiny, name, attn):
+    """The solo path itself is right: pooled cache + kvtui attention == transformers' own attention on a
+    separate instance, full-sequence forward, greedy and seeded sampling."""
+    oracle = oracle_model(name, attn)
     for prompt in ([5], [7, 8, 9, 10, 11, 12, 13], list(range(40, 103))):
-        assert solo(loaded, prompt, SamplingParams(max_new_tokens=12)) == uncached_greedy(loaded.model, prompt, 12)
+        for params in (SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.9,
+                                                                         top_k=20, top_p=0.9, seed=7)):
+            theirs, gaps = oracle_tokens(oracle, prompt, params)
+            assert_matches_oracle(solo(tiny[name], prompt, params), theirs, gaps, f"{name} {attn} {len(prompt)}")
 
 
 @st.composite
@@ -52,9 +59,13 @@ def test_batched_equals_solo(tiny, workload):
     name, prompts, arrivals, params, config = workload
     loaded = tiny[name]
     engine, outputs, reports = run_batched(loaded, prompts, params, arrivals, config)
+    oracle = oracle_model(name, ("eager", "sdpa")[len(prompts) % 2])
     for i, prompt in enumerate(prompts):
         assert outputs[i] == solo(loaded, prompt, params[i]), f"request r{i} differs from its solo run"
         assert len(outputs[i]) == params[i].max_new_tokens
+        if params[i].greedy:  # sampled requests: the oracle's sampling is exercised in the solo test above
+            theirs, gaps = oracle_tokens(oracle, prompt, params[i])
+            assert_matches_oracle(outputs[i], theirs, gaps, f"request r{i}")
     if len(prompts) > config.num_slots:
         assert sum(engine.pool.times_used) == len(prompts)  # every request got a slot, some reused
         assert max(engine.pool.times_used) >= 2

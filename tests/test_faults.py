@@ -48,25 +48,24 @@ def events_of(session, kind=None, detector=None):
 
 
 CASES = [(name, layout) for name, fault in FAULTS.items() for layout in fault.layouts]
+# the canary needs a model that echoes its passphrase (tiny-llama's text is random): checked on SmolLM2 below
+TEXT_DETECTORS = {"canary"}
+RUN = {f"r{i:03d}" for i in range(6)}
 
 
 @pytest.mark.parametrize("name,layout", CASES)
-def test_fault_is_caught_with_the_right_kind_and_victim(tiny, name, layout):
+def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source(tiny, name, layout):
+    fault = FAULTS[name]
     session = run(tiny, scenario(layout, faults=[name]))
-    expected_kind = FAULTS[name].kind
-    found = events_of(session, kind=expected_kind)
-    assert found, f"{name} ({layout}): no {expected_kind} event; got {session.contamination}"
-    assert {e.detector for e in found} & (set(FAULTS[name].caught_by) | {"engine"})
-    ran = {f"r{i:03d}" for i in range(6)}
-    for e in found:
-        assert e.victim in ran
-        if e.source is not None:
-            assert e.source in ran and e.source != e.victim
-    # the victim really was damaged: its tokens differ from its solo run (reference agrees)
-    victims = {e.victim for e in found}
-    ref = {e.victim for e in events_of(session, detector="reference") if e.kind != "numeric"}
-    if name not in ("racy_threads",):
-        assert victims & ref or not ref
+    reports = [e for e in session.contamination if e.counts]
+    assert set(fault.caught_by) - TEXT_DETECTORS <= {e.detector for e in reports}, session.contamination
+    assert session.summary.findings_by_kind.get(fault.kind, 0) >= 1, session.summary.findings_by_kind
+    assert {e.victim for e in reports} <= RUN
+    named = [e for e in reports if e.source is not None]
+    assert all(set(e.source.split(",")) <= RUN - {e.victim} for e in named)
+    # the victims' tokens really changed: each finding of the fault's kind has a reference witness
+    findings = [f for f in session.metrics.findings if f.kind == fault.kind]
+    assert any("reference" in f.detectors for f in findings)
 
 
 def test_stale_slot_names_the_previous_owner_as_source(tiny):
@@ -88,19 +87,48 @@ def test_no_request_mask_flow_points_at_an_earlier_block(tiny):
     assert flows and all(e.source < e.victim for e in flows)  # earlier requests sit earlier in the row
 
 
-def test_racy_threads_raises_inside_the_step_and_the_run_goes_on(tiny):
+def test_racy_threads_never_stops_the_run_and_a_failed_step_is_an_event(tiny):
+    """The race is real, so whether a step fails (a shape error) varies from run to run; either way every
+    request ends, the damage is a finding, and each failed step is a corruption event whose victims
+    were aborted."""
     session = run(tiny, scenario("padded", faults=["racy_threads"]))
     assert session.summary.requests_finished == 6
-    kinds = {e.kind for e in session.contamination}
-    assert "corruption" in kinds
+    assert session.summary.findings_by_kind.get("cross_request", 0) >= 1
+    errors = [e for e in session.contamination if e.detector == "engine"]
+    assert all(e.kind == "corruption" and e.evidence.error for e in errors)
+    assert session.summary.finish_reasons.get("abort", 0) == len({e.victim for e in errors})
 
 
 def test_fault_switched_on_by_timeline_then_off(tiny):
-    spec = scenario("padded", extra="timeline: [{at_s: 0.0, set: {fault: stale_slot, on: true}}, "
-                                    "{at_s: 30.0, set: {fault: stale_slot, on: false}, marker: isolation restored}]")
-    session = run(tiny, spec)
-    assert [(name, on) for _, name, on in session.fault_history][:1] == [("stale_slot", True)]
-    assert events_of(session, kind="cross_request")
+    """stale_slot on from 0 s to 1.5 s: requests admitted meanwhile into a used slot leak; requests
+    admitted after it went off are clean."""
+    spec = parse_scenario("""
+name: on-then-off
+seed: 3
+max_requests: 12
+model: tiny-llama
+engine: {slots: 2, max_len: 128}
+arrivals: {process: constant, rate_per_s: 4.0}
+prompts: {kind: synthetic, prompt_tokens: {dist: uniform, min: 3, max: 30}}
+output_tokens: 8
+sampling: {ignore_eos: true}
+timeline: [{at_s: 0.0, set: {fault: stale_slot, on: true}},
+           {at_s: 1.5, set: {fault: stale_slot, on: false}, marker: isolation restored}]
+""")
+    finishes = []
+    session = Session(spec, tiny["tiny-llama"], clock="virtual",
+                      listeners=(lambda e: isinstance(e, Finish) and finishes.append(e),))
+    session.run()
+    assert [(on, t) for t, _, on in session.fault_history] == [(True, pytest.approx(0.0, abs=0.3)),
+                                                                (False, pytest.approx(1.5, abs=0.3))]
+    off_at = session.fault_history[1][0]
+    admitted = {f.request_id: f.scheduled_s for f in finishes}
+    before = {rid for rid, t in admitted.items() if t < off_at}
+    after = set(admitted) - before
+    victims = {e.victim for e in session.contamination if e.counts}
+    assert len(before) >= 3 and len(after) >= 3
+    assert victims and victims <= before  # leaks while on ...
+    assert not victims & after  # ... and none once off
 
 
 @st.composite
@@ -178,3 +206,20 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
     assert session.canary.passphrases[first.source] == first.evidence.leaked
     victim_text = finished[first.victim].output_text.upper()
     assert first.evidence.matched.upper() in victim_text  # the leak is in the victim's final answer
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if TEXT_DETECTORS & set(f.caught_by)])
+def test_text_detectors_catch_the_fault_on_smollm2(smollm2, name):
+    """The canary column of the truth table: the library's fault scenario on SmolLM2, which echoes
+    passphrases, makes a victim say another request's passphrase."""
+    from kvtui.scenario import load_scenario
+
+    spec = load_scenario(f"scenarios/faults/{name}.yaml")
+    session = Session(spec, smollm2, clock="virtual", detectors=("canary",))
+    session.run()
+    leaks = events_of(session, kind="cross_request", detector="canary")
+    assert leaks, f"{name}: no canary leak"
+    for leak in leaks:
+        assert leak.source != leak.victim and leak.evidence.matched.upper() in leak.evidence.text.upper()
+        assert session.canary.passphrases[leak.source] == leak.evidence.leaked

@@ -84,3 +84,40 @@ def test_the_mask_path_ignores_non_finite_values_at_masked_keys_and_keeps_them_w
     v_bad[1, :, 2] = float("nan")  # row 1 may see key 2: its NaN must show
     out, _ = kvtui_attention(None, q, k_bad, v_bad, mask)
     assert torch.isnan(out[1]).all() and torch.equal(out[0], clean[0])
+
+
+def test_a_non_finite_read_from_another_request_is_a_cross_request_finding_naming_it(tmp_path):
+    """r000's prompt holds a token whose embedding row is NaN, so its K/V are NaN from there on. With
+    stale_slot on, r001 takes r000's slot and continues from its KV: its logits turn NaN. Every
+    detector names r000 instead of going blind: slot_taint and attention_flow from the non-finite
+    positions' writer, reference from the replay alone (clean) and its suspects; one finding."""
+    from kvtui.models import load_model
+    from kvtui.scenario import parse_scenario
+    from kvtui.session import Session
+
+    loaded = load_model("tiny-llama", progress=False)  # a separate instance: we poison its embeddings
+    poisoned = loaded.tokenizer.encode("~")[0]
+    with torch.no_grad():
+        loaded.model.get_input_embeddings().weight[poisoned] = float("nan")
+    (tmp_path / "prompts.txt").write_text("ab~cdefgh\nhello there\n")
+    spec = parse_scenario("""
+name: nan-neighbour
+max_requests: 2
+model: tiny-llama
+engine: {slots: 1, max_len: 64, faults: [stale_slot]}
+arrivals: {process: constant, rate_per_s: 20}
+prompts: {kind: file, path: prompts.txt}
+output_tokens: 4
+sampling: {ignore_eos: true}
+""", base_dir=tmp_path)
+    session = Session(spec, loaded)
+    summary = session.run()
+    on_r001 = [e for e in session.contamination if e.victim == "r001"]
+    assert {e.detector for e in on_r001} == {"slot_taint", "attention_flow", "reference"}
+    assert {(e.kind, e.source) for e in on_r001} == {("cross_request", "r000")}
+    nonfinite = [e for e in on_r001 if e.evidence.nonfinite]
+    assert {e.detector for e in nonfinite} == {"slot_taint", "attention_flow", "reference"}
+    assert {e.finding for e in on_r001} == {2}  # r000's own corruption is finding 1
+    on_r000 = [e for e in session.contamination if e.victim == "r000"]
+    assert on_r000 and {e.kind for e in on_r000} == {"corruption"} and {e.source for e in on_r000} == {None}
+    assert summary.findings_by_kind == {"corruption": 1, "cross_request": 1}

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from kvtui.events import Arrive, Finish
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import read_recording
 from kvtui.scenario import parse_scenario
@@ -77,8 +78,11 @@ def test_truncated_recording_replays_up_to_its_last_whole_line(tiny, tmp_path):
     cut.write_text("".join(lines[:15]) + lines[15][:20])
     header, events, summary, truncated = read_recording(cut)
     assert truncated and summary is None and len(events) == 14
+    in_flight = sum(isinstance(e, Arrive) for e in events) - sum(isinstance(e, Finish) for e in events)
+    assert in_flight > 0
     out = subprocess.run(KVTUI + ["replay", str(cut)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ends early" in out.stderr
+    assert f"{in_flight} requests arrived but never finished" in out.stdout
 
 
 def test_sigterm_stops_cleanly_with_summary_written(tmp_path):

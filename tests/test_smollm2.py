@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import run_batched, solo
+from helpers import oracle_model, run_batched, solo
 
 from kvtui.config import EngineConfig
 from kvtui.engine import SamplingParams
@@ -42,18 +42,30 @@ def test_smollm2_batched_equals_solo(smollm2, layout, side):
     params = [SamplingParams(max_new_tokens=32)] * len(prompts)
     config = EngineConfig(num_slots=4, max_len=256, max_batch_size=8, layout=layout, padding_side=side)
     engine, outputs, reports = run_batched(smollm2, prompts, params, ARRIVAL_STEPS, config)
+    oracle = oracle_model("default", "sdpa")  # transformers' own attention, a separate instance, its own cache
     for i, prompt in enumerate(prompts):
         assert outputs[i] == solo(smollm2, prompt, params[i]), f"prompt {i} ({QUESTIONS[i][:30]!r}) differs"
+        theirs = generate(oracle, prompt, 32)
+        assert outputs[i][: len(theirs)] == theirs, f"prompt {i} ({QUESTIONS[i][:30]!r}) differs from transformers"
     assert max(engine.pool.times_used) >= 2  # 8 requests through 4 slots
     assert max(len(r.running) for r in reports) >= 3  # really batched
 
 
 @torch.inference_mode()
-def test_smollm2_solo_matches_transformers_generate(smollm2):
+def generate(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy `generate` (its own cache and attention) up to EOS, EOS excluded."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_smollm2_solo_matches_transformers_generate(smollm2, attn):
     prompt = chat_prompts(smollm2.tokenizer)[2]
     ours = solo(smollm2, prompt, SamplingParams(max_new_tokens=16))
-    out = smollm2.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
-    theirs = [t for t in out[0, len(prompt):].tolist() if t not in smollm2.eos_token_ids]  # generate stops at EOS
+    theirs = generate(oracle_model("default", attn), prompt, 16)  # a separate instance on its own attention
     assert len(theirs) >= 10
     assert ours[: len(theirs)] == theirs
     assert "VELVET-ORCHID-42" in smollm2.tokenizer.decode(ours)

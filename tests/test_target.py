@@ -238,7 +238,7 @@ def test_cli_run_target_records_and_replays(tmp_path):
     replay = subprocess.run(KVTUI + ["replay", str(rec), "--summary"], capture_output=True, text=True, timeout=60)
     assert replay.returncode == 0
     assert re.search(r"own passphrase echoed +│ 4/4", replay.stdout)
-    assert re.search(r"reference check +│ 4 requests compared", replay.stdout)
+    assert re.search(r"reference checks +│ 4 checked", replay.stdout)
 
 
 def test_cli_run_target_leak_exits_1_naming_victim_and_source(tmp_path):

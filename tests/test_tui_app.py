@@ -107,7 +107,7 @@ def test_main_screen_from_the_fixed_recording(size):
 
     text = asyncio.run(run())
     for needle in ("passphrase_demo", "isolation OFF: stale_slot", "LEAKS", "slots", "requests",
-                   "contamination", "events", "canary 1", "r005 ← r001", "LEAK←r001", "tok/s", "TTFT", "p50",
+                   "contamination", "events", "canary", "findings", "r005 ← r001", "LEAK←r001", "tok/s", "TTFT", "p50",
                    "took slot", "quit"):
         assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
     assert "isolation" in text.splitlines()[0]
@@ -400,3 +400,86 @@ def test_entry_points_fail_before_taking_the_terminal(tmp_path, monkeypatch):
         replay_dashboard(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="speed"):
         replay_dashboard(DEMO, speed=0)
+
+
+def test_restart_pause_step_resume_keeps_every_latency_non_negative(loaded, tmp_path):
+    """What a presenter does: restart, pause, step with `n` a few times, resume, quit. The run's clock
+    never goes back (a pause does not count; a step while paused advances it by its own duration), so
+    every TTFT, ITL and E2E is >= 0, and the live summary equals the recording's replay."""
+    from kvtui.cli import replay_summary
+    from kvtui.events import Finish, FirstToken, StepEvent
+
+    record = tmp_path / "live.jsonl"
+    source = live_source(loaded, record, scenario=DATA / "tui_clock.yaml")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await until(lambda: source.state.step >= 2, pilot=pilot)
+            await pilot.press("r")
+            await until(lambda: source.generation == 1 and source.state.step >= 1, pilot=pilot)
+            await pilot.press("space")
+            await until(lambda: source.parked, pilot=pilot)
+            await pilot.pause(1.0)  # paused time: not latency
+            for _ in range(4):
+                step = source.state.step
+                await pilot.press("n")
+                await until(lambda step=step: source.state.step > step, pilot=pilot)
+            await pilot.pause(0.5)
+            await pilot.press("space")
+            await until(lambda: source.state.step >= step + 10, pilot=pilot, timeout_s=20)
+            await pilot.press("q")
+        return app.return_value
+
+    summary = asyncio.run(run())
+    path = tmp_path / "live.restart1.jsonl"
+    header, events, recorded, truncated = read_recording(path)
+    assert not truncated and recorded == summary
+    times = [e.t for e in events if isinstance(e, StepEvent)]
+    assert times == sorted(times) and len(times) >= 14  # the clock never went back
+    ttfts = [e.ttft_s for e in events if isinstance(e, FirstToken)]
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert ttfts and min(ttfts) >= 0
+    assert all(b >= a for f in finishes for a, b in zip(f.token_times_s, f.token_times_s[1:]))
+    assert all(f.finish_s >= f.arrival_s for f in finishes if f.finish_s is not None)
+    for stats in (summary.time_to_first_token_seconds, summary.inter_token_latency_seconds,
+                  summary.e2e_request_latency_seconds):
+        assert stats.count == 0 or stats.p50 >= 0
+    assert replay_summary(header, events, recorded) == summary
+
+
+def test_quit_skips_the_waiting_reference_checks_and_counts_them(loaded, tmp_path):
+    """Under steady load the reference checks wait for idle time that never comes; `q` does not run
+    them: the summary counts them as skipped."""
+    from kvtui.scenario import load_scenario
+    from kvtui.session import Session
+
+    spec = load_scenario(LONG)
+
+    def make(listener, generation):
+        return Session(spec, loaded, clock="wall", record_path=tmp_path / "refs.jsonl", listeners=(listener,),
+                       detectors=("reference", "canary"))
+
+    source = LiveSource(make)
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(lambda: source.session.reference.pending >= 2, pilot=pilot, timeout_s=30)
+            await pilot.press("q")
+        return app.return_value
+
+    summary = asyncio.run(run())
+    assert summary.reference_skipped >= 2 and summary.reference_checked == 0
+    assert f"0 checked, {summary.reference_skipped} skipped" in screen_text_of_summary(summary)
+
+
+def screen_text_of_summary(summary) -> str:
+    from rich.console import Console
+
+    from kvtui.events import Header
+    from kvtui.summary import print_summary
+
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    print_summary(summary, Header(), console)
+    return console.export_text()

@@ -132,9 +132,19 @@ def test_another_requests_passphrase_in_the_text_is_a_leak_own_is_an_echo():
         s.apply(step(n, n / 10, [("r2", 1, 8 + n, 1, piece)], decode=1))
     r2 = next(r for r in snap_of(s).requests if r.id == "r2")
     assert (r2.leaked, r2.leak_sources, r2.echoed) == ((P1,), ("r1",), True)
+    assert snap_of(s).leaks == 0  # the header counts detector findings; the row shows what the text holds
+    s.apply(canary_leak())
     assert snap_of(s).leaks == 1
     r1 = next(r for r in snap_of(s).requests if r.id == "r1")
     assert r1.leaked == () and not r1.echoed
+
+
+def canary_leak():
+    canary = CanaryDetector()
+    canary.on_arrive("r1", P1)
+    canary.on_arrive("r2", P2)
+    (leak,) = canary.on_piece("r2", f"The passphrase is {P1}", 0.6, 6)
+    return leak
 
 
 def test_finish_text_replaces_pieces_and_is_checked_for_leaks():
@@ -148,8 +158,8 @@ def test_finish_text_replaces_pieces_and_is_checked_for_leaks():
 class _Report:
     """The StepReport fields EngineSignalDetector reads."""
 
-    def __init__(self, step, taint=(), flow=()):
-        self.step, self.taint, self.flow = step, taint, flow
+    def __init__(self, step, taint=(), flow=(), nonfinite=()):
+        self.step, self.taint, self.flow, self.nonfinite = step, taint, flow, nonfinite
 
 
 def detector_reports():

@@ -2,16 +2,26 @@
 (kvtui.events): victim request, source request when known, step, kind and evidence.
 
 Kinds: `cross_request` (information from another request reached the victim), `corruption`
-(self-damage: pads, wrong offsets, NaN), `numeric` (a near-tie flipped by numerical batch variance;
-never counted as contamination).
-"""
+(self-damage that happens with no other request present), `numeric` (a near tie flipped by numerical
+batch variance; never counted as contamination). findings.py joins the reports on one victim.
 
-from kvtui.detect.canary import CanaryDetector
-from kvtui.detect.engine_signals import EngineSignalDetector
-from kvtui.detect.reference import ReferenceDetector, numeric_tolerance
+The detector classes are imported from their modules (canary, engine_signals, reference); this
+package itself imports no torch, so replaying a recording stays light.
+"""
 
 DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint")
 CONTAMINATION_KINDS = ("cross_request", "corruption")
 
-__all__ = ["DETECTOR_NAMES", "CONTAMINATION_KINDS", "CanaryDetector", "EngineSignalDetector", "ReferenceDetector",
-           "numeric_tolerance"]
+_LAZY = {"CanaryDetector": "canary", "EngineSignalDetector": "engine_signals", "ReferenceDetector": "reference",
+         "numeric_tolerance": "reference", "Findings": "findings"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"kvtui.detect.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kvtui.detect' has no attribute {name!r}")
+
+
+__all__ = ["CONTAMINATION_KINDS", "DETECTOR_NAMES", *_LAZY]

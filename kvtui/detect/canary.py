@@ -4,6 +4,8 @@ naming its source. Checked on the text so far at every step, and on the final te
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from kvtui.events import CanaryEvidence, Contamination
 
 
@@ -20,14 +22,20 @@ class CanaryDetector:
     """Watches every request's text for passphrases of other requests of the run; reports each
     (victim, source) pair once, at the first step its text holds the source's passphrase."""
 
-    def __init__(self) -> None:
-        self.passphrases: dict[str, str] = {}  # request id -> passphrase
+    def __init__(self, memory: int = 512) -> None:
+        # request id -> passphrase, the `memory` most recent arrivals: a long run's text is checked
+        # against the requests whose KV could still be around, at a cost that does not grow
+        self.passphrases: OrderedDict[str, str] = OrderedDict()
+        self.memory = memory
         self.text: dict[str, str] = {}
         self._seen: set[tuple[str, str]] = set()
 
     def on_arrive(self, request_id: str, passphrase: str | None) -> None:
         if passphrase:
             self.passphrases[request_id] = passphrase
+            while len(self.passphrases) > self.memory:
+                old, _ = self.passphrases.popitem(last=False)
+                self._seen = {pair for pair in self._seen if old not in pair}
 
     def _check(self, victim: str, text: str, t: float, step: int) -> list[Contamination]:
         events = []

@@ -1,7 +1,17 @@
-"""slot_taint and attention_flow: turn the engine's per-step TaintReport / FlowReport into events,
-once per (victim, source) pair so a leak that lasts many steps is one event with its first step."""
+"""slot_taint and attention_flow: turn the engine's per-step TaintReport / FlowReport / NonfiniteRead
+into events, once per (detector, victim, source) so a leak that lasts many steps is one event with its
+first step.
+
+Non-finite values do not blind them: when a request's logits are not finite, the engine names the
+writers of the NaN/inf K/V the request was allowed to read (NonfiniteRead). Another request's
+positions make it a `cross_request` event naming that request, from both detectors; its own or
+never-written positions make it `corruption`. A NaN attention mass is never compared with the
+threshold: the non-finite report stands for it.
+"""
 
 from __future__ import annotations
+
+import math
 
 from kvtui.events import Contamination, FlowEvidence, TaintEvidence, TaintExample
 
@@ -9,7 +19,7 @@ FLOW_THRESHOLD = 1e-6  # attention mass on foreign keys; exactly 0.0 with isolat
 
 
 class EngineSignalDetector:
-    """Reads StepReport.taint and StepReport.flow (the engine computes them when switched on)."""
+    """Reads StepReport.taint, .flow and .nonfinite (the engine computes them when switched on)."""
 
     def __init__(self, *, taint: bool = True, flow: bool = True) -> None:
         self.taint = taint
@@ -17,31 +27,55 @@ class EngineSignalDetector:
         self._seen: set[tuple] = set()
 
     def on_step(self, report, t: float) -> list[Contamination]:
-        """Events for a StepReport's taint and flow entries (each (detector, victim, source) once)."""
+        """Events for a StepReport's taint, flow and non-finite entries."""
         events = []
         if self.taint:
-            for r in report.taint:
-                source = r.sources[0]
-                kind = "corruption" if source.startswith("<") else "cross_request"
-                key = ("slot_taint", r.request_id, source)
-                if key in self._seen:
-                    continue
-                self._seen.add(key)
-                events.append(Contamination(
-                    t=t, step=report.step, detector="slot_taint", kind=kind, victim=r.request_id,
-                    source=None if kind == "corruption" else source,
-                    evidence=TaintEvidence(positions=r.positions, sources=r.sources, examples=tuple(
-                        TaintExample(slot=s, pos=p, written_by=w) for s, p, w in r.examples))))
+            events += [self._taint(r, report.step, t) for r in report.taint]
         if self.flow:
-            for f in report.flow:
-                if f.foreign_mass <= FLOW_THRESHOLD:
-                    continue
-                key = ("attention_flow", f.request_id, f.top_source)
-                if key in self._seen:
-                    continue
-                self._seen.add(key)
-                events.append(Contamination(
-                    t=t, step=report.step, detector="attention_flow", kind="cross_request", victim=f.request_id,
-                    source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
-                                                               pad_mass=round(f.pad_mass, 6))))
+            events += [self._flow(f, report.step, t) for f in report.flow
+                       if math.isfinite(f.foreign_mass) and f.foreign_mass > FLOW_THRESHOLD]
+        for read in report.nonfinite:
+            events += self._nonfinite(read, report.step, t)
+        return [e for e in events if e is not None]
+
+    def _once(self, *key) -> bool:
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True
+
+    def _taint(self, r, step: int, t: float) -> Contamination | None:
+        source = r.sources[0]
+        kind = "corruption" if source.startswith("<") else "cross_request"
+        if not self._once("slot_taint", r.request_id, source):
+            return None
+        return Contamination(t=t, step=step, detector="slot_taint", kind=kind, victim=r.request_id,
+                             source=None if kind == "corruption" else source,
+                             evidence=TaintEvidence(positions=r.positions, sources=r.sources, examples=_examples(r)))
+
+    def _flow(self, f, step: int, t: float) -> Contamination | None:
+        if not self._once("attention_flow", f.request_id, f.top_source):
+            return None
+        return Contamination(t=t, step=step, detector="attention_flow", kind="cross_request", victim=f.request_id,
+                             source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
+                                                                        pad_mass=round(f.pad_mass, 6)))
+
+    def _nonfinite(self, read, step: int, t: float) -> list[Contamination]:
+        foreign = [s for s in read.sources if s != read.request_id and not s.startswith("<")]
+        source = foreign[0] if foreign else None
+        kind = "cross_request" if foreign else "corruption"
+        events = []
+        if self.taint and self._once("slot_taint", read.request_id, source, "nonfinite"):
+            events.append(Contamination(
+                t=t, step=step, detector="slot_taint", kind=kind, victim=read.request_id, source=source,
+                evidence=TaintEvidence(positions=read.positions, sources=read.sources, examples=_examples(read),
+                                       nonfinite=True)))
+        if self.flow and self._once("attention_flow", read.request_id, source, "nonfinite"):
+            events.append(Contamination(
+                t=t, step=step, detector="attention_flow", kind=kind, victim=read.request_id, source=source,
+                evidence=FlowEvidence(foreign_mass=None, pad_mass=None, nonfinite=True)))
         return events
+
+
+def _examples(r) -> tuple[TaintExample, ...]:
+    return tuple(TaintExample(slot=s, pos=p, written_by=w) for s, p, w in r.examples)

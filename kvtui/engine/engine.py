@@ -17,7 +17,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slot_admission
 from kvtui.engine.kv_pool import KVPool
-from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, slot_taint
+from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
 from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
@@ -38,6 +38,7 @@ class ForwardOutcome:
     stats: BatchStats = BatchStats()
     taint: tuple = ()
     flow: tuple = ()
+    nonfinite: tuple = ()
     errors: tuple[tuple[int, str], ...] = ()
 
 
@@ -95,6 +96,7 @@ class Engine:
         self.clock = clock
         self.cost_model = cost_model or StepCostModel()
         self._t0 = time.perf_counter()
+        self._paused_at: float | None = None
         self._virtual_now = 0.0
         self.step_index = 0
         self.requests: dict[str, RequestState] = {}
@@ -109,21 +111,34 @@ class Engine:
 
     # -- time ---------------------------------------------------------------------------------
     def now(self) -> float:
-        """Engine clock in seconds (virtual or wall since start)."""
+        """Engine clock in seconds (virtual, or wall since start minus paused time)."""
         if self.clock == "virtual":
             return self._virtual_now
-        return time.perf_counter() - self._t0
+        return (self._paused_at if self._paused_at is not None else time.perf_counter()) - self._t0
 
-    def shift_clock(self, seconds: float) -> None:
-        """Wall clock only: move the engine's origin forward by `seconds` (a paused dashboard), so a pause
-        does not count as latency."""
-        if self.clock == "wall":
-            self._t0 += seconds
+    def pause_clock(self) -> None:
+        """Wall clock: freeze now() (a paused dashboard), so paused time never counts as latency. A step
+        taken while paused runs with the clock going and advances it by the step's own duration."""
+        if self.clock == "wall" and self._paused_at is None:
+            self._paused_at = time.perf_counter()
+
+    def resume_clock(self) -> None:
+        """Wall clock: let now() go on from where pause_clock() froze it (monotonic: never back)."""
+        if self._paused_at is not None:
+            self._t0 += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    @property
+    def clock_paused(self) -> bool:
+        return self._paused_at is not None
 
     def advance_to(self, t: float) -> None:
-        """Virtual clock only: jump forward to `t` seconds (e.g. the next arrival while idle)."""
-        if self.clock == "virtual" and t > self._virtual_now:
-            self._virtual_now = t
+        """Jump the clock forward to `t` seconds (never back): the virtual clock to the next arrival
+        while idle, or a paused wall clock when a single step is asked for and nothing runs yet."""
+        if self.clock == "virtual":
+            self._virtual_now = max(self._virtual_now, t)
+        elif t > self.now():
+            self._t0 -= t - self.now()
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
@@ -230,7 +245,17 @@ class Engine:
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> StepReport:
         """One engine step: admit waiting requests into free slots, plan the batch, run one forward,
-        sample and retire finished requests, report (schedule -> run -> postprocess)."""
+        sample and retire finished requests, report (schedule -> run -> postprocess). While the clock is
+        paused, the step runs with it going (and it stops again after)."""
+        paused = self._paused_at is not None
+        self.resume_clock()
+        try:
+            return self._step()
+        finally:
+            if paused:
+                self.pause_clock()
+
+    def _step(self) -> StepReport:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
         stale = self._admit(start_s, faults)
@@ -285,7 +310,11 @@ class Engine:
         if self.measure_flow and state.attn_sum is not None:
             flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids))
         by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
-        return ForwardOutcome(by_chunk, batch.stats, taint, flow)
+        broken = [c for c, row in by_chunk.items() if not bool(torch.isfinite(row).all())]
+        nonfinite = ()
+        if broken and (self.detect_taint or self.measure_flow):
+            nonfinite = tuple(nonfinite_reads(batch, self.pool, writers, broken, self._names, ids))
+        return ForwardOutcome(by_chunk, batch.stats, taint, flow, nonfinite)
 
     def _serials(self, chunks) -> list[int]:
         return [self._serial[c.request.request_id] for c in chunks]
@@ -406,7 +435,7 @@ class Engine:
             slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
             kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens, kv_usage=kv_tokens / pool.capacity_tokens,
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
-            faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow,
+            faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
             stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale),
         )

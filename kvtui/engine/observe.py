@@ -54,6 +54,54 @@ class FlowReport:
     top_source: str | None
 
 
+@dataclass(frozen=True)
+class NonfiniteRead:
+    """A request whose logits were not finite, and who wrote the non-finite K/V it was allowed to read.
+
+    Attributes:
+        request_id: the request with non-finite logits.
+        sources: writers of the non-finite positions it could read (its own id when it wrote them
+            itself; "<unwritten>" / "<pad>" as in TaintReport), most positions first.
+        positions: how many such positions.
+        examples: up to 5 (slot, position, writer).
+    """
+
+    request_id: str
+    sources: tuple[str, ...]
+    positions: int
+    examples: tuple[tuple[int, int, str], ...]
+
+
+def nonfinite_reads(batch: BatchTensors, pool, writers: torch.Tensor, chunks: list[int], names: dict[int, str],
+                    request_ids: list[str]) -> list[NonfiniteRead]:
+    """For each chunk index in `chunks` (those whose logits were not finite): the keys its queries were
+    allowed to read whose K or V holds NaN or inf in any layer, and who wrote them.
+
+    Args:
+        pool: the KVPool (keys/values per layer [S, Hkv, L, D]); writers: [R, K] from key_writers.
+    """
+    reports = []
+    q_owner = batch.query_owner.cpu()
+    for index in chunks:
+        rows, cols = (q_owner == index).nonzero(as_tuple=True)
+        row = int(rows[0])
+        seen = batch.allowed[row, cols].cpu().any(dim=0).nonzero(as_tuple=True)[0]  # key columns it may read
+        slots, positions = batch.key_slot[row, seen], batch.key_pos[row, seen]
+        bad = torch.zeros(len(seen), dtype=torch.bool)
+        for keys, values in zip(pool.keys, pool.values):
+            bad |= (~torch.isfinite(keys[slots, :, positions]) | ~torch.isfinite(values[slots, :, positions])).flatten(1).any(1).cpu()
+        if not bad.any():
+            continue
+        serials = writers[row, seen[bad]]
+        counts = torch.unique(serials, return_counts=True)
+        order = torch.argsort(counts[1], descending=True, stable=True)
+        sources = tuple(_name(int(counts[0][i]), names) for i in order)
+        examples = tuple((int(slots[bad][j]), int(positions[bad][j]), _name(int(serials[j]), names))
+                         for j in range(min(5, int(bad.sum()))))
+        reports.append(NonfiniteRead(request_ids[index], sources, int(bad.sum()), examples))
+    return reports
+
+
 def _name(serial: int, names: dict[int, str]) -> str:
     if serial == UNWRITTEN:
         return "<unwritten>"
@@ -123,7 +171,7 @@ def attention_flow(batch: BatchTensors, attn_sum: torch.Tensor, terms: int, writ
         foreign_mass = (p * foreign).sum(dim=1)
         pad_mass = (p * padlike).sum(dim=1)
         top = None
-        if float(foreign_mass.max()) > 0:
+        if float(foreign_mass.max()) > 0:  # False for NaN: the non-finite report names the source then
             by_writer: dict[int, float] = {}
             for serial in torch.unique(w[foreign]).tolist():
                 by_writer[serial] = float((p * (w == serial)).sum())

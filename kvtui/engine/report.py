@@ -89,6 +89,8 @@ class StepReport:
         faults: isolation faults active in the step.
         taint: TaintReport per request that could read cache positions it does not own (slot_taint on).
         flow: FlowReport per request (attention_flow on).
+        nonfinite: NonfiniteRead per request whose logits were not finite (slot_taint or attention_flow
+            on): who wrote the non-finite K/V it could read.
         errors: (request_id, error text) for requests whose forward raised under a fault.
         stale_starts: (request_id, slot, previous owner, tokens kept) for slots reused stale.
     """
@@ -119,6 +121,7 @@ class StepReport:
     faults: tuple[str, ...] = ()
     taint: tuple = ()
     flow: tuple = ()
+    nonfinite: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
     stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
 

@@ -85,6 +85,29 @@ def load_model(
     return _finish(loaded, device)
 
 
+def check_model_available(name: str) -> None:
+    """Cheap check (no weights read) that `name` can be loaded: the default model installed, a tiny
+    model name, a .gguf file or a model directory with config.json.
+
+    Raises:
+        ModelLoadError: as load_model would, in one line.
+    """
+    key = name.strip().lower()
+    if key in DEFAULT_ALIASES:
+        _default.default_model_path()
+        return
+    if key in TINY_NAMES:
+        return
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return
+    if path.is_dir() and (path / "config.json").is_file():
+        return
+    if path.is_dir():
+        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
+    raise ModelLoadError(f"unknown model {name!r}: {ACCEPTED}")
+
+
 def _load_default(dtype: torch.dtype, progress: bool) -> LoadedModel:
     path = _default.default_model_path()
     sha = _sha256(path)

@@ -100,8 +100,8 @@ class EngineSection(Strict):
     @pydantic.model_validator(mode="before")
     @classmethod
     def _default_slots(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "slots" not in data and data.get("kv_budget_bytes") is None:
-            return {**data, "slots": _D.num_slots}
+        if isinstance(data, dict) and data.get("slots") is None and data.get("kv_budget_bytes") is None:
+            return {**data, "slots": _D.num_slots}  # absent, or null with no budget: the default
         return data
 
     @pydantic.model_validator(mode="after")

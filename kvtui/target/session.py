@@ -24,7 +24,17 @@ import httpx
 
 import kvtui
 from kvtui.detect import CanaryDetector
-from kvtui.events import Arrive, Contamination, Finish, FirstToken, Header, Marker, ModelInfo, Summary
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    Finish,
+    FirstToken,
+    Header,
+    Marker,
+    ModelInfo,
+    ReferenceStatus,
+    Summary,
+)
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
 from kvtui.target.openai import StreamResult, request_body, stream_request
@@ -147,8 +157,10 @@ class TargetSession:
         return self._header
 
     def emit(self, event) -> None:
-        """Send one typed event to the recording, the metrics and every listener."""
+        """Send one typed event to the recording, the metrics and every listener. A contamination report
+        first joins its victim's finding (kvtui/detect/findings.py), as in a local run."""
         if isinstance(event, Contamination):
+            event = self.metrics.findings.add(event)
             self.contamination.append(event)
         if self.recorder is not None:
             self.recorder.write(event)
@@ -182,6 +194,7 @@ class TargetSession:
                     await self._references(client)
                 elif "reference" in self.detectors:
                     self.reference_skipped = len(self.results)
+                    self._reference_status(pending=0)
             finally:
                 poller.cancel()
                 markers.cancel()
@@ -318,25 +331,34 @@ class TargetSession:
         greedy = [(rid, r) for rid, r in ordered if r.finish_reason in ("stop", "length")
                   and self.planned[rid].sampling.temperature == 0]
         self.reference_skipped = len(ordered) - len(greedy)
+        self._reference_status(pending=len(greedy))
         if greedy:
             self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
-        for rid, batched in greedy:
+        for k, (rid, batched) in enumerate(greedy):
             if self.stop_requested:
                 self.reference_skipped += 1
-                continue
-            path, body = self._body(self.planned[rid], temperature=0.0)
-            if self.server_kind == "llama.cpp":  # a fresh prefill: not the KV its prompt cache kept from the load
-                body["cache_prompt"] = False
-            solo = await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now)
-            if solo.finish_reason == "error":
-                self.reference_skipped += 1
-                self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
-                continue
-            self.reference_checked += 1
-            event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
-                                    suspects=self._overlapping(rid))
-            if event is not None:
-                self.emit(event)
+            else:
+                await self._reference_one(client, rid, batched)
+            self._reference_status(pending=len(greedy) - k - 1)
+
+    async def _reference_one(self, client: httpx.AsyncClient, rid: str, batched: StreamResult) -> None:
+        path, body = self._body(self.planned[rid], temperature=0.0)
+        if self.server_kind == "llama.cpp":  # a fresh prefill: not the KV its prompt cache kept from the load
+            body["cache_prompt"] = False
+        solo = await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now)
+        if solo.finish_reason == "error":
+            self.reference_skipped += 1
+            self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
+            return
+        self.reference_checked += 1
+        event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
+                                suspects=self._overlapping(rid))
+        if event is not None:
+            self.emit(event)
+
+    def _reference_status(self, pending: int) -> None:
+        self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=self.reference_skipped,
+                                  pending=pending))
 
     def _overlapping(self, rid: str) -> tuple[str, ...]:
         """Requests whose send-to-end interval overlapped `rid`'s (the ones that could have reached it)."""
@@ -349,10 +371,8 @@ class TargetSession:
         """Write the summary line and close the recording (once)."""
         if self.summary is not None:
             return self.summary
-        self.summary = self.metrics.summary(
-            t=self.now(), stopped_early=self.stop_requested, requests_not_submitted=len(self.pending),
-            reference_checked=self.reference_checked if "reference" in self.detectors else None,
-            reference_skipped=self.reference_skipped if "reference" in self.detectors else None)
+        self.summary = self.metrics.summary(t=self.now(), stopped_early=self.stop_requested,
+                                            requests_not_submitted=len(self.pending))
         self.emit(self.summary)
         if self.recorder is not None:
             self.recorder.close()

@@ -66,7 +66,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     """
     from kvtui.detect import DETECTOR_NAMES
     from kvtui.faults import check_fault_names
-    from kvtui.models import load_model
+    from kvtui.models import check_model_available, load_model
     from kvtui.scenario import load_scenario
     from kvtui.session import build_session
     from kvtui.tui.app import KvtuiApp
@@ -76,18 +76,38 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         raise ValueError(f"clock {clock!r}: use 'wall' or 'virtual'")
     check_fault_names(faults)
     scenario = load_scenario(scenario_path)
-    loaded = load_model(model or scenario.model, dtype=dtype or scenario.dtype, device=device, progress=progress)
+    name = model or scenario.model
+    check_model_available(name)
+    if record is not None:
+        check_writable(Path(record))
+    loaded: list = []
+
+    def prepare() -> None:
+        loaded.append(load_model(name, dtype=dtype or scenario.dtype, device=device, progress=False))
 
     def make_session(listener, generation: int):
-        return build_session(scenario, loaded, clock=clock, record=restart_path(record, generation), device=device,
+        return build_session(scenario, loaded[0], clock=clock, record=restart_path(record, generation), device=device,
                              layout=layout, faults=tuple(faults), clear_faults=clear_faults,
                              detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
                              listeners=(listener,))
 
-    source = LiveSource(make_session, torch_threads=torch_threads or default_torch_threads())
+    source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
+                        torch_threads=torch_threads or default_torch_threads())
     _run_app(KvtuiApp(source), source)
     summary = source.shutdown()
+    if source.error is not None:
+        raise source.error
     return summary, source.session.header()
+
+
+def check_writable(path: Path) -> None:
+    """Raise OSError now (before the terminal is taken) when a recording cannot be created at `path`."""
+    existed = path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8"):
+        pass
+    if not existed:
+        path.unlink()
 
 
 def replay_dashboard(recording_path: str | Path, *, speed: float = 1.0) -> None:

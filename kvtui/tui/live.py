@@ -32,33 +32,38 @@ SessionFactory = Callable[[Callable[[dict], None], int], "Session"]
 
 
 class LiveSource(Source):
-    """Runs sessions made by `make_session`; the first is made at once (in the caller's thread, so
-    a bad recording path fails before the dashboard takes the terminal).
+    """Runs sessions made by `make_session`. Without `prepare` the first is made at once, in the
+    caller's thread; with it, the worker first runs `prepare()` (loading the model) while the dashboard
+    says so, then makes the session.
 
     Args:
         make_session: the factory (see SessionFactory).
+        prepare: slow set-up to run in the worker before the first session (e.g. loading the model).
+        loading_text: what the dashboard shows meanwhile.
         torch_threads: if set, torch.set_num_threads(n) in the worker before the first step.
     """
 
     kind = "live"
     LIVE_ACTIONS = frozenset({"isolation", "faults", "rate", "burst", "restart", "step"})
 
-    def __init__(self, make_session: SessionFactory, *, torch_threads: int | None = None) -> None:
+    def __init__(self, make_session: SessionFactory, *, prepare: Callable[[], None] | None = None,
+                 loading_text: str = "loading the model…", torch_threads: int | None = None) -> None:
         super().__init__()
         self.make_session = make_session
+        self.prepare, self.loading_text = prepare, loading_text
+        self.error: Exception | None = None  # set when preparing or making the first session failed
         self.torch_threads = torch_threads
         self.generation = 0
         self._closing = False
         self.parked = False  # the worker is waiting (paused or done), not stepping: tests read it
         self.state = DashboardState()
-        self.session: Session = make_session(self._apply, 0)
+        self.session: Session | None = None if prepare else make_session(self._apply, 0)
         self.done = False
         self.summary = None  # kvtui.events.Summary once the session closed
         self.worker: Worker | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._paused_at: float | None = None
         self._exited = threading.Event()
 
     def _apply(self, event: dict) -> None:
@@ -67,6 +72,8 @@ class LiveSource(Source):
             self.publish(build_snapshot(self.state), force=True)
 
     def mode(self) -> str:
+        if self.session is None:
+            return "ERROR" if self.error else "LOADING"
         if self.done:
             return "DONE"
         if self._closing or self._stop.is_set():
@@ -92,6 +99,9 @@ class LiveSource(Source):
             import torch
 
             torch.set_num_threads(self.torch_threads)
+        if self.session is None and not self._start():
+            self._stop.wait()
+            return
         self.publish(build_snapshot(self.state), force=True)
         while not self._stop.is_set():
             self._wake.clear()  # before draining, so a command queued from now on wakes the wait below
@@ -115,6 +125,22 @@ class LiveSource(Source):
         self._finish(early=True)
         self.publish(build_snapshot(self.state), force=True)
 
+    def _start(self) -> bool:
+        """Run `prepare` and make the first session, showing the loading text meanwhile; on failure
+        keep the dashboard up with the error (q quits) and return False."""
+        self.state.note("info", self.loading_text)
+        self.publish(build_snapshot(self.state), force=True)
+        try:
+            self.prepare()
+            self.session = self.make_session(self._apply, 0)
+        except Exception as e:
+            self.error = e
+            self.state.note("error", f"{type(e).__name__}: {e} (q quits)")
+            self.publish(build_snapshot(self.state), force=True)
+            return False
+        self._sync_clock()
+        return True
+
     def _fail(self, error: Exception) -> None:
         self.state.note("error", f"{type(error).__name__}: {error} (paused; r restarts)")
         self.paused = True
@@ -122,7 +148,7 @@ class LiveSource(Source):
 
     def _finish(self, early: bool = False) -> None:
         """Close the session once (summary written); `early`: it was cut short (quit, restart)."""
-        if not self.done:
+        if not self.done and self.session is not None:
             if early:
                 self.session.stop_requested = True
             self._closing = True
@@ -153,19 +179,13 @@ class LiveSource(Source):
 
     # -- controls (UI thread) ---------------------------------------------------------------------
     def toggle_pause(self) -> None:
+        """Pause or resume: the worker stops stepping and the run's clock stops with it (so a pause never
+        counts as latency); `n` steps while paused advance it by their own duration."""
         self.paused = not self.paused
-        now = time.perf_counter()
-        if self.paused:
-            self._paused_at = now
-        elif self._paused_at is not None:
-            paused_for, self._paused_at = now - self._paused_at, None
-            self._queue(lambda: self._exclude_pause(paused_for))
-        self._queue(lambda: None)  # republish with the new mode
+        self._queue(self._sync_clock)  # also republishes with the new mode
 
-    def _exclude_pause(self, seconds: float) -> None:
-        """Take a pause out of the wall clock, so paused time does not count as latency.
-        """
-        self.session.shift_clock(seconds)
+    def _sync_clock(self) -> None:
+        (self.session.pause_clock if self.paused else self.session.resume_clock)()
 
     def step(self) -> None:
         self._queue(self._step_one)
@@ -212,6 +232,7 @@ class LiveSource(Source):
             self.done = True
             self.state.note("error", f"restart failed: {type(e).__name__}: {e}")
             return
+        self._sync_clock()  # a restart while paused starts paused
         self.state.note("info", f"restart #{self.generation}")
 
     async def stop(self) -> dict | None:
@@ -225,7 +246,10 @@ class LiveSource(Source):
         return self.summary
 
     def request_stop(self) -> None:
-        """Tell the worker to close the session and end (any thread; returns at once)."""
+        """Tell the worker to close the session and end (any thread; returns at once). Reference checks
+        still waiting are skipped (the summary counts them)."""
+        if self.session is not None:
+            self.session.stop_requested = True  # read between engine steps, also while closing
         self._stop.set()
         self._wake.set()
 

@@ -219,8 +219,15 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
     if not snap.by_detector:
         text.append("no contamination detected\n", style="bold green")
     else:
-        text.append(" · ".join(f"{d} {n}" for d, n in snap.by_detector), style=f"bold {RED}")
-        text.append("\n").append(" · ".join(f"{k} {n}" for k, n in snap.by_kind)).append("\n")
+        if snap.findings:
+            text.append("findings ", style="bold").append(" · ".join(f"{k} {n}" for k, n in snap.findings),
+                                                          style=f"bold {RED}").append("\n")
+        text.append("witnesses ", style="dim").append(" · ".join(f"{d} {n}" for d, n in snap.by_detector))
+        text.append("\n")
+    if snap.reference is not None:
+        checked, skipped, pending = snap.reference
+        text.append(f"reference checked {checked}" + (f", skipped {skipped}" if skipped else "")
+                    + (f", {pending} waiting" if pending else "") + "\n", style="dim")
     flows = [r for r in snap.requests if r.attention_mass is not None and (r.active or r.attention_mass > 0)]
     if flows:
         text.append("attention on other requests' keys\n", style="dim")

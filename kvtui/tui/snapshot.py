@@ -130,6 +130,8 @@ class Snapshot:
         contamination: latest detector reports, oldest first; by_detector, by_kind: counts.
         log: latest event-log lines, oldest first.
         done: the run has ended (summary seen); summary: the (frozen) summary event or None.
+        findings: findings per kind (reports on one victim joined; kvtui/detect/findings.py).
+        reference: the reference detector's (checked, skipped, pending), or None before its first report.
     """
 
     seq: int
@@ -167,6 +169,8 @@ class Snapshot:
     log: tuple[LogLine, ...]
     done: bool
     summary: Summary | None
+    findings: tuple[tuple[str, int], ...] = ()
+    reference: tuple[int, int, int] | None = None
 
     @property
     def isolation_on(self) -> bool:
@@ -175,5 +179,5 @@ class Snapshot:
 
     @property
     def leaks(self) -> int:
-        """Requests shown with another request's passphrase."""
-        return sum(1 for r in self.requests if r.leaked)
+        """Findings of information crossing between requests (or tenants), whichever detector saw them."""
+        return sum(n for kind, n in self.findings if kind in ("cross_request", "cross_tenant"))

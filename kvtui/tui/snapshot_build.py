@@ -93,4 +93,6 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         by_detector=tuple(sorted(state.by_detector.items())), by_kind=tuple(sorted(state.by_kind.items())),
         log=tuple(state.log),
         done=state.summary is not None, summary=state.summary,
+        findings=tuple(sorted(m.findings.by_kind().items())),
+        reference=(m.reference.checked, m.reference.skipped, m.reference.pending) if m.reference else None,
     )

@@ -36,6 +36,7 @@ MAX_CONTAMINATION = 50  # detector reports kept for the panel
 MAX_LOG = 200  # event-log lines kept
 TAIL_CHARS = 80  # characters of generated text kept per row
 PALETTE_SIZE = 12  # request colours cycle through this many
+MAX_FINISHED_KEPT = 512  # finished requests remembered (a long run forgets the oldest unflagged ones)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class DashboardState:
         self.contamination: deque = deque(maxlen=MAX_CONTAMINATION)
         self.by_detector: Counter = Counter()
         self.by_kind: Counter = Counter()
+        self.finished_order: deque = deque()  # finished ids, oldest first (for forgetting)
         self.log: deque = deque(maxlen=MAX_LOG)
         self._log_seq = 0
         self.summary: Summary | None = None
@@ -198,6 +200,8 @@ class DashboardState:
             self.ttft_live.append(float(e.ttft_s))
 
     def _finish(self, e: Finish) -> None:
+        self._forget_old()
+        self.finished_order.append(e.request_id)
         r = self._request(e.request_id)
         r.status = e.finish_reason
         self.waiting.pop(r.id, None)
@@ -217,6 +221,16 @@ class DashboardState:
             r.text = ""
             self._add_text(r, e.output_text)
         r.generated = len(e.output_ids)
+
+    def _forget_old(self) -> None:
+        """Keep memory bounded over long runs: past MAX_FINISHED_KEPT finished requests, the oldest
+        finished ones leave the state (counts and findings stay)."""
+        while len(self.finished_order) >= MAX_FINISHED_KEPT:
+            rid = self.finished_order.popleft()
+            r = self.requests.pop(rid, None)
+            self.flagged.pop(rid, None)
+            if r is not None and r.passphrase and self.passphrases.get(r.passphrase) == rid:
+                del self.passphrases[r.passphrase]
 
     def _fault(self, e: FaultSwitch) -> None:
         self.active_faults = tuple(sorted(e.active))
