@@ -291,6 +291,9 @@ class Session:
         """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
         request ends it between engine steps. Emits the reports and a reference.status event."""
         ref = self.reference
+        if progress is not None and ref.pending:  # say what is waiting before the first batch
+            self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
+                                      pending=ref.pending))
         while ref.pending and (limit is None or limit > 0) and not self.stop_requested:
             batch = min(ref.batch, limit or ref.batch)
             for event in ref.drain(self.engine.now(), limit=batch, should_stop=lambda: self.stop_requested):
@@ -373,6 +376,7 @@ class Session:
         them, counted in the summary), write the summary line, close the recording."""
         if self.summary is not None:
             return self.summary
+        cut_short = self.stop_requested and bool(self.pending or self.engine.has_unfinished())
         for request_id, state in list(self.engine.requests.items()):
             if not state.is_done:
                 self.engine.abort(request_id)
@@ -381,7 +385,7 @@ class Session:
             for f in report.finished:
                 self.emit(self._finish_event(f))
         if self.reference is not None:
-            self._drain_references(progress=on_reference)
+            self._drain_references(progress=on_reference or (lambda checked, total: None))
             if self.reference.pending:
                 self.reference.skip_pending()
                 self.emit(ReferenceStatus(t=self.engine.now(), checked=self.reference.checked,
@@ -389,7 +393,7 @@ class Session:
         self._note_unapplied_timeline()
         self.summary = self.metrics.summary(
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
-            contamination_by_fault=dict(self.fault_counts), stopped_early=self.stop_requested,
+            contamination_by_fault=dict(self.fault_counts), stopped_early=cut_short,
             requests_not_submitted=len(self.pending))
         self.emit(self.summary)
         if self.recorder is not None:

@@ -131,7 +131,9 @@ class LiveSource(Source):
         self.state.note("info", self.loading_text)
         self.publish(build_snapshot(self.state), force=True)
         try:
+            t0 = time.perf_counter()
             self.prepare()
+            self.state.note("info", f"model loaded in {time.perf_counter() - t0:.1f} s")
             self.session = self.make_session(self._apply, 0)
         except Exception as e:
             self.error = e
