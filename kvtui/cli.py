@@ -146,7 +146,13 @@ def run(
                                      max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
                                      logprobs=logprobs)
         chosen = command.target_detectors(_detectors(detectors), explicit=detectors != DEFAULT_DETECTORS)
-        command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
+        if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
+            say("note", "not a terminal: running headless (pass --headless to silence this).")
+            headless = True
+        if not headless:
+            command.dashboard_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen)
+        else:
+            command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
         return
     faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
     chosen = _detectors(detectors)

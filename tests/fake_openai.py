@@ -51,7 +51,8 @@ class FakeOpenAI:
             at that index changes, and the top-2 logprob gap there is `gap` in every run; with `swap` the
             runner-up there is the other run's token (a near tie flipped), else an unrelated token.
         logprobs: return logprobs when asked.
-        metrics: Prometheus text for /metrics (None: 404). slots: JSON for /slots (None: 404).
+        metrics: Prometheus text for /metrics (None: 404). slots: JSON for /slots (None: 404), or "live":
+            4 llama.cpp-style slots (debug fields on) holding the requests streaming now.
         clock_steps: transport mode: before chunk k, set `self.now` to clock_steps[k] (a fake clock).
     """
 
@@ -62,7 +63,7 @@ class FakeOpenAI:
     vary_under_load: tuple[int, float, bool] | None = None
     logprobs: bool = True
     metrics: str | None = None
-    slots: list | None = None
+    slots: list | str | None = None
     clock_steps: list[float] | None = None
     model: str = "fake-model"
     now: float = 0.0
@@ -72,9 +73,18 @@ class FakeOpenAI:
     leaks: list[tuple[str, str]] = field(default_factory=list)  # (victim passphrase, leaked passphrase)
     _last: str | None = None
     _original: list = field(default_factory=list)  # the last answer before any change
+    _streaming: dict = field(default_factory=dict)  # id(body) -> its prompt text, while it streams
 
     def clock(self) -> float:
         return self.now
+
+    def _slots(self):
+        if self.slots != "live":
+            return self.slots
+        busy = list(self._streaming.values())[:4]
+        return [{"id": i, "n_ctx": 512, "is_processing": i < len(busy),
+                 **({"n_prompt_tokens": 40, "next_token": [{"n_decoded": 2}], "prompt": busy[i]} if i < len(busy) else {})}
+                for i in range(4)]
 
     # -- the answer -----------------------------------------------------------------------------------
     def _answer(self, body: dict) -> tuple[str | None, list[str], int | None]:
@@ -124,7 +134,7 @@ class FakeOpenAI:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": self.model}]})
         if request.url.path in ("/metrics", "/slots"):
-            payload = self.metrics if request.url.path == "/metrics" else self.slots
+            payload = self.metrics if request.url.path == "/metrics" else self._slots()
             if payload is None:
                 return httpx.Response(404, text="not found")
             return httpx.Response(200, text=payload) if isinstance(payload, str) else httpx.Response(200, json=payload)
@@ -140,6 +150,7 @@ class FakeOpenAI:
         stops reading at `[DONE]`, so the generator is not always run to its end)."""
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self._streaming[id(body)] = json.dumps(body.get("messages") or body.get("prompt"))
         done = False
         try:
             await asyncio.sleep(30 if own in self.hang else self.delay_s)
@@ -151,11 +162,13 @@ class FakeOpenAI:
                 if k == len(chunks) - 1:
                     done = True
                     self.in_flight -= 1
+                    self._streaming.pop(id(body), None)
                 yield chunk.encode()
                 await asyncio.sleep(self.delay_s)
         finally:
             if not done:
                 self.in_flight -= 1
+                self._streaming.pop(id(body), None)
 
 
 def _token(piece: str, gap: float, other: str) -> dict:

@@ -461,3 +461,123 @@ def test_kvtui_serve_with_stale_slot_is_caught_from_outside(kvtui_serve, tmp_pat
     victims, load = server_truth(serve_rec, rec)
     assert victims  # the fault acted on the load
     assert victims <= caught <= load
+
+
+# -- the dashboard -----------------------------------------------------------------------------------------
+def dashboard_run(session, *, size=(160, 45), keys=(), done=True):
+    """Drive a TargetSource in the app until the run is done; returns (source, screen text)."""
+    import asyncio
+
+    from kvtui.target.dashboard import TargetSource
+    from kvtui.tui.app import KvtuiApp, screen_text
+
+    async def go():
+        source = TargetSource(lambda listener: (session.listeners.append(listener), session)[1])
+        app = KvtuiApp(source)
+        async with app.run_test(size=size) as pilot:
+            for key in keys:
+                await pilot.press(key)
+            deadline = asyncio.get_running_loop().time() + 30
+            while done and source.summary is None:
+                assert asyncio.get_running_loop().time() < deadline, "the run did not finish"
+                await pilot.pause(0.05)
+            await pilot.pause(0.3)
+            text = screen_text(app)
+            await pilot.press("q")
+        return source, text
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("size", [(160, 45), (100, 30)])
+def test_dashboard_shows_what_the_server_exposes(size, tmp_path):
+    fake = FakeOpenAI(delay_s=0.02, metrics=VLLM_METRICS, slots=SLOTS)
+    spec = scenario(4, arrivals="{process: poisson, rate_per_s: 20}")
+    session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport(),
+                                                     poll_interval_s=0.05), record_path=tmp_path / "d.jsonl")
+    source, text = dashboard_run(session, size=size)
+    for needle in ("target http://fake", "DONE", "idle · n_ctx 512", "360/512", "2/3 slots busy (llama.cpp /slots)",
+                   "KV usage   37.5%", "running 7  waiting 4", "not visible from outside", "TTFT", "r000", "r003",
+                   "finished 4", "no contamination detected"):
+        assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
+    assert "isolation" not in text.splitlines()[0]  # the client cannot know a server's faults
+    header, events, summary, truncated = read_recording(tmp_path / "d.jsonl")
+    assert summary is not None and summary.finish_reasons == {"stop": 4}
+
+
+def test_dashboard_slot_map_names_the_requests_in_the_servers_slots():
+    fake = FakeOpenAI(delay_s=0.2, slots="live")  # each answer takes about 1.6 s
+    session = TargetSession(scenario(3), TOK, TargetOptions(url="http://fake", transport=fake.transport(),
+                                                            poll_interval_s=0.05), detectors=("canary",))
+    _, text = dashboard_run(session, done=False, keys=())
+    assert "3/4 slots busy" in text and all(f"r00{i}" in text.split("╰")[0] for i in range(3))
+
+
+def test_dashboard_says_what_a_bare_server_does_not_expose():
+    session = TargetSession(scenario(2), TOK, TargetOptions(url="http://bare", transport=FakeOpenAI().transport(),
+                                                            poll_interval_s=0.05), detectors=("canary",))
+    _, text = dashboard_run(session)
+    for needle in ("the server exposes no slot map", "KV usage not exposed", "running not exposed",
+                   "prompt   not exposed"):
+        assert needle in text, f"{needle!r} not on the screen:\n{text}"
+
+
+def test_dashboard_replays_a_target_recording(tmp_path):
+    import asyncio
+
+    from kvtui.tui.app import KvtuiApp, screen_text
+    from kvtui.tui.replay import ReplaySource
+
+    rec = tmp_path / "r.jsonl"
+    fake = FakeOpenAI(delay_s=0.01, metrics=LLAMACPP_METRICS, slots=SLOTS, leak=True)
+    run(fake, scenario(4), record=rec, poll_interval_s=0.02)
+
+    async def go():
+        source = ReplaySource.from_file(rec, speed=64.0)
+        app = KvtuiApp(source)
+        async with app.run_test(size=(160, 45)) as pilot:
+            while not source.at_end:
+                await pilot.pause(0.05)
+            await pilot.pause(0.2)
+            text = screen_text(app)
+            await pilot.press("q")
+        return text
+
+    text = asyncio.run(go())
+    for needle in ("target http://fake", "END", "slots busy", "running 3", "waiting 1", "KV usage not exposed",
+                   "LEAK←", "canary"):
+        assert needle in text, f"{needle!r} not on the screen:\n{text}"
+
+
+def test_holding_arrivals_delays_the_rest_of_the_plan_by_the_time_held():
+    import threading
+    import time
+
+    from kvtui.events import Arrive
+
+    spec = scenario(3, arrivals="{process: constant, rate_per_s: 5}")  # planned at 0, 0.2, 0.4 s
+    planned = [p.arrival_s for p in plan_requests(spec, TOK)]
+    fake = FakeOpenAI()
+    arrivals = []
+
+    finishes = {}
+
+    def on_event(event):
+        if isinstance(event, Finish):
+            finishes[event.request_id] = event.arrival_s
+        if isinstance(event, Arrive):
+            arrivals.append((event.request_id, event.t))
+            if event.request_id == "r000":
+                session.hold(True)
+                threading.Timer(0.6, session.hold, args=(False,)).start()
+
+    session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport()),
+                            detectors=(), listeners=(on_event,))
+    started = time.perf_counter()
+    session.run()
+    assert time.perf_counter() - started >= 0.6 + planned[2]
+    held = session.held_s
+    assert 0.55 <= held <= 1.0
+    assert [rid for rid, _ in arrivals] == ["r000", "r001", "r002"]
+    assert [t for _, t in arrivals][1:] == pytest.approx([planned[1] + held, planned[2] + held])
+    assert finishes == dict(arrivals)  # latencies count from the arrival as it happened

@@ -79,7 +79,7 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
     try:
         summary = _run(session, quiet)
     except TargetError as e:
-        session.close()
+        session.abandon()
         fail(str(e))
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out)
@@ -94,6 +94,33 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
         raise typer.Exit(code)
     if reason:
         out.print(reason, markup=False, highlight=False)
+
+
+def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
+                     detectors: tuple[str, ...]) -> None:
+    """`kvtui run SCENARIO --target URL` in a terminal: the dashboard, then the summary. Input errors
+    and an unreachable server exit 2 before the dashboard takes the terminal."""
+    from kvtui.cli import fail, out
+    from kvtui.summary import print_contamination, print_summary
+    from kvtui.target.dashboard import run_target_dashboard
+
+    first = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
+    try:
+        first.check_reachable()
+    except TargetError as e:
+        first.abandon()
+        fail(str(e))
+
+    def make_session(listener) -> TargetSession:
+        first.listeners.append(listener)
+        return first
+
+    summary, header, session = run_target_dashboard(make_session)
+    if summary is not None:
+        print_summary(summary, header, out)
+        print_contamination(session.contamination, out)
+    if record:
+        out.print(f"recording: {record}", markup=False, highlight=False)
 
 
 def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:

@@ -18,7 +18,7 @@ import asyncio
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 
@@ -127,6 +127,7 @@ class TargetSession:
         self.served_model: str | None = options.served_model
         self.server_kind: str | None = None  # "llama.cpp" when /v1/models says so
         self.stop_requested = False
+        self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
         self.summary: Summary | None = None
         self.reference_checked = self.reference_skipped = 0
         self._header: Header | None = None
@@ -149,7 +150,7 @@ class TargetSession:
                 kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__,
                 scenario=self.scenario.normalized(), scenario_hash=self.scenario.content_hash(),
-                seed=self.scenario.seed, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="?"),
+                seed=self.scenario.seed, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="served"),
                 engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
                         "timeout_s": o.timeout_s,
                         "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance},
@@ -204,6 +205,19 @@ class TargetSession:
                 self.emit(sample)
         return self.close()
 
+    def check_reachable(self) -> None:
+        """Ask the server for /v1/models once (and take the served model's name from it).
+
+        Raises:
+            TargetError: the server cannot be reached.
+        """
+        async def ask() -> None:
+            async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"),
+                                         transport=self.options.transport) as client:
+                await self._resolve_model(client)
+
+        asyncio.run(ask())
+
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
         """Check the server answers; take the served model's name from /v1/models unless given."""
         try:
@@ -229,7 +243,7 @@ class TargetSession:
             await self._wait_until(p.arrival_s)
             if self.stop_requested:
                 break
-            self.pending.pop(0)
+            p = replace(self.pending.pop(0), arrival_s=p.arrival_s + self.held_s)
             passphrase = p.metadata.get("passphrase")
             if self.canary is not None:
                 self.canary.on_arrive(p.request_id, passphrase)
@@ -248,8 +262,18 @@ class TargetSession:
             _, pending = await asyncio.wait(pending, timeout=0.1)
 
     async def _wait_until(self, t: float) -> None:
-        while not self.stop_requested and self.now() < t:
-            await asyncio.sleep(min(t - self.now(), 0.1))
+        """Sleep until `t` on the plan's schedule (later by the time arrivals were held)."""
+        while not self.stop_requested and (self._held_since is not None or self.now() < t + self.held_s):
+            await asyncio.sleep(0.05 if self._held_since is not None else min(t + self.held_s - self.now(), 0.1))
+
+    def hold(self, on: bool) -> None:
+        """Hold new arrivals (the dashboard's pause) or let them go again, later by the time held;
+        requests in flight go on. Any thread."""
+        if on and self._held_since is None:
+            self._held_since = self.now()
+        elif not on and self._held_since is not None:
+            self.held_s += self.now() - self._held_since
+            self._held_since = None
 
     async def _markers(self) -> None:
         """The timeline's markers, each at its time, while the run lasts."""
@@ -366,6 +390,15 @@ class TargetSession:
         start, end = me.sent_s, me.end_s if me.end_s is not None else me.sent_s
         return tuple(sorted(other for other, r in self.results.items() if other != rid and r.sent_s <= end
                             and (r.end_s if r.end_s is not None else r.sent_s) >= start))
+
+    def abandon(self) -> None:
+        """The run never started (the server could not be reached): close the recording and remove it
+        when nothing was written to it."""
+        if self.recorder is not None:
+            self.recorder.close()
+            if self.recorder.path.exists() and self.recorder.path.stat().st_size == 0:
+                self.recorder.path.unlink()
+            self.recorder = None
 
     def close(self) -> Summary:
         """Write the summary line and close the recording (once)."""

@@ -8,8 +8,12 @@ clock (virtual or wall, as the header says); rates are tokens per second.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtui.events import Summary
+
+if TYPE_CHECKING:
+    from kvtui.target.view import ServerView
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class Snapshot:
         done: the run has ended (summary seen); summary: the (frozen) summary event or None.
         findings: findings per kind (reports on one victim joined; kvtui/detect/findings.py).
         reference: the reference detector's (checked, skipped, pending), or None before its first report.
+        server: a run against a target server (`kvtui run --target`): what the server exposes, which the
+            slot map and the stats panel show instead of engine internals; None for a local run.
     """
 
     seq: int
@@ -171,6 +177,7 @@ class Snapshot:
     summary: Summary | None
     findings: tuple[tuple[str, int], ...] = ()
     reference: tuple[int, int, int] | None = None
+    server: ServerView | None = None
 
     @property
     def isolation_on(self) -> bool:
