@@ -172,11 +172,13 @@ class FakeOpenAI:
 
 
 def _token(piece: str, gap: float, other: str) -> dict:
-    """One logprobs entry: `piece` chosen, `other` the runner-up `gap` nats below."""
-    ident = zlib.crc32(piece.encode()) % 49152
-    return {"id": ident, "token": piece, "logprob": -0.1,
-            "top_logprobs": [{"id": ident, "token": piece, "logprob": -0.1},
-                             {"id": zlib.crc32(other.encode()) % 49152, "token": other, "logprob": -0.1 - gap}]}
+    """One logprobs entry: `piece` chosen, `other` the runner-up `gap` nats below, then three fillers
+    further down (llama.cpp's shape, top 5)."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"id": zlib.crc32(text.encode()) % 49152, "token": text, "logprob": logprob}
+
+    fillers = [entry(f"<filler {k}>", -0.1 - gap - 1.0 - k) for k in range(3)]
+    return {**entry(piece, -0.1), "top_logprobs": [entry(piece, -0.1), entry(other, -0.1 - gap), *fillers]}
 
 
 class FakeHTTPServer:

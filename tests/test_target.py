@@ -336,7 +336,7 @@ def test_request_bodies_per_api_and_prompt_kind():
         assert (body["max_tokens"], body["temperature"], body["top_k"], body["stop"]) == (5, 0.7, 5, ["\n"])
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["model"] == "fake-model"  # the first of /v1/models
-    assert completions["logprobs"] == 2 and (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
+    assert completions["logprobs"] == 5 and (chat["logprobs"], chat["top_logprobs"]) == (True, 5)
     passphrase = scenario(1)
     run(fake, passphrase, detectors=(), api="completions")
     text = plan_requests(passphrase, TOK)[0].metadata["prompt_text"]
@@ -581,3 +581,32 @@ def test_holding_arrivals_delays_the_rest_of_the_plan_by_the_time_held():
     assert [rid for rid, _ in arrivals] == ["r000", "r001", "r002"]
     assert [t for _, t in arrivals][1:] == pytest.approx([planned[1] + held, planned[2] + held])
     assert finishes == dict(arrivals)  # latencies count from the arrival as it happened
+
+
+def test_divergence_labels_from_both_runs_top_logprobs():
+    """Hand-made logprobs in the two shapes servers send; the labels follow from the numbers here."""
+    from kvtui.target.openai import StreamResult, parse_logprobs
+    from kvtui.target.reference import first_divergence
+
+    def result(*entries) -> StreamResult:
+        tokens = parse_logprobs({"content": [{"token": tok, "logprob": top[0][1],
+                                              "top_logprobs": [{"token": k, "logprob": v} for k, v in top]}
+                                             for tok, top in entries]})
+        return StreamResult(sent_s=0.0, tokens=tokens, pieces=[tok for tok, _ in entries])
+
+    same = (" x", [(" x", -0.1), (" y", -4.0)])
+    three_way_a = (" A", [(" A", -1.0), (" C", -1.01), (" B", -1.02)])
+    three_way_b = (" B", [(" B", -1.0), (" A", -1.015), (" C", -1.03)])
+    d = first_divergence(result(same, three_way_a), result(same, three_way_b), tolerance=0.5)
+    assert (d.index, d.kind, d.batched_piece, d.solo_piece) == (1, "numeric", " A", " B")
+    assert d.gap == pytest.approx(0.02)  # the larger of 0.02 (B under A's run) and 0.015 (A under B's run)
+    far = (" Z", [(" Z", -0.2), (" Q", -3.0), (" R", -4.0)])  # A is not in its top 3, the last of which is 3.8 below
+    assert first_divergence(result(three_way_a), result(far), tolerance=0.5).kind == "corruption"
+    flat = (" Z", [(" Z", -1.0), (" Q", -1.05)])  # A is not listed, but the list spans only 0.05 nats
+    assert first_divergence(result(three_way_a), result(flat), tolerance=0.5).kind == "unknown"
+    assert first_divergence(result(same, three_way_a), result(same, three_way_a), tolerance=0.5) is None
+    legacy = parse_logprobs({"tokens": [" a", " b"], "token_logprobs": [-0.1, -0.5],
+                             "top_logprobs": [{" c": -0.12, " a": -0.1}, {" b": -0.5, " d": -3.0}]})
+    assert [(t.key, t.top) for t in legacy] == [(" a", ((" a", -0.1), (" c", -0.12))),
+                                                (" b", ((" b", -0.5), (" d", -3.0)))]
+    assert legacy[0].top2_gap == pytest.approx(0.02)

@@ -3,7 +3,7 @@
 The request body is built from a planned request (kvtui.scenario.PlannedRequest): the chat API sends
 the prompt's text as the user message (or the scenario's chat messages), the completions API sends the
 text, or the token ids when the prompt has none (synthetic prompts). Every request streams
-(`stream: true`, `stream_options: {include_usage: true}`) and, when asked, requests the top-2
+(`stream: true`, `stream_options: {include_usage: true}`) and, when asked, requests the top 5
 logprobs of each generated token.
 
 Timing follows vllm/benchmarks/lib/endpoint_request_func.py: the clock starts just before the request
@@ -16,7 +16,7 @@ text or a token.
 Logprobs come in two shapes, both read here: the chat shape (llama.cpp and vLLM chat, llama.cpp
 completions) `logprobs.content[] = {id?, token, logprob, top_logprobs: [{token, logprob}, ...]}`, and
 the legacy completions shape (vLLM, OpenAI) `logprobs = {tokens, token_logprobs, top_logprobs: [{token:
-logprob}]}`. Natural-log probabilities: the top-1 minus top-2 logprob equals the top-1 minus top-2 logit.
+logprob}]}`. Natural-log probabilities: differences of logprobs at one position equal differences of logits.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
-TOP_LOGPROBS = 2  # enough for the top-1/top-2 gap
+TOP_LOGPROBS = 5  # alternatives per token: a near tie of three still shows both runs' choices
 
 
 @dataclass(frozen=True)
@@ -40,19 +40,29 @@ class TokenInfo:
     Attributes:
         token: its text (or the server's token string).
         id: its token id when the server gives one (llama.cpp does), else None.
-        top2_gap: top-1 minus top-2 logprob (nats, = the logit gap); None without two alternatives.
-        runner_up: the key (id, else text) of the most likely other token, None when not returned.
+        top: the server's most likely tokens at that position, as (key, logprob) pairs, most likely
+            first (key: the id when given, else the token text; logprob in nats); () when not returned.
     """
 
     token: str
     id: int | None
-    top2_gap: float | None
-    runner_up: int | str | None = None
+    top: tuple[tuple[int | str, float], ...] = ()
 
     @property
     def key(self) -> int | str:
         """What two runs' tokens are compared by: the id when known, else the token string."""
         return self.id if self.id is not None else self.token
+
+    @property
+    def top2_gap(self) -> float | None:
+        """Top-1 minus top-2 logprob (nats; equal to the top-1 minus top-2 logit); None without two."""
+        return self.top[0][1] - self.top[1][1] if len(self.top) >= 2 else None
+
+    def below_top(self, key: int | str) -> float | None:
+        """How far below this position's most likely token `key` was (nats): 0 for the top token; None
+        when `key` is not among the returned top tokens (it was further below than the last of them)."""
+        found = next((lp for k, lp in self.top if k == key), None)
+        return None if found is None or not self.top else self.top[0][1] - found
 
 
 @dataclass
@@ -221,22 +231,15 @@ def parse_logprobs(logprobs) -> list[TokenInfo]:
     if not logprobs:
         return []
     if isinstance(logprobs.get("content"), list):
-        out = []
-        for e in logprobs["content"]:
-            chosen = e.get("id") if e.get("id") is not None else e.get("token", "")
-            tops = [(t.get("id") if t.get("id") is not None else t.get("token", ""), t["logprob"])
-                    for t in e.get("top_logprobs") or ()]
-            out.append(TokenInfo(e.get("token", ""), e.get("id"), *_gap_and_runner_up(chosen, tops)))
-        return out
+        return [TokenInfo(e.get("token", ""), e.get("id"), _ranked(
+            (t.get("id") if t.get("id") is not None else t.get("token", ""), t.get("logprob"))
+            for t in e.get("top_logprobs") or ())) for e in logprobs["content"]]
     tokens = logprobs.get("tokens") or []
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
-    return [TokenInfo(tok, None, *_gap_and_runner_up(tok, list((top or {}).items()))) for tok, top in zip(tokens, tops)]
+    return [TokenInfo(tok, None, _ranked((top or {}).items())) for tok, top in zip(tokens, tops)]
 
 
-def _gap_and_runner_up(chosen, tops: list[tuple]) -> tuple[float | None, int | str | None]:
-    """(top-1 minus top-2 logprob, the key of the most likely token other than `chosen`) from
-    (key, logprob) pairs; None for what the pairs cannot give."""
-    ranked = sorted(((k, v) for k, v in tops if v is not None and v > float("-inf")), key=lambda kv: -kv[1])
-    gap = ranked[0][1] - ranked[1][1] if len(ranked) >= 2 else None
-    runner_up = next((k for k, _ in ranked if k != chosen), None)
-    return gap, runner_up
+def _ranked(pairs) -> tuple[tuple[int | str, float], ...]:
+    """(key, logprob) pairs with a finite logprob, most likely first."""
+    kept = [(k, float(v)) for k, v in pairs if isinstance(v, (int, float)) and v > float("-inf")]
+    return tuple(sorted(kept, key=lambda kv: -kv[1]))

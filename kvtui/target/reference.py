@@ -4,12 +4,13 @@ After the load, each completed greedy request (temperature 0) is sent again on i
 at temperature 0, and the two answers are compared token by token (by token id when the server gives
 ids, else by token string; by text when it returns no logprobs). At the first differing token:
 
-- the server returned top logprobs: when the two runs' top two tokens there are the same pair, swapped,
-  and the smaller top-1 minus top-2 logprob of the two runs is within `tolerance`, it is a near tie that
-  numerical batch variance flipped: kind `numeric`. Otherwise the batched run's context was not what
-  the solo run saw: kind `corruption` (every token before was the same in both, so the logits should
-  have been too, up to numerical noise). Where one run has no token at that index (it ended), the gap
-  alone decides.
+- the server returned top logprobs: when, in each run, the other run's token was within `tolerance`
+  (nats) of that run's own choice, it is a near tie that numerical batch variance flipped: kind
+  `numeric`. The distance reported is the larger of the two (for a two-way tie, the top-1 minus top-2
+  logprob). When either run's distribution puts the other's token further away, or not among its top
+  5 at all, the batched run's context was not what the solo run saw: kind `corruption` (every token
+  before was the same in both, so the logits should have been too, up to numerical noise). Where one
+  run has no token at that index (it ended), that run's top-1 minus top-2 gap decides.
 - no logprobs: kind `unknown`: the answer changed under load, but the server gave nothing to tell a
   near tie from damage. Neither `numeric` nor `unknown` counts toward the exit code.
 
@@ -64,17 +65,29 @@ def first_divergence(batched: StreamResult, solo: StreamResult, tolerance: float
         if a == b:
             return None
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        here = batched.tokens[i:i + 1] + solo.tokens[i:i + 1]
-        gaps = [t.top2_gap for t in here if t.top2_gap is not None]
-        gap = min(gaps) if gaps else None
-        swapped = len(here) < 2 or (here[0].runner_up == here[1].key and here[1].runner_up == here[0].key)
-        kind = "unknown" if gap is None else ("numeric" if gap <= tolerance and swapped else "corruption")
+        gap, kind = _flip_distance(batched.tokens[i:i + 1], solo.tokens[i:i + 1], tolerance)
         return Divergence(i, _id(batched, i), _id(solo, i), gap, kind, _text(batched, i), _text(solo, i))
     if batched.text == solo.text:
         return None
     a, b = [p for p in batched.pieces if p], [p for p in solo.pieces if p]
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return Divergence(i, None, None, None, "unknown", a[i] if i < len(a) else None, b[i] if i < len(b) else None)
+
+
+def _flip_distance(a: list, b: list, tolerance: float) -> tuple[float | None, str]:
+    """(distance in nats, kind) at a divergence; `a` and `b` hold each run's token there (or nothing)."""
+    if not a or not b:  # one run ended here: its rival's own top-1/top-2 gap is all there is
+        gap = (a or b)[0].top2_gap if (a or b) else None
+        return gap, "unknown" if gap is None else ("numeric" if gap <= tolerance else "corruption")
+    x, y = a[0], b[0]
+    if not x.top or not y.top:
+        return None, "unknown"
+    lags = [x.below_top(y.key), y.below_top(x.key)]
+    # a token missing from a run's top list lies further below than the last one listed
+    floors = [lag if lag is not None else t.top[0][1] - t.top[-1][1] for lag, t in zip(lags, (x, y))]
+    if None not in lags:
+        return max(lags), "numeric" if max(lags) <= tolerance else "corruption"
+    return None, "corruption" if max(floors) > tolerance else "unknown"
 
 
 def _id(result: StreamResult, i: int) -> int | None:
