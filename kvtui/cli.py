@@ -19,6 +19,7 @@ from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
 
 Isolation = Literal["on", "off"]
 Api = Literal["auto", "chat", "completions"]
+CostModel = Literal["auto", "default"]
 
 app = typer.Typer(
     name="kvtui",
@@ -110,6 +111,9 @@ def run(
                                                "and timeline switches) and expect no contamination.")] = False,
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = DEFAULT_DETECTORS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+    cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
+                                                  "calibrate` fit if there is one) or default (the built-in "
+                                                  "fit).")] = "auto",
     target: Annotated[Optional[str], typer.Option("--target", help="Drive an OpenAI-compatible server at this "
                                                   "URL (http://HOST:PORT) instead of kvtui's engine.",
                                                   rich_help_panel="Target server")] = None,
@@ -160,7 +164,7 @@ def run(
         say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
-                   clear_faults=clear_faults)
+                   clear_faults=clear_faults, cost_model=cost_model)
     if not headless:
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or "wall"})
         return
@@ -418,24 +422,53 @@ def model_cmd(
                   markup=False, highlight=False)
 
 
+BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
+                                                            "detectors")}, type=str)
+
+
 @app.command()
 def bench(
-    output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures.")] = Path("bench-results/bench.json"),
+    part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
+                                                            "overhead, batch, knobs, peers, bf16, detectors.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer repeats and shapes: under 10 minutes on 2 cores.")]
+    = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
+    Path("bench-results/bench.json"),
     model: Annotated[str, typer.Option(help="Model to benchmark.")] = "default",
-    requests: Annotated[int, typer.Option(help="Number of requests.")] = 16,
-    new_tokens: Annotated[int, typer.Option(help="Greedy tokens per request.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed for prompt lengths and tokens.")] = 0,
-    detector_cost: Annotated[bool, typer.Option("--detector-cost", help="Instead: decode tokens/s with each "
-                                                "in-engine detector on vs off (batch 8).")] = False,
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = "float32",
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores).", min=1)] = None,
 ) -> None:
-    """Throughput of solo runs vs kvtui padded vs kvtui packed vs transformers generate (prints tokens/s)."""
-    from kvtui import bench as bench_module
+    """Measure kvtui side by side with a bare transformers forward, transformers' generate and continuous
+    batching, and llama.cpp's server (when built): medians of repeats with min/max, JSON plus Markdown."""
+    import torch
 
-    loaded = _load_model(model, "float32", "cpu")
-    if detector_cost:
-        bench_module.detector_cost(loaded, output=output.with_name("detector-cost.json"), console=out)
-        return
-    bench_module.run_bench(loaded, output=output, num_requests=requests, new_tokens=new_tokens, seed=seed, console=out)
+    from kvtui.bench import PARTS, run_suite
+
+    if threads:
+        torch.set_num_threads(threads)
+    parts = [p.value for p in part] if part else list(PARTS)
+    loaded = _load_model(model, dtype, "cpu")
+    run_suite(loaded, name=model, parts=parts, quick=quick, output=output, console=out)
+    out.print(f"figures written to {output} and {output.with_suffix('.md')}")
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: Annotated[str, typer.Option(help="Model to calibrate for.")] = "default",
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = "float32",
+    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
+) -> None:
+    """Fit the virtual clock's step-cost model to this machine (a few seconds of engine steps) and store
+    it for the model, dtype and device; virtual-clock runs of that model use it from then on."""
+    from kvtui.calibrate import calibrate
+
+    loaded = _load_model(model, dtype, device)
+    data = calibrate(loaded, device=device, console=err)
+    c = data["coefficients"]
+    out.print(f"step seconds = {c['base_s']:.4f} + {c['per_row_s']:.2e} x rows + {c['per_token_s']:.2e} x tokens "
+              f"+ {c['per_key_s']:.2e} x keys  (R^2 {data['r2']:.3f}, {len(data['samples'])} shapes, "
+              f"{data['seconds']:.0f} s)")
+    out.print(f"stored in {data['file']}; `kvtui run --cost-model default` ignores it")
 
 
 def main() -> int:

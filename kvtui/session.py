@@ -54,13 +54,16 @@ MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (al
 
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
-                  detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = ()) -> "Session":
+                  detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
+                  cost_model: str = "auto") -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
         layout: overrides the scenario's engine layout when given.
         faults: faults on from the start, added to the scenario's.
         clear_faults: drop the scenario's faults (engine.faults and timeline switches).
+        cost_model: the virtual clock's step costs: "auto" (this machine's `kvtui calibrate` fit for the
+            model when there is one, else the built-in fit) or "default" (the built-in fit).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -71,7 +74,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
     if clear_faults:
         overrides["faults"] = frozenset()
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
-                   listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults)
+                   listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
+                   cost_model=cost_model)
 
 
 class Session:
@@ -87,6 +91,8 @@ class Session:
         detectors: which of DETECTOR_NAMES run (all by default).
         faults: isolation faults on from the start (added to the scenario's engine.faults).
         fault_switches: False ignores the timeline's fault switches (a run "with the fault removed").
+        cost_model: "default" (the built-in step-cost fit) or "auto" (the calibrated fit when there is
+            one; see kvtui/calibrate.py). Virtual clock only.
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
@@ -96,15 +102,16 @@ class Session:
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
-                 fault_switches: bool = True) -> None:
+                 fault_switches: bool = True, cost_model: str = "default") -> None:
         from kvtui.scenario import plan_requests
 
         self.scenario, self.loaded, self.clock = scenario, loaded, clock
         self.tokenizer = loaded.tokenizer
         self.config = self._engine_config(engine_overrides, faults)
         self.detectors = self._check_detectors(detectors)
+        self.cost_model = self._cost_model(cost_model)
         self.engine = Engine(loaded.model, self.config, eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer,
-                             clock=clock, pad_token_id=self.tokenizer.pad_token_id or 0)
+                             clock=clock, cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
         self.engine.detect_taint = "slot_taint" in self.detectors
         self.engine.measure_flow = "attention_flow" in self.detectors
         self.pending = sorted(plan_requests(scenario, self.tokenizer), key=lambda p: (p.arrival_s, p.request_id))
@@ -133,6 +140,19 @@ class Session:
             overrides["faults"] = frozenset(base.faults) | check_fault_names(faults)
         return self.scenario.engine_config(**overrides)
 
+    def _cost_model(self, which: str):
+        from kvtui.calibrate import load_cost_model
+
+        if which not in ("auto", "default"):
+            raise ValueError(f"cost model {which!r}: use 'auto' or 'default'")
+        model, described = load_cost_model(self.loaded.model_id, str(self.loaded.dtype).replace("torch.", ""),
+                                           str(self.config.device))
+        if which == "default" and described["source"] != "default":
+            from kvtui.engine import StepCostModel
+
+            model, described = StepCostModel(), {"source": "default", **asdict(StepCostModel())}
+        return model, described
+
     @staticmethod
     def _check_detectors(detectors) -> tuple[str, ...]:
         unknown = sorted(set(detectors) - set(DETECTOR_NAMES))
@@ -158,7 +178,8 @@ class Session:
             model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                             dtype=str(loaded.dtype).replace("torch.", "")),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if self.clock == "virtual" else ())
+            modeled=MODELED_VIRTUAL if self.clock == "virtual" else (),
+            cost_model=self.cost_model[1] if self.clock == "virtual" else None)
 
     def emit(self, event) -> None:
         """Send one typed event to the recording, the metrics and every listener. A contamination

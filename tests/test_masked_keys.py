@@ -121,3 +121,25 @@ sampling: {ignore_eos: true}
     on_r000 = [e for e in session.contamination if e.victim == "r000"]
     assert on_r000 and {e.kind for e in on_r000} == {"corruption"} and {e.source for e in on_r000} == {None}
     assert summary.findings_by_kind == {"corruption": 1, "cross_request": 1}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_poisoned_slot_is_harmless_in_half_precision_too(dtype):
+    """The same NaN tail with the model in float16 / bfloat16: the clean request's tokens equal its run in a
+    fresh engine (same dtype, nothing poisoned), with and without the measuring (eager) path."""
+    from kvtui.models import load_model
+
+    model = load_model("tiny-llama", dtype=dtype, progress=False).model
+    for measure_flow in (False, True):
+        fresh = Engine(model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=())
+        alone = fresh.submit("clean", CLEAN, GREEDY)
+        fresh.run_until_done()
+        engine = Engine(model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+        engine.measure_flow = measure_flow
+        engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        engine.run_until_done()
+        poison(engine, slot=0, start=5, value=float("nan"))
+        clean = engine.submit("clean", CLEAN, GREEDY)
+        engine.submit("long", LONG, GREEDY)
+        engine.run_until_done()
+        assert clean.generated_ids == alone.generated_ids and len(clean.generated_ids) == 8

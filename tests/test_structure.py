@@ -33,3 +33,30 @@ def test_ruff_finds_nothing():
         pytest.fail("ruff is not installed: pip install -e '.[test]'")
     out = subprocess.run([ruff, "check", "kvtui", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_recordings_readme_lists_every_event_type_and_field():
+    from kvtui.events import EVENT_TYPES, EVIDENCE
+
+    readme = (ROOT / "recordings" / "README.md").read_text()
+    missing = [f"{kind}" for kind in EVENT_TYPES if f"`{kind}`" not in readme]
+    for kind, model in list(EVENT_TYPES.items()) + list(EVIDENCE.items()):
+        missing += [f"{kind}.{name}" for name, field in model.model_fields.items()
+                    if f"`{field.alias or name}`" not in readme and f"`{name}`" not in readme]
+    assert missing == []
+
+
+def test_committed_recordings_validate_and_replay_to_their_summaries():
+    """Every line of every recording matches its event type, and replaying the events gives the summary
+    the live run wrote (every field it wrote)."""
+    from kvtui.cli import replay_summary
+    from kvtui.record import read_recording
+
+    paths = sorted((ROOT / "recordings").glob("*.jsonl"))
+    assert len(paths) >= 12
+    for path in paths:
+        header, events, summary, truncated = read_recording(path)
+        assert not truncated and summary is not None, path.name
+        replayed = replay_summary(header, events, summary)
+        written = summary.model_dump(exclude_unset=True)
+        assert {k: v for k, v in replayed.model_dump().items() if k in written} == written, path.name

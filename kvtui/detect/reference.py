@@ -89,6 +89,7 @@ class ReferenceDetector:
         self.queue: deque[PendingCheck] = deque()
         self.max_queue, self.batch, self.cache_size = max_queue, batch, cache_size
         self._cache: OrderedDict = OrderedDict()
+        self._clean: Engine | None = None  # reused across drains: no pool allocated per check
         self.checked = 0
         self.skipped = 0
 
@@ -151,18 +152,31 @@ class ReferenceDetector:
         return results
 
     def _run(self, items, faults: frozenset, should_stop=None) -> list[tuple[list[int], list[float]]] | None:
-        """Run (prompt, sampling) pairs together in a fresh engine with `faults` on and no EOS, so each
-        covers its max_new_tokens; comparisons stop at the checked output's length."""
+        """Run (prompt, sampling) pairs together with `faults` on and no EOS, so each covers its
+        max_new_tokens (comparisons stop at the checked output's length). Without faults the clean engine
+        is kept between calls (its pool grows to the longest request seen, so a long run does not allocate
+        a pool per check); with faults a fresh engine replays the request alone."""
         max_len = max(len(p) + s.max_new_tokens for p, s in items)
-        config = replace(self.config, num_slots=len(items), max_batch_size=len(items), max_len=max_len,
-                         kv_budget_bytes=None, faults=faults, max_waiting=None, on_too_long="reject")
-        engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer))
+        engine = self._clean_engine(max_len) if not faults else self._engine(len(items), max_len, faults)
         states = [engine.submit(f"reference-{i}", list(p), s) for i, (p, s) in enumerate(items)]
         while engine.has_unfinished():
             if should_stop is not None and should_stop():
                 return None
             engine.step()
         return [(list(s.generated_ids), list(s.top2_gaps)) for s in states]
+
+    def _engine(self, slots: int, max_len: int, faults: frozenset) -> Engine:
+        config = replace(self.config, num_slots=slots, max_batch_size=slots, max_len=max_len, kv_budget_bytes=None,
+                         faults=faults, max_waiting=None, on_too_long="reject")
+        return Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer))
+
+    def _clean_engine(self, max_len: int) -> Engine:
+        engine = self._clean
+        if engine is None or engine.pool.max_len < max_len or engine.has_unfinished():
+            size = max(256, 1 << (max_len - 1).bit_length())  # powers of two: few re-allocations ...
+            size = min(size, max(self.config.max_len, max_len))  # ... within the model's position table
+            engine = self._clean = self._engine(self.batch, size, frozenset())
+        return engine
 
     # -- comparison ---------------------------------------------------------------------------
     def _compare(self, check: PendingCheck, reference, t: float) -> list[Contamination]:

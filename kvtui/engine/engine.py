@@ -35,6 +35,7 @@ class ForwardOutcome:
     the in-engine detectors' reports, and (chunk index, error text) for chunks a fault broke."""
 
     logits: dict = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)  # chunk index -> (top-1 minus top-2 logit, all finite)
     stats: BatchStats = BatchStats()
     taint: tuple = ()
     flow: tuple = ()
@@ -290,7 +291,7 @@ class Engine:
             if "racy_threads" in faults:
                 racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
                                     faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes)
-                return ForwardOutcome(racy.logits, racy.stats, errors=racy.errors)
+                return ForwardOutcome(racy.logits, _facts(racy.logits), racy.stats, errors=racy.errors)
             return self._forward_batch(plan, faults)
         except Exception as e:
             if not faults:
@@ -310,11 +311,12 @@ class Engine:
         if self.measure_flow and state.attn_sum is not None:
             flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids))
         by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
-        broken = [c for c, row in by_chunk.items() if not bool(torch.isfinite(row).all())]
+        facts = _facts(by_chunk, logits, batch.sample_chunk)
+        broken = [c for c, (_, finite) in facts.items() if not finite]
         nonfinite = ()
         if broken and (self.detect_taint or self.measure_flow):
             nonfinite = tuple(nonfinite_reads(batch, self.pool, writers, broken, self._names, ids))
-        return ForwardOutcome(by_chunk, batch.stats, taint, flow, nonfinite)
+        return ForwardOutcome(by_chunk, facts, batch.stats, taint, flow, nonfinite)
 
     def _serials(self, chunks) -> list[int]:
         return [self._serial[c.request.request_id] for c in chunks]
@@ -344,10 +346,10 @@ class Engine:
             if index in failed:
                 self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
             else:
-                running.append(self._advance(chunk, outcome.logits.get(index), end_s))
+                running.append(self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s))
         return tuple(running)
 
-    def _advance(self, chunk, logits, end_s: float) -> RunningRequestReport:
+    def _advance(self, chunk, logits, facts, end_s: float) -> RunningRequestReport:
         request = chunk.request
         request.faults_seen = request.faults_seen | self._faults
         request.cache_len = chunk.end_pos
@@ -355,9 +357,8 @@ class Engine:
             request.prefill_done += chunk.num_tokens
         token, gap, nonfinite = None, None, False
         if logits is not None:
-            nonfinite = not bool(torch.isfinite(logits).all())
-            top2 = torch.topk(logits, 2).values
-            gap = float(top2[0] - top2[1])
+            gap, finite = facts
+            nonfinite = not finite
             token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
             request.generated_ids.append(token)
             request.top2_gaps.append(gap)
@@ -448,6 +449,24 @@ class Engine:
                 raise RuntimeError(f"engine did not finish within {max_steps = }")
             reports.append(self.step())
         return reports
+
+
+def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> dict:
+    """(top-1 minus top-2 logit, all finite) per chunk, computed for all sampling rows at once.
+
+    Args:
+        by_chunk: chunk index -> logits [V]; logits / order: the same rows as one [S, V] tensor and their
+            chunk indices, when the caller has it (no stacking then).
+    """
+    if not by_chunk:
+        return {}
+    if logits is None:
+        order = list(by_chunk)
+        logits = torch.stack([by_chunk[c] for c in order])
+    top2 = torch.topk(logits, 2, dim=1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    finite = torch.isfinite(logits).all(dim=1).tolist()
+    return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
 
 
 def _ratio(part: int, whole: int) -> float:

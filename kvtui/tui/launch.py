@@ -40,7 +40,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
-                  torch_threads: int | None = None):
+                  torch_threads: int | None = None, cost_model: str = "auto"):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -89,7 +89,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         return build_session(scenario, loaded[0], clock=clock, record=restart_path(record, generation), device=device,
                              layout=layout, faults=tuple(faults), clear_faults=clear_faults,
                              detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
-                             listeners=(listener,))
+                             listeners=(listener,), cost_model=cost_model)
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
                         torch_threads=torch_threads or default_torch_threads())

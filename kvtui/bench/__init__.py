@@ -1,0 +1,57 @@
+"""`kvtui bench`: a suite of side-by-side measurements, each part selectable.
+
+Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the batch curve), knobs
+(bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
+bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost). Every part writes its figures
+to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kvtui.bench import curve, detectors, knobs, overhead, peers
+from kvtui.bench.common import machine, peak_rss_bytes
+
+PARTS = {
+    "overhead": (overhead.run, overhead.markdown, "engine overhead: kvtui decode step vs a bare transformers forward"),
+    "batch": (curve.run, curve.markdown, "batch curve: decode tokens/s by batch size"),
+    "knobs": (knobs.run, knobs.markdown, "bucketing, slot reuse and layouts on a wide length spread"),
+    "peers": (peers.run, peers.markdown, "peers on one Poisson workload (arrivals on the wall clock)"),
+    "bf16": (peers.run_bf16, peers.markdown_bf16, "float32 vs bfloat16 on the same workload"),
+    "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
+}
+
+
+def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path, console) -> dict:
+    """Run `parts` (keys of PARTS) in order; write `output` (JSON) and `output` with .md (Markdown);
+    returns the figures. Each part records its wall time and the process's peak RSS after it."""
+    figures = {"model": loaded.model_id, "dtype": str(loaded.dtype).replace("torch.", ""), "quick": quick,
+               "machine": machine(), "parts": {}}
+    for part in parts:
+        run, _, title = PARTS[part]
+        console.print(f"[bold]{part}[/]: {title}")
+        t0 = time.perf_counter()
+        result = run(loaded, name=name, quick=quick, console=console)
+        result["seconds"] = time.perf_counter() - t0
+        result["peak_rss_bytes"] = peak_rss_bytes()
+        figures["parts"][part] = result
+        console.print("\n".join(PARTS[part][1](result)), markup=False, highlight=False)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(figures, indent=2))
+    output.with_suffix(".md").write_text(markdown(figures))
+    return figures
+
+
+def markdown(figures: dict) -> str:
+    """The whole suite as Markdown: a line on the machine, then one table per part."""
+    m = figures["machine"]
+    lines = [f"{figures['model']} ({figures['dtype']}), {m['cores']} cores ({m['machine']}, {m['processor']}), "
+             f"torch {m['torch']} with {m['torch_threads']} threads, transformers {m['transformers']}"
+             + (", --quick" if figures["quick"] else ""), ""]
+    for part, result in figures["parts"].items():
+        lines += [f"### {part}: {PARTS[part][2]}", "", *PARTS[part][1](result),
+                  "", f"({result['seconds']:.0f} s; peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB)", ""]
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""The benchmark suite's arithmetic and plumbing (the figures themselves are measured by `kvtui bench`,
+never asserted in tests): the cost-model fit, the workload, the per-system figures, a small suite run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from kvtui.bench import run_suite
+from kvtui.bench.peers import Outcome, Workload
+from kvtui.calibrate import calibration_path, fit, load_cost_model, measure
+from kvtui.engine import StepCostModel
+
+
+def test_fit_recovers_known_step_costs():
+    truth = StepCostModel(base_s=0.03, per_row_s=0.002, per_token_s=0.004, per_key_s=3e-6)
+    shapes = [(r, r * q, r * (c + q)) for r in (1, 4, 8) for q in (1, 32) for c in (32, 256)]
+    samples = [(s, truth.duration(*s)) for s in shapes]
+    model, r2 = fit(samples)
+    assert r2 == pytest.approx(1.0)
+    for name in ("base_s", "per_row_s", "per_token_s", "per_key_s"):
+        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_fit_never_gives_negative_costs():
+    samples = [((1, 1, 10), 0.05), ((2, 2, 20), 0.04), ((4, 4, 40), 0.03)]  # time falls as work grows
+    model, _ = fit(samples)
+    assert min(model.base_s, model.per_row_s, model.per_token_s, model.per_key_s) >= 0
+
+
+def test_measure_reports_the_step_shape(tiny):
+    (rows, tokens, keys), seconds = measure(tiny["tiny-llama"].model, rows=3, query=5, context=20, repeats=1)
+    assert (rows, tokens, keys) == (3, 15, 3 * 25) and seconds > 0
+
+
+def test_calibration_is_stored_and_loaded_per_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
+    model, described = load_cost_model("m", "float32", "cpu")
+    assert described["source"] == "default" and model == StepCostModel()
+    path = calibration_path("m", "float32", "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"coefficients": {"base_s": 0.5, "per_row_s": 0.0, "per_token_s": 0.1,
+                                                 "per_key_s": 0.0}, "r2": 0.9}))
+    model, described = load_cost_model("m", "float32", "cpu")
+    assert model.duration(2, 3, 100) == pytest.approx(0.8) and described["source"] == "calibrated"
+    assert load_cost_model("m", "bfloat16", "cpu")[1]["source"] == "default"
+
+
+def test_workload_is_seeded_and_figures_follow_arrivals():
+    class Tok:
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 300
+
+    work = Workload.poisson(Tok(), 4, rate_per_s=2.0, seed=1)
+    assert work == Workload.poisson(Tok(), 4, rate_per_s=2.0, seed=1) and work.arrivals[0] == 0.0
+    assert all(26 <= len(p) <= 188 for p in work.prompts) and all(16 <= n <= 48 for n in work.outputs)
+    out = Outcome(tokens=[[1], [2], [3], [4]], first=[a + 0.5 for a in work.arrivals],
+                  last=[a + 1.0 for a in work.arrivals])
+    figures = out.figures(work, [[1], [2], [9], [4]])
+    assert figures["ttft_p50_s"] == pytest.approx(0.5) and figures["e2e_p95_s"] == pytest.approx(1.0)
+    assert figures["equal_to_solo"] == 3
+    assert figures["tokens_per_s"] == pytest.approx(sum(work.outputs) / (work.arrivals[-1] + 1.0))
+
+
+def test_a_small_suite_writes_json_and_markdown(tiny, tmp_path):
+    output = tmp_path / "bench.json"
+    figures = run_suite(tiny["tiny-llama"], name="tiny-llama", parts=["batch"], quick=True, output=output,
+                        console=Console(file=open("/dev/null", "w")))
+    rows = figures["parts"]["batch"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32] and rows[0]["x_batch_1"] == 1.0
+    assert json.loads(output.read_text())["parts"]["batch"]["rows"][3]["batch"] == 8
+    assert "| 32 |" in output.with_suffix(".md").read_text()
