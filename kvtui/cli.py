@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from kvtui.config import Clock, DType, Layout
 from kvtui.events import Contamination
-from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS
+from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_isolation_off
 
 Isolation = Literal["on", "off"]
 Api = Literal["auto", "chat", "completions"]
@@ -75,7 +75,7 @@ def _load_model(name: str, dtype: str, device: str):
 
 FaultChoice = enum.Enum("FaultChoice", {name: name for name in FAULT_NAMES}, type=str)
 DETECTORS_HELP = "Comma-separated detectors, or 'none'."
-DEFAULT_DETECTORS = "reference,canary,attention_flow,slot_taint"
+DEFAULT_DETECTORS = "reference,canary,attention_flow,slot_taint,prefix_provenance"
 
 
 def _fault_names(chosen) -> tuple[str, ...]:
@@ -106,11 +106,17 @@ def run(
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
                                                                "the start (repeatable); see `kvtui faults`.")] = None,
-    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot).")] = "on",
+    isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot; with "
+                                                 "paged KV block_refcount, or shared_position_offset without "
+                                                 "prefix caching).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = DEFAULT_DETECTORS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
+    prefix_caching: Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
+                                                           help="Override engine.prefix_caching (paged KV; headless "
+                                                           "runs), e.g. to compare a scenario with it on and off."
+                                                           )] = None,
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
@@ -145,7 +151,8 @@ def run(
         from kvtui.target import command
 
         command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
-                                           clear_faults=clear_faults, device=device != "cpu", clock=clock))
+                                           clear_faults=clear_faults, device=device != "cpu", clock=clock,
+                                           prefix_caching=prefix_caching is not None))
         run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
                                      max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
                                      logprobs=logprobs)
@@ -158,11 +165,14 @@ def run(
         else:
             command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
         return
-    faults = _fault_names(fault) + (DEFAULT_ISOLATION_OFF if isolation == "off" else ())
+    off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
+    faults = _fault_names(fault) + off
     chosen = _detectors(detectors)
     if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: running headless (pass --headless to silence this).")
         headless = True
+    if prefix_caching is not None:
+        spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model)
     if not headless:
@@ -188,6 +198,19 @@ def run(
         raise typer.Exit(code)
     if reason:
         out.print(reason, markup=False, highlight=False)
+
+
+def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):
+    """The scenario with engine.prefix_caching set to `on` (one line and exit 2 where it cannot be)."""
+    if not headless:
+        fail("--prefix-caching / --no-prefix-caching apply to --headless runs; edit engine.prefix_caching "
+             "in the scenario for the dashboard")
+    if on and spec.engine.kv != "paged":
+        fail(f"{path}: --prefix-caching needs paged KV; set engine.kv: paged in the scenario")
+    engine = spec.engine.model_copy(update={"prefix_caching": on})
+    copy = spec.model_copy(update={"engine": engine})
+    copy._base_dir = spec.base_dir
+    return copy
 
 
 def _session(spec, path: Path, loaded, **options):
@@ -339,16 +362,16 @@ def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file."
 
 @app.command()
 def faults() -> None:
-    """List the isolation faults, what each breaks, and the layouts it acts in."""
+    """List the isolation faults, what each breaks, and the layouts and KV modes (slots, paged) it acts in."""
     from rich.table import Table
 
     table = Table(title="isolation faults (--fault NAME, timeline {fault: NAME, on: true}, dashboard key f)",
                   title_justify="left")
-    for column in ("fault", "what it breaks", "layouts", "caught by"):
+    for column in ("fault", "what it breaks", "layouts", "kv", "caught by"):
         table.add_column(column)
     for f in FAULTS.values():
         name = f.name + (" *" if f.name in DEFAULT_ISOLATION_OFF else "")
-        table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.caught_by))
+        table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.kv), ", ".join(f.caught_by))
     table.caption = "* in the default set of --isolation off and the dashboard's i key"
     out.print(table)
 
@@ -359,6 +382,11 @@ def audit(
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
                                                                "(repeatable).")] = None,
+    timing: Annotated[bool, typer.Option("--timing", help="Instead: the prefix-cache timing side channel (paged "
+                                         "KV): how well TTFT tells apart probes whose prefix another tenant has "
+                                         "cached, with and without per-tenant salts.")] = False,
+    probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
+                                        max=1000)] = 16,
     target: Annotated[Optional[str], typer.Option("--target", help="Audit an OpenAI-compatible server at this "
                                                   "URL instead of kvtui's engine.",
                                                   rich_help_panel="Target server")] = None,
@@ -375,20 +403,25 @@ def audit(
                                              rich_help_panel="Target server")] = 0.5,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
-    must not change. Exit 1 when some did. With --target, the same three runs against a server."""
-    from kvtui.audit import run_audit
-
+    must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
+    when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks. With --target, the
+    neighbour-replacement runs against a server."""
     spec = _load_scenario(scenario)
     if target is not None:
         from kvtui.target import command
 
-        command.refuse_engine_options(dict(fault=fault))
+        command.refuse_engine_options(dict(fault=fault, timing=timing))
         run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
                                      max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
                                      logprobs=True)
         command.audit_target(spec, scenario, run_spec, model=model)
         return
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
+    if timing:
+        _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)
+        return
+    from kvtui.audit import run_audit
+
     try:
         events = run_audit(spec, loaded, faults=_fault_names(fault), console=err)
     except ValueError as e:  # an engine the model or the memory cannot hold
@@ -400,6 +433,22 @@ def audit(
         err.print(f"[bold red]noninterference violated: {len(events)} requests changed with their neighbours[/]")
         raise typer.Exit(EXIT_CONTAMINATION)
     out.print("noninterference holds: every request's tokens stayed the same with its neighbours replaced")
+
+
+def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:
+    from kvtui.audit_timing import print_timing, run_timing_audit
+
+    try:
+        rows = run_timing_audit(spec, loaded, faults=faults, probes=probes, console=err)
+    except ValueError as e:  # a fault the paged engine refuses, a pool the memory cannot hold
+        fail(f"{path}: {e}")
+    print_timing(rows, out)
+    leaked = max((r.cross_tenant_hit_tokens for r in rows if r.salts == "per_tenant"), default=0)
+    if leaked:
+        err.print(f"[bold red]with per-tenant salts the attacker's probes hit {leaked} tokens of the victim's cached "
+                  "blocks: the salt does not separate tenants[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    out.print("per-tenant salts hold: no probe hit another tenant's cached blocks")
 
 
 @app.command("model")

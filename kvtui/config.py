@@ -11,6 +11,7 @@ SlotReuse = Literal["reuse", "reallocate"]
 TooLong = Literal["reject", "cap"]
 Clock = Literal["virtual", "wall"]
 DType = Literal["float32", "bfloat16", "float16"]
+KVMode = Literal["slots", "paged"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,13 @@ class EngineConfig:
         max_waiting: most requests queued for a slot; later arrivals are rejected (None = unbounded).
         device: torch device string.
         faults: isolation faults on from the start (names from kvtui.faults), a frozenset.
+        kv: "slots" (one region of max_len tokens per running request) or "paged" (blocks of
+            block_size tokens through per-request block tables, as vLLM).
+        block_size: tokens per KV block (paged; 1..64, vLLM's default 16).
+        num_blocks: KV blocks including the null block 0 (paged). None: from kv_budget_bytes, else
+            num_slots x ceil(max_len / block_size) + 1 (the memory of the slot pool).
+        prefix_caching: reuse cached full blocks of a request's longest cached prefix (paged only).
+        watermark: share of the usable blocks admission keeps free (paged; vLLM V0's 0.01).
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -55,6 +63,11 @@ class EngineConfig:
     max_waiting: int | None = None
     device: str = "cpu"
     faults: frozenset[str] = field(default_factory=frozenset)
+    kv: KVMode = "slots"
+    block_size: int = 16
+    num_blocks: int | None = None
+    prefix_caching: bool = False
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,6 +83,12 @@ class EngineConfig:
             (self.on_too_long in ("reject", "cap"), f"{self.on_too_long = } must be 'reject' or 'cap'"),
             (self.max_waiting is None or self.max_waiting >= 0, f"{self.max_waiting = } must be >= 0"),
             (isinstance(self.faults, frozenset), f"faults must be a frozenset of fault names, got {self.faults!r}"),
+            (self.kv in ("slots", "paged"), f"{self.kv = } must be 'slots' or 'paged'"),
+            (1 <= self.block_size <= 64, f"{self.block_size = } must be in 1..64"),
+            (self.num_blocks is None or self.num_blocks >= 2, f"{self.num_blocks = } must be >= 2"),
+            (0.0 <= self.watermark <= 0.5, f"{self.watermark = } must be in [0, 0.5]"),
+            (self.kv == "paged" or not self.prefix_caching, "prefix_caching needs kv = 'paged'"),
+            (self.kv == "paged" or self.num_blocks is None, "num_blocks needs kv = 'paged'"),
         ]
         for ok, message in checks:
             if not ok:

@@ -130,12 +130,13 @@ class RunningEntry(_Frozen):
     """One request's part in a step."""
 
     id: str
-    slot: int
+    slot: int | None  # None with paged KV
     cache_len: int
     q: int  # tokens fed this step
     token: int | None  # token sampled this step, None during an unfinished chunked prefill
     phase: Literal["prefill", "decode"]
     piece: str | None = None  # the sampled token's text
+    blocks: tuple[int, ...] | None = None  # (v2, paged KV) its block table
 
 
 class TaintEntry(_Frozen):
@@ -150,6 +151,30 @@ class FlowEntry(_Frozen):
     foreign_mass: float
     pad_mass: float
     top_source: str | None
+
+
+class ReusedBlockEntry(_Frozen):
+    """One block a prefix-cache hit reused (see kvtui/engine/report.py ReusedBlockReport)."""
+
+    index: int
+    block: int
+    tokens: int
+    writer: str
+    writer_tenant: str | None
+    writer_salt: str | None
+    writer_key: str
+    reader_key: str
+
+
+class PrefixHitEntry(_Frozen):
+    """A request admitted with part of its prefill from the prefix cache (paged KV)."""
+
+    request_id: str
+    tenant: str | None
+    salt: str | None
+    hit_tokens: int
+    query_tokens: int
+    blocks: tuple[ReusedBlockEntry, ...]
 
 
 class StepEvent(_Frozen):
@@ -184,6 +209,25 @@ class StepEvent(_Frozen):
     errors: tuple[tuple[str, str], ...] = ()
     stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
     foreign_attention: dict[str, float] | None = None
+    # (v2, paged KV only; absent with slots)
+    kv: Literal["slots", "paged"] = "slots"
+    num_blocks: int | None = None
+    blocks_used: int | None = None
+    kv_cache_usage_perc: float | None = None
+    num_preemptions: int | None = None
+    preempted: tuple[str, ...] = ()
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    prefix_cache_cross_tenant_hits: int | None = None
+    prefix_hits: tuple[PrefixHitEntry, ...] = ()
+    block_state: str | None = None
+    block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+# StepEvent fields that only paged KV fills (dropped from a slots run's step events)
+PAGED_STEP_FIELDS = ("kv", "num_blocks", "blocks_used", "kv_cache_usage_perc", "num_preemptions", "preempted",
+                     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cross_tenant_hits", "prefix_hits",
+                     "block_state", "block_tables")
 
 
 # -- contamination ------------------------------------------------------------------------------------
@@ -216,9 +260,13 @@ class FlowEvidence(_Frozen):
 
 
 class TaintExample(_Frozen):
-    slot: int
-    pos: int
+    """A key position a query could read: slot and position, or with paged KV block and offset."""
+
+    slot: int | None = None
+    pos: int | None = None
     written_by: str
+    block: int | None = None  # (v2, paged KV)
+    offset: int | None = None  # (v2, paged KV)
 
 
 class TaintEvidence(_Frozen):
@@ -226,6 +274,17 @@ class TaintEvidence(_Frozen):
     sources: tuple[str, ...]
     examples: tuple[TaintExample, ...]
     nonfinite: bool = False  # (v2) the positions read hold NaN/inf (the victim's logits were not finite)
+
+
+class ProvenanceEvidence(_Frozen):
+    """(v2) A prefix-cache hit reused blocks that another tenant (another salt) or another prefix wrote."""
+
+    blocks: tuple[int, ...]  # the reused block ids
+    hit_tokens: int  # tokens the victim took from them
+    victim_tenant: str | None
+    source_tenant: str | None
+    same_salt: bool
+    same_prefix: bool  # the blocks' content keys (tokens chained to their prefix) equal the victim's own
 
 
 class EngineErrorEvidence(_Frozen):
@@ -244,16 +303,17 @@ class NoninterferenceEvidence(_Frozen):
 EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
+    "prefix_provenance": ProvenanceEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence]
 
 
 class Contamination(_Frozen):
-    """A detector's report: `victim` got information from `source` (cross_request), damaged itself
-    (corruption), or flipped a near tie (numeric, never counted as contamination); `unknown`: a
-    target server's output differed from its solo run where the server gave no logprobs to tell a
-    near tie from damage (reported, not counted)."""
+    """A detector's report: `victim` got information from `source` (cross_request), was served another
+    tenant's cached KV (cross_tenant), damaged itself (corruption), or flipped a near tie (numeric,
+    never counted as contamination); `unknown`: a target server's output differed from its solo run
+    where the server gave no logprobs to tell a near tie from damage (reported, not counted)."""
 
     type: Literal["contamination"] = "contamination"
     t: float
@@ -278,7 +338,8 @@ class Contamination(_Frozen):
 
     @property
     def counts(self) -> bool:
-        """A real finding (cross_request or corruption), not a numeric near tie or an unknown cause."""
+        """A real finding (cross_request, cross_tenant or corruption), not a numeric near tie or an
+        unknown cause."""
         return self.kind not in UNCOUNTED_KINDS
 
 
@@ -404,9 +465,10 @@ class Summary(_Frozen):
     num_preemptions_total: int | None = None  # (v2, paged KV)
     prefix_cache_queries: int | None = None  # (v2, tokens)
     prefix_cache_hits: int | None = None  # (v2, tokens)
+    prefix_cache_cross_tenant_hits: int | None = None  # (v2, tokens of blocks another tenant computed)
 
     def contamination_total(self) -> int:
-        """Events that count (cross_request and corruption, not numeric or unknown)."""
+        """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""
         return sum(c.value for c in self.contamination_events_total if c.kind not in UNCOUNTED_KINDS)
 
 

@@ -16,6 +16,10 @@ dashboard and the docs all read this table.
 | causal_offset | batching: causal mask built square (key <= query index), ignoring the cache offset |
 | fp16_cache | attention and cache: float16 with a -1e9 mask constant (-inf in float16); padded rows |
 |  | cached whole, so a fully masked pad row's NaN lands in the cache |
+| unsalted_prefix | paged prefix cache: the block key leaves out the cache_salt, so tenants share blocks |
+| block_refcount | paged blocks: a finished request's blocks are freed outright while others still hold them |
+| shared_partial_block | paged prefix cache: a prompt's partial last block is shared without copy-on-write |
+| prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 FaultName = Literal["shared_cache", "racy_threads", "no_request_mask", "unmasked_cache_padding",
-                    "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache"]
+                    "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache", "unsalted_prefix",
+                    "block_refcount", "shared_partial_block", "prefix_key_no_parent"]
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
-ContaminationKind = Literal["cross_request", "corruption", "numeric", "unknown"]
+ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
+KV_MODES = ("slots", "paged")
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,10 @@ class Fault:
         layouts: the layouts it acts in ("padded", "packed").
         caught_by: the detectors expected to catch it ("engine": the step fails under the fault).
         kind: the kind of the findings it causes: cross_request when the damage needs another request
-            (alone, with the same fault, the request gives its clean tokens), corruption when it does not.
+            (alone, with the same fault, the request gives its clean tokens), corruption when it does not;
+            cross_tenant when another tenant's cached KV is served (paged KV prefix caching).
+        kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
+        needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
     """
 
     name: str
@@ -52,6 +61,8 @@ class Fault:
     layouts: tuple[str, ...]
     caught_by: tuple[str, ...]
     kind: ContaminationKind
+    kv: tuple[str, ...] = ("slots",)
+    needs: tuple[str, ...] = ()
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -62,19 +73,19 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("racy_threads", "one thread per request over a shared cache variable: state races, shape errors",
           "runner: a Python thread per request, all through one cache-state variable",
           "outputs differ from run to run; shape errors",
-          ("padded", "packed"), ("reference",), "cross_request"),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
     Fault("no_request_mask", "packed batch without the block-diagonal mask: queries see other requests' keys",
           "batching (packed): a plain causal mask over the concatenated requests",
           "A drifts toward B; passphrases leak",
-          ("packed",), ("attention_flow", "slot_taint", "reference"), "cross_request"),
+          ("packed",), ("attention_flow", "slot_taint", "reference"), "cross_request", KV_MODES),
     Fault("unmasked_cache_padding", "mask hides input pads but not the padding inside cached K/V",
           "batching (padded): cache-padding key columns are left visible",
           "repetition and garbage on shorter rows",
-          ("padded",), ("slot_taint", "attention_flow", "reference"), "cross_request"),
+          ("padded",), ("slot_taint", "attention_flow", "reference"), "cross_request", KV_MODES),
     Fault("shared_position_offset", "position ids from a batch-wide counter: shorter rows get wrong RoPE offsets",
           "batching: every row's position ids start at the longest cache in the batch",
           "drift on the shorter rows of a batch",
-          ("padded", "packed"), ("reference",), "cross_request"),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
     Fault("stale_slot", "a reused slot keeps its old length and contents: the new request continues the old one",
           "admission: the slot's old length and contents are taken for the new prompt's cached prefix",
           "a new request continues the previous occupant's conversation",
@@ -82,11 +93,35 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("causal_offset", "causal mask built square, ignoring the cache offset: decode sees only the first keys",
           "batching: the causal part compares key index with query index, not with its position",
           "garbage after the first decode step",
-          ("padded", "packed"), ("reference",), "corruption"),
+          ("padded", "packed"), ("reference",), "corruption", KV_MODES),
     Fault("fp16_cache", "float16 cache and attention with a -1e9 mask (= -inf): pad rows turn NaN and poison",
           "attention and cache: float16 with the -1e9 constant; pad rows cached whole",
           "NaN logits, garbled text (float32 or bfloat16 avoids it)",
           ("padded",), ("reference",), "cross_request"),
+    Fault("unsalted_prefix", "the prefix-cache key leaves out the tenant's cache_salt: tenants share cached blocks",
+          "block_manager: lookup and registration keys are computed without the salt",
+          "answers stay right, but one tenant's prompt is served from another's cache: a cache hit (shorter "
+          "TTFT) tells an attacker a guessed prompt prefix was sent by someone else",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow"), "cross_tenant", ("paged",),
+          ("prefix_caching",)),
+    Fault("block_refcount", "a finished request frees its blocks outright, even while another request still holds them",
+          "block_manager: free sets a block's reference count to 0 instead of decrementing it",
+          "a new request is given a block a running request still reads, overwrites it, and the reader "
+          "attends to foreign K/V: its answer drifts",
+          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",),
+          ("prefix_caching",)),
+    Fault("shared_partial_block", "a prompt's partially filled last block is shared without copy-on-write",
+          "block_manager: the partial last block of a prompt is cached and handed to an identical prompt as is",
+          "two requests with the same prompt decode into the same block: each one's new tokens overwrite the "
+          "other's, and their answers drift",
+          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",),
+          ("prefix_caching",)),
+    Fault("prefix_key_no_parent", "the prefix-cache key leaves out the parent block's key: equal blocks collide",
+          "block_manager: a block's key is its tokens (and extra keys) alone, not chained to its prefix",
+          "a block of tokens seen before under another prefix is reused with K/V computed in that other "
+          "context: the answer drifts",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching",)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
@@ -94,6 +129,19 @@ assert FAULT_NAMES == FaultName.__args__, "FaultName and FAULTS must list the sa
 
 # `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).
 DEFAULT_ISOLATION_OFF: tuple[str, ...] = ("stale_slot",)
+
+
+def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tuple[str, ...]:
+    """The default fault set for an engine's KV mode: stale_slot with slots; with paged KV block_refcount
+    (a shared block freed while still read) when prefix caching is on, else shared_position_offset."""
+    if kv != "paged":
+        return DEFAULT_ISOLATION_OFF
+    return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
+
+
+def faults_for(kv: str = "slots") -> tuple[str, ...]:
+    """The faults that act in KV mode `kv`, in catalogue order."""
+    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv)
 
 FP16_MASK_CONSTANT = -1e9  # the classic hand-written mask constant; float16 rounds it to -inf
 
@@ -113,10 +161,10 @@ def check_fault_names(names) -> frozenset[str]:
     return names
 
 
-def isolation_fault_set(engine_faults, timeline) -> tuple[str, ...]:
+def isolation_fault_set(engine_faults, timeline, kv: str = "slots", prefix_caching: bool = False) -> tuple[str, ...]:
     """The faults the dashboard's `i` key switches on: those a scenario starts with (`engine_faults`) or
     names in its timeline (`timeline`: normalized entries `{"set": {"fault": NAME}}`), in that order;
-    DEFAULT_ISOLATION_OFF when it names none."""
+    default_isolation_off(kv, prefix_caching) when it names none."""
     names: list[str] = []
     for name in engine_faults or ():
         if name not in names:
@@ -125,4 +173,4 @@ def isolation_fault_set(engine_faults, timeline) -> tuple[str, ...]:
         name = (entry.get("set") or {}).get("fault") if isinstance(entry, dict) else None
         if isinstance(name, str) and name not in names:
             names.append(name)
-    return tuple(names) or DEFAULT_ISOLATION_OFF
+    return tuple(names) or default_isolation_off(kv, prefix_caching)

@@ -119,6 +119,8 @@ class Metrics:
         self.requests_finished = 0
         self.good_requests = 0
         self.measured_wall_s = 0.0
+        self.paged = False  # paged KV: preemptions and prefix-cache counters (vLLM's names)
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = self.cross_tenant_hits = 0
 
     def add_event(self, event) -> None:
         """Feed one typed event (kvtui.events); live runs and replays feed the same events, so a
@@ -162,6 +164,25 @@ class Metrics:
         self.peak_kv_usage = max(self.peak_kv_usage, e.kv_usage)
         self.peak_waiting = max(self.peak_waiting, e.num_waiting)
         self.last = e
+        if e.kv == "paged":
+            self._add_paged(e)
+
+    def _add_paged(self, e: StepEvent) -> None:
+        self.paged = True
+        self.num_preemptions += e.num_preemptions or 0
+        self.prefix_queries += e.prefix_cache_queries or 0
+        self.prefix_hits += e.prefix_cache_hits or 0
+        self.cross_tenant_hits += e.prefix_cache_cross_tenant_hits or 0
+
+    def paged_fields(self) -> dict:
+        """Summary fields of paged KV (None when the run used slots, or looked nothing up in the prefix cache)."""
+        if not self.paged:
+            return {}
+        cached = self.prefix_queries > 0
+        return dict(num_preemptions_total=self.num_preemptions,
+                    prefix_cache_queries=self.prefix_queries if cached else None,
+                    prefix_cache_hits=self.prefix_hits if cached else None,
+                    prefix_cache_cross_tenant_hits=self.cross_tenant_hits if cached else None)
 
     def _add_finished(self, r: Finish) -> None:
         self.requests_finished += 1
@@ -230,5 +251,5 @@ class Metrics:
             findings_by_kind=self.findings.by_kind(), requests_in_flight=self.arrived - self.requests_finished,
             reference_checked=self.reference.checked if self.reference else None,
             reference_skipped=self.reference.skipped if self.reference else None,
-            **session_fields,
+            **self.paged_fields(), **session_fields,
         )

@@ -12,6 +12,7 @@ from kvtui.events import (
     FlowEvidence,
     Header,
     NoninterferenceEvidence,
+    ProvenanceEvidence,
     ReferenceEvidence,
     Summary,
     TaintEvidence,
@@ -25,8 +26,13 @@ def _ms(value) -> str:
 
 def print_summary(summary: Summary, header: Header, console: Console) -> None:
     """Render the figures of a run (see kvtui.events.Summary for the fields)."""
+    engine = header.engine
+    kv = ""
+    if engine.get("kv") == "paged":
+        kv = f", paged KV: blocks of {engine.get('block_size')}" + (", prefix caching" if engine.get("prefix_caching")
+                                                                      else "")
     title = (f"{header.scenario.get('name', '?')} on {header.model.id} "
-             f"({header.clock} clock, {header.engine.get('layout', '?')} layout)")
+             f"({header.clock} clock, {engine.get('layout', '?')} layout{kv})")
     if header.target:
         title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
                  f"{header.engine.get('api', '?')} API, client-side wall clock)")
@@ -55,6 +61,7 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         ("peak KV usage", f"{s.kv_cache_usage_perc_peak:.1%}"),
         ("goodput", f"{s.goodput_requests_per_s:.2f} req/s"),
     ]
+    rows += _paged_rows(s)
     if s.passphrase_requests:
         rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
     if s.stopped_early:
@@ -71,6 +78,19 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
     if s.contamination_by_fault:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
+    return rows
+
+
+def _paged_rows(s: Summary) -> list[tuple[str, str]]:
+    """Paged KV figures: preemptions, prefix-cache hit rate (tokens) and cross-tenant hits."""
+    rows = []
+    if s.num_preemptions_total is not None:
+        rows.append(("preemptions", str(s.num_preemptions_total)))
+    if s.prefix_cache_queries:
+        rate = s.prefix_cache_hits / s.prefix_cache_queries
+        rows.append(("prefix cache hit rate", f"{rate:.1%} ({s.prefix_cache_hits} of {s.prefix_cache_queries} "
+                                              "prompt tokens)"))
+        rows.append(("cross-tenant prefix hits", f"{s.prefix_cache_cross_tenant_hits} tokens"))
     return rows
 
 
@@ -106,7 +126,16 @@ def evidence_text(e: Contamination) -> str:
         return f"attention on foreign keys {ev.foreign_mass:.3f}" if ev.foreign_mass is not None else "non-finite"
     if isinstance(ev, TaintEvidence):
         first = ev.examples[0] if ev.examples else None
+        if first is not None and first.block is not None:
+            return f"{ev.positions} cells, e.g. block {first.block} offset {first.offset}"
         return f"{ev.positions} cells" + (f", e.g. slot {first.slot} pos {first.pos}" if first else "")
+    if isinstance(ev, ProvenanceEvidence):
+        blocks = ", ".join(map(str, ev.blocks[:4])) + (" ..." if len(ev.blocks) > 4 else "")
+        tenants = "" if ev.source_tenant is None and ev.victim_tenant is None else \
+            f" by tenant {ev.source_tenant} for tenant {ev.victim_tenant}"
+        return (f"{ev.hit_tokens} tokens of blocks {blocks} computed{tenants} under "
+                f"{'the same' if ev.same_salt else 'another'} salt, {'the same' if ev.same_prefix else 'another'} "
+                "prefix")
     if isinstance(ev, NoninterferenceEvidence):
         return (f"token {ev.token_index} changed: {ev.baseline_text[:40]!r} -> "
                 f"{ev.text_with_neighbours_replaced[:40]!r}")
@@ -129,7 +158,8 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
     for column in ("step", "victim <- source", "kind", "detector", "evidence"):
         table.add_column(column)
     for e in ordered[:limit]:
-        style = "dim" if e.kind in ("numeric", "unknown") else ("red" if e.kind == "cross_request" else "yellow")
+        style = "dim" if e.kind in ("numeric", "unknown") else ("red" if e.kind in ("cross_request", "cross_tenant")
+                                                                else "yellow")
         table.add_row(str(e.step) if e.step >= 0 else "-", escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
                       e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:

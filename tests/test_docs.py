@@ -95,8 +95,9 @@ def test_fault_table_matches_the_catalogue():
     by_name = {re.fullmatch(r"`(\w+)`", row[0]).group(1): row for row in rows}
     assert list(by_name) == list(FAULTS)
     for name, fault in FAULTS.items():
-        layouts, _, _, _, caught_by, kind = by_name[name][1:]
+        layouts, kv, _, _, _, caught_by, kind = by_name[name][1:]
         assert layouts.split(", ") == list(fault.layouts), name
+        assert kv.split(", ") == list(fault.kv), name
         assert re.findall(r"`(\w+)`", caught_by) == list(fault.caught_by), name
         assert kind == fault.kind, name
 
@@ -106,7 +107,7 @@ def test_detector_table_lists_every_detector_and_kind():
     detectors = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### What each detector")]
     assert detectors == list(DETECTOR_NAMES) + ["noninterference"]
     kinds = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### Kinds")]
-    assert kinds == ["cross_request", "corruption", "numeric", "unknown"]
+    assert kinds == ["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 
 
 def test_scenario_reference_is_the_generated_one():
@@ -137,5 +138,6 @@ def test_modules_named_in_the_docs_exist():
     for doc in ("docs/architecture.md", "docs/faults.md"):
         names |= set(re.findall(r"`(?:kvtui/)?([\w/]+\.py)`", text(doc)))
     files = {str(p.relative_to(ROOT / "kvtui")) for p in (ROOT / "kvtui").rglob("*.py")}
-    files |= {p.name for p in (ROOT / "kvtui").rglob("*.py")} | {"tests/test_faults.py", "tests/test_docs.py"}
+    files |= {p.name for p in (ROOT / "kvtui").rglob("*.py")} | {"tests/test_faults.py", "tests/test_docs.py",
+                                                                    "tests/test_paged_faults.py"}
     assert sorted(names - files) == []

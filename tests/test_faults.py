@@ -1,6 +1,8 @@
 """Fault x detector truth table on tiny-llama, silence with isolation intact, and the SmolLM2
 passphrase leak under stale_slot toggled mid-run."""
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -10,17 +12,60 @@ from kvtui.faults import FAULTS
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 
-CONTAMINATION = ("cross_request", "corruption")
+CONTAMINATION = ("cross_request", "cross_tenant", "corruption")
+ONE_PROMPT = Path(__file__).parent / "data" / "one_prompt.txt"
+
+# Loads that make each paged-KV fault act (prefix caching on): shared system prompts across two tenants
+# (unsalted_prefix), a tight pool under shared prefixes and mixed output lengths (block_refcount), the
+# same prompt sampled several times (shared_partial_block), two system prompts followed by a common
+# block-aligned instruction block (prefix_key_no_parent).
+PAGED_LOADS = {
+    "unsalted_prefix": """seed: 0
+max_requests: 8
+engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+tenants: {{count: 2}}
+arrivals: {{process: constant, rate_per_s: 10.0}}
+prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
+    "block_refcount": """seed: 0
+max_requests: 8
+engine: {{kv: paged, block_size: 4, max_len: 64, num_blocks: 20, prefix_caching: true, layout: {layout},
+          faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: 10.0}}
+prompts: {{kind: system_prompt, count: 2, system_tokens: 16, user_tokens: {{dist: uniform, min: 2, max: 8}}}}
+output_tokens: {{dist: uniform, min: 2, max: 24}}""",
+    "shared_partial_block": f"""seed: 0
+max_requests: 6
+engine: {{{{kv: paged, block_size: 16, max_len: 256, prefix_caching: true, layout: {{layout}}, faults: [{{faults}}]}}}}
+arrivals: {{{{process: constant, rate_per_s: 10.0}}}}
+prompts: {{{{kind: file, path: {ONE_PROMPT}}}}}
+output_tokens: 16
+sampling: {{{{temperature: 1.0, ignore_eos: true}}}}""",
+    "prefix_key_no_parent": """seed: 0
+max_requests: 8
+engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: 5.0}}
+prompts: {{kind: system_prompt, count: 2, system_tokens: 32, instruction_tokens: 16,
+           user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
+}
 
 
-def scenario(layout="padded", faults=(), dtype="float32", extra=""):
+def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", drop_faults=False):
+    """The truth-table scenario; a paged-KV fault gets its own load (PAGED_LOADS), drop_faults=True the
+    same load with the fault off."""
+    if kv == "paged" and any(name in PAGED_LOADS for name in faults):
+        load = PAGED_LOADS[next(name for name in faults if name in PAGED_LOADS)]
+        body = load.format(layout=layout, faults="" if drop_faults else ", ".join(faults))
+        defaults = "\noutput_tokens: 8\nsampling: {ignore_eos: true}" if "output_tokens" not in body else ""
+        return parse_scenario(f"name: truth-table\nmodel: tiny-llama\ndtype: {dtype}\n{body}{defaults}\n{extra}")
+    # paged: 9 usable blocks of 16 tokens, so blocks change hands (and stale contents sit past a row's end)
+    pool = "kv: paged, block_size: 16, num_blocks: 10" if kv == "paged" else "slots: 3"
     return parse_scenario(f"""
 name: truth-table
 seed: 3
 max_requests: 6
 model: tiny-llama
 dtype: {dtype}
-engine: {{slots: 3, max_len: 128, layout: {layout}, faults: [{", ".join(faults)}]}}
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{", ".join(faults)}]}}
 arrivals: {{process: constant, rate_per_s: 50.0}}
 prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 3, max: 30}}}}
 output_tokens: 8
@@ -47,25 +92,28 @@ def events_of(session, kind=None, detector=None):
             if (kind is None or e.kind == kind) and (detector is None or e.detector == detector)]
 
 
-CASES = [(name, layout) for name, fault in FAULTS.items() for layout in fault.layouts]
+CASES = [(name, layout, kv) for name, fault in FAULTS.items() for layout in fault.layouts for kv in fault.kv]
 # the canary needs a model that echoes its passphrase (tiny-llama's text is random): checked on SmolLM2 below
 TEXT_DETECTORS = {"canary"}
 RUN = {f"r{i:03d}" for i in range(6)}
 
 
-@pytest.mark.parametrize("name,layout", CASES)
-def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source(tiny, name, layout):
+@pytest.mark.parametrize("name,layout,kv", CASES)
+def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source(tiny, name, layout, kv):
     fault = FAULTS[name]
-    session = run(tiny, scenario(layout, faults=[name]))
+    spec = scenario(layout, faults=[name], kv=kv)
+    session = run(tiny, spec)
+    ran = {f"r{i:03d}" for i in range(spec.max_requests)}
     reports = [e for e in session.contamination if e.counts]
     assert set(fault.caught_by) - TEXT_DETECTORS <= {e.detector for e in reports}, session.contamination
     assert session.summary.findings_by_kind.get(fault.kind, 0) >= 1, session.summary.findings_by_kind
-    assert {e.victim for e in reports} <= RUN
+    assert {e.victim for e in reports} <= ran
     named = [e for e in reports if e.source is not None]
-    assert all(set(e.source.split(",")) <= RUN - {e.victim} for e in named)
-    # the victims' tokens really changed: each finding of the fault's kind has a reference witness
+    assert all(set(e.source.split(",")) <= ran - {e.victim} for e in named)
+    # the victims' tokens really changed: each finding of the fault's kind has a reference witness (a
+    # cross-tenant reuse serves right K/V: its answers stay the same, only the sharing leaks)
     findings = [f for f in session.metrics.findings if f.kind == fault.kind]
-    assert any("reference" in f.detectors for f in findings)
+    assert any("reference" in f.detectors for f in findings) is (fault.kind != "cross_tenant")
 
 
 def test_stale_slot_names_the_previous_owner_as_source(tiny):

@@ -1,19 +1,20 @@
 """Contamination detectors. Each turns what it sees into typed `Contamination` events
 (kvtui.events): victim request, source request when known, step, kind and evidence.
 
-Kinds: `cross_request` (information from another request reached the victim), `corruption`
-(self-damage that happens with no other request present), `numeric` (a near tie flipped by numerical
-batch variance; never counted as contamination). findings.py joins the reports on one victim.
+Kinds: `cross_request` (information from another request reached the victim), `cross_tenant`
+(another tenant's cached KV served the victim: paged KV prefix caching), `corruption` (self-damage
+that happens with no other request present), `numeric` (a near tie flipped by numerical batch
+variance; never counted as contamination). findings.py joins the reports on one victim.
 
-The detector classes are imported from their modules (canary, engine_signals, reference); this
-package itself imports no torch, so replaying a recording stays light.
+The detector classes are imported from their modules (canary, engine_signals, provenance,
+reference); this package itself imports no torch, so replaying a recording stays light.
 """
 
-DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint")
-CONTAMINATION_KINDS = ("cross_request", "corruption")
+DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance")
+CONTAMINATION_KINDS = ("cross_request", "cross_tenant", "corruption")
 
 _LAZY = {"CanaryDetector": "canary", "EngineSignalDetector": "engine_signals", "ReferenceDetector": "reference",
-         "numeric_tolerance": "reference", "Findings": "findings"}
+         "numeric_tolerance": "reference", "Findings": "findings", "ProvenanceDetector": "provenance"}
 
 
 def __getattr__(name: str):

@@ -24,10 +24,12 @@ class EngineSignalDetector:
     def __init__(self, *, taint: bool = True, flow: bool = True) -> None:
         self.taint = taint
         self.flow = flow
+        self.kv = "slots"
         self._seen: set[tuple] = set()
 
     def on_step(self, report, t: float) -> list[Contamination]:
         """Events for a StepReport's taint, flow and non-finite entries."""
+        self.kv = getattr(report, "kv", "slots")  # paged KV: examples are (block, offset, writer)
         events = []
         if self.taint:
             events += [self._taint(r, report.step, t) for r in report.taint]
@@ -46,19 +48,22 @@ class EngineSignalDetector:
 
     def _taint(self, r, step: int, t: float) -> Contamination | None:
         source = r.sources[0]
-        kind = "corruption" if source.startswith("<") else "cross_request"
+        # never-written or pad positions, or its own writes where another's belong: self-damage
+        kind = "corruption" if source.startswith("<") or source == r.request_id else "cross_request"
         if not self._once("slot_taint", r.request_id, source):
             return None
         return Contamination(t=t, step=step, detector="slot_taint", kind=kind, victim=r.request_id,
                              source=None if kind == "corruption" else source,
-                             evidence=TaintEvidence(positions=r.positions, sources=r.sources, examples=_examples(r)))
+                             evidence=TaintEvidence(positions=r.positions, sources=r.sources,
+                                                    examples=_examples(r, self.kv)))
 
     def _flow(self, f, step: int, t: float) -> Contamination | None:
         if not self._once("attention_flow", f.request_id, f.top_source):
             return None
-        return Contamination(t=t, step=step, detector="attention_flow", kind="cross_request", victim=f.request_id,
-                             source=f.top_source, evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6),
-                                                                        pad_mass=round(f.pad_mass, 6)))
+        own = f.top_source == f.request_id  # its own later writes over a block it reads: self-damage
+        return Contamination(t=t, step=step, detector="attention_flow", kind="corruption" if own else "cross_request",
+                             victim=f.request_id, source=None if own else f.top_source,
+                             evidence=FlowEvidence(foreign_mass=round(f.foreign_mass, 6), pad_mass=round(f.pad_mass, 6)))
 
     def _nonfinite(self, read, step: int, t: float) -> list[Contamination]:
         foreign = [s for s in read.sources if s != read.request_id and not s.startswith("<")]
@@ -68,8 +73,8 @@ class EngineSignalDetector:
         if self.taint and self._once("slot_taint", read.request_id, source, "nonfinite"):
             events.append(Contamination(
                 t=t, step=step, detector="slot_taint", kind=kind, victim=read.request_id, source=source,
-                evidence=TaintEvidence(positions=read.positions, sources=read.sources, examples=_examples(read),
-                                       nonfinite=True)))
+                evidence=TaintEvidence(positions=read.positions, sources=read.sources,
+                                       examples=_examples(read, self.kv), nonfinite=True)))
         if self.flow and self._once("attention_flow", read.request_id, source, "nonfinite"):
             events.append(Contamination(
                 t=t, step=step, detector="attention_flow", kind=kind, victim=read.request_id, source=source,
@@ -77,5 +82,8 @@ class EngineSignalDetector:
         return events
 
 
-def _examples(r) -> tuple[TaintExample, ...]:
+def _examples(r, kv: str) -> tuple[TaintExample, ...]:
+    """The engine's (slot, position, writer) triples; with paged KV they are (block, offset, writer)."""
+    if kv == "paged":
+        return tuple(TaintExample(block=b, offset=o, written_by=w) for b, o, w in r.examples)
     return tuple(TaintExample(slot=s, pos=p, written_by=w) for s, p, w in r.examples)

@@ -168,6 +168,8 @@ class ReferenceDetector:
     def _engine(self, slots: int, max_len: int, faults: frozenset) -> Engine:
         config = replace(self.config, num_slots=slots, max_batch_size=slots, max_len=max_len, kv_budget_bytes=None,
                          faults=faults, max_waiting=None, on_too_long="reject")
+        if not faults:  # the clean reference: a slot pool (a paged run's blocks and prefix cache are what is checked)
+            config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
         return Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer))
 
     def _clean_engine(self, max_len: int) -> Engine:

@@ -1,4 +1,5 @@
-"""The batching engine: KV slot pool, scheduler, padded/packed layouts, pooled attention, runner.
+"""The batching engine: KV slot pool (or paged KV blocks with prefix caching), scheduler, padded/packed
+layouts, pooled attention, runner.
 
 Only runner.py calls the model; everything else is plain data or small tensor builders.
 """

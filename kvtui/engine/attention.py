@@ -4,7 +4,8 @@
 The attention function registered as "kvtui" (`AttentionInterface`) then runs one of two paths:
 
 own-range (the default): each chunk's queries attend to exactly its own request's keys, positions
-    0 .. end-1 of its slot, read as a view of the pool (no copy). Keys of other requests and whatever
+    0 .. end-1 of its slot, read as a view of the pool (no copy); with paged KV, its blocks gathered
+    through its block table in order (a copy). Keys of other requests and whatever
     an earlier owner left past the chunk's end are never read, so they cannot reach the output, NaN
     or not. The computation per chunk is the one a solo run of that request does.
     `torch.nn.functional.scaled_dot_product_attention` (grouped-query heads without repeating K/V)
@@ -64,8 +65,9 @@ class PooledCacheLayer(CacheLayerMixin):
 
     update(key_states [R, Hkv, Q, D], value_states [R, Hkv, Q, D]) writes the real tokens' K/V to
     pool[write_slot, :, write_pos]. It returns, on the own-range path, the layer's whole pool tensors
-    [S, Hkv, L, D] (the attention function slices each chunk's own range), and on the mask path the
-    batch's keys and values [R, Hkv, K, D] gathered from pool[key_slot, :, key_pos].
+    [S, Hkv, L, D] (paged: [blocks, Hkv, block_size, D]; the attention function takes each chunk's own
+    range), and on the mask path the batch's keys and values [R, Hkv, K, D] gathered from
+    pool[key_slot, :, key_pos] (paged: block ids and offsets).
     """
 
     is_compileable = False
@@ -152,7 +154,7 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
     for seg in state.batch.segments:
         q = query[seg.row, :, seg.q_start : seg.q_start + seg.num_tokens]  # [Hq, n, D]
-        k, v = pool_k[seg.slot, :, : seg.end_pos], pool_v[seg.slot, :, : seg.end_pos]  # [Hkv, end, D]
+        k, v = own_keys(pool_k, seg), own_keys(pool_v, seg)  # [Hkv, end, D]
         causal = _causal(seg, query.device)
         if state.measure_flow:
             o, probs = _eager(q, k, v, causal, scaling)
@@ -162,6 +164,15 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
                                                enable_gqa=True)[0]
         out[seg.row, seg.q_start : seg.q_start + seg.num_tokens] = o.transpose(0, 1)
     return out
+
+
+def own_keys(pool: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """A segment's own keys (or values) at positions 0 .. end-1, [Hkv, end, D]: a view of its slot
+    (pool [S, Hkv, L, D]), or its blocks gathered in table order (paged pool [N, Hkv, B, D])."""
+    if seg.blocks is None:
+        return pool[seg.slot, :, : seg.end_pos]
+    blocks = pool.index_select(0, torch.tensor(seg.blocks, device=pool.device))  # [n, Hkv, B, D]
+    return blocks.transpose(0, 1).reshape(pool.shape[1], -1, pool.shape[3])[:, : seg.end_pos]
 
 
 def _causal(seg: Segment, device) -> torch.Tensor | None:

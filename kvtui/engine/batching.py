@@ -2,7 +2,10 @@
 
 Both layouts read keys through one gather map: row r's key column k is pool[key_slot[r, k], :,
 key_pos[r, k]]; the new tokens' K/V are first written to pool[write_slot[i], :, write_pos[i]].
-The attention mask decides which gathered keys each query may see.
+The attention mask decides which gathered keys each query may see. With paged KV (chunks carry
+block tables) the same maps hold block addresses: a position p of a request is (table[p //
+block_size], p % block_size) in the pool's [blocks, heads, block_size, head_dim] tensors, and cache
+padding points at the null block 0.
 
 padded: one row per request, right- or left-padded to the longest chunk. Row b's keys are its own
     slot's positions 0 .. K-1 (K = the longest end); columns end_b .. K-1 are cache padding; query token t (at position
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtui.engine.block_manager import NULL_BLOCK
 from kvtui.engine.scheduler import ScheduledChunk, StepPlan
 
 PAD_OWNER = -1
@@ -41,6 +45,8 @@ class Segment:
         slot: the KV slot its keys are read from and written to.
         start_pos, end_pos: positions of its fed tokens (cache_len before and after the step).
         key_start: the key column of its position 0 in the row (0 padded; its offset packed).
+        blocks: paged KV: the blocks holding its positions 0 .. end_pos - 1, in order (slot is then
+            -1); None with slots.
     """
 
     row: int
@@ -50,6 +56,7 @@ class Segment:
     start_pos: int
     end_pos: int
     key_start: int
+    blocks: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,8 @@ def _tensor(values: list[int]) -> torch.Tensor:
 class _Tables:
     """Accumulates one batch's tables chunk by chunk (see BatchTensors for each table)."""
 
-    def __init__(self, rows: int, q_len: int, k_len: int, pad_token_id: int) -> None:
+    def __init__(self, rows: int, q_len: int, k_len: int, pad_token_id: int, block_size: int | None = None) -> None:
+        self.block_size = block_size
         self.input_ids = torch.full((rows, q_len), pad_token_id, dtype=torch.long)
         self.position_ids = torch.zeros((rows, q_len), dtype=torch.long)
         self.allowed = torch.zeros((rows, q_len, k_len), dtype=torch.bool)
@@ -181,19 +189,35 @@ class _Tables:
         shifted = "shared_position_offset" in faults
         self.position_ids[row, cols] = counter + torch.arange(n) if shifted else positions
         self.query_owner[row, cols] = index
-        self.key_slot[row, k0 : k0 + end] = slot
-        self.key_pos[row, k0 : k0 + end] = torch.arange(end)
+        where, offset, blocks = self._addresses(chunk, slot)
+        self.key_slot[row, k0 : k0 + end] = where
+        self.key_pos[row, k0 : k0 + end] = offset
         self.key_owner[row, k0 : k0 + end] = index
         # a query at position p sees keys 0..p of its own request (causal_offset: 0..t, its index)
         seen = torch.arange(n) if "causal_offset" in faults else positions
         self.allowed[row, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= seen[:, None]
-        for table, values in zip(self.writes, ([row] * n, cols.tolist(), [slot] * n, positions.tolist())):
+        if blocks is None:
+            written = ([slot] * n, positions.tolist())
+        else:
+            written = (where[chunk.start_pos:].tolist(), offset[chunk.start_pos:].tolist())
+        for table, values in zip(self.writes, ([row] * n, cols.tolist(), *written)):
             table += values
         if chunk.samples:
             for table, value in zip(self.samples, (row, q0 + n - 1, index)):
                 table.append(value)
-        self.segments.append(Segment(row, q0, n, slot, chunk.start_pos, end, k0))
+        self.segments.append(Segment(row, q0, n, slot if blocks is None else -1, chunk.start_pos, end, k0, blocks))
         self.key_padded += n * (self.allowed.shape[2] - end)
+
+    def _addresses(self, chunk: ScheduledChunk, slot: int) -> tuple:
+        """Where positions 0 .. end_pos - 1 of the chunk's request live: (slot or block [end], position or
+        offset [end], the blocks used or None). Slots: its slot and the positions themselves; paged:
+        (table[p // block_size], p % block_size)."""
+        positions = torch.arange(chunk.end_pos)
+        if chunk.blocks is None:
+            return slot, positions, None
+        bs = self.block_size
+        used = chunk.blocks[: -(-chunk.end_pos // bs)]
+        return torch.tensor(used, dtype=torch.long)[positions // bs], positions % bs, used
 
     def add_pad_writes(self, row: int, cols: list[int], slot: int, first_pos: int, max_len: int | None) -> None:
         """fp16_cache: a naive padded cache stores whole rows, so pad cells land after the row's tokens."""
@@ -214,13 +238,23 @@ class _Tables:
                             segments=tuple(self.segments), **pads)
 
 
+def _pad_addresses(blocks: tuple[int, ...], end: int, k_len: int, block_size: int):
+    """Paged KV: (block [k_len - end], offset) of cache-padding columns end .. k_len - 1: on through the
+    request's own block table (what a block's earlier user left there), the null block past its end.
+    Masked out unless unmasked_cache_padding is on."""
+    positions = torch.arange(end, k_len)
+    table = torch.tensor(blocks + (NULL_BLOCK,), dtype=torch.long)
+    return table[(positions // block_size).clamp(max=len(blocks))], positions % block_size
+
+
 def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: int = 0,
-                 faults: frozenset = frozenset(), max_len: int | None = None) -> BatchTensors:
+                 faults: frozenset = frozenset(), max_len: int | None = None,
+                 block_size: int | None = None) -> BatchTensors:
     """Padded layout for `plan`: one row per chunk. See the module docstring."""
     chunks = plan.chunks
     counter = max(c.start_pos for c in chunks)  # the batch-wide counter of shared_position_offset
     q_len, k_len = max(c.num_tokens for c in chunks), max(c.end_pos for c in chunks)
-    tables = _Tables(len(chunks), q_len, k_len, pad_token_id)
+    tables = _Tables(len(chunks), q_len, k_len, pad_token_id, block_size)
     for b, chunk in enumerate(chunks):
         offset = q_len - chunk.num_tokens if padding_side == "left" else 0
         tables.add(b, chunk, b, offset, 0, counter, faults)
@@ -229,16 +263,21 @@ def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: i
         if "fp16_cache" in faults:
             pad_cols = [c for c in range(q_len) if not offset <= c < offset + chunk.num_tokens]
             tables.add_pad_writes(b, pad_cols, tables.segments[-1].slot, chunk.end_pos, max_len)
-        tables.key_slot[b, chunk.end_pos :] = tables.segments[-1].slot  # the slot's region beyond end_b
-        tables.key_pos[b, chunk.end_pos :] = torch.arange(chunk.end_pos, k_len)  # (cache padding)
+        if chunk.blocks is None:
+            tables.key_slot[b, chunk.end_pos :] = tables.segments[-1].slot  # the slot's region beyond end_b
+            tables.key_pos[b, chunk.end_pos :] = torch.arange(chunk.end_pos, k_len)  # (cache padding)
+        else:  # paged: cache padding reads on in the row's own blocks (stale contents), then the null block
+            tables.key_slot[b, chunk.end_pos :], tables.key_pos[b, chunk.end_pos :] = _pad_addresses(
+                chunk.blocks, chunk.end_pos, k_len, block_size)
     return tables.build(padded_positions=len(chunks) * q_len - sum(c.num_tokens for c in chunks))
 
 
-def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = frozenset()) -> BatchTensors:
+def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = frozenset(),
+                 block_size: int | None = None) -> BatchTensors:
     """Packed layout for `plan`: all chunks in one row, block-diagonal causal mask."""
     chunks = plan.chunks
     counter = max(c.start_pos for c in chunks)
-    tables = _Tables(1, sum(c.num_tokens for c in chunks), sum(c.end_pos for c in chunks), pad_token_id)
+    tables = _Tables(1, sum(c.num_tokens for c in chunks), sum(c.end_pos for c in chunks), pad_token_id, block_size)
     q0 = k0 = 0
     for b, chunk in enumerate(chunks):
         tables.add(b, chunk, 0, q0, k0, counter, faults)
@@ -250,8 +289,10 @@ def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = f
 
 
 def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad_token_id: int = 0,
-                faults: frozenset = frozenset(), max_len: int | None = None) -> BatchTensors:
-    """Dispatch to build_padded or build_packed.
+                faults: frozenset = frozenset(), max_len: int | None = None,
+                block_size: int | None = None) -> BatchTensors:
+    """Dispatch to build_padded or build_packed. `block_size`: paged KV (chunks carry block tables;
+    the read and write maps hold block ids and offsets instead of slots and positions).
 
     Raises:
         ValueError: unknown layout, or an empty plan.
@@ -260,7 +301,7 @@ def build_batch(plan: StepPlan, *, layout: str, padding_side: str = "right", pad
         raise ValueError("cannot build a batch from an empty plan")
     if layout == "padded":
         return build_padded(plan, padding_side=padding_side, pad_token_id=pad_token_id, faults=faults,
-                            max_len=max_len)
+                            max_len=max_len, block_size=block_size)
     if layout == "packed":
-        return build_packed(plan, pad_token_id=pad_token_id, faults=faults)
+        return build_packed(plan, pad_token_id=pad_token_id, faults=faults, block_size=block_size)
     raise ValueError(f"unknown {layout = }; use 'padded' or 'packed'")

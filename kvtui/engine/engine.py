@@ -16,14 +16,15 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slot_admission
-from kvtui.engine.kv_pool import KVPool
+from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
+from kvtui.engine.paged import PagedCache
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
 from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import make_generator, sample_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
-from kvtui.faults import check_fault_names
+from kvtui.faults import FAULTS, check_fault_names
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -85,15 +86,15 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.pad_token_id = pad_token_id
+        self._serial: dict[str, int] = {}
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
-        layers, _, kv_heads, head_dim = model_geometry(model)
-        dtype = next(model.parameters()).dtype
-        self.pool = KVPool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, num_slots=config.num_slots,
-                           max_len=config.max_len, dtype=dtype, device=config.device,
-                           kv_budget_bytes=config.kv_budget_bytes)
+        self.paged = config.kv == "paged"
+        self.pool = _make_pool(model, config)
         self.runner = ModelRunner(model, self.pool)
         self.scheduler = Scheduler(max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
                                    bucketing=config.bucketing, bucket_tolerance=config.bucket_tolerance)
+        self.blocks = PagedCache(self.pool, self.scheduler, caching=config.prefix_caching, watermark=config.watermark,
+                                 serial_of=self._serial.__getitem__) if self.paged else None
         self.clock = clock
         self.cost_model = cost_model or StepCostModel()
         self._t0 = time.perf_counter()
@@ -105,8 +106,8 @@ class Engine:
         self._pending_finished: list[RequestState] = []
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
-        self._faults: frozenset[str] = check_fault_names(config.faults)  # switched between steps
-        self._serial: dict[str, int] = {}
+        self._faults: frozenset[str] = frozenset()
+        self.set_faults(config.faults)  # switched between steps
         self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
         self._next_serial = 0
 
@@ -143,9 +144,11 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
-               arrival_s: float | None = None, metadata: dict | None = None) -> RequestState:
+               arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
+               cache_salt: str | None = None) -> RequestState:
         """Queue a request. A request that cannot fit is rejected (or capped, per config.on_too_long);
-        a rejected request is reported in the next StepReport's `finished`, never raised.
+        a rejected request is reported in the next StepReport's `finished`, never raised. `tenant` and
+        `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
         Raises:
             ValueError: request_id already used.
@@ -154,7 +157,8 @@ class Engine:
             raise ValueError(f"duplicate {request_id = }")
         sampling = sampling or SamplingParams()
         request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
-                               arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}))
+                               arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}),
+                               tenant=tenant, cache_salt=cache_salt)
         self.requests[request_id] = request
         self._serial[request_id] = self._next_serial
         self._names[self._next_serial] = request_id
@@ -182,9 +186,12 @@ class Engine:
             capped = max_len - request.prompt_len
             request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
+        if self.paged and self.blocks.rejection(request):
+            return self.blocks.rejection(request)
         limit = self.config.max_waiting
         # requests that a free slot will take at the next step do not count as queued
-        if limit is not None and len(self.scheduler.waiting) - self.pool.num_free >= limit:
+        free = 0 if self.paged else self.pool.num_free
+        if limit is not None and len(self.scheduler.waiting) - free >= limit:
             return f"waiting queue full ({limit} requests)"
         return ""
 
@@ -195,7 +202,8 @@ class Engine:
         Raises:
             ValueError: a field the pool fixes (num_slots, max_len, kv_budget_bytes, device) or a bad value.
         """
-        fixed = {"num_slots", "max_len", "kv_budget_bytes", "device"} & set(changes)
+        fixed = {"num_slots", "max_len", "kv_budget_bytes", "device", "kv", "block_size", "num_blocks",
+                 "prefix_caching", "watermark"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)[0]} cannot change during a run")
         self.config = replace(self.config, **changes)
@@ -228,9 +236,17 @@ class Engine:
         """Switch exactly `names` on from the next step.
 
         Raises:
-            ValueError: an unknown fault name (see kvtui.faults).
+            ValueError: an unknown fault name (see kvtui.faults), or a fault that does not act with this
+                engine's KV mode (`kv`, e.g. stale_slot with paged KV).
         """
-        self._faults = check_fault_names(names)
+        faults = check_fault_names(names)
+        wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
+        if wrong:
+            raise ValueError(f"fault {wrong[0]!r} acts with kv: {' or '.join(FAULTS[wrong[0]].kv)} only; this engine "
+                             f"runs kv: {self.config.kv}")
+        self._faults = faults
+        if self.blocks is not None:
+            self.blocks.set_faults(faults)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -260,7 +276,7 @@ class Engine:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
         stale = self._admit(start_s, faults)
-        plan = self.scheduler.plan()
+        plan = self.blocks.plan() if self.paged else self.scheduler.plan()
         outcome = self._forward(plan, faults)
         end_s = self._advance_clock(start_s, outcome.stats)
         running = self._postprocess(plan, outcome, end_s)
@@ -269,7 +285,11 @@ class Engine:
         return report
 
     def _admit(self, start_s: float, faults: frozenset) -> tuple[StaleStart, ...]:
-        """Give waiting requests free slots (FIFO); returns the stale starts of the stale_slot fault."""
+        """Give waiting requests free slots (FIFO), or with paged KV their blocks; returns the stale
+        starts of the stale_slot fault."""
+        if self.paged:
+            self.blocks.admit(start_s, self.config.max_batch_size)
+            return ()
         stale = []
         for request in self.scheduler.admit(self.pool.num_free):
             request.slot = self.pool.allocate(request.request_id, fresh=self.config.slot_reuse == "reallocate")
@@ -290,7 +310,8 @@ class Engine:
         try:
             if "racy_threads" in faults:
                 racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
-                                    faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes)
+                                    faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes,
+                                    block_size=self._block_size)
                 return ForwardOutcome(racy.logits, _facts(racy.logits), racy.stats, errors=racy.errors)
             return self._forward_batch(plan, faults)
         except Exception as e:
@@ -299,17 +320,24 @@ class Engine:
             return ForwardOutcome(stats=BatchStats(rows=len(plan.chunks)),
                                   errors=tuple((i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))))
 
+    @property
+    def _block_size(self) -> int | None:
+        return self.pool.block_size if self.paged else None
+
     def _forward_batch(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
         batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
-                            pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len)
+                            pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len,
+                            block_size=self._block_size)
         writers = self._tag_writes(batch, plan.chunks)
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
-        taint = tuple(slot_taint(batch, writers, own, self._names, ids)) if self.detect_taint else ()
+        expected = self.blocks.expected_writers(batch, plan.chunks, own) if self.paged else None
+        taint = tuple(slot_taint(batch, writers, own, self._names, ids, expected)) if self.detect_taint else ()
         logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults,
                                             own_range=not faults & MASK_FAULTS)
         flow = ()
         if self.measure_flow and state.attn_sum is not None:
-            flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids))
+            flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids,
+                                        expected))
         by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
         facts = _facts(by_chunk, logits, batch.sample_chunk)
         broken = [c for c, (_, finite) in facts.items() if not finite]
@@ -355,6 +383,8 @@ class Engine:
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
+        if self.paged:
+            self.blocks.commit(request)
         token, gap, nonfinite = None, None, False
         if logits is not None:
             gap, finite = facts
@@ -369,8 +399,9 @@ class Engine:
             if reason is not None:
                 self._finish(request, reason, "")
         first = token is not None and len(request.generated_ids) == 1
-        return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos, chunk.num_tokens, token,
-                                    chunk.phase, gap, nonfinite, request.ttft_s if first else None)
+        return RunningRequestReport(request.request_id, None if self.paged else chunk.slot, chunk.end_pos,
+                                    chunk.num_tokens, token, chunk.phase, gap, nonfinite,
+                                    request.ttft_s if first else None, chunk.blocks)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
@@ -399,7 +430,9 @@ class Engine:
     def _finish(self, request: RequestState, reason: FinishReason, detail: str) -> None:
         if request.status == RequestStatus.RUNNING:
             self.scheduler.remove(request)
-        if request.slot is not None and self.pool.owner[request.slot] == request.request_id:
+        if self.paged:
+            self.blocks.finish(request)  # its blocks go back at once (cached ones stay cached)
+        elif request.slot is not None and self.pool.owner[request.slot] == request.request_id:
             self.pool.free(request.slot, request.cache_len)  # a finished request frees its slot at once
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
@@ -417,14 +450,27 @@ class Engine:
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
-            r.faults_seen)
+            r.faults_seen, r.tenant)
+
+    def _pool_fields(self) -> dict:
+        """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)
+        and blocks (kv_usage is then vLLM's kv_cache_usage_perc, by blocks)."""
+        pool = self.pool
+        kv_tokens = sum(r.cache_len for r in self.scheduler.running)
+        if not self.paged:
+            return dict(slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
+                        kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
+                        kv_usage=kv_tokens / pool.capacity_tokens)
+        running, fields = len(self.scheduler.running), self.blocks.report_fields()
+        return dict(slots_used=running, num_slots=self.config.max_batch_size,
+                    slot_occupancy=running / self.config.max_batch_size, kv_tokens=kv_tokens,
+                    kv_capacity_tokens=pool.capacity_tokens, kv_usage=fields["kv_cache_usage_perc"], **fields)
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningRequestReport, ...], stale: tuple[StaleStart, ...]) -> StepReport:
-        stats, pool = outcome.stats, self.pool
+        stats = outcome.stats
         finished = tuple(self._retire(r) for r in self._pending_finished)
         self._pending_finished.clear()
-        kv_tokens = sum(r.cache_len for r in self.scheduler.running)
         return StepReport(
             step=self.step_index, start_s=start_s, end_s=self.now(), wall_s=wall_s, layout=self.config.layout,
             rows=stats.rows, prefill_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "prefill"),
@@ -432,9 +478,7 @@ class Engine:
             query_positions=stats.query_positions, padded_positions=stats.padded_positions,
             padding_ratio=_ratio(stats.padded_positions, stats.query_positions),
             key_positions=stats.key_positions, key_padded_positions=stats.key_padded_positions,
-            key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions),
-            slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
-            kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens, kv_usage=kv_tokens / pool.capacity_tokens,
+            key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions), **self._pool_fields(),
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
             faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
@@ -471,3 +515,15 @@ def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> di
 
 def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
+
+
+def _make_pool(model, config: EngineConfig) -> KVPool | PagedKVPool:
+    """The KV pool config.kv asks for, shaped from the model: slots, or paged blocks (num_blocks, else
+    from kv_budget_bytes, else as much memory as the slot pool: slots x ceil(max_len / block_size) + 1)."""
+    layers, _, kv_heads, head_dim = model_geometry(model)
+    common = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_len=config.max_len,
+                  dtype=next(model.parameters()).dtype, device=config.device, kv_budget_bytes=config.kv_budget_bytes)
+    if config.kv == "paged":
+        blocks = config.num_blocks or config.num_slots * -(-config.max_len // config.block_size) + 1
+        return PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
+    return KVPool(num_slots=config.num_slots, **common)

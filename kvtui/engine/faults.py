@@ -1,6 +1,7 @@
 """The two faults that change the engine's control flow, each beside its own code: stale_slot at
 admission and racy_threads at the forward. The other faults are table changes in batching.py and
-attention.py. Names, descriptions and detectors are in the catalogue, kvtui/faults.py.
+attention.py, and (paged KV) bookkeeping changes in block_manager.py. Names, descriptions and
+detectors are in the catalogue, kvtui/faults.py.
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ class RacyOutcome:
 
 
 def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faults: frozenset, max_len: int,
-                 tag_writes) -> RacyOutcome:
+                 tag_writes, block_size: int | None = None) -> RacyOutcome:
     """racy_threads: a batch of one per request, each run by its own thread through the runner's single
     cache-state variable (see ModelRunner.forward_racy). `tag_writes(batch, chunks)` tags the pool
     positions each batch writes, for the detectors."""
     batches = [build_batch(StepPlan((chunk,)), layout=layout, pad_token_id=pad_token_id, faults=faults,
-                           max_len=max_len) for chunk in plan.chunks]
+                           max_len=max_len, block_size=block_size) for chunk in plan.chunks]
     for chunk, batch in zip(plan.chunks, batches):
         tag_writes(batch, (chunk,))
     results = runner.forward_racy(batches, fp16="fp16_cache" in faults, own_range=not faults & MASK_FAULTS)

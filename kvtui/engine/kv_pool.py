@@ -7,6 +7,9 @@ request reuses it starting at position 0 (its cache_len resets; the old contents
 
 Only plain Python bookkeeping lives here besides the two tensor lists; reads and writes of the
 tensors happen in runner.py.
+
+PagedKVPool is the paged alternative (`engine.kv: paged`): blocks of block_size tokens reached
+through per-request block tables, whose bookkeeping lives in block_manager.py.
 """
 
 from __future__ import annotations
@@ -161,3 +164,74 @@ class KVPool:
         self.previous_owner[slot] = self.owner[slot]
         self.owner[slot] = None
         heapq.heappush(self._free, slot)
+
+
+def block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes: K and V, every layer: 2 * layers * kv_heads * block_size * head_dim * itemsize."""
+    return slot_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
+
+
+class PagedKVPool:
+    """Preallocated KV blocks, addressed through per-request block tables (kvtui.engine.block_manager).
+
+    Layout per layer: keys[layer] and values[layer] are `[num_blocks, num_kv_heads, block_size,
+    head_dim]` in the model dtype; token position p of a request is at (table[p // block_size],
+    p % block_size). Block 0 is the null block (never handed out). `writer` [num_blocks, block_size]
+    tags each block position with the serial of the request that last wrote it (-1 never written),
+    as KVPool does per slot position, for the slot_taint and attention_flow detectors.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: from the model config.
+        num_blocks: blocks including the null block; ignored when kv_budget_bytes is given
+            (then num_blocks = budget // block_bytes(...)).
+        block_size: tokens per block; max_len: tokens one request may hold.
+        dtype, device: of the K/V tensors.
+
+    Raises:
+        ValueError: the pool does not hold one request of max_len tokens, or does not fit in the
+            device's available memory (one line each).
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 max_len: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 kv_budget_bytes: int | None = None) -> None:
+        self.bytes_per_block = block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
+        if kv_budget_bytes is not None:
+            num_blocks = kv_budget_bytes // self.bytes_per_block
+        need = -(-max_len // block_size) + 1
+        if num_blocks < need:
+            fix = "raise engine.kv_budget_bytes" if kv_budget_bytes is not None else "raise engine.num_blocks"
+            raise ValueError(f"a paged KV pool of {num_blocks} blocks of {block_size} tokens cannot hold one request "
+                             f"of max_len={max_len} (needs {need} blocks with the null block); {fix} or lower max_len")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size, self.max_len = num_blocks, block_size, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self._allocate(kv_budget_bytes)
+
+    def _allocate(self, kv_budget_bytes: int | None) -> None:
+        need = pool_bytes(self.num_blocks, self.block_size, self.bytes_per_block)
+        size = f"paged KV pool of {self.num_blocks} blocks x {self.block_size} tokens"
+        fix = "lower engine.kv_budget_bytes" if kv_budget_bytes is not None else "lower engine.num_blocks"
+        free = free_device_bytes(self.device)
+        if free is not None and need > free:
+            raise ValueError(f"{size} needs {gib(need)}, more than the {gib(free)} of {self.device.type} "
+                             f"memory available; {fix}")
+        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        try:
+            self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.writer = torch.full((self.num_blocks, self.block_size), -1, dtype=torch.long)
+        except (RuntimeError, MemoryError) as e:
+            self.keys = self.values = []
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise ValueError(f"{size} ({gib(need)}) could not be allocated ({reason}); {fix}") from None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V tensors."""
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable blocks hold (the null block excluded)."""
+        return (self.num_blocks - 1) * self.block_size

@@ -27,7 +27,7 @@ class TaintReport:
         sources: request ids whose keys it could read ("<unwritten>" / "<pad>" for never-written or
             pad positions), most positions first.
         positions: number of (query, key) cells affected.
-        examples: up to 5 (slot, position, owner) of the keys read.
+        examples: up to 5 (slot, position, owner) of the keys read; paged KV: (block, offset, owner).
     """
 
     request_id: str
@@ -115,18 +115,32 @@ def key_writers(writer: torch.Tensor, batch: BatchTensors) -> torch.Tensor:
     return writer[batch.key_slot.cpu(), batch.key_pos.cpu()]
 
 
+def _expected(batch: BatchTensors, q_owner: torch.Tensor, query_serial: torch.Tensor,
+              expected: torch.Tensor | None) -> torch.Tensor:
+    """[R, Q, K] (or [R, Q, 1]) the writer each query may find at each key: its own request's serial,
+    or, for its own request's key columns, `expected` [R, K] (paged KV with prefix caching: a block
+    reused from the cache was written by the request that computed it)."""
+    if expected is None:
+        return query_serial[:, :, None]
+    mine = batch.key_owner.cpu()[:, None, :] == q_owner[:, :, None]
+    return torch.where(mine, expected[:, None, :], query_serial[:, :, None])
+
+
 def slot_taint(batch: BatchTensors, writers: torch.Tensor, own: list[int], names: dict[int, str],
-               request_ids: list[str]) -> list[TaintReport]:
+               request_ids: list[str], expected: torch.Tensor | None = None) -> list[TaintReport]:
     """Requests whose allowed (unmasked) keys include positions written by someone else.
 
     Args:
         batch: the step's tables; writers: [R, K] from key_writers; own: serial of each chunk;
         names: serial -> request id; request_ids: request id of each chunk.
+        expected: [R, K] writer serial each of a request's own key columns may hold (paged KV: the
+            writers of the cached blocks it reused, its own serial elsewhere); None: its own serial.
     """
     q_owner = batch.query_owner.cpu()
     own_t = torch.tensor(own, dtype=torch.long)
     query_serial = torch.where(q_owner == PAD_OWNER, torch.full_like(q_owner, -99), own_t[q_owner.clamp(min=0)])
-    bad = batch.allowed.cpu() & (writers[:, None, :] != query_serial[:, :, None]) & (q_owner != PAD_OWNER)[:, :, None]
+    allowed_writer = _expected(batch, q_owner, query_serial, expected)
+    bad = batch.allowed.cpu() & (writers[:, None, :] != allowed_writer) & (q_owner != PAD_OWNER)[:, :, None]
     reports = []
     if not bad.any():
         return reports
@@ -153,20 +167,26 @@ def slot_taint(batch: BatchTensors, writers: torch.Tensor, own: list[int], names
 
 
 def attention_flow(batch: BatchTensors, attn_sum: torch.Tensor, terms: int, writers: torch.Tensor, own: list[int],
-                   names: dict[int, str], request_ids: list[str]) -> list[FlowReport]:
+                   names: dict[int, str], request_ids: list[str],
+                   expected: torch.Tensor | None = None) -> list[FlowReport]:
     """Per request, the attention mass on keys written by others (see FlowReport).
 
     Args:
         attn_sum: [R, Q, K] attention probabilities summed over `terms` (layers x heads).
+        expected: as in slot_taint (paged KV: the writers of reused cached blocks are not "others").
     """
     probs = attn_sum.cpu() / max(terms, 1)
     q_owner = batch.query_owner.cpu()
+    key_owner = batch.key_owner.cpu()
     reports = []
     for chunk_index, request_id in enumerate(request_ids):
         rows, cols = (q_owner == chunk_index).nonzero(as_tuple=True)
         p = probs[rows, cols]  # [n, K]
         w = writers[rows]  # [n, K]
-        foreign = (w != own[chunk_index]) & (w >= 0)
+        allowed_writer = own[chunk_index]
+        if expected is not None:
+            allowed_writer = torch.where(key_owner[rows] == chunk_index, expected[rows], own[chunk_index])
+        foreign = (w != allowed_writer) & (w >= 0)
         padlike = w < 0
         foreign_mass = (p * foreign).sum(dim=1)
         pad_mass = (p * padlike).sum(dim=1)

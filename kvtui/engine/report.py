@@ -10,7 +10,7 @@ class RunningRequestReport:
     """One request that took part in a step.
 
     Attributes:
-        request_id, slot: who and where.
+        request_id, slot: who and where (slot None with paged KV).
         cache_len: tokens in its slot after the step (tokens).
         query_tokens: tokens it fed this step (prompt chunk, or 1 when decoding).
         new_token_id: the token sampled this step, or None while a chunked prefill is unfinished.
@@ -22,7 +22,7 @@ class RunningRequestReport:
     """
 
     request_id: str
-    slot: int
+    slot: int | None
     cache_len: int
     query_tokens: int
     new_token_id: int | None
@@ -30,6 +30,48 @@ class RunningRequestReport:
     top2_gap: float | None = None
     nonfinite: bool = False
     ttft_s: float | None = None
+    blocks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ReusedBlockReport:
+    """One block a prefix-cache hit handed to a request, and where its contents came from.
+
+    Attributes:
+        index: its place in the reader's block table; block: the block id; tokens: tokens reused.
+        writer, writer_tenant, writer_salt: the request that computed the block, its tenant, a
+            digest of its cache_salt (None: no salt).
+        writer_key, reader_key: content keys (hex: tokens chained to the whole prefix, no salt, no
+            fault) of the block's contents and of what the reader would have computed there. A sound
+            reuse has equal keys and the reader's own salt.
+    """
+
+    index: int
+    block: int
+    tokens: int
+    writer: str
+    writer_tenant: str | None
+    writer_salt: str | None
+    writer_key: str
+    reader_key: str
+
+
+@dataclass(frozen=True)
+class PrefixHitReport:
+    """A request admitted with part of its prompt from the prefix cache (paged KV, prefix caching).
+
+    Attributes:
+        request_id, tenant, salt: the reader, its tenant, the digest of its cache_salt.
+        hit_tokens: tokens taken from the cache; query_tokens: tokens it looked up (its prefill).
+        blocks: the reused blocks.
+    """
+
+    request_id: str
+    tenant: str | None
+    salt: str | None
+    hit_tokens: int
+    query_tokens: int
+    blocks: tuple[ReusedBlockReport, ...]
 
 
 @dataclass(frozen=True)
@@ -62,6 +104,7 @@ class FinishedRequestReport:
     top2_gaps: tuple[float, ...] = ()
     sampling: object = None
     faults: frozenset = frozenset()
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +136,15 @@ class StepReport:
             on): who wrote the non-finite K/V it could read.
         errors: (request_id, error text) for requests whose forward raised under a fault.
         stale_starts: (request_id, slot, previous owner, tokens kept) for slots reused stale.
+        kv: "slots" or "paged". The rest is paged KV only (zero, None or empty with slots):
+        num_blocks, blocks_used: usable blocks (the null block excluded) and those in use.
+        kv_cache_usage_perc: blocks_used / num_blocks (vLLM's metric; cached free blocks are free).
+        num_preemptions: requests preempted this step (preempted: their ids).
+        prefix_cache_queries, prefix_cache_hits: tokens looked up / found in the prefix cache this step;
+        prefix_cache_cross_tenant_hits: of the hits, tokens of blocks another tenant computed.
+        prefix_hits: PrefixHitReport per request admitted with a cache hit this step.
+        block_state: one character per block (BlockManager.state: `_` null, `.` free, `c` cached
+            free, digits: reference count); block_tables: (request id, block table) per running request.
     """
 
     step: int
@@ -124,6 +176,18 @@ class StepReport:
     nonfinite: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
     stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
+    kv: str = "slots"
+    num_blocks: int = 0
+    blocks_used: int = 0
+    kv_cache_usage_perc: float | None = None
+    num_preemptions: int = 0
+    preempted: tuple[str, ...] = ()
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_cross_tenant_hits: int = 0
+    prefix_hits: tuple[PrefixHitReport, ...] = ()
+    block_state: str | None = None
+    block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -91,6 +91,12 @@ class RequestState:
             string), or None for the whole text.
         faults_seen: the isolation faults active in any step it took part in.
         metadata: caller's data carried along untouched (e.g. the passphrase canary).
+        tenant: who sent it (None: the only tenant); cache_salt: its tenant's prefix-cache salt, part
+            of its first block's key, so tenants never share cached blocks (None: no salt).
+        recompute_tokens: paged KV: generated tokens fed again as part of the prefill after a
+            preemption by recompute (its KV was given back); 0 otherwise.
+        num_preemptions: times it was preempted; prefix_hit_tokens: tokens its last admission took
+            from the prefix cache.
     """
 
     request_id: str
@@ -113,15 +119,31 @@ class RequestState:
     text_end: int | None = None
     faults_seen: frozenset = frozenset()
     metadata: dict = field(default_factory=dict)
+    tenant: str | None = None
+    cache_salt: str | None = None
+    recompute_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """Tokens fed as prefill: the prompt, plus the generated tokens recomputed after a preemption."""
+        if not self.recompute_tokens:
+            return self.prompt_ids
+        return self.prompt_ids + self.generated_ids[: self.recompute_tokens]
+
+    @property
+    def prefill_len(self) -> int:
+        return self.prompt_len + self.recompute_tokens
+
+    @property
     def in_prefill(self) -> bool:
-        """True while prompt tokens remain to be fed."""
-        return self.prefill_done < self.prompt_len
+        """True while prefill tokens (the prompt, or what a preemption made recompute) remain to be fed."""
+        return self.prefill_done < self.prefill_len
 
     @property
     def all_ids(self) -> list[int]:

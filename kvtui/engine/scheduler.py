@@ -12,6 +12,11 @@ Policy, in order, every step:
    context length (cache_len + tokens this step) differs from every other member's by at most
    `tolerance` (relative to the longer) join the batch; the others wait for a later step. The 20%
    default keeps the padding of a padded batch small.
+
+With paged KV (admit_paged, plan_paged) admission needs the blocks of the request's whole prefill
+instead of a slot, and a running request whose next token needs a block when none is free makes
+the newest running request give its blocks back and return to the front of the waiting queue
+(preemption by recompute, as vLLM V1's scheduler).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ScheduledChunk:
         token_ids: tokens fed this step (a prompt chunk, or the last generated token).
         samples: True when this chunk ends the prompt or is a decode, so a token is sampled.
         phase: "prefill" or "decode".
+        blocks: paged KV: the request's block table (block ids, covering end_pos); None with slots.
     """
 
     request: RequestState
@@ -41,6 +47,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     samples: bool
     phase: str
+    blocks: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +73,7 @@ class StepPlan:
 def _next_chunk(request: RequestState, budget: int) -> tuple[tuple[int, ...], bool, str]:
     """Tokens a running request feeds next within `budget` tokens, whether it samples, and its phase."""
     if request.in_prefill:
-        remaining = request.prompt_ids[request.prefill_done :]
+        remaining = request.prefill_ids[request.prefill_done :]
         chunk = tuple(remaining[:budget])
         return chunk, len(chunk) == len(remaining), "prefill"
     return (request.generated_ids[-1],), True, "decode"
@@ -117,13 +124,18 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
-    def plan(self) -> StepPlan:
-        """Choose this step's chunks from the running requests (see module docstring)."""
+    def _ordered(self) -> list[RequestState]:
+        """Running requests in batch order: decodes, then prefills (bucketed when on)."""
         decodes = [r for r in self.running if not r.in_prefill]
         prefills = [r for r in self.running if r.in_prefill]
         ordered = decodes + prefills
         if self.bucketing and ordered:
             ordered = self._bucket(ordered)
+        return ordered
+
+    def plan(self) -> StepPlan:
+        """Choose this step's chunks from the running requests (see module docstring)."""
+        ordered = self._ordered()
         chunks: list[ScheduledChunk] = []
         budget = self.max_tokens_per_step
         for request in ordered:
@@ -135,10 +147,55 @@ class Scheduler:
             budget -= len(token_ids)
         return StepPlan(tuple(chunks))
 
+    # -- paged KV ---------------------------------------------------------------------------------
+    def admit_paged(self, try_admit, max_running: int) -> list[RequestState]:
+        """Paged KV: admit waiting requests in order (FIFO, the head blocks the rest) while fewer than
+        `max_running` run and `try_admit(request)` gives the head its blocks (True)."""
+        admitted = []
+        while self.waiting and len(self.running) < max_running and try_admit(self.waiting[0]):
+            request = self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def preempt(self, request: RequestState) -> None:
+        """Send a running request back to the FRONT of the waiting queue (preemption by recompute)."""
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def plan_paged(self, ensure, preempt) -> StepPlan:
+        """As plan(), over paged KV: `ensure(request, end_pos)` grows the request's block table to hold
+        its new tokens and returns it (None when no block is free). Then, as vLLM V1's scheduler does,
+        the newest running request is preempted (`preempt(request)`: blocks back, front of the waiting
+        queue; its chunk leaves the plan if it had one), until the blocks come or the request being
+        planned was the one preempted."""
+        chunks: list[ScheduledChunk] = []
+        budget = self.max_tokens_per_step
+        for request in self._ordered():
+            if len(chunks) >= self.max_batch_size or budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            token_ids, samples, phase = _next_chunk(request, budget)
+            table = ensure(request, request.cache_len + len(token_ids))
+            while table is None and request.status == RequestStatus.RUNNING:
+                victim = self.running[-1]
+                preempt(victim)
+                budget += sum(c.num_tokens for c in chunks if c.request is victim)
+                chunks = [c for c in chunks if c.request is not victim]
+                if victim is not request:
+                    table = ensure(request, request.cache_len + len(token_ids))
+            if table is not None:
+                chunks.append(ScheduledChunk(request, -1, request.cache_len, token_ids, samples, phase, table))
+                budget -= len(token_ids)
+        return StepPlan(tuple(chunks))
+
     def _bucket(self, ordered: list[RequestState]) -> list[RequestState]:
         """Keep the oldest runnable request and those whose context length stays within tolerance."""
         def context_len(r: RequestState) -> int:
-            fed = min(r.prompt_len - r.prefill_done, self.max_tokens_per_step) if r.in_prefill else 1
+            fed = min(r.prefill_len - r.prefill_done, self.max_tokens_per_step) if r.in_prefill else 1
             return r.cache_len + fed
 
         anchor = min(ordered, key=lambda r: self.running.index(r))

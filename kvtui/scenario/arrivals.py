@@ -134,6 +134,8 @@ class ScriptedRequest(Strict):
     max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
         None, description="tokens to generate at most; null draws from `output_tokens`")
     chat: bool = Field(True, description="wrap `prompt` in the model's chat template")
+    tenant: Annotated[str, Field(min_length=1, max_length=100)] | None = Field(
+        None, description="who sends it (see tenants); null: drawn as the `tenants` section says")
 
 
 class Scripted(Strict):
@@ -158,6 +160,7 @@ class Arrival:
     output_tokens: int | None = None  # trace / scripted: max new tokens
     prompt: str | None = None  # scripted: prompt text
     chat: bool = True
+    tenant: str | None = None  # scripted: its tenant
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,6 @@ def arrivals(spec, rng: random.Random, changes: Sequence[tuple[float, dict]] = (
             yield Arrival((row.timestamp - t0) * spec.time_scale, row.prompt_tokens, row.output_tokens)
     elif isinstance(spec, Scripted):
         for item in sorted(spec.requests, key=lambda r: r.at_s):
-            yield Arrival(item.at_s, None, item.max_new_tokens, item.prompt, item.chat)
+            yield Arrival(item.at_s, None, item.max_new_tokens, item.prompt, item.chat, item.tenant)
     else:
         raise TypeError(f"unknown arrival spec {type(spec).__name__}")

@@ -16,8 +16,10 @@ from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.prompts import (
     FilePrompts,
+    MultiTurnPrompts,
     PassphrasePrompts,
     SyntheticPrompts,
+    SystemPromptPrompts,
     chat_ids,
     encode_text,
     passphrases,
@@ -25,6 +27,7 @@ from kvtui.scenario.prompts import (
     user_chat,
 )
 from kvtui.scenario.schema import Scenario
+from kvtui.scenario.tenants import TenantPlan
 
 if TYPE_CHECKING:  # kvtui.engine pulls in torch: imported only when requests are planned
     from kvtui.engine.request import SamplingParams
@@ -41,7 +44,9 @@ class PlannedRequest:
         sampling: SamplingParams; max_new_tokens is the request's output length (tokens) and seed its
             own sampling seed (derive_seed(scenario seed, "sampling:<index>")).
         metadata: passphrase prompts {"passphrase", "prompt_text"}; text prompts {"prompt_text"};
-            synthetic {"prompt_tokens", "shared_prefix_tokens"}; trace rows add "trace_prompt_tokens".
+            synthetic {"prompt_tokens", "shared_prefix_tokens"}; trace rows add "trace_prompt_tokens";
+            system_prompt {"system_prompt"}; multi_turn {"session", "turn"}.
+        tenant: who sends it (None: the only tenant); cache_salt: its tenant's salt (see tenants.py).
     """
 
     request_id: str
@@ -49,6 +54,8 @@ class PlannedRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     metadata: dict = field(default_factory=dict)
+    tenant: str | None = None
+    cache_salt: str | None = None
 
 
 def derive_seed(seed: int, label: str) -> int:
@@ -71,6 +78,7 @@ class PromptMaker:
             prefix_rng = random.Random(derive_seed(seed, "prefix"))
             self.prefix = random_ids(prefix_rng, self.spec.shared_prefix_tokens, tokenizer)
         self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
+        self.shared = SharedPrompts(self.spec, seed, tokenizer)
 
     def text_ids(self, text: str, chat: bool) -> list[int]:
         return chat_ids(self.tok, user_chat(text)) if chat else encode_text(self.tok, text)
@@ -97,7 +105,42 @@ class PromptMaker:
                 text = next((m["content"] for m in reversed(item) if m["role"] == "user"), item[-1]["content"])
                 return chat_ids(self.tok, item), {**meta, "prompt_text": text, "prompt_index": k}
             return self.text_ids(item, spec.chat), {**meta, "prompt_text": item, "prompt_index": k}
+        if isinstance(spec, (SystemPromptPrompts, MultiTurnPrompts)):
+            return self.shared.make(index, self.rng, self.length_rng)
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
+
+
+class SharedPrompts:
+    """Prompts that share prefixes: system_prompt (one of N system prompts + instruction + own part) and
+    multi_turn (each turn extends its session's previous prompt). Random ids, each kind of choice on
+    its own seeded stream."""
+
+    def __init__(self, spec, seed: int, tokenizer) -> None:
+        self.spec, self.tok = spec, tokenizer
+        rng = random.Random(derive_seed(seed, "system_prompts"))
+        self.choice_rng = random.Random(derive_seed(seed, "system_prompt_choice"))
+        count = getattr(spec, "count", 1)
+        self.systems = [random_ids(rng, getattr(spec, "system_tokens", 0), tokenizer) for _ in range(count)]
+        self.instruction = random_ids(rng, getattr(spec, "instruction_tokens", 0), tokenizer)
+        self.sessions: dict[int, tuple[int, int, list[int]]] = {}  # place -> (session, turn, prompt so far)
+        self.next_session = 0
+
+    def make(self, index: int, rng: random.Random, length_rng: random.Random) -> tuple[list[int], dict]:
+        spec = self.spec
+        if isinstance(spec, SystemPromptPrompts):
+            k = self.choice_rng.randrange(spec.count) if spec.choice == "random" else index % spec.count
+            own = random_ids(rng, spec.user_tokens.sample(length_rng), self.tok)
+            return self.systems[k] + self.instruction + own, {"system_prompt": k}
+        place = index % spec.sessions
+        session, turn, prompt = self.sessions.get(place, (None, spec.turns, []))
+        if turn >= spec.turns:  # a new session takes this place
+            session, turn, prompt = self.next_session, 0, list(self.systems[0])
+            self.next_session += 1
+        else:
+            prompt = prompt + random_ids(rng, spec.reply_tokens.sample(length_rng), self.tok)
+        prompt = prompt + random_ids(rng, spec.user_tokens.sample(length_rng), self.tok)
+        self.sessions[place] = (session, turn + 1, prompt)
+        return list(prompt), {"session": session, "turn": turn}
 
 
 def planned_arrivals(scenario: Scenario, *, limit: int | None = None) -> list[Arrival]:
@@ -127,13 +170,15 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
 
     seed = scenario.seed
     maker = PromptMaker(scenario, tokenizer)
+    tenants = TenantPlan(scenario.tenants, seed, derive_seed)
     out_rng = random.Random(derive_seed(seed, "output_tokens"))
     s = scenario.sampling
-    planned: list[tuple[Arrival, list[int], dict, int]] = []
-    for arrival in planned_arrivals(scenario, limit=limit):
+    planned: list[tuple[Arrival, list[int], dict, int, str | None]] = []
+    for index, arrival in enumerate(planned_arrivals(scenario, limit=limit)):
         ids, meta = maker.make(arrival)
         drawn = scenario.output_tokens.sample(out_rng)
-        planned.append((arrival, ids, meta, arrival.output_tokens or drawn))
+        tenant = arrival.tenant or tenants.name(meta.get("session", index))
+        planned.append((arrival, ids, meta, arrival.output_tokens or drawn, tenant))
     width = max(3, len(str(len(planned) - 1)))
     return [
         PlannedRequest(
@@ -144,7 +189,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
                 max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 include_stop_str_in_output=s.include_stop_str_in_output),
-            metadata=meta,
+            metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant),
         )
-        for i, (arrival, ids, meta, n_out) in enumerate(planned)
+        for i, (arrival, ids, meta, n_out, tenant) in enumerate(planned)
     ]

@@ -9,6 +9,10 @@ YAML `prompts:` takes one of
     vLLM's random dataset adds its prefix length to the input length).
   - `{kind: file, path, chat}`: one prompt per line, or JSON Lines (`.jsonl`: a string, or an object
     with `prompt` text or chat `messages`); used in order, cycling.
+  - `{kind: system_prompt, count, system_tokens, instruction_tokens, user_tokens}`: one of N shared
+    system prompts (random ids), a common instruction block, then the request's own random ids.
+  - `{kind: multi_turn, sessions, turns, system_tokens, user_tokens, reply_tokens}`: chat sessions;
+    each turn's prompt is the previous turn's plus a reply and a new user message.
 
 A tokenizer here is anything with `apply_chat_template`, `encode`, `vocab_size` and
 `all_special_ids` (a transformers tokenizer).
@@ -102,8 +106,41 @@ class FilePrompts(Strict):
         return list(self._prompts)
 
 
-PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts], Field(discriminator="kind")]
-PROMPT_KINDS = ("passphrase", "synthetic", "file")
+class SystemPromptPrompts(Strict):
+    """The load prefix caching is for: every prompt starts with one of `count` shared system prompts
+    (`system_tokens` random token ids each, fixed by the seed), then `instruction_tokens` ids common to
+    every prompt (e.g. tool instructions after a persona), then the request's own `user_tokens` random
+    ids. Which system prompt: drawn by the seed (`choice: random`) or in turn."""
+
+    kind: Literal["system_prompt"]
+    count: Annotated[int, Field(ge=1, le=1000)] = Field(4, description="number of shared system prompts")
+    system_tokens: Annotated[int, Field(ge=1, le=100_000)] = Field(256, description="length of each system prompt")
+    instruction_tokens: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        0, description="tokens common to every prompt, after its system prompt")
+    user_tokens: LengthDist = Field(Fixed(value=32), description="length of each request's own part (tokens)")
+    choice: Literal["random", "round_robin"] = Field("random", description="how a request picks its system prompt")
+
+
+class MultiTurnPrompts(Strict):
+    """Chat sessions: `sessions` conversations side by side, each request the next turn of one of them,
+    in turn. A turn's prompt is the previous turn's prompt, then a stand-in for the previous answer
+    (`reply_tokens` random ids: the real answer is not known when the run is planned), then a new
+    user message (`user_tokens` random ids); the first turn starts with `system_tokens` ids shared by
+    every session. After `turns` turns a session ends and a new one takes its place. A session belongs
+    to one tenant."""
+
+    kind: Literal["multi_turn"]
+    sessions: Annotated[int, Field(ge=1, le=10_000)] = Field(4, description="conversations at once")
+    turns: Annotated[int, Field(ge=1, le=1000)] = Field(4, description="turns per conversation")
+    system_tokens: Annotated[int, Field(ge=0, le=100_000)] = Field(
+        0, description="a system prompt every session starts with (tokens)")
+    user_tokens: LengthDist = Field(Fixed(value=24), description="length of each new user message (tokens)")
+    reply_tokens: LengthDist = Field(Fixed(value=24), description="length of each previous answer's stand-in (tokens)")
+
+
+PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts, SystemPromptPrompts,
+                             MultiTurnPrompts], Field(discriminator="kind")]
+PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn")
 
 
 def read_prompt_file(path: str, base_dir: Path | None) -> list:

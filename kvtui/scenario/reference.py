@@ -20,8 +20,15 @@ import pydantic
 
 from kvtui.scenario.arrivals import Burst, Constant, Gamma, Poisson, Scripted, ScriptedRequest, Stage, Trace
 from kvtui.scenario.lengths import Choice, Fixed, LogNormal, Normal, Uniform, Zipf
-from kvtui.scenario.prompts import FilePrompts, PassphrasePrompts, SyntheticPrompts
+from kvtui.scenario.prompts import (
+    FilePrompts,
+    MultiTurnPrompts,
+    PassphrasePrompts,
+    SyntheticPrompts,
+    SystemPromptPrompts,
+)
 from kvtui.scenario.schema import SLO, Bucketing, EngineSection, Expect, SamplingSection, Scenario
+from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import RUNTIME_KNOBS, TimelineEvent
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "scenarios.md"
@@ -78,7 +85,9 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("arrivals", "One of the processes below, chosen by `process`. The generators are pure: the same "
                  "scenario and seed give the same times.", [Constant, Poisson, Gamma, Burst, Trace, Scripted,
                                                              Stage, ScriptedRequest]),
-    ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts]),
+    ("tenants", "", [Tenants]),
+    ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
+                                                              SystemPromptPrompts, MultiTurnPrompts]),
     ("Length distributions", "`output_tokens` and `prompts.prompt_tokens` take one of these, chosen by `dist`; a "
                              "bare integer `24` means `{dist: fixed, value: 24}`. Lengths are whole tokens, drawn "
                              "from the scenario seed's own stream.", [Fixed, Uniform, Normal, LogNormal, Choice, Zipf]),
@@ -89,6 +98,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 ]
 # model -> its heading; the anchor is GitHub's slug of it
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
+            Tenants: "tenants",
             SLO: "slo", Expect: "expect", TimelineEvent: "timeline", Stage: "stage", ScriptedRequest: "scripted request"}
 UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions"}
 

@@ -9,7 +9,9 @@ Fields (defaults in brackets; seconds and tokens as named):
   engine: slots [8] or kv_budget_bytes, max_len [512], max_batch_size [8], max_tokens_per_step [1024],
       layout [padded|packed], padding_side [right|left], bucketing {enabled [false], tolerance [0.2]}
       (or `bucketing: true`), slot_reuse [reuse|reallocate], on_too_long [reject|cap],
-      max_waiting [null = unbounded], faults [[]]: faults on from the start
+      max_waiting [null = unbounded], faults [[]]: faults on from the start,
+      kv [slots|paged], block_size [16], num_blocks [null], prefix_caching [false], watermark [0.01]
+  tenants: count [1], assign [random|round_robin], cache_salt [per_tenant|none]
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
   output_tokens [32]: a length distribution (lengths.py): max new tokens per request
@@ -33,6 +35,7 @@ import pydantic
 from pydantic import Field
 
 from kvtui.config import EngineConfig
+from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
 from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson
@@ -40,6 +43,7 @@ from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, did_you_mean, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
+from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import TimelineEvent
 from kvtui.scenario.trace import resolve
 
@@ -96,6 +100,21 @@ class EngineSection(Strict):
         _D.max_waiting, description="most requests queued for a slot; later arrivals are rejected; null = no limit")
     faults: Annotated[list[Literal[FAULT_NAMES]], Field(max_length=len(FAULT_NAMES))] = Field(
         [], description="isolation faults on from the start (docs/faults.md)")
+    kv: Literal["slots", "paged"] = Field(
+        _D.kv, description="`slots`: one region of max_len tokens per running request; `paged`: blocks of "
+                           "block_size tokens reached through per-request block tables, as vLLM does (then "
+                           "max_batch_size also bounds the requests running at once)")
+    block_size: Annotated[int, Field(ge=1, le=64)] = Field(_D.block_size, description="tokens per KV block (paged)")
+    num_blocks: Annotated[int, Field(ge=2, le=10_000_000)] | None = Field(
+        None, description="KV blocks, the null block 0 included (paged); null: from kv_budget_bytes (budget / "
+                          "bytes per block), else slots x ceil(max_len / block_size) + 1, the slot pool's memory; "
+                          "must hold one request of max_len")
+    prefix_caching: bool = Field(
+        _D.prefix_caching, description="reuse the cached full blocks of a request's longest cached prompt prefix "
+                                       "(paged only); a block's key chains its parent's key, its tokens and the "
+                                       "tenant's cache_salt")
+    watermark: Annotated[float, Field(ge=0, le=0.5)] = Field(
+        _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -110,6 +129,13 @@ class EngineSection(Strict):
             raise Problem("both slots and kv_budget_bytes given", "keep one: the budget decides the slots")
         if len(set(self.faults)) != len(self.faults):
             raise Problem("a fault is listed twice", "list each fault once", ("faults",))
+        if self.num_blocks is not None and self.kv_budget_bytes is not None:
+            raise Problem("both num_blocks and kv_budget_bytes given", "keep one: the budget decides the blocks")
+        if self.kv == "slots" and (self.num_blocks is not None or self.prefix_caching):
+            key = "num_blocks" if self.num_blocks is not None else "prefix_caching"
+            raise Problem(f"{key} needs paged KV", "add `kv: paged` to the engine section", (key,))
+        for name in self.faults:
+            check_fault_fits(name, self, ("faults",))
         try:
             self.config()
         except ValueError as e:
@@ -122,8 +148,28 @@ class EngineSection(Strict):
             max_batch_size=self.max_batch_size, max_tokens_per_step=self.max_tokens_per_step,
             layout=self.layout, padding_side=self.padding_side, bucketing=self.bucketing.enabled,
             bucket_tolerance=self.bucketing.tolerance, slot_reuse=self.slot_reuse,
-            on_too_long=self.on_too_long, max_waiting=self.max_waiting, faults=frozenset(self.faults))
+            on_too_long=self.on_too_long, max_waiting=self.max_waiting, faults=frozenset(self.faults),
+            kv=self.kv, block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching,
+            watermark=self.watermark)
         return EngineConfig(**{**fields, **overrides})
+
+    def pool_blocks(self, block_bytes: int) -> int:
+        """Paged KV: blocks of the pool (null block included) for blocks of `block_bytes` bytes."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_budget_bytes is not None:
+            return self.kv_budget_bytes // block_bytes
+        return (self.slots or _D.num_slots) * -(-self.max_len // self.block_size) + 1
+
+
+def check_fault_fits(name: str, engine: EngineSection, where: tuple) -> None:
+    """A fault must act in the engine's KV mode and have what it needs (prefix caching). Raises Problem."""
+    fault = FAULTS[name]
+    if engine.kv not in fault.kv:
+        raise Problem(f"fault {name} acts with kv: {' or '.join(fault.kv)} only", f"set engine.kv: {fault.kv[0]} "
+                      f"or drop {name}", where)
+    if "prefix_caching" in fault.needs and not engine.prefix_caching:
+        raise Problem(f"fault {name} acts in the prefix cache", "set engine.prefix_caching: true", where)
 
 
 class SamplingSection(Strict):
@@ -178,6 +224,7 @@ class Scenario(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="weights, KV cache and activations")
     engine: EngineSection = Field(EngineSection(), description="see engine")
+    tenants: Tenants = Field(Tenants(), description="see tenants")
     arrivals: ArrivalSpec = Field(
         Poisson(process="poisson", rate_per_s=1.0), description="when requests arrive: one of the processes "
                                                                 "under arrivals, chosen by `process`")
@@ -239,7 +286,25 @@ class Scenario(Strict):
             raise Problem(e.problem, e.fix, ("engine", "max_len")) from None
         except ValueError:  # a config without layer/head counts: the run-time checks apply
             return
-        self._check_memory(shape.kv_bytes_per_token(ITEMSIZE[self.dtype]) * self.engine.max_len)
+        per_token = shape.kv_bytes_per_token(ITEMSIZE[self.dtype])
+        if self.engine.kv == "paged":
+            self._check_paged_memory(per_token * self.engine.block_size)
+        else:
+            self._check_memory(per_token * self.engine.max_len)
+
+    def _check_paged_memory(self, per_block: int) -> None:
+        e = self.engine
+        blocks, need = e.pool_blocks(per_block), -(-e.max_len // e.block_size) + 1
+        where = ("engine", "kv_budget_bytes") if e.kv_budget_bytes is not None else ("engine", "num_blocks")
+        if blocks < need:
+            raise Problem(f"a paged KV pool of {blocks} blocks of {e.block_size} tokens cannot hold one request of "
+                          f"max_len {e.max_len} (needs {need} blocks with the null block)",
+                          f"raise engine.{where[1]} or lower engine.max_len", where)
+        total, free = pool_bytes(blocks, e.block_size, per_block), available_memory_bytes()
+        if free is not None and total > free:
+            raise Problem(f"paged KV pool of {blocks} blocks x {e.block_size} tokens needs {gib(total)} for "
+                          f"{self.model} ({self.dtype}), more than the {gib(free)} of memory available",
+                          f"lower engine.{where[1]}", where)
 
     def _check_memory(self, per_slot: int) -> None:
         e, budget = self.engine, self.engine.kv_budget_bytes
@@ -273,6 +338,8 @@ class Scenario(Strict):
 
     def _check_timeline(self) -> None:
         for i, event in enumerate(self.timeline):
+            if event.fault_switch:
+                check_fault_fits(event.fault_switch[0], self.engine, ("timeline", i, "set", "fault"))
             for knob in event.arrival_changes():
                 a = self.arrivals
                 if not isinstance(a, RATE_PROCESSES) or a.stages:

@@ -13,7 +13,8 @@ from rich.markup import escape
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
-               "--clear-faults": "clear_faults", "--device": "device"}
+               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching",
+               "--timing": "timing"}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES
+from kvtui.faults import DEFAULT_ISOLATION_OFF, faults_for
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -143,7 +143,8 @@ class KvtuiApp(App[dict | None]):
             if names is not None:
                 self.source.set_faults(names)
 
-        self.push_screen(FaultPicker(self._active_faults(), FAULT_NAMES), chosen)
+        kv = self.snapshot.kv if self.snapshot else "slots"  # only the faults that act in the run's KV mode
+        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv)), chosen)
 
     def action_pause(self) -> None:
         self.source.toggle_pause()

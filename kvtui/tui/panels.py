@@ -1,7 +1,8 @@
 """Panels as pure functions: (Snapshot, width, height) -> a Rich renderable. No Textual here.
 
 Colour is never the only carrier of meaning (NO_COLOR turns the screen monochrome): a leak is also
-written `LEAK`, a reused slot `↻`, a free slot `free`, isolation `ON`/`OFF`.
+written `LEAK`, a reused slot `↻`, a free slot `free`, isolation `ON`/`OFF`; in the block map a
+shared block shows its reference count, a cached free block `░`, a free block `·`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from kvtui.tui.snapshot import RequestView, SlotView, Snapshot
+from kvtui.tui.snapshot import BlockView, RequestView, SlotView, Snapshot
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2",
            "#ff9da7", "#9c755f", "#8cd17d", "#a0cbe8", "#d4a6c8", "#86bcb6")
@@ -21,7 +22,7 @@ EIGHTHS = " ▏▎▍▌▋▊▉█"
 # Reds bright enough to stay readable when NO_COLOR turns the screen to greys by luminance.
 RED = "#ff6060"
 LEAK_STYLE = "bold #ffffff on #c00000"
-SHORT_KINDS = {"cross_request": "cross", "corruption": "corrupt"}  # narrow contamination panel
+SHORT_KINDS = {"cross_request": "cross", "cross_tenant": "tenant", "corruption": "corrupt"}  # narrow panel
 _CONTROL = {c: "·" for c in (*range(32), 127) if c != 10}
 
 
@@ -149,11 +150,63 @@ def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
     return Group(*lines)
 
 
+# -- block map (paged KV) ---------------------------------------------------------------------------
+def _block_cell(b: BlockView, cell: int) -> Text:
+    if b.refs == 0:
+        return Text(("░" if b.cached else "·") * cell, style="dim")
+    if b.refs == 1:
+        return Text("█" * cell, style=color(b.color))
+    mark = str(b.refs) if b.refs < 10 else "+"
+    return Text(mark.ljust(cell), style=f"bold #000000 on {color(b.color)}")
+
+
+def _paged_line(snap: Snapshot) -> Text:
+    p = snap.paged
+    used = sum(1 for b in snap.blocks if b.refs)
+    shared = sum(1 for b in snap.blocks if b.refs > 1)
+    cached = sum(1 for b in snap.blocks if b.cached)
+    text = Text(f"{used}/{len(snap.blocks)} blocks in use · {shared} shared · {cached} cached free", style="bold")
+    if p is not None:
+        rate = f"{p.prefix_hits / p.prefix_queries:.0%}" if p.prefix_queries else "-"
+        text.append(f"\nprefix hit rate {rate} ({p.prefix_hits}/{p.prefix_queries} tokens) · preemptions "
+                    f"{p.preemptions}")
+        if p.by_tenant:
+            text.append(" · cross-tenant hits ")
+            text.append(f"{p.cross_tenant_hits}", style=LEAK_STYLE if p.cross_tenant_hits else "")
+    return text
+
+
+def block_map(snap: Snapshot, width: int, height: int) -> Group | Text:
+    """Paged KV: one cell per block in block order, coloured by the request holding it (by its tenant
+    when the run has tenants): `█` one holder, a digit the number of holders of a shared block (prefix
+    caching), `░` a cached block no request holds (dimmed; evicted least recently used first), `·` a
+    free one. Below: blocks in use / shared / cached, prefix hit rate, preemptions, cross-tenant hits."""
+    if not snap.blocks:
+        return Text("no blocks yet", style="dim")
+    room = max(height - 3, 1) * max(width, 1)
+    cell = 2 if len(snap.blocks) * 2 <= room and width >= 2 else 1
+    per_row = max(width // cell, 1)
+    lines = []
+    for start in range(0, len(snap.blocks), per_row):
+        line = Text()
+        for b in snap.blocks[start:start + per_row]:
+            line.append_text(_block_cell(b, cell))
+        lines.append(line)
+    keep = max(height - 3, 1)
+    if len(lines) > keep:
+        lines = lines[:keep - 1] + [Text(f"… {len(snap.blocks) - (keep - 1) * per_row} more blocks", style="dim")]
+    size = f" · {snap.paged.block_size} tokens per block" if snap.paged and snap.paged.block_size else ""
+    legend = Text(f"█ held · 2 shared by 2 · ░ cached free · · free{size}", style="dim")
+    return Group(*lines, _paged_line(snap), legend)
+
+
 # -- request table -------------------------------------------------------------------------------
 def _status(r: RequestView) -> Text:
     if r.leaked:
         src = ",".join(r.leak_sources) or "?"
         return Text(f"LEAK←{src}", style=LEAK_STYLE)
+    if "cross_tenant" in r.contamination:
+        return Text("TENANT", style=LEAK_STYLE)
     if "cross_request" in r.contamination or "corruption" in r.contamination:
         return Text("TAINT" if "cross_request" in r.contamination else "CORRUPT", style=LEAK_STYLE)
     style = {"prefill": "bold yellow", "decode": "bold green", "waiting": "dim", "rejected": RED,
@@ -190,7 +243,8 @@ def request_table(snap: Snapshot, width: int, height: int) -> Table:
         fill = r.cache_len / r.capacity if r.capacity else 0.0
         cache = (Text().append(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}")
                  if r.status != "waiting" and snap.server is None else Text(""))
-        table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), "" if r.slot is None else str(r.slot),
+        where = str(r.slot) if r.slot is not None else f"{r.blocks}b" if r.blocks and r.active else ""
+        table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), where,
                       cache, f"{r.prompt_tokens}/{r.generated_tokens}", ms(r.ttft_s), _tail(r, text_width))
     return table
 
@@ -211,7 +265,7 @@ def stats(snap: Snapshot, width: int, height: int) -> Text:
         ("decode", f"{snap.decode_rate:8.0f} tok/s ", sparkline(snap.decode_history, spark_w, top), "#59a14f"),
         ("padding", f"{snap.padding_ratio:7.1%} q {snap.key_padding_ratio:4.0%} k ",
          sparkline(snap.padding_history, spark_w, max(max(snap.padding_history, default=0.0), 0.05)), "#b07aa1"),
-        ("KV usage", f"{snap.kv_usage:7.1%}  slots {snap.slot_occupancy:4.0%} ",
+        ("KV usage", f"{snap.kv_usage:7.1%}  {'seqs ' if snap.kv == 'paged' else 'slots'} {snap.slot_occupancy:4.0%} ",
          sparkline(snap.kv_history, spark_w, max(max(snap.kv_history, default=0.0), 0.05)), "#4e79a7"),
     ]
     text = Text()
@@ -254,7 +308,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
     for c in list(snap.contamination)[-max(room // per_report, 1):]:
         step = "" if c.step is None else f"#{c.step} "
         who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
-        kind_style = f"bold {RED}" if c.kind in ("cross_request", "corruption") else "yellow"
+        kind_style = f"bold {RED}" if c.kind in ("cross_request", "cross_tenant", "corruption") else "yellow"
         kind = c.kind if width >= 60 else SHORT_KINDS.get(c.kind, c.kind)
         line = Text(f"{step}{c.detector} ").append(kind, style=kind_style).append(f" {who} ", style="bold")
         evidence = Text(clean(c.evidence), style="dim")

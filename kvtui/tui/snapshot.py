@@ -40,6 +40,38 @@ class SlotView:
 
 
 @dataclass(frozen=True)
+class BlockView:
+    """One paged KV block (the null block 0 is left out).
+
+    Attributes:
+        index: block id.
+        refs: requests holding it (0: free); shared when 2 or more (prefix caching).
+        cached: it holds a cached full block (a free one can still be hit until it is evicted).
+        owner: the first running request whose block table lists it, or None.
+        color: palette index of the owner, or of its tenant when the run has tenants (-1: none).
+    """
+
+    index: int
+    refs: int
+    cached: bool
+    owner: str | None
+    color: int
+
+
+@dataclass(frozen=True)
+class PagedView:
+    """Paged KV figures: block size; prefix-cache tokens looked up / hit and hits from another tenant's
+    blocks; preemptions (None before a paged step)."""
+
+    block_size: int
+    prefix_queries: int
+    prefix_hits: int
+    cross_tenant_hits: int
+    preemptions: int
+    by_tenant: bool
+
+
+@dataclass(frozen=True)
 class RequestView:
     """One row of the request table.
 
@@ -58,6 +90,7 @@ class RequestView:
         contamination: kinds reported against it by detectors (cross_request, corruption, numeric).
         attention_mass: latest share of its attention on other requests' keys (0..1) or None.
         color: palette index.
+        tenant: who sent it (None: one tenant); blocks: paged KV blocks in its table.
     """
 
     id: str
@@ -77,6 +110,8 @@ class RequestView:
     contamination: tuple[str, ...]
     attention_mass: float | None
     color: int
+    tenant: str | None = None
+    blocks: int = 0
 
     @property
     def active(self) -> bool:
@@ -136,6 +171,7 @@ class Snapshot:
         done: the run has ended (summary seen); summary: the (frozen) summary event or None.
         findings: findings per kind (reports on one victim joined; kvtui/detect/findings.py).
         reference: the reference detector's (checked, skipped, pending), or None before its first report.
+        kv: "slots" or "paged"; blocks: the paged block map (empty with slots); paged: its figures.
         server: a run against a target server (`kvtui run --target`): what the server exposes, which the
             slot map and the stats panel show instead of engine internals; None for a local run.
     """
@@ -177,6 +213,9 @@ class Snapshot:
     summary: Summary | None
     findings: tuple[tuple[str, int], ...] = ()
     reference: tuple[int, int, int] | None = None
+    kv: str = "slots"
+    blocks: tuple[BlockView, ...] = ()
+    paged: PagedView | None = None
     server: ServerView | None = None
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtui.metrics import percentile
-from kvtui.tui.snapshot import Latency, RequestView, SlotView, Snapshot
+from kvtui.tui.snapshot import BlockView, Latency, PagedView, RequestView, SlotView, Snapshot
 from kvtui.tui.state import MAX_TABLE_ROWS, REUSE_MARK_STEPS, TAIL_CHARS, DashboardState, _Request
 
 FLAGGED_ROWS = 16  # finished rows with a leak or a detector report kept in the table ahead of others
@@ -16,7 +16,8 @@ def _request_view(state: DashboardState, r: _Request) -> RequestView:
         prompt_tokens=r.prompt_tokens, generated_tokens=r.generated, max_new_tokens=r.max_new_tokens,
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
         leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.passphrase and r.passphrase in r.text),
-        contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color,
+        contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
+        blocks=r.blocks,
     )
 
 
@@ -51,6 +52,36 @@ def _slots(state: DashboardState) -> tuple[SlotView, ...]:
             previous_owner=state.slot_prev.get(index),
         ))
     return tuple(views)
+
+
+def _blocks(state: DashboardState) -> tuple[BlockView, ...]:
+    """The block map: each block's reference count (from the step's block state), whether it is cached,
+    and its owner (the first running request listing it), coloured by owner or by the owner's tenant."""
+    owners: dict[int, str] = {}
+    for rid, blocks in state.block_tables.items():
+        for b in blocks:
+            owners.setdefault(b, rid)
+    views = []
+    for index, char in enumerate(state.block_state):
+        if char == "_":
+            continue
+        owner = owners.get(index)
+        r = state.requests.get(owner) if owner else None
+        if r is None:
+            color = -1
+        else:
+            color = state.tenants.get(r.tenant, r.color) if state.tenants else r.color
+        refs = 0 if char in ".c" else 10 if char == "+" else int(char)
+        views.append(BlockView(index, refs, char == "c", owner, color))
+    return tuple(views)
+
+
+def _paged(state: DashboardState) -> PagedView | None:
+    m = state.metrics
+    if state.kv != "paged":
+        return None
+    return PagedView(state.block_size, m.prefix_queries, m.prefix_hits, m.cross_tenant_hits, m.num_preemptions,
+                     bool(state.tenants))
 
 
 def _latency(state: DashboardState, name: str) -> Latency:
@@ -96,5 +127,6 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         done=state.summary is not None, summary=state.summary,
         findings=tuple(sorted(m.findings.by_kind().items())),
         reference=(m.reference.checked, m.reference.skipped, m.reference.pending) if m.reference else None,
+        kv=state.kv, blocks=_blocks(state) if state.kv == "paged" else (), paged=_paged(state),
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
     )

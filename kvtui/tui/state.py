@@ -56,6 +56,8 @@ class _Request:
     contamination: list = field(default_factory=list)  # kinds, in report order, unique
     attention_mass: float | None = None
     finished_order: int = -1
+    tenant: str | None = None
+    blocks: int = 0  # paged KV: blocks in its table
 
 
 class DashboardState:
@@ -80,6 +82,11 @@ class DashboardState:
         self.slot_reused_step: dict[int, int] = {}
         self.num_slots = 0
         self.capacity = 0
+        self.kv = "slots"  # paged KV: the block map replaces the slot map
+        self.block_size = 0
+        self.block_state = ""  # BlockManager.state of the last step: one character per block
+        self.block_tables: dict[str, tuple[int, ...]] = {}  # running request -> its blocks
+        self.tenants: dict[str, int] = {}  # tenant name -> colour index
         self.last_step: StepEvent | None = None
         self.finished = self.rejected = 0
         self._window: int | None = None
@@ -126,6 +133,8 @@ class DashboardState:
         self.num_slots = int(e.engine.get("num_slots") or 0)
         self.capacity = int(e.engine.get("max_len") or 0)
         self.active_faults = tuple(sorted(e.engine.get("faults") or ()))
+        self.kv = e.engine.get("kv") or "slots"
+        self.block_size = int(e.engine.get("block_size") or 0)
         if e.target:
             from kvtui.target.view import ServerTrack
 
@@ -134,6 +143,9 @@ class DashboardState:
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
         r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
+        r.tenant = e.tenant
+        if e.tenant is not None:
+            self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r
         if r.status == "waiting":
             self.waiting[r.id] = None
@@ -151,6 +163,8 @@ class DashboardState:
         self.num_slots = e.num_slots
         if self.capacity == 0 and self.num_slots:
             self.capacity = e.kv_capacity_tokens // self.num_slots
+        if e.kv == "paged":
+            self._blocks(e)
         for entry in e.running:
             self._running(entry)
         for rid, mass in (e.foreign_attention or {}).items():
@@ -158,19 +172,34 @@ class DashboardState:
                 self.requests[rid].attention_mass = float(mass)
         self._add_history(e)
 
+    def _blocks(self, e: StepEvent) -> None:
+        """Paged KV: the block map of the step; a request preempted this step is waiting again."""
+        self.kv = "paged"
+        self.block_state = e.block_state or ""
+        self.block_tables = {rid: tuple(blocks) for rid, blocks in e.block_tables}
+        for rid in e.preempted:
+            r = self._request(rid)
+            r.status, r.cache_len, r.blocks = "waiting", 0, 0
+            self.active.pop(rid, None)
+            self.waiting[rid] = None
+            self.note("marker", f"{rid} preempted: blocks given back, recomputed later", e.t)
+
     def _running(self, entry) -> None:
         r = self._request(entry.id)
         slot = entry.slot
         r.status, r.slot, r.cache_len = entry.phase, slot, entry.cache_len
         self.waiting.pop(r.id, None)
         self.active[r.id] = None
-        if self.slot_owner.get(slot) != r.id:
+        if slot is None:  # paged KV: no slot, a block table
+            r.blocks = len(entry.blocks or ())
+        elif self.slot_owner.get(slot) != r.id:
             previous = self.slot_owner.get(slot) or self.slot_prev.get(slot)
             if previous is not None and previous != r.id:
                 self.slot_prev[slot] = previous
                 self.slot_reused_step[slot] = self.step
             self.slot_owner[slot] = r.id
-        self.slot_cache[slot] = entry.cache_len
+        if slot is not None:
+            self.slot_cache[slot] = entry.cache_len
         if entry.token is not None:
             r.generated += 1
             self._add_text(r, entry.piece or "")
@@ -280,7 +309,9 @@ class DashboardState:
     def isolation_faults(self) -> tuple[str, ...]:
         header = self.header
         return isolation_fault_set(header.engine.get("faults") if header else (),
-                                   header.scenario.get("timeline") if header else ())
+                                   header.scenario.get("timeline") if header else (),
+                                   header.engine.get("kv") or "slots" if header else "slots",
+                                   bool(header.engine.get("prefix_caching")) if header else False)
 
 
 _HANDLERS = {

@@ -59,9 +59,14 @@ class HeaderBar(Shows, Widget):
 
 
 class SlotMap(Panel):
+    """The slot map, or with paged KV the block map."""
+
     TITLE = "slots"
 
     def draw(self, snapshot, width, height):
+        if snapshot.kv == "paged":
+            self.border_title = "KV blocks"
+            return panels.block_map(snapshot, width, height)
         return panels.slot_map(snapshot, width, height)
 
 
