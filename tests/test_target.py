@@ -610,3 +610,17 @@ def test_divergence_labels_from_both_runs_top_logprobs():
     assert [(t.key, t.top) for t in legacy] == [(" a", ((" a", -0.1), (" c", -0.12))),
                                                 (" b", ((" b", -0.5), (" d", -3.0)))]
     assert legacy[0].top2_gap == pytest.approx(0.02)
+
+
+def test_cli_audit_target_names_the_replaced_neighbours(tmp_path):
+    path = write_scenario(tmp_path)
+    with FakeHTTPServer(FakeOpenAI()) as url:
+        clean = subprocess.run(KVTUI + ["audit", str(path), "--target", url], capture_output=True, text=True,
+                               timeout=120)
+    assert clean.returncode == 0, clean.stderr
+    assert "noninterference holds" in clean.stdout
+    with FakeHTTPServer(FakeOpenAI(leak=True)) as url:
+        leaky = subprocess.run(KVTUI + ["audit", str(path), "--target", url], capture_output=True, text=True,
+                               timeout=120)
+    assert leaky.returncode == 1 and "noninterference violated" in leaky.stderr
+    assert "cross_request" in leaky.stdout and "noninterference" in leaky.stdout
