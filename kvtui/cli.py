@@ -1,4 +1,4 @@
-"""kvtui command line: run, replay, validate, bench, model."""
+"""kvtui command line: run, serve, replay, validate, bench, model."""
 
 from __future__ import annotations
 
@@ -433,6 +433,64 @@ def audit(
         err.print(f"[bold red]noninterference violated: {len(events)} requests changed with their neighbours[/]")
         raise typer.Exit(EXIT_CONTAMINATION)
     out.print("noninterference holds: every request's tokens stayed the same with its neighbours replaced")
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Option("--model", help="default, tiny-llama, tiny-gpt2, a HF model directory or a "
+                                       ".gguf file.")] = "default",
+    dtype: Annotated[DType, typer.Option(help="Weights, KV cache and activations.")] = "float32",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: a free one).", min=0, max=65535)] = 8000,
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on "
+                                                               "(repeatable): it acts across clients.")] = None,
+    dashboard: Annotated[bool, typer.Option("--dashboard", help="Show the served engine live in the dashboard.")]
+    = False,
+    record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name clients "
+                                                             "send and see (default: the model's id).")] = None,
+    slots: Annotated[int, typer.Option(help="KV slots: requests running at once.", min=1, max=4096)] = 8,
+    max_len: Annotated[int, typer.Option(help="Tokens per request: prompt + completion.", min=2)] = 512,
+    max_batch_size: Annotated[int, typer.Option(help="Most requests in one step.", min=1, max=4096)] = 8,
+    max_tokens_per_step: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill past it).",
+                                                     min=1)] = 1024,
+    max_waiting: Annotated[Optional[int], typer.Option(help="Most requests queued for a slot; more get 429 "
+                                                       "(default: no limit).", min=0)] = None,
+    layout: Annotated[Layout, typer.Option(help="Batch layout.")] = "padded",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
+    threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (default: all cores but "
+                                                   "one).", min=1)] = None,
+    device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
+) -> None:
+    """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics) until Ctrl-C.
+
+    Any OpenAI client, curl, `vllm bench serve` or GuideLLM can drive it; --dashboard shows inside.
+    """
+    from kvtui.serve.main import BadInput, run_serve
+    from kvtui.serve.server import ServeOptions
+    from kvtui.tui.launch import default_torch_threads
+
+    options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
+                           faults=_fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,
+                           max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,
+                           layout=layout, max_waiting=max_waiting, detectors=_detectors(detectors),
+                           threads=threads or default_torch_threads(), progress=True)
+    if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
+        say("note", "not a terminal: serving without the dashboard.")
+        dashboard = False
+    try:
+        result = run_serve(options, dashboard=dashboard, note=lambda text: say("note", text))
+    except BadInput as e:
+        fail(str(e))
+    from kvtui.summary import print_contamination, print_summary
+
+    if result.summary is not None:
+        print_summary(result.summary, result.header, out)
+        print_contamination(result.contamination, out)
+    if record:
+        out.print(f"recording: {record}", markup=False, highlight=False)
+    if result.error is not None:
+        fail(f"runtime error: {type(result.error).__name__}: {result.error}", EXIT_RUNTIME)
 
 
 def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:

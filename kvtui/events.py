@@ -137,6 +137,8 @@ class RunningEntry(_Frozen):
     phase: Literal["prefill", "decode"]
     piece: str | None = None  # the sampled token's text
     blocks: tuple[int, ...] | None = None  # (v2, paged KV) its block table
+    # (v2) when the request asked for them: (token id, logprob) of the sampled token, then the top k
+    logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class TaintEntry(_Frozen):

@@ -8,6 +8,8 @@ recorded events to the same Metrics, so a replay's summary equals the live one.
 from __future__ import annotations
 
 import platform
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -80,7 +82,7 @@ _malloc_trim = None
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
-                  cost_model: str = "auto") -> "Session":
+                  cost_model: str = "auto", serving: bool = False) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -89,6 +91,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         clear_faults: drop the scenario's faults (engine.faults and timeline switches).
         cost_model: the virtual clock's step costs: "auto" (this machine's `kvtui calibrate` fit for the
             model when there is one, else the built-in fit) or "default" (the built-in fit).
+        serving: requests come from submit_external (kvtui serve), not the scenario (see Session).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -100,7 +103,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   cost_model=cost_model)
+                   cost_model=cost_model, serving=serving)
 
 
 class Session:
@@ -118,6 +121,8 @@ class Session:
         fault_switches: False ignores the timeline's fault switches (a run "with the fault removed").
         cost_model: "default" (the built-in step-cost fit) or "auto" (the calibrated fit when there is
             one; see kvtui/calibrate.py). Virtual clock only.
+        serving: plan no scenario arrivals; requests come only from `submit_external` (any thread), and
+            the session is never done until stopped (kvtui serve). Use the wall clock.
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
@@ -127,7 +132,7 @@ class Session:
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
-                 fault_switches: bool = True, cost_model: str = "default") -> None:
+                 fault_switches: bool = True, cost_model: str = "default", serving: bool = False) -> None:
         from kvtui.scenario import plan_requests
 
         self.scenario, self.loaded, self.clock = scenario, loaded, clock
@@ -139,7 +144,11 @@ class Session:
                              clock=clock, cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
         self.engine.detect_taint = "slot_taint" in self.detectors
         self.engine.measure_flow = "attention_flow" in self.detectors
-        self.pending = sorted(plan_requests(scenario, self.tokenizer), key=lambda p: (p.arrival_s, p.request_id))
+        self.serving = serving
+        self.pending = [] if serving else sorted(plan_requests(scenario, self.tokenizer),
+                                                 key=lambda p: (p.arrival_s, p.request_id))
+        self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
+        self._external_ready = threading.Event()
         self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
         self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
@@ -226,7 +235,30 @@ class Session:
     # -- loop -----------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
-        return not self.pending and not self.engine.has_unfinished()
+        return not self.serving and not self.pending and not self.engine.has_unfinished()
+
+    def submit_external(self, planned) -> None:
+        """Thread-safe: submit a request made outside the scenario (a PlannedRequest; its arrival_s is
+        the time it arrived on the engine clock) at the start of the next step_once."""
+        self._external.put(planned)
+        self._external_ready.set()
+
+    def abort_external(self, request_id: str) -> None:
+        """Thread-safe: abort `request_id` at the next step boundary (nothing if it already left)."""
+        self._external.put(request_id)
+        self._external_ready.set()
+
+    def _drain_external(self) -> None:
+        self._external_ready.clear()
+        while True:
+            try:
+                item = self._external.get_nowait()
+            except queue.Empty:
+                return
+            if not isinstance(item, str):
+                self._submit(item)
+            elif item in self.engine.requests:
+                self.engine.abort(item)
 
     def step_once(self) -> bool:
         """Apply the timeline, submit due arrivals, then one engine step (or idle: wait for the next
@@ -235,6 +267,7 @@ class Session:
         if self.done:
             return False
         self._apply_timeline()
+        self._drain_external()
         self._submit_due()
         if not self.engine.has_unfinished():
             self._idle()
@@ -253,14 +286,16 @@ class Session:
     def _submit_due(self) -> None:
         now = self.engine.now()
         while self.pending and self.pending[0].arrival_s <= now:
-            p = self.pending.pop(0)
-            state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
-                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
-            passphrase = p.metadata.get("passphrase")
-            if self.canary is not None:
-                self.canary.on_arrive(p.request_id, passphrase)
-            self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
-                             max_new_tokens=state.sampling.max_new_tokens, passphrase=passphrase, tenant=p.tenant))
+            self._submit(self.pending.pop(0))
+
+    def _submit(self, p) -> None:
+        state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
+                                   metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
+        passphrase = p.metadata.get("passphrase")
+        if self.canary is not None:
+            self.canary.on_arrive(p.request_id, passphrase)
+        self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
+                         max_new_tokens=state.sampling.max_new_tokens, passphrase=passphrase, tenant=p.tenant))
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""
@@ -284,6 +319,8 @@ class Session:
         (wall) or jump to (virtual) the next arrival."""
         if self.reference is not None and self.reference.pending and self.clock == "wall":
             self._drain_references(limit=self.reference.batch)
+        elif self.serving:  # wait for a submission (never spin a core)
+            self._external_ready.wait(0.05)
         elif self.clock == "virtual" or self.engine.clock_paused:
             self.engine.advance_to(self.pending[0].arrival_s)
         else:
@@ -299,7 +336,8 @@ class Session:
                 piece = self.tokenizer.decode([r.new_token_id], skip_special_tokens=True)
                 pieces.append((r.request_id, piece))
             running.append(RunningEntry(id=r.request_id, slot=r.slot, cache_len=r.cache_len, q=r.query_tokens,
-                                        token=r.new_token_id, phase=r.phase, piece=piece, blocks=r.blocks))
+                                        token=r.new_token_id, phase=r.phase, piece=piece, blocks=r.blocks,
+                                        logprobs=r.logprobs))
         self.emit(_step_event(report, tuple(running)))
         for request_id, slot, previous, kept in report.stale_starts:
             self.emit(Marker(t=report.end_s, text=f"{request_id} took slot {slot} stale: {kept} tokens of "

@@ -385,11 +385,13 @@ class Engine:
             request.prefill_done += chunk.num_tokens
         if self.paged:
             self.blocks.commit(request)
-        token, gap, nonfinite = None, None, False
+        token, gap, nonfinite, logprobs = None, None, False, None
         if logits is not None:
             gap, finite = facts
             nonfinite = not finite
             token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
+            if request.sampling.logprobs is not None:
+                logprobs = token_logprobs(logits, token, request.sampling.logprobs)
             request.generated_ids.append(token)
             request.top2_gaps.append(gap)
             request.token_times_s.append(end_s)
@@ -401,7 +403,8 @@ class Engine:
         first = token is not None and len(request.generated_ids) == 1
         return RunningRequestReport(request.request_id, None if self.paged else chunk.slot, chunk.end_pos,
                                     chunk.num_tokens, token, chunk.phase, gap, nonfinite,
-                                    request.ttft_s if first else None, chunk.blocks)
+                                    request.ttft_s if first else None, chunk.blocks,
+                                    logprobs)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
@@ -493,6 +496,23 @@ class Engine:
                 raise RuntimeError(f"engine did not finish within {max_steps = }")
             reports.append(self.step())
         return reports
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[tuple[int, float], ...]:
+    """(token id, logprob) of the sampled `token`, then of the `k` most likely tokens (descending).
+
+    Args:
+        logits: [V] logits of the sampled position (any float dtype; computed in float32).
+        token: the sampled id; k: how many of the most likely to add (0: none).
+    Returns natural-log probabilities, log_softmax(logits) (as vLLM's raw logprobs and OpenAI's
+    `logprob`): temperature, top-k and top-p do not change them.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    pairs = [(int(token), float(logp[token]))]
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        pairs += [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return tuple(pairs)
 
 
 def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> dict:

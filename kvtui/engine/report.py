@@ -19,6 +19,9 @@ class RunningRequestReport:
             gap marks a near tie that numerical batch variance may flip.
         nonfinite: the logits held NaN or inf.
         ttft_s: time to first token (seconds) when this step sampled its first token, else None.
+        logprobs: when the request asked for them (SamplingParams.logprobs), (token id, logprob) pairs:
+            the sampled token first, then the k most likely tokens in descending order; natural logs of
+            log_softmax over the float32 logits. None otherwise.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class RunningRequestReport:
     nonfinite: bool = False
     ttft_s: float | None = None
     blocks: tuple[int, ...] | None = None
+    logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,12 @@ class SamplingParams:
     `stop`; as in the OpenAI API and vLLM, the returned text then ends before the stop string (with
     it when include_stop_str_in_output), while the token ids keep the token that completed it.
 
+    `logprobs` asks for log-probabilities (natural log, from log_softmax of the float32 logits, before
+    temperature, top-k or top-p, as vLLM's default): None = off (nothing computed), 0 = the sampled
+    token's only, k = also the k most likely tokens at each step (OpenAI's `top_logprobs`).
+
     Raises:
-        ValueError: temperature < 0, top_k < 0, or top_p outside (0, 1].
+        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], or logprobs < 0.
     """
 
     temperature: float = 0.0
@@ -54,6 +58,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -64,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p = }")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens = }")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs = }")
 
     @property
     def greedy(self) -> bool:

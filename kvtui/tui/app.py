@@ -89,7 +89,8 @@ class KvtuiApp(App[dict | None]):
         redraws only if what it shows changed. Then adjust the frame rate to the drawing cost."""
         self.snapshot = message.snapshot
         self.frames += 1
-        self.query_one(HeaderBar).mode = message.mode
+        for header in self.query(HeaderBar):  # none while the app closes (a last snapshot may still arrive)
+            header.mode = message.mode
         for widget in self.query("HeaderBar, Panel"):
             widget.show(message.snapshot)
         self._pace()

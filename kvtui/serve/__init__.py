@@ -1,0 +1,1 @@
+"""kvtui serve: the real engine behind an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""

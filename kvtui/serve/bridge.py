@@ -1,0 +1,119 @@
+"""Between the HTTP handlers (asyncio, uvicorn's thread) and the thread that steps the session.
+
+In: a handler calls `EngineBridge.submit`; the request goes to the session's thread-safe external
+queue and is submitted at the start of the next step. Out: the bridge listens to the session's typed
+events in the engine thread and hands each request's news to the handler's asyncio queue with
+`loop.call_soon_threadsafe`: a `TokenOut` per sampled token (from the step event), then the request's
+`Finish` event, or `Closed` when the session closed before the request ever reached the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+from kvtui.events import Finish, StepEvent, Summary
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One sampled token of a request: its id and, when asked for, (token id, logprob) pairs (the
+    sampled token first, then the top k)."""
+
+    token_id: int
+    logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The session closed (server stopping, dashboard restart) before the request was submitted."""
+
+
+class RequestStream:
+    """One request's inbox, read by its handler on the event loop `loop`."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        """From any thread: queue `item` for the handler."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop closed: nobody is listening any more
+            pass
+
+
+class NotAccepting(Exception):
+    """The bridge takes no requests: no session yet (loading) or the server is stopping."""
+
+
+class EngineBridge:
+    """Routes requests into the current session and their tokens back out.
+
+    `on_event` must be one of the session's listeners (it runs in the engine thread).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.session = None
+        self.accepting = False
+        self.streams: dict[str, RequestStream] = {}
+
+    def attach(self, session) -> None:
+        """Serve through `session` (a serving Session whose listeners include `on_event`)."""
+        with self._lock:
+            self.session, self.accepting = session, True
+
+    def close_intake(self) -> None:
+        """Take no new requests (shutdown begins)."""
+        with self._lock:
+            self.accepting = False
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict) -> RequestStream:
+        """Queue a request for the next engine step; its arrival is now on the engine clock.
+
+        Raises:
+            NotAccepting: loading or stopping.
+        """
+        from kvtui.scenario import PlannedRequest
+
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        with self._lock:
+            if not self.accepting or self.session is None:
+                raise NotAccepting()
+            self.streams[request_id] = stream
+            planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
+                                     prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata)
+            self.session.submit_external(planned)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request whose client went away (any thread; nothing if it already finished)."""
+        with self._lock:
+            if request_id in self.streams and self.session is not None:
+                self.session.abort_external(request_id)
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self.streams)
+
+    def on_event(self, event) -> None:
+        """Session listener (engine thread): route tokens and finishes to their handlers."""
+        if isinstance(event, StepEvent):
+            for r in event.running:
+                stream = self.streams.get(r.id) if r.token is not None else None
+                if stream is not None:
+                    stream.put(TokenOut(r.token, r.logprobs))
+        elif isinstance(event, Finish):
+            with self._lock:
+                stream = self.streams.pop(event.request_id, None)
+            if stream is not None:
+                stream.put(event)
+        elif isinstance(event, Summary):  # the session closed: whatever it never took is answered now
+            with self._lock:
+                left, self.streams, self.accepting = self.streams, {}, False
+            for stream in left.values():
+                stream.put(Closed())

@@ -1,0 +1,114 @@
+"""`kvtui serve` from the command line: start, load, serve until Ctrl-C / SIGTERM (or the dashboard's
+q), stop cleanly. Bad input becomes BadInput (one line, exit 2 in the CLI)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtui.serve.server import ServeOptions, ServeServer
+
+
+class BadInput(Exception):
+    """A bad option, model or path: one line naming the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """How a serve ended: the session's Summary and Header (None if it never started), its
+    contamination events, and the engine thread's exception (None after a clean stop)."""
+
+    summary: object = None
+    header: object = None
+    contamination: tuple = ()
+    error: BaseException | None = None
+
+
+def _result(session, summary, error=None) -> ServeResult:
+    if session is None:
+        return ServeResult(error=error)
+    return ServeResult(summary, session.header(), tuple(session.contamination), error)
+
+
+def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[[str], None] = print):
+    """Serve until stopped; returns a ServeResult.
+
+    Raises:
+        BadInput: the address cannot be bound, the model cannot load, a bad engine value or recording path.
+    """
+    server = ServeServer(options)
+    try:
+        server.start_http()
+    except OSError as e:
+        raise BadInput(f"--host/--port: {e}; choose another --port") from None
+    try:
+        note(f"loading {options.model}; {server.url}/health answers 503 until it is ready")
+        _load(server)
+        if dashboard:
+            return _dashboard(server)
+        return _plain(server, note)
+    finally:
+        server.stop()
+
+
+def _load(server: ServeServer) -> None:
+    from kvtui.models import ModelLoadError
+
+    try:
+        server.load()
+    except (ValueError, ModelLoadError) as e:
+        raise BadInput(str(e)) from None
+
+
+def _recording_error(server: ServeServer, e: OSError) -> BadInput:
+    return BadInput(f"--record {server.options.record}: cannot write the recording ({e.strerror or e}); "
+                    "choose another path")
+
+
+def _plain(server: ServeServer, note: Callable[[str], None]):
+    """Engine in a plain thread; the main thread waits for Ctrl-C / SIGTERM (a second one exits at once)."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set():
+            os._exit(130)
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            server.start_engine()
+        except OSError as e:
+            raise _recording_error(server, e) from None
+        note(f"serving {server.metrics.model_name} at {server.url}/v1 (OpenAI API; /metrics, /health); "
+             "Ctrl-C stops")
+        while not stop.wait(0.2) and not server.engine_stopped:
+            pass
+        note("stopping: aborting requests in flight, writing the summary")
+        server.stop()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return _result(server.session, server.summary, server.error)
+
+
+def _dashboard(server: ServeServer):
+    """The dashboard's engine worker steps the served session; uvicorn keeps serving in its thread."""
+    from kvtui.tui.app import KvtuiApp
+    from kvtui.tui.launch import _run_app, default_torch_threads
+    from kvtui.tui.live import LiveSource
+
+    try:
+        source = LiveSource(server.make_session, torch_threads=server.options.threads or default_torch_threads())
+    except OSError as e:
+        raise _recording_error(server, e) from None
+    try:
+        _run_app(KvtuiApp(source), source)
+    finally:
+        server.bridge.close_intake()
+        summary = source.shutdown()
+        server.stop_http()
+    return _result(source.session, summary)

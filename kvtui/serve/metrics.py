@@ -1,0 +1,110 @@
+"""`/metrics`: Prometheus text with vLLM's metric names, types and buckets, fed by the session's events.
+
+Each server has its own CollectorRegistry (several can run in one process, as tests do). Labels are
+vLLM's `model_name` and `engine` ("0": one engine). Names and buckets as vLLM's v1 Prometheus logger
+(vllm/v1/metrics/loggers.py); `vllm:request_time_per_output_token_seconds` is vLLM's current name
+for the per-request TPOT histogram (its older `vllm:time_per_output_token_seconds` was the ITL,
+renamed `vllm:inter_token_latency_seconds`).
+
+Timing: latencies are seconds on the engine's wall clock, from a request's arrival at the server to
+its first token (TTFT), between its tokens (ITL), over its output tokens after the first (TPOT:
+(last - first) / (n - 1)) and to its finish (E2E); queue time is arrival to admission into a slot.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvtui.events import Contamination, Finish, FirstToken, StepEvent
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    """The server's Prometheus metrics; `on_event` is a session listener (engine thread), `render`
+    is called by `/metrics` (HTTP thread); prometheus_client's metrics are thread-safe.
+
+    Args:
+        model_name: the served model name (label `model_name`).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no `*_created` series, as vLLM (a process-wide switch of prometheus_client)
+        self.registry = CollectorRegistry()
+        labels, values = ("model_name", "engine"), (model_name, "0")
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=self.registry).labels(*values)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=self.registry).labels(*values)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(*values)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ("finished_reason",), registry=self.registry)
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             TOKEN_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", TOKEN_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.contamination = Counter("kvtui:contamination_events", "Contamination events reported by kvtui's "
+                                     "detectors (kind numeric is a near tie, not contamination).",
+                                     ("model_name", "kind", "detector"), registry=self.registry)
+
+    def on_event(self, event) -> None:
+        """Fold one session event into the metrics (engine thread)."""
+        if isinstance(event, StepEvent):
+            self.running.set(event.slots_used)
+            self.waiting.set(event.num_waiting)
+            self.kv_usage.set(event.kv_usage)
+            self.prompt_tokens.inc(event.prefill_tokens)
+            self.generation_tokens.inc(sum(1 for r in event.running if r.token is not None))
+        elif isinstance(event, FirstToken):
+            if event.ttft_s is not None:
+                self.ttft.observe(event.ttft_s)
+        elif isinstance(event, Finish):
+            self._finish(event)
+        elif isinstance(event, Contamination):
+            self.contamination.labels(self.model_name, event.kind, event.detector).inc()
+
+    def _finish(self, e: Finish) -> None:
+        if e.finish_reason == "rejected":
+            return
+        self.success[e.finish_reason].inc()
+        if not e.completed:
+            return
+        times = e.token_times_s
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        if len(times) > 1:
+            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        if e.finish_s is not None and e.arrival_s is not None:
+            self.e2e.observe(e.finish_s - e.arrival_s)
+        if e.scheduled_s is not None and e.arrival_s is not None:
+            self.queue.observe(e.scheduled_s - e.arrival_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this server's registry."""
+        return generate_latest(self.registry)

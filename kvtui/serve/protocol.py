@@ -1,0 +1,203 @@
+"""The OpenAI request bodies `kvtui serve` accepts, their checks, and OpenAI-shaped errors.
+
+Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
+`include_stop_str_in_output`). Unknown fields are accepted and ignored (as vLLM does); known
+parameters the engine cannot honour (n > 1, penalties, logit_bias, echo, suffix, tools) are refused
+with 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+
+    Args:
+        status: HTTP status (400 bad parameters, 404 unknown model, 429 queue full, 503 loading).
+        message: one line for the user.
+        param: the request field at fault, or None.
+        code: a machine-readable code such as "context_length_exceeded", or None.
+    """
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+             503: "service_unavailable_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class TextPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        """The message's text; a list of parts must hold text parts only.
+
+        Raises:
+            ApiError: a non-text part (images, audio).
+        """
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"content part of type {part.type!r} is not supported: send text",
+                               param="messages")
+        return "".join(part.text for part in self.content)
+
+
+class SamplingFields(_Open):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+    def check_common(self) -> None:
+        """Raises ApiError (400) for parameters the engine cannot honour."""
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n}: kvtui serve returns one choice per request; use n=1", param="n")
+        for name in self.UNSUPPORTED:
+            value = getattr(self, name)
+            if value:  # 0, None and {} mean "off"
+                raise ApiError(400, f"{name} is not supported by kvtui serve; leave it unset", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if any(s == "" for s in self.stop_list()):
+            raise ApiError(400, "stop strings must not be empty", param="stop")
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt` is text or token ids (one prompt per request)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("echo", "suffix")
+
+    def check(self) -> None:
+        self.check_common()
+        if self.best_of not in (None, 1):
+            raise ApiError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids. Raises ApiError for a batch of prompts or an empty one."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
+                               param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return prompt
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("tools",)
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ApiError(400, f"response_format {kind!r} is not supported; use text", param="response_format")
+
+    def chat(self) -> list[dict]:
+        """Messages as the chat template takes them: [{"role", "content"}]."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+Endpoint = Literal["completion", "chat"]
+
+
+def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endpoint: Endpoint):
+    """The engine's SamplingParams for a request, with the OpenAI defaults: temperature 1, top_p 1,
+    max_tokens 16 for completions and "up to the context" for chat; a random seed when sampling
+    without one.
+
+    Raises:
+        ApiError: 400 context_length_exceeded when prompt + max tokens exceed `max_len` (tokens).
+    """
+    from kvtui.engine import SamplingParams
+
+    limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if limit is None:
+        limit = 16 if endpoint == "completion" else max(max_len - prompt_len, 1)
+    if prompt_len + limit > max_len:
+        raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, you requested "
+                       f"{prompt_len + limit} tokens ({prompt_len} in the prompt, {limit} for the completion). "
+                       "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    return SamplingParams(
+        temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0), seed=seed % 2**63, max_new_tokens=limit, stop=body.stop_list(),
+        ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=_logprobs(body))
+
+
+def _logprobs(body: SamplingFields) -> int | None:
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs

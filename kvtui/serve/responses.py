@@ -1,0 +1,108 @@
+"""OpenAI response bodies: completions and chat completions, whole or as stream chunks, with
+log-probabilities in each endpoint's shape.
+
+- chat: `logprobs.content` = one `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`
+  per generated token;
+- completions: `logprobs` = `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`,
+  where each top_logprobs dict holds the k most likely tokens and the sampled one (as vLLM).
+
+Token strings are each token decoded alone, special tokens kept (as vLLM); `bytes` is that string's
+UTF-8 encoding. Every logprob is a natural log.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+Entry = tuple[tuple[int, float], ...]  # (token id, logprob): the sampled token first, then the top k
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Formatter:
+    """Builds one request's response bodies.
+
+    Args:
+        chat: chat completion (True) or text completion (False).
+        request_id, model: the response's `id` and `model`.
+        tokenizer: to spell tokens in log-probabilities.
+        top_k: log-probability alternatives per token, or None when log-probabilities are off.
+    """
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer, top_k: int | None) -> None:
+        self.chat, self.id, self.model, self.tokenizer, self.top_k = chat, request_id, model, tokenizer, top_k
+        self.created = int(time.time())
+        self._offset = 0  # completions' text_offset: characters of token text so far
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, entries: list[Entry]) -> dict | None:
+        """The `logprobs` object for `entries` (None when log-probabilities are off)."""
+        if self.top_k is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries]}
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for (token_id, logprob), *top in entries:
+            text = self._token(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append({self._token(t): lp for t, lp in [*top, (token_id, logprob)]})
+            out["text_offset"].append(self._offset)
+            self._offset += len(text)
+        return out
+
+    def _chat_entry(self, entry: Entry) -> dict:
+        (token_id, logprob), *top = entry
+
+        def spelled(t: int, lp: float) -> dict:
+            text = self._token(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {**spelled(token_id, logprob), "top_logprobs": [spelled(t, lp) for t, lp in top]}
+
+    def _choice(self, text: str, entries: list[Entry], finish_reason: str | None, *, chunk: bool) -> dict:
+        choice: dict = {"index": 0}
+        if self.chat:
+            choice["delta" if chunk else "message"] = {"content": text} if chunk else {"role": "assistant",
+                                                                                     "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(entries)
+        choice["finish_reason"] = finish_reason
+        return choice
+
+    def chunk(self, text: str, entries: list[Entry], finish_reason: str | None = None) -> dict:
+        """A stream chunk carrying `text` (the new text), its tokens' log-probabilities and, on the last
+        chunk, the finish reason."""
+        return {**self._head(True), "choices": [self._choice(text, entries, finish_reason, chunk=True)]}
+
+    def role_chunk(self) -> dict:
+        """A chat stream's first chunk: the assistant role, empty content."""
+        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The stream's last chunk with `stream_options.include_usage`: no choices, the usage."""
+        return {**self._head(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def whole(self, text: str, entries: list[Entry], finish_reason: str, prompt_tokens: int,
+              completion_tokens: int) -> dict:
+        """A non-streamed response."""
+        return {**self._head(False), "choices": [self._choice(text, entries, finish_reason, chunk=False)],
+                "usage": usage(prompt_tokens, completion_tokens)}

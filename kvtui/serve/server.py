@@ -1,0 +1,244 @@
+"""`kvtui serve`: uvicorn in a background thread, one engine thread that owns the Session.
+
+Threads:
+- the HTTP thread runs uvicorn's event loop (no signal handlers of its own): handlers tokenize, hand
+  requests to the engine thread through the session's external queue, and stream tokens back;
+- the engine thread steps a serving Session (`Session(serving=True)`): a plain thread that sleeps on
+  the session's submission event when idle, or, with the dashboard, the dashboard's engine worker
+  (LiveSource), so the dashboard shows the served engine live;
+- the main thread loads the model (uvicorn answers /health with 503 meanwhile), then waits for Ctrl-C
+  / SIGTERM (or runs the dashboard). Stopping: take no new requests, stop the session (in-flight
+  requests are aborted and their clients get finish_reason "abort"; the reference checks still
+  waiting are skipped and counted), write the recording's summary, stop uvicorn. Each wait is
+  bounded, so a stop never hangs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from kvtui.detect import DETECTOR_NAMES
+from kvtui.serve.app import ServeContext, ServerState, create_app
+from kvtui.serve.bridge import EngineBridge
+from kvtui.serve.metrics import ServeMetrics
+
+# where a scenario field comes from on the command line, for error messages
+FLAGS = {"engine.slots": "--slots", "engine.max_len": "--max-len", "engine.max_batch_size": "--max-batch-size",
+         "engine.max_tokens_per_step": "--max-tokens-per-step", "engine.layout": "--layout",
+         "engine.max_waiting": "--max-waiting", "model": "--model", "dtype": "--dtype", "engine": "engine"}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests)."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    faults: tuple[str, ...] = ()
+    record: str | Path | None = None
+    served_model_name: str | None = None
+    slots: int = 8
+    max_len: int = 512
+    max_batch_size: int = 8
+    max_tokens_per_step: int = 1024
+    layout: str = "padded"
+    max_waiting: int | None = None
+    detectors: tuple[str, ...] = DETECTOR_NAMES
+    threads: int | None = None
+    progress: bool = False
+    extra: dict = field(default_factory=dict)  # more engine-section fields (tests)
+
+
+def serve_scenario(options: ServeOptions):
+    """The Scenario a served session runs under: the model and engine knobs; its arrivals are unused
+    (requests come from HTTP clients).
+
+    Raises:
+        ValueError: one line naming the flag at fault (a pool that does not fit in memory, a max_len the
+            model cannot serve, ...).
+    """
+    import pydantic
+
+    from kvtui.scenario import Scenario
+
+    engine = {"slots": options.slots, "max_len": options.max_len, "max_batch_size": options.max_batch_size,
+              "max_tokens_per_step": options.max_tokens_per_step, "layout": options.layout,
+              "max_waiting": options.max_waiting, **options.extra}
+    try:
+        return Scenario.model_validate({
+            "name": "kvtui serve", "description": "requests from HTTP clients (OpenAI API)", "model": options.model,
+            "dtype": options.dtype, "max_requests": 1, "engine": engine})
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        cause = (first.get("ctx") or {}).get("error")
+        where = ".".join(str(p) for p in (*first["loc"], *getattr(cause, "subpath", ())))
+        raise ValueError(f"{FLAGS.get(where, where or 'engine')}: {first['msg'].removeprefix('Value error, ')}") \
+            from None
+
+
+class ServeServer:
+    """One `kvtui serve` in this process (tests start several, each on its own port).
+
+    Args:
+        options: ServeOptions (port 0 binds a free port; `.port` says which).
+        load: loads the model from options (default: kvtui.models.load_model); tests pass a slow one.
+
+    Use: start_http() (503 while loading), load(), then start_engine() (or run the dashboard), and
+    stop(). As a context manager it does all of them.
+    """
+
+    def __init__(self, options: ServeOptions, *, load=None) -> None:
+        self.options = options
+        self.state = ServerState()
+        self.app = create_app(self.state)
+        self.bridge = EngineBridge()
+        self._load = load or _load_model
+        self.loaded = None
+        self.metrics: ServeMetrics | None = None
+        self.session = None
+        self.summary = None
+        self.error: BaseException | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self._engine_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._port = 0
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+    def start_http(self, timeout_s: float = 30.0) -> None:
+        """Start uvicorn in a background thread and wait until it listens.
+
+        Raises:
+            OSError: the address cannot be bound (in use, not permitted).
+        """
+        config = uvicorn.Config(self.app, host=self.options.host, port=self.options.port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        self._http = uvicorn.Server(config)
+        self._http_thread = threading.Thread(target=self._http.run, name="kvtui-serve-http", daemon=True)
+        self._http_thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._http.started:
+            if not self._http_thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"cannot listen on {self.options.host}:{self.options.port} (in use, or not permitted)")
+            time.sleep(0.01)
+        self._port = self._http.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def port(self) -> int:
+        """The bound TCP port (known once start_http returned)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """e.g. http://127.0.0.1:8000 (no /v1)."""
+        return f"http://{self.options.host}:{self.port}"
+
+    # -- model and session --------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model and prepare the serving session's factory (the session itself is made by
+        `start_engine` or the dashboard).
+
+        Raises:
+            ValueError: a bad engine value or fault/detector name; kvtui.models.ModelLoadError.
+        """
+        from kvtui.faults import check_fault_names
+
+        check_fault_names(self.options.faults)
+        self.scenario = serve_scenario(self.options)
+        self.loaded = self._load(self.options)
+        self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id)
+
+    def make_session(self, listener=None, generation: int = 0):
+        """A serving Session wired to the bridge and the metrics (a LiveSource SessionFactory too);
+        the server answers requests once it exists.
+
+        Raises:
+            ValueError: a bad engine value; OSError: the recording path.
+        """
+        from kvtui.session import build_session
+        from kvtui.tui.launch import restart_path
+
+        listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event)
+        session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
+                                record=restart_path(self.options.record, generation), faults=self.options.faults,
+                                detectors=self.options.detectors, listeners=listeners, serving=True)
+        self.session = session
+        self.bridge.attach(session)
+        self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
+                                          self.metrics.model_name, self.loaded.model_id)
+        return session
+
+    # -- engine thread (no dashboard) ---------------------------------------------------------------
+    def start_engine(self) -> None:
+        """Make the session and step it in a background thread until stop()."""
+        session = self.make_session()
+        self._engine_thread = threading.Thread(target=self._engine_loop, args=(session,), name="kvtui-serve-engine",
+                                               daemon=True)
+        self._engine_thread.start()
+
+    def _engine_loop(self, session) -> None:
+        if self.options.threads:
+            import torch
+
+            torch.set_num_threads(self.options.threads)
+        try:
+            while not self._stop.is_set():
+                session.step_once()
+        except BaseException as e:  # a bug: say it, stop serving, still write the summary
+            self.error = e
+            traceback.print_exc()
+        finally:
+            self.bridge.close_intake()
+            session.stop_requested = True
+            self.summary = session.close()
+            self._stop.set()
+
+    @property
+    def engine_stopped(self) -> bool:
+        """The engine thread ended (stop() or an error)."""
+        return self._engine_thread is not None and not self._engine_thread.is_alive()
+
+    # -- stop ------------------------------------------------------------------------------------------
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Take no new requests, abort what is in flight, write the summary, stop uvicorn. Bounded:
+        returns within about `timeout_s` + 10 seconds whatever happens. Safe to call more than once."""
+        self.bridge.close_intake()
+        self._stop.set()
+        if self._engine_thread is not None:
+            self._engine_thread.join(timeout_s)
+        self.stop_http()
+
+    def stop_http(self, timeout_s: float = 10.0) -> None:
+        """Stop uvicorn (open responses get up to 5 s to end) and wait for its thread."""
+        if self._http is not None:
+            self._http.should_exit = True
+        if self._http_thread is not None:
+            self._http_thread.join(timeout_s)
+
+    def __enter__(self) -> ServeServer:
+        self.start_http()
+        try:
+            self.load()
+            self.start_engine()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _load_model(options: ServeOptions):
+    from kvtui.models import load_model
+
+    return load_model(options.model, dtype=options.dtype, device=options.device, progress=options.progress)
