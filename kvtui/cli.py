@@ -18,6 +18,7 @@ from kvtui.events import Contamination
 from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_isolation_off
 
 Isolation = Literal["on", "off"]
+Api = Literal["auto", "chat", "completions"]
 CostModel = Literal["auto", "default"]
 
 app = typer.Typer(
@@ -74,6 +75,7 @@ def _load_model(name: str, dtype: str, device: str):
 
 FaultChoice = enum.Enum("FaultChoice", {name: name for name in FAULT_NAMES}, type=str)
 DETECTORS_HELP = "Comma-separated detectors, or 'none'."
+DEFAULT_DETECTORS = "reference,canary,attention_flow,slot_taint,prefix_provenance"
 
 
 def _fault_names(chosen) -> tuple[str, ...]:
@@ -109,8 +111,7 @@ def run(
                                                  "prefix caching).")] = "on",
     clear_faults: Annotated[bool, typer.Option("--clear-faults", help="Drop the scenario's faults (engine.faults "
                                                "and timeline switches) and expect no contamination.")] = False,
-    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ("reference,canary,attention_flow,slot_taint,"
-                                                                    "prefix_provenance"),
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = DEFAULT_DETECTORS,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line.")] = False,
     prefix_caching: Annotated[Optional[bool], typer.Option("--prefix-caching/--no-prefix-caching",
                                                            help="Override engine.prefix_caching (paged KV; headless "
@@ -119,13 +120,51 @@ def run(
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
+    target: Annotated[Optional[str], typer.Option("--target", help="Drive an OpenAI-compatible server at this "
+                                                  "URL (http://HOST:PORT) instead of kvtui's engine.",
+                                                  rich_help_panel="Target server")] = None,
+    api: Annotated[Api, typer.Option(help="With --target: chat or completions endpoint (auto: chat when every "
+                                     "prompt has text).", rich_help_panel="Target server")] = "auto",
+    served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
+                                                        "to send (default: the first of /v1/models).",
+                                                        rich_help_panel="Target server")] = None,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
+                                                 "flight at most.", rich_help_panel="Target server")] = 64,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
+                                           "take, no retry.", rich_help_panel="Target server")] = 120.0,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
+                                             "(nats) under which a reference divergence is numeric.",
+                                             rich_help_panel="Target server")] = 0.5,
+    logprobs: Annotated[bool, typer.Option("--logprobs/--no-logprobs", help="With --target: ask for top "
+                                           "logprobs (labels reference divergences).",
+                                           rich_help_panel="Target server")] = True,
 ) -> None:
-    """Run a scenario on a real model: the dashboard, or --headless for CI.
+    """Run a scenario on a real model: the dashboard, or --headless for CI. With --target, drive a real
+    inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
 
     Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
-    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error.
+    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error (against a
+    target: no request completed).
     """
     spec = _load_scenario(scenario)
+    if target is not None:
+        from kvtui.target import command
+
+        command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
+                                           clear_faults=clear_faults, device=device != "cpu", clock=clock,
+                                           prefix_caching=prefix_caching is not None))
+        run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
+                                     max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
+                                     logprobs=logprobs)
+        chosen = command.target_detectors(_detectors(detectors), explicit=detectors != DEFAULT_DETECTORS)
+        if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
+            say("note", "not a terminal: running headless (pass --headless to silence this).")
+            headless = True
+        if not headless:
+            command.dashboard_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen)
+        else:
+            command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
+        return
     off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
     faults = _fault_names(fault) + off
     chosen = _detectors(detectors)
@@ -257,9 +296,10 @@ def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str
                                     f"{first.source or '?'} ({first.kind}, {first.detector}, step "
                                     f"{first.step}); the scenario expects none")
     if expect == "detected" and not found:
-        return EXIT_CONTAMINATION, ("expected contamination to be detected" +
-                                    (" (a fault was on)" if faults_seen else " but no fault was on") +
-                                    ", yet no detector fired")
+        on = " (a fault was on)" if faults_seen else " but no fault was on"
+        if getattr(session, "options", None) is not None:  # a target server: its faults are not known here
+            on = ""
+        return EXIT_CONTAMINATION, f"expected contamination to be detected{on}, yet no detector fired"
     if expect == "detected":
         return EXIT_OK, f"contamination detected as expected: {len(found)} events"
     return EXIT_OK, ""
@@ -347,11 +387,35 @@ def audit(
                                          "cached, with and without per-tenant salts.")] = False,
     probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
                                         max=1000)] = 16,
+    target: Annotated[Optional[str], typer.Option("--target", help="Audit an OpenAI-compatible server at this "
+                                                  "URL instead of kvtui's engine.",
+                                                  rich_help_panel="Target server")] = None,
+    api: Annotated[Api, typer.Option(help="With --target: chat or completions (auto: chat when every prompt "
+                                     "has text).", rich_help_panel="Target server")] = "auto",
+    served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
+                                                        "to send.", rich_help_panel="Target server")] = None,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
+                                                 "flight at most.", rich_help_panel="Target server")] = 64,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
+                                           "take.", rich_help_panel="Target server")] = 120.0,
+    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
+                                             "(nats) under which a change is numeric.",
+                                             rich_help_panel="Target server")] = 0.5,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
     must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
-    when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks."""
+    when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks. With --target, the
+    neighbour-replacement runs against a server."""
     spec = _load_scenario(scenario)
+    if target is not None:
+        from kvtui.target import command
+
+        command.refuse_engine_options(dict(fault=fault, timing=timing))
+        run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
+                                     max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
+                                     logprobs=True)
+        command.audit_target(spec, scenario, run_spec, model=model)
+        return
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
     if timing:
         _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)

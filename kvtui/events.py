@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtui.faults import ContaminationKind
 
 FORMAT = "kvtui-recording"
+UNCOUNTED_KINDS = ("numeric", "unknown")  # contamination kinds that are reported but never counted
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
@@ -90,12 +91,14 @@ class FirstToken(_Frozen):
 
 
 class Finish(_Frozen):
-    """A request left the engine: finished (stop, length), aborted or rejected."""
+    """A request left the engine: finished (stop, length), aborted or rejected; against a target
+    server (`kvtui run --target`) also `error`: an HTTP error, a timeout or a broken stream, with the
+    error text in `detail`."""
 
     type: Literal["request.finish"] = "request.finish"
     t: float | None
     request_id: str
-    finish_reason: Literal["stop", "length", "abort", "rejected"]
+    finish_reason: Literal["stop", "length", "abort", "rejected", "error"]
     detail: str = ""
     slot: int | None = None
     prompt_ids: tuple[int, ...] = ()
@@ -109,6 +112,12 @@ class Finish(_Frozen):
     passphrase: str | None = None
     passphrase_echoed: bool | None = None
     tenant: str | None = None  # (v2)
+    # (v2, target runs) when the HTTP request was sent (after the client's concurrency cap), and the
+    # server's own token counts (`usage`, else streamed chunks); token_times_s then holds the arrival
+    # time of each streamed chunk that carried a choice, as vLLM's `bench serve` times them.
+    sent_s: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
     @property
     def completed(self) -> bool:
@@ -236,6 +245,8 @@ class ReferenceEvidence(_Frozen):
     solo_text: str
     nonfinite: bool = False  # (v2) the batched logits held NaN/inf at or before the divergence
     suspects: tuple[str, ...] = ()  # (v2) co-batched requests and the slot's earlier owners
+    batched_piece: str | None = None  # (v2, target runs) the two tokens' text at the divergence
+    solo_piece: str | None = None
 
 
 class CanaryEvidence(_Frozen):
@@ -287,6 +298,8 @@ class NoninterferenceEvidence(_Frozen):
     baseline_text: str
     text_with_neighbours_replaced: str
     replaced_neighbours: tuple[str, ...]
+    top2_gap: float | None = None  # (v2, target runs) top-2 logprob gap at the changed token, when known
+    tolerance: float | None = None  # (v2, target runs) the gap under which a change counts as numeric
 
 
 EVIDENCE: dict[str, type[_Frozen]] = {
@@ -301,7 +314,8 @@ Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence,
 class Contamination(_Frozen):
     """A detector's report: `victim` got information from `source` (cross_request), was served another
     tenant's cached KV (cross_tenant), damaged itself (corruption), or flipped a near tie (numeric,
-    never counted as contamination)."""
+    never counted as contamination); `unknown`: a target server's output differed from its solo run
+    where the server gave no logprobs to tell a near tie from damage (reported, not counted)."""
 
     type: Literal["contamination"] = "contamination"
     t: float
@@ -326,8 +340,9 @@ class Contamination(_Frozen):
 
     @property
     def counts(self) -> bool:
-        """A real finding (cross_request, cross_tenant or corruption), not a numeric near tie."""
-        return self.kind != "numeric"
+        """A real finding (cross_request, cross_tenant or corruption), not a numeric near tie or an
+        unknown cause."""
+        return self.kind not in UNCOUNTED_KINDS
 
 
 # -- run control --------------------------------------------------------------------------------------
@@ -363,6 +378,32 @@ class ReferenceStatus(_Frozen):
     checked: int
     skipped: int
     pending: int
+
+
+# -- a target server's own view ---------------------------------------------------------------------
+class SlotState(_Frozen):
+    """One server slot as llama.cpp's `/slots` shows it."""
+
+    id: int
+    n_ctx: int | None = None  # the slot's context (tokens)
+    busy: bool = False
+    context_tokens: int | None = None  # prompt + generated tokens, when the server shows them
+    request_id: str | None = None  # the run's request in the slot, matched by its prompt text when shown
+
+
+class ServerSample(_Frozen):
+    """What a target server exposes, polled during `kvtui run --target`: gauges and counters from its
+    Prometheus `/metrics` (vLLM `vllm:*`, llama.cpp `llamacpp:*`, SGLang `sglang:*`, TGI `tgi_*`;
+    samples of one name summed over their labels) and llama.cpp's `/slots`. `running`, `waiting` and
+    `kv_usage` (fraction 0-1) are read from whichever of those names the server has; None when none."""
+
+    type: Literal["server.sample"] = "server.sample"
+    t: float
+    metrics: dict[str, float] = {}
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    slots: tuple[SlotState, ...] | None = None
 
 
 # -- summary ------------------------------------------------------------------------------------------
@@ -429,17 +470,17 @@ class Summary(_Frozen):
     prefix_cache_cross_tenant_hits: int | None = None  # (v2, tokens of blocks another tenant computed)
 
     def contamination_total(self) -> int:
-        """Events that count (cross_request, cross_tenant and corruption, not numeric)."""
-        return sum(c.value for c in self.contamination_events_total if c.kind != "numeric")
+        """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""
+        return sum(c.value for c in self.contamination_events_total if c.kind not in UNCOUNTED_KINDS)
 
 
 Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-                        ReferenceStatus, Summary], Field(discriminator="type")]
+                        ReferenceStatus, ServerSample, Summary], Field(discriminator="type")]
 _EVENT = pydantic.TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Frozen]] = {
     m.model_fields["type"].default: m
     for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-              ReferenceStatus, Summary)}
+              ReferenceStatus, ServerSample, Summary)}
 
 
 def parse_event(data: dict) -> _Frozen:

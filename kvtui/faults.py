@@ -30,7 +30,9 @@ from typing import Literal
 FaultName = Literal["shared_cache", "racy_threads", "no_request_mask", "unmasked_cache_padding",
                     "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache", "unsalted_prefix",
                     "block_refcount", "shared_partial_block", "prefix_key_no_parent"]
-ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric"]
+# numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
+# its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
+ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 KV_MODES = ("slots", "paged")
 
 

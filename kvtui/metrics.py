@@ -14,7 +14,17 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvtui.detect.findings import Findings
-from kvtui.events import Arrive, Contamination, CounterEntry, Finish, LatencyStats, ReferenceStatus, StepEvent, Summary
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    CounterEntry,
+    Finish,
+    LatencyStats,
+    ReferenceStatus,
+    ServerSample,
+    StepEvent,
+    Summary,
+)
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -71,8 +81,13 @@ class Metrics:
     """Accumulates a run's figures from its events; `summary()` gives the final ones.
 
     Latency statistics (TTFT, TPOT, ITL, E2E, queue time) count completed requests only (finish
-    reason stop or length), as vLLM's `bench serve` does; aborted and rejected requests are counted
-    separately in `finish_reasons`.
+    reason stop or length), as vLLM's `bench serve` does; aborted, rejected and failed requests are
+    counted separately in `finish_reasons`.
+
+    A target run (`kvtui run --target`, Finish events with `sent_s`) is timed as vLLM's `bench serve`
+    times it (vllm/benchmarks/lib/endpoint_request_func.py, calculate_metrics): TTFT and E2E from the
+    request's send time, ITL between streamed chunks, TPOT = (last chunk - first chunk) / (output
+    tokens - 1) with the server's token count; queue time is the wait for the client's concurrency cap.
     """
 
     def __init__(self, slo: SLO | None = None) -> None:
@@ -121,6 +136,15 @@ class Metrics:
             self.arrived += 1
         elif isinstance(event, ReferenceStatus):
             self.reference = event
+        elif isinstance(event, ServerSample):
+            self._add_server_sample(event)
+
+    def _add_server_sample(self, e: ServerSample) -> None:
+        """A target server's gauges: its peak KV usage and waiting count stand for the engine's."""
+        if e.kv_usage is not None:
+            self.peak_kv_usage = max(self.peak_kv_usage, e.kv_usage)
+        if e.waiting is not None:
+            self.peak_waiting = max(self.peak_waiting, int(e.waiting))
 
     def _add_step(self, e: StepEvent) -> None:
         if self.first_t is None:
@@ -167,8 +191,8 @@ class Metrics:
             self.last_t = max(self.last_t, r.finish_s)
         if r.finish_reason == "rejected":
             return
-        self.prompt_tokens += len(r.prompt_ids)
-        self.generated_tokens += len(r.output_ids)
+        self.prompt_tokens += r.prompt_tokens if r.prompt_tokens is not None else len(r.prompt_ids)
+        self.generated_tokens += r.completion_tokens if r.completion_tokens is not None else len(r.output_ids)
         if r.passphrase:
             self.canary_requests += 1
             self.canary_echoed += int(r.passphrase in r.output_text)
@@ -177,17 +201,20 @@ class Metrics:
 
     def _add_latencies(self, r: Finish) -> None:
         arrival, first, times = r.arrival_s, r.first_token_s, r.token_times_s
-        ttft = first - arrival if first is not None and arrival is not None else None
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        start = r.sent_s if r.sent_s is not None else arrival  # a target's latencies count from the send
+        queued_until = r.sent_s if r.sent_s is not None else r.scheduled_s
+        ttft = first - start if first is not None and start is not None else None
+        tokens = r.completion_tokens if r.completion_tokens is not None else len(times)
+        tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
         if ttft is not None:
             self.ttft.append(ttft)
         if tpot is not None:
             self.tpot.append(tpot)
         self.itl.extend(b - a for a, b in zip(times, times[1:]))
-        if r.finish_s is not None and arrival is not None:
-            self.e2e.append(r.finish_s - arrival)
-        if r.scheduled_s is not None and arrival is not None:
-            self.queue.append(r.scheduled_s - arrival)
+        if r.finish_s is not None and start is not None:
+            self.e2e.append(r.finish_s - start)
+        if queued_until is not None and arrival is not None:
+            self.queue.append(queued_until - arrival)
         if ttft is not None and self.slo.met(ttft, tpot):
             self.good_requests += 1
 

@@ -33,10 +33,13 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
                                                                       else "")
     title = (f"{header.scenario.get('name', '?')} on {header.model.id} "
              f"({header.clock} clock, {engine.get('layout', '?')} layout{kv})")
+    if header.target:
+        title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
+                 f"{header.engine.get('api', '?')} API, client-side wall clock)")
     table = Table(title=escape(printable(title)), show_header=False, title_justify="left")
     table.add_column("metric", style="bold")
     table.add_column("value")
-    for name, value in _rows(summary):
+    for name, value in (_target_rows(summary) if header.target else _rows(summary)):
         table.add_row(name, value)
     console.print(table)
 
@@ -91,6 +94,29 @@ def _paged_rows(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
+ENGINE_ONLY_ROWS = ("duration", "prefill / decode tokens/s", "padding ratio (mean, query / key)",
+                    "peak slot occupancy", "peak KV usage")
+
+
+def _target_rows(s: Summary) -> list[tuple[str, str]]:
+    """A server timed from outside: the engine-only rows (steps, padding, slots) give way to client-side
+    request figures and the server's own gauges."""
+    itl, e2e = s.inter_token_latency_seconds, s.e2e_request_latency_seconds
+    extra = {
+        "output tokens/s": [("duration", f"{s.duration_s:.2f} s"),
+                            ("request throughput", f"{s.request_throughput_per_s:.2f} req/s")],
+        "TPOT p50 / p95": [("ITL p50 / p95", f"{_ms(itl.p50)} / {_ms(itl.p95)}"),
+                           ("E2E latency p50 / p95", f"{_ms(e2e.p50)} / {_ms(e2e.p95)}")]
+        + ([("server peak KV usage / waiting", f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}")]
+           if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak else []),
+    }
+    rows = []
+    for row in _rows(s):
+        if row[0] not in ENGINE_ONLY_ROWS:
+            rows += [row] + extra.get(row[0], [])
+    return rows
+
+
 def evidence_text(e: Contamination) -> str:
     """One line of a report's evidence, by its detector's evidence type."""
     ev = e.evidence
@@ -115,6 +141,9 @@ def evidence_text(e: Contamination) -> str:
                 f"{ev.text_with_neighbours_replaced[:40]!r}")
     if isinstance(ev, ReferenceEvidence):
         gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
+        if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
+            return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
+                    f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
         return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); "
                 f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
     return str(ev.model_dump())[:100]
@@ -124,13 +153,14 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
     """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last."""
     if not events:
         return
-    ordered = sorted(events, key=lambda e: (e.kind == "numeric", e.step))
+    ordered = sorted(events, key=lambda e: (e.kind in ("numeric", "unknown"), e.step))
     table = Table(title="contamination", title_justify="left")
     for column in ("step", "victim <- source", "kind", "detector", "evidence"):
         table.add_column(column)
     for e in ordered[:limit]:
-        style = "dim" if e.kind == "numeric" else ("red" if e.kind in ("cross_request", "cross_tenant") else "yellow")
-        table.add_row(str(e.step), escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
+        style = "dim" if e.kind in ("numeric", "unknown") else ("red" if e.kind in ("cross_request", "cross_tenant")
+                                                                else "yellow")
+        table.add_row(str(e.step) if e.step >= 0 else "-", escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
                       e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:
         table.caption = f"{len(ordered) - limit} more in the recording"

@@ -107,7 +107,7 @@ def test_detector_table_lists_every_detector_and_kind():
     detectors = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### What each detector")]
     assert detectors == list(DETECTOR_NAMES) + ["noninterference"]
     kinds = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### Kinds")]
-    assert kinds == ["cross_request", "cross_tenant", "corruption", "numeric"]
+    assert kinds == ["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 
 
 def test_scenario_reference_is_the_generated_one():

@@ -1,8 +1,14 @@
-"""Black-box targets: real inference servers that kvtui starts and talks to only over HTTP.
+"""Black-box targets: real inference servers that kvtui drives and checks only over HTTP.
 
 kvtui's own engine is a white box (its KV pool, masks and slots are visible to the detectors). A target
-here is an external OpenAI-compatible server whose internals are not visible: what can be checked is
-what its HTTP endpoints return (`/v1/chat/completions`, `/slots`, `/metrics`, ...).
+here is an external OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp's llama-server, `kvtui
+serve`) whose internals are not visible: what can be checked is what its HTTP endpoints return.
 
-    from kvtui.target.llama_server import LlamaServer, find_llama_server
+- `session.TargetSession`: `kvtui run SCENARIO --target URL`: the scenario's arrivals as concurrent
+  streamed requests, the same typed events as a local run (kvtui.events), plus `ServerSample`.
+- `openai`: one streamed request, timed as vLLM's `bench serve` times it.
+- `server_view`: `/metrics` (Prometheus) and llama.cpp's `/slots`.
+- `reference`, `audit`: the black-box reference check and noninterference audit.
+- `view`, `panels`, `dashboard`: the dashboard on a target.
+- `command`: the CLI's `--target` paths. `llama_server`: start llama.cpp's server for tests and findings.
 """

@@ -70,10 +70,14 @@ def header(snap: Snapshot | None, mode: str, width: int) -> Text:
     text.append(f" {snap.scenario} ", style="bold")
     candidates = (f"· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ",
                   f"· {snap.model} · {snap.clock} ", f"· {snap.model} ")
-    tail = Text(f" step {max(snap.step, 0)} · {snap.t:.1f} s  ")
+    tail = Text(f" step {max(snap.step, 0)} · {snap.t:.1f} s  " if snap.server is None else f" {snap.t:.1f} s  ")
     tail.append(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
     tail.append("  ")
-    if snap.isolation_on:
+    if snap.server is not None:
+        from kvtui.target.panels import header_status
+
+        tail.append_text(header_status(snap))
+    elif snap.isolation_on:
         tail.append(" isolation ON ", style="bold #000000 on #5fd75f")
     else:
         tail.append(f" isolation OFF: {', '.join(snap.active_faults)} ", style="bold #ffffff on #c00000")
@@ -109,7 +113,12 @@ def _slot_cell(slot: SlotView, cell: int) -> Text:
 def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
     """One cell per slot: index, owner (coloured), fill bar of cache_len/capacity, cache_len; `↻`
     marks a slot reused within the last few steps; free slots dim. Falls back to one character per
-    slot (fill height as ▁..█ in the owner's colour, · free) when the cells do not fit."""
+    slot (fill height as ▁..█ in the owner's colour, · free) when the cells do not fit. A target
+    server's run shows the server's own slots (kvtui/target/panels.py)."""
+    if snap.server is not None:
+        from kvtui.target.panels import slot_map as server_slot_map
+
+        return server_slot_map(snap, width, height)
     if not snap.slots:
         return Text("no slots yet", style="dim")
     cell = 26
@@ -233,7 +242,7 @@ def request_table(snap: Snapshot, width: int, height: int) -> Table:
     for r in snap.requests[:max(height - 1, 0)]:
         fill = r.cache_len / r.capacity if r.capacity else 0.0
         cache = (Text().append(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}")
-                 if r.status != "waiting" else Text(""))
+                 if r.status != "waiting" and snap.server is None else Text(""))
         where = str(r.slot) if r.slot is not None else f"{r.blocks}b" if r.blocks and r.active else ""
         table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), where,
                       cache, f"{r.prompt_tokens}/{r.generated_tokens}", ms(r.ttft_s), _tail(r, text_width))
@@ -243,7 +252,12 @@ def request_table(snap: Snapshot, width: int, height: int) -> Table:
 # -- stats ---------------------------------------------------------------------------------------
 def stats(snap: Snapshot, width: int, height: int) -> Text:
     """Prefill/decode tokens/s now and their history, padding ratio now and history, KV usage and
-    slot occupancy, running/waiting counts, TTFT and TPOT p50/p95."""
+    slot occupancy, running/waiting counts, TTFT and TPOT p50/p95. A target server's run shows what
+    the server exposes instead (kvtui/target/panels.py)."""
+    if snap.server is not None:
+        from kvtui.target.panels import stats as server_stats
+
+        return server_stats(snap, width, height)
     spark_w = max(width - 30, 4)
     top = max(max(snap.prefill_history, default=0.0), max(snap.decode_history, default=0.0), 1.0)
     lines = [

@@ -8,8 +8,12 @@ clock (virtual or wall, as the header says); rates are tokens per second.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtui.events import Summary
+
+if TYPE_CHECKING:
+    from kvtui.target.view import ServerView
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ class Snapshot:
         findings: findings per kind (reports on one victim joined; kvtui/detect/findings.py).
         reference: the reference detector's (checked, skipped, pending), or None before its first report.
         kv: "slots" or "paged"; blocks: the paged block map (empty with slots); paged: its figures.
+        server: a run against a target server (`kvtui run --target`): what the server exposes, which the
+            slot map and the stats panel show instead of engine internals; None for a local run.
     """
 
     seq: int
@@ -210,6 +216,7 @@ class Snapshot:
     kv: str = "slots"
     blocks: tuple[BlockView, ...] = ()
     paged: PagedView | None = None
+    server: ServerView | None = None
 
     @property
     def isolation_on(self) -> bool:

@@ -106,7 +106,8 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         model=header.model.id if header else "?",
         dtype=header.model.dtype if header else "?",
         clock=header.clock if header else "?",
-        layout=last.layout if last else (header.engine.get("layout", "?") if header else "?"),
+        layout=last.layout if last else (header.engine.get("layout", "?") if header else "?")
+        if not (header and header.target) else f"{header.engine.get('api', '?')} API",
         step=state.step, t=state.t,
         active_faults=state.active_faults, isolation_faults=state.isolation_faults,
         slots=_slots(state),
@@ -127,4 +128,5 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         findings=tuple(sorted(m.findings.by_kind().items())),
         reference=(m.reference.checked, m.reference.skipped, m.reference.pending) if m.reference else None,
         kv=state.kv, blocks=_blocks(state) if state.kv == "paged" else (), paged=_paged(state),
+        server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
     )

@@ -104,6 +104,7 @@ class DashboardState:
         self.summary: Summary | None = None
         self.latency_cache: dict = {}  # used by snapshot_build
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
+        self.server = None  # kvtui.target.view.ServerTrack for a run against a target server
 
     # -- feeding -----------------------------------------------------------------------------
     def apply(self, event) -> None:
@@ -113,6 +114,8 @@ class DashboardState:
         if isinstance(t, (int, float)):
             self.t = max(self.t, float(t))
         self.metrics.add_event(event)
+        if self.server is not None:
+            self.server.apply(event)
         handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, event)
@@ -132,6 +135,10 @@ class DashboardState:
         self.active_faults = tuple(sorted(e.engine.get("faults") or ()))
         self.kv = e.engine.get("kv") or "slots"
         self.block_size = int(e.engine.get("block_size") or 0)
+        if e.target:
+            from kvtui.target.view import ServerTrack
+
+            self.server = ServerTrack(e.target)
 
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
@@ -224,7 +231,12 @@ class DashboardState:
         self.kv_history.append(e.kv_usage)
 
     def _first_token(self, e: FirstToken) -> None:
-        self._request(e.request_id).ttft_s = e.ttft_s
+        r = self._request(e.request_id)
+        r.ttft_s = e.ttft_s
+        if self.server is not None and r.status == "waiting":  # a target's request: no steps, it streams now
+            r.status = "decode"
+            self.waiting.pop(r.id, None)
+            self.active[r.id] = None
         if e.ttft_s is not None:
             self.ttft_live.append(float(e.ttft_s))
 
@@ -249,7 +261,7 @@ class DashboardState:
         if e.output_text != r.text:
             r.text = ""
             self._add_text(r, e.output_text)
-        r.generated = len(e.output_ids)
+        r.generated = e.completion_tokens if e.completion_tokens is not None else len(e.output_ids)
 
     def _forget_old(self) -> None:
         """Keep memory bounded over long runs: past MAX_FINISHED_KEPT finished requests, the oldest

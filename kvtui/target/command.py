@@ -1,0 +1,207 @@
+"""The `--target` half of `kvtui run` and `kvtui audit`: option checks, the headless run, its printout
+and exit code. The CLI (kvtui/cli.py) hands over here when `--target` is given."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
+
+ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
+               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching",
+               "--timing": "timing"}
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    """What `kvtui run --target` was asked for (CLI values, before any check)."""
+
+    url: str
+    api: str
+    served_model: str | None
+    max_concurrency: int
+    timeout_s: float
+    tolerance: float
+    logprobs: bool
+
+
+def check_url(url: str) -> str:
+    """`url` without a trailing slash; exits 2 with one line unless it is http(s)://HOST[:PORT]."""
+    import httpx
+
+    from kvtui.cli import fail
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        fail(f"--target {url!r}: not a URL ({e}); give http://HOST:PORT")
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        fail(f"--target {url!r}: not an http(s) URL with a host; give http://HOST:PORT")
+    return url.rstrip("/")
+
+
+def refuse_engine_options(given: dict[str, object]) -> None:
+    """Exit 2 naming the first engine-only option given with --target (a remote server's engine is its own)."""
+    from kvtui.cli import fail
+
+    for flag, key in ENGINE_ONLY.items():
+        if given.get(key):
+            fail(f"{flag} acts on kvtui's own engine and cannot apply to a --target server; drop it "
+                 "(the server's configuration is its own)")
+    if given.get("clock") == "virtual":
+        fail("--clock virtual models kvtui's engine; a --target run is timed on the wall clock: drop --clock")
+
+
+def target_detectors(chosen: tuple[str, ...], explicit: bool) -> tuple[str, ...]:
+    """The black-box detectors among `chosen`; a note for engine-only ones the user named."""
+    from kvtui.cli import say
+
+    kept = tuple(d for d in chosen if d in TARGET_DETECTORS)
+    dropped = [d for d in chosen if d not in TARGET_DETECTORS]
+    if explicit and dropped:
+        say("note", f"{', '.join(dropped)} need kvtui's engine internals and do not run against a target")
+    return kept
+
+
+def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
+               detectors: tuple[str, ...], quiet: bool) -> None:
+    """`kvtui run SCENARIO --target URL --headless`: run, print the summary and the contamination table,
+    exit by the scenario's `expect` (0, 1), 2 for bad input, 3 when no request could complete."""
+    from kvtui.cli import EXIT_RUNTIME, err, fail, out, verdict
+    from kvtui.summary import print_contamination, print_summary
+
+    session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
+    _install_stop(session)
+    try:
+        summary = _run(session, quiet)
+    except TargetError as e:
+        session.abandon()
+        fail(str(e))
+    print_summary(summary, session.header(), out)
+    print_contamination(session.contamination, out)
+    if record:
+        out.print(f"recording: {record}", markup=False, highlight=False)
+    if not summary.requests_completed and summary.finish_reasons.get("error") and not summary.stopped_early:
+        first = next(r for r in session.results.values() if r.finish_reason == "error")
+        fail(f"no request completed against {run.url}: first error: {first.error}", EXIT_RUNTIME)
+    code, reason = verdict(spec, session)
+    if code:
+        err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
+        raise typer.Exit(code)
+    if reason:
+        out.print(reason, markup=False, highlight=False)
+
+
+def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
+                     detectors: tuple[str, ...]) -> None:
+    """`kvtui run SCENARIO --target URL` in a terminal: the dashboard, then the summary. Input errors
+    and an unreachable server exit 2 before the dashboard takes the terminal."""
+    from kvtui.cli import fail, out
+    from kvtui.summary import print_contamination, print_summary
+    from kvtui.target.dashboard import run_target_dashboard
+
+    first = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
+    try:
+        first.check_reachable()
+    except TargetError as e:
+        first.abandon()
+        fail(str(e))
+
+    def make_session(listener) -> TargetSession:
+        first.listeners.append(listener)
+        return first
+
+    summary, header, session = run_target_dashboard(make_session)
+    if summary is not None:
+        print_summary(summary, header, out)
+        print_contamination(session.contamination, out)
+    if record:
+        out.print(f"recording: {record}", markup=False, highlight=False)
+
+
+def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
+    """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
+    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out
+    from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.summary import print_contamination
+    from kvtui.target.audit import run_target_audit
+
+    try:
+        tokenizer = load_tokenizer(model or spec.model)
+    except ModelLoadError as e:
+        fail(str(e))
+    options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
+                            max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance)
+    try:
+        events = run_target_audit(spec, tokenizer, options, console=err)
+    except TargetError as e:
+        fail(str(e))
+    except ValueError as e:
+        fail(f"{scenario_path}: {e}")
+    print_contamination(events, out)
+    counted = [e for e in events if e.counts]
+    if counted:
+        err.print(f"[bold red]noninterference violated: {len(counted)} requests changed with their neighbours[/]")
+        raise typer.Exit(EXIT_CONTAMINATION)
+    numeric = len(events) - len(counted)
+    out.print("noninterference holds: no request's answer moved with its neighbours' prompts beyond numeric "
+              f"noise ({numeric} near-tie or unlabelled changes)" if numeric else
+              "noninterference holds: every request's answer stayed the same with its neighbours replaced")
+
+
+def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
+                         detectors: tuple[str, ...], listeners=(), planned=None) -> TargetSession:
+    """The tokenizer of the scenario's model (or `model`) and a TargetSession; input errors exit 2."""
+    from kvtui.cli import fail, say
+    from kvtui.models import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model or spec.model)
+    except ModelLoadError as e:
+        fail(str(e))
+    options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
+                            max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance,
+                            logprobs=run.logprobs)
+    try:
+        session = TargetSession(spec, tokenizer, options, record_path=record, detectors=detectors,
+                                listeners=tuple(listeners), planned=planned)
+    except OSError as e:
+        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+    except ValueError as e:
+        fail(f"{scenario_path}: {e}")
+    for line in session.warnings:
+        say("warning", line)
+    return session
+
+
+def _run(session: TargetSession, quiet: bool):
+    from kvtui.cli import err
+
+    total = len(session.pending)
+    if quiet or not err.is_terminal:
+        return session.run()
+    with err.status("connecting") as status:
+        def progress(s: TargetSession) -> None:
+            status.update(f"sent {total - len(s.pending)}/{total}  in flight {len(s.in_flight)}  "
+                          f"finished {s.metrics.requests_finished}  t={s.now():.1f}s")
+        return session.run(progress)
+
+
+def _install_stop(session: TargetSession) -> None:
+    """Ctrl-C / SIGTERM: stop sending, abort what is in flight, write the summary; a second one aborts."""
+    from kvtui.cli import err
+
+    def stop(signum, frame):
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.stop_requested = True
+        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+

@@ -1,0 +1,81 @@
+"""The dashboard's engine panels for a target server: (Snapshot, width, height) -> a Rich renderable,
+drawn from the snapshot's ServerView (kvtui/target/view.py). A figure the server does not expose is
+said in words, never drawn as 0."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+
+from kvtui.tui.panels import bar, color, ms, sparkline
+
+NO_SLOTS = ("the server exposes no slot map: llama.cpp's /slots does (start it with --slots); "
+            "vLLM, SGLang and TGI show none")
+NO_SLOT_DETAIL = "set LLAMA_SERVER_SLOTS_DEBUG=1 on llama-server to see each slot's context and request"
+
+
+def slot_map(snap, width: int, height: int) -> Text | Group:
+    """One line per llama.cpp slot: busy or idle, the run's request in it when the server says, the
+    slot's context (prompt + generated tokens) against its n_ctx; else why there is no slot map."""
+    view = snap.server
+    if view.samples == 0:
+        return Text(f"waiting for {view.url}/slots and /metrics…" if not snap.done else
+                    f"{NO_SLOTS}.", style="dim")
+    if view.slots is None:
+        kv = "" if view.kv_usage is None else f"; the server's KV cache is {view.kv_usage:.1%} in use"
+        return Text(f"{NO_SLOTS}{kv}.", style="dim")
+    lines = []
+    detail = False
+    for s, colour in zip(view.slots[: max(height - 1, 1)], view.slot_colors):
+        line = Text(f"{s.id:>3} ")
+        if not s.busy:
+            lines.append(line.append(f"idle · n_ctx {s.n_ctx or '?'}", style="dim"))
+            continue
+        owner = s.request_id or "busy"
+        line.append(f" {owner} ", style=f"bold black on {color(colour)}" if colour >= 0 else "bold reverse")
+        if s.context_tokens is not None and s.n_ctx:
+            detail = True
+            room = max(width - line.cell_len - 14, 4)
+            line.append(" ").append(bar(s.context_tokens / s.n_ctx, room), style=color(colour))
+            line.append(f" {s.context_tokens}/{s.n_ctx}")
+        lines.append(line)
+    busy = sum(1 for s in view.slots if s.busy)
+    foot = f"{busy}/{len(view.slots)} slots busy (llama.cpp /slots)"
+    lines.append(Text(foot if detail or not busy else f"{foot} · {NO_SLOT_DETAIL}", style="dim"))
+    return Group(*lines)
+
+
+def _gauge(value: float | None, fmt: str, missing: str = "not exposed") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def stats(snap, width: int, height: int) -> Text:
+    """The server's token rates, KV usage and request gauges (each or 'not exposed'), the client's
+    request counts, and TTFT / TPOT as the client measured them."""
+    view = snap.server
+    spark_w = max(width - 34, 4)
+    text = Text()
+    gen = view.generation_rate
+    text.append("prompt   ", style="bold").append(f"{view.prompt_rate:8.0f} tok/s\n" if view.prompt_rate is not None
+                                                   else "not exposed\n")
+    text.append("generate ", style="bold").append(f"{gen:8.0f} tok/s " if gen is not None else "not exposed ")
+    text.append(sparkline(view.generation_history, spark_w) if gen is not None else "", style="#59a14f").append("\n")
+    text.append("KV usage ", style="bold")
+    if view.kv_usage is None:
+        text.append("not exposed (vllm:kv_cache_usage_perc, sglang:token_usage)\n", style="dim")
+    else:
+        text.append(f"{view.kv_usage:7.1%} ").append(sparkline(view.kv_history, spark_w, 1.0), style="#4e79a7")
+        text.append("\n")
+    text.append("server   ", style="bold").append(
+        f"running {_gauge(view.running, '.0f')}  waiting {_gauge(view.waiting, '.0f')}\n")
+    text.append("client   ", style="bold").append(
+        f"streaming {snap.running}  before first token {snap.waiting}  finished {snap.finished}\n")
+    text.append("padding  ", style="bold").append("not visible from outside the server\n", style="dim")
+    text.append("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}\n")
+    text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}")
+    return text
+
+
+def header_status(snap) -> Text:
+    """The header's isolation cell for a target: the client cannot know the server's faults."""
+    return Text(f" target {snap.server.url} ", style="bold #000000 on #87afd7")

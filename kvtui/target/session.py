@@ -1,0 +1,421 @@
+"""`kvtui run --target URL`: a scenario's arrivals as real concurrent HTTP requests to a server.
+
+The scenario is planned as for a local run (same seed, same prompts, same lengths; only the tokenizer of
+the scenario's model is loaded). Each planned request is sent at its arrival time on the wall clock
+(asyncio + httpx, streaming), at most `max_concurrency` at a time, each with its own timeout and no
+retry. Events are the local run's (kvtui.events): Header (with `target`), Arrive, FirstToken, Finish,
+Contamination, Marker, Summary, plus ServerSample for what the server exposes. All times are seconds
+since the run started, measured on the client (time.perf_counter). A recording replays with
+`kvtui replay` like a local one.
+
+Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
+sends each completed greedy request again alone after the load (kvtui.target.reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import httpx
+
+import kvtui
+from kvtui.detect import CanaryDetector
+from kvtui.events import (
+    Arrive,
+    Contamination,
+    Finish,
+    FirstToken,
+    Header,
+    Marker,
+    ModelInfo,
+    ReferenceStatus,
+    Summary,
+)
+from kvtui.metrics import SLO, Metrics
+from kvtui.record import RecordingWriter
+from kvtui.target.openai import StreamResult, request_body, stream_request
+from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event
+from kvtui.target.server_view import ServerProbe
+
+TARGET_DETECTORS = ("reference", "canary")
+MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+Listener = Callable[[object], None]
+
+
+class TargetError(Exception):
+    """The target cannot be used at all (unreachable, not an HTTP server). One line for the user."""
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """How to reach and drive a target server.
+
+    Attributes:
+        url: base URL, e.g. http://127.0.0.1:8000 (the /v1/... paths are added).
+        api: "chat", "completions", or "auto" (chat when every prompt has text, else completions).
+        served_model: the `model` field to send; None asks /v1/models and takes the first.
+        max_concurrency: requests in flight at most (later arrivals wait for a free place).
+        timeout_s: one request's limit (seconds), from send to the end of its stream.
+        poll_interval_s: seconds between two polls of /metrics and /slots.
+        tolerance: top-2 logprob gap (nats) under which a reference divergence is numeric.
+        logprobs: ask for top logprobs (the reference check labels divergences with them).
+        transport: an httpx transport to use instead of the network (tests).
+    """
+
+    url: str
+    api: str = "auto"
+    served_model: str | None = None
+    max_concurrency: int = 64
+    timeout_s: float = 120.0
+    poll_interval_s: float = 0.5
+    tolerance: float = DEFAULT_TOLERANCE
+    logprobs: bool = True
+    transport: httpx.AsyncBaseTransport | None = None
+
+
+class TargetSession:
+    """One run of a scenario against a target server.
+
+    Args:
+        scenario: a kvtui.scenario.Scenario.
+        tokenizer: the scenario model's tokenizer (kvtui.models.load_tokenizer), for planning.
+        options: TargetOptions.
+        record_path: JSONL recording to write, or None.
+        detectors: some of TARGET_DETECTORS.
+        listeners: callables receiving every typed event (e.g. the dashboard).
+        planned: the requests to send instead of the scenario's plan (the noninterference audit).
+        clock: the time source (seconds; time.perf_counter); tests pass a fake one.
+
+    Raises:
+        ValueError: an unknown detector, or a max_concurrency/timeout below 1 / 0.
+        OSError: the recording cannot be created.
+    """
+
+    def __init__(self, scenario, tokenizer, options: TargetOptions, *, record_path=None,
+                 detectors: tuple[str, ...] = TARGET_DETECTORS, listeners: tuple[Listener, ...] = (),
+                 planned: list | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        from kvtui.scenario import plan_requests
+
+        unknown = sorted(set(detectors) - set(TARGET_DETECTORS))
+        if unknown:
+            raise ValueError(f"detector {unknown[0]!r} needs the engine's internals; against a target use "
+                             f"{', '.join(TARGET_DETECTORS)}")
+        if options.max_concurrency < 1 or options.timeout_s <= 0:
+            raise ValueError("--max-concurrency must be >= 1 and --timeout > 0")
+        self.scenario, self.tokenizer, self.options, self.detectors = scenario, tokenizer, options, tuple(detectors)
+        plan = planned if planned is not None else plan_requests(scenario, tokenizer)
+        self.pending = sorted(plan, key=lambda p: (p.arrival_s, p.request_id))
+        self.planned = {p.request_id: p for p in self.pending}
+        self.api = options.api if options.api != "auto" else (
+            "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
+        self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
+        self.canary = CanaryDetector() if "canary" in self.detectors else None
+        self.recorder = RecordingWriter(record_path) if record_path else None
+        self.listeners = list(listeners)
+        self.warnings = _timeline_warnings(scenario)
+        self.timeline = [e for e in scenario.timeline if e.marker]
+        self.contamination: list[Contamination] = []
+        self.fault_history: list = []  # a target's faults are its own: none known to the client
+        self.results: dict[str, StreamResult] = {}
+        self.in_flight: dict[str, str] = {}  # request id -> a text unique to it (slot attribution)
+        self.served_model: str | None = options.served_model
+        self.server_kind: str | None = None  # "llama.cpp" when /v1/models says so
+        self.stop_requested = False
+        self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
+        self.summary: Summary | None = None
+        self.reference_checked = self.reference_skipped = 0
+        self._header: Header | None = None
+        self._clock = clock
+        self._t0 = clock()
+
+    # -- events ----------------------------------------------------------------------------------
+    def now(self) -> float:
+        """Seconds since the run started (wall clock)."""
+        return self._clock() - self._t0
+
+    def header(self) -> Header:
+        """The recording's first line: scenario, the target, the served model and the client options."""
+        if self._header is None:
+            import torch
+            import transformers
+
+            o = self.options
+            self._header = Header(
+                kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
+                torch=torch.__version__, transformers=transformers.__version__,
+                scenario=self.scenario.normalized(), scenario_hash=self.scenario.content_hash(),
+                seed=self.scenario.seed, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="served"),
+                engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
+                        "timeout_s": o.timeout_s,
+                        "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance},
+                clock="wall", detectors=self.detectors, measured=MEASURED, target=o.url)
+        return self._header
+
+    def emit(self, event) -> None:
+        """Send one typed event to the recording, the metrics and every listener. A contamination report
+        first joins its victim's finding (kvtui/detect/findings.py), as in a local run."""
+        if isinstance(event, Contamination):
+            event = self.metrics.findings.add(event)
+            self.contamination.append(event)
+        if self.recorder is not None:
+            self.recorder.write(event)
+        self.metrics.add_event(event)
+        for listener in self.listeners:
+            listener(event)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
+        """Drive the whole scenario, then the reference checks; returns the summary (also written last).
+
+        Raises:
+            TargetError: the server cannot be reached at all (nothing was sent).
+        """
+        return asyncio.run(self.run_async(on_progress))
+
+    async def run_async(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
+        """run() inside a running event loop."""
+        limits = httpx.Limits(max_connections=self.options.max_concurrency + 2, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), transport=self.options.transport,
+                                     timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
+            await self._resolve_model(client)
+            self._t0 = self._clock()
+            self.emit(self.header())
+            probe = ServerProbe(client, self.in_flight)
+            poller = asyncio.create_task(self._poll(probe, on_progress))
+            markers = asyncio.create_task(self._markers())
+            try:
+                await self._wait_all(await self._drive(client))
+                if "reference" in self.detectors and not self.stop_requested:
+                    await self._references(client)
+                elif "reference" in self.detectors:
+                    self.reference_skipped = len(self.results)
+                    self._reference_status(pending=0)
+            finally:
+                poller.cancel()
+                markers.cancel()
+                await asyncio.gather(poller, markers, return_exceptions=True)
+            sample = await probe.sample(self.now())
+            if sample is not None:
+                self.emit(sample)
+        return self.close()
+
+    def check_reachable(self) -> None:
+        """Ask the server for /v1/models once (and take the served model's name from it).
+
+        Raises:
+            TargetError: the server cannot be reached.
+        """
+        async def ask() -> None:
+            async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"),
+                                         transport=self.options.transport) as client:
+                await self._resolve_model(client)
+
+        asyncio.run(ask())
+
+    async def _resolve_model(self, client: httpx.AsyncClient) -> None:
+        """Check the server answers; take the served model's name from /v1/models unless given."""
+        try:
+            response = await client.get("/v1/models", timeout=10.0)
+        except httpx.HTTPError as e:
+            raise TargetError(f"cannot reach {self.options.url} ({type(e).__name__}: {e}); "
+                              "check --target (http://HOST:PORT) and that the server is up") from None
+        try:
+            first = response.json()["data"][0] if response.status_code == 200 else {}
+        except (ValueError, KeyError, IndexError, TypeError):
+            first = {}
+        if self.served_model is None and isinstance(first, dict):
+            self.served_model = first.get("id")
+        if isinstance(first, dict) and first.get("owned_by") == "llamacpp":
+            self.server_kind = "llama.cpp"
+
+    async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
+        """Send each planned request at its arrival time; returns the request tasks."""
+        cap = asyncio.Semaphore(self.options.max_concurrency)
+        tasks = []
+        while self.pending and not self.stop_requested:
+            p = self.pending[0]
+            await self._wait_until(p.arrival_s)
+            if self.stop_requested:
+                break
+            p = replace(self.pending.pop(0), arrival_s=p.arrival_s + self.held_s)
+            passphrase = p.metadata.get("passphrase")
+            if self.canary is not None:
+                self.canary.on_arrive(p.request_id, passphrase)
+            self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
+                             max_new_tokens=p.sampling.max_new_tokens, passphrase=passphrase))
+            tasks.append(asyncio.create_task(self._one(client, cap, p)))
+        return tasks
+
+    async def _wait_all(self, tasks: list[asyncio.Task]) -> None:
+        """Wait for every request; a stop cancels those still in flight (they finish as `abort`)."""
+        pending = set(tasks)
+        while pending:
+            if self.stop_requested:
+                for task in pending:
+                    task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
+
+    async def _wait_until(self, t: float) -> None:
+        """Sleep until `t` on the plan's schedule (later by the time arrivals were held)."""
+        while not self.stop_requested and (self._held_since is not None or self.now() < t + self.held_s):
+            await asyncio.sleep(0.05 if self._held_since is not None else min(t + self.held_s - self.now(), 0.1))
+
+    def hold(self, on: bool) -> None:
+        """Hold new arrivals (the dashboard's pause) or let them go again, later by the time held;
+        requests in flight go on. Any thread."""
+        if on and self._held_since is None:
+            self._held_since = self.now()
+        elif not on and self._held_since is not None:
+            self.held_s += self.now() - self._held_since
+            self._held_since = None
+
+    async def _markers(self) -> None:
+        """The timeline's markers, each at its time, while the run lasts."""
+        for item in self.timeline:
+            await self._wait_until(item.at_s)
+            if self.stop_requested:
+                return
+            self.emit(Marker(t=self.now(), text=item.marker))
+
+    async def _one(self, client: httpx.AsyncClient, cap: asyncio.Semaphore, p) -> None:
+        """One request: wait for a place under the cap, stream it, emit its first token and finish."""
+        result = StreamResult(sent_s=self.now())
+        try:
+            async with cap:
+                path, body = self._body(p, temperature=None)
+                self.in_flight[p.request_id] = p.metadata.get("passphrase") or p.metadata.get("prompt_text") or ""
+                result = StreamResult(sent_s=self.now())
+                await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
+                                     result=result, on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece))
+        except asyncio.CancelledError:
+            result.finish_reason, result.error = "abort", "stopped before the answer ended"
+        finally:
+            self.in_flight.pop(p.request_id, None)
+        self.results[p.request_id] = result
+        self._finish(p, result)
+
+    def _body(self, p, temperature: float | None) -> tuple[str, dict]:
+        return request_body(p, self.api, self.served_model, logprobs=self.options.logprobs,
+                            messages=self._messages(p), temperature=temperature)
+
+    def _messages(self, p) -> list | None:
+        """Chat messages to send instead of one user message with the prompt text: the scenario's own for a
+        prompt-file entry that is a chat; the decoded token ids for a prompt without text (synthetic)."""
+        if self.api != "chat":
+            return None
+        if "prompt_text" not in p.metadata:
+            return [{"role": "user", "content": self.tokenizer.decode(p.prompt_ids, skip_special_tokens=True)}]
+        index = p.metadata.get("prompt_index")
+        prompts = getattr(self.scenario.prompts, "prompts", None)
+        item = prompts[index] if index is not None and prompts else None
+        return item if isinstance(item, list) else None
+
+    def _on_chunk(self, request_id: str, result: StreamResult, piece: str) -> None:
+        if len(result.chunk_times_s) == 1:
+            self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
+        if self.canary is not None and piece:
+            for event in self.canary.on_piece(request_id, piece, self.now(), -1):
+                self.emit(event)
+
+    def _finish(self, p, r: StreamResult) -> None:
+        reason = r.finish_reason if r.finish_reason in FINISH_REASONS else "stop"
+        detail = r.error or ("" if reason == r.finish_reason else f"server finish_reason {r.finish_reason!r}")
+        end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
+        passphrase = p.metadata.get("passphrase")
+        ids = tuple(t.id for t in r.tokens) if r.tokens and all(t.id is not None for t in r.tokens) else ()
+        if self.canary is not None:
+            for event in self.canary.on_finish(p.request_id, r.text, end, -1):
+                self.emit(event)
+        self.emit(Finish(
+            t=end, request_id=p.request_id, finish_reason=reason, detail=detail, prompt_ids=tuple(p.prompt_ids),
+            output_ids=ids, output_text=r.text, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s,
+            finish_s=end, token_times_s=tuple(r.chunk_times_s), passphrase=passphrase,
+            passphrase_echoed=(passphrase in r.text) if passphrase else None,
+            prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens))
+
+    async def _poll(self, probe: ServerProbe, on_progress) -> None:
+        """Sample the server's /metrics and /slots every poll interval until cancelled."""
+        while True:
+            sample = await probe.sample(self.now())
+            if sample is not None:
+                self.emit(sample)
+            if on_progress is not None:
+                on_progress(self)
+            await asyncio.sleep(self.options.poll_interval_s)
+
+    async def _references(self, client: httpx.AsyncClient) -> None:
+        """Send each completed greedy request again alone (temperature 0), one at a time; compare."""
+        ordered = sorted(self.results.items(), key=lambda kv: kv[0])
+        greedy = [(rid, r) for rid, r in ordered if r.finish_reason in ("stop", "length")
+                  and self.planned[rid].sampling.temperature == 0]
+        self.reference_skipped = len(ordered) - len(greedy)
+        self._reference_status(pending=len(greedy))
+        if greedy:
+            self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
+        for k, (rid, batched) in enumerate(greedy):
+            if self.stop_requested:
+                self.reference_skipped += 1
+            else:
+                await self._reference_one(client, rid, batched)
+            self._reference_status(pending=len(greedy) - k - 1)
+
+    async def _reference_one(self, client: httpx.AsyncClient, rid: str, batched: StreamResult) -> None:
+        path, body = self._body(self.planned[rid], temperature=0.0)
+        if self.server_kind == "llama.cpp":  # a fresh prefill: not the KV its prompt cache kept from the load
+            body["cache_prompt"] = False
+        solo = await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now)
+        if solo.finish_reason == "error":
+            self.reference_skipped += 1
+            self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
+            return
+        self.reference_checked += 1
+        event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
+                                suspects=self._overlapping(rid))
+        if event is not None:
+            self.emit(event)
+
+    def _reference_status(self, pending: int) -> None:
+        self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=self.reference_skipped,
+                                  pending=pending))
+
+    def _overlapping(self, rid: str) -> tuple[str, ...]:
+        """Requests whose send-to-end interval overlapped `rid`'s (the ones that could have reached it)."""
+        me = self.results[rid]
+        start, end = me.sent_s, me.end_s if me.end_s is not None else me.sent_s
+        return tuple(sorted(other for other, r in self.results.items() if other != rid and r.sent_s <= end
+                            and (r.end_s if r.end_s is not None else r.sent_s) >= start))
+
+    def abandon(self) -> None:
+        """The run never started (the server could not be reached): close the recording and remove it
+        when nothing was written to it."""
+        if self.recorder is not None:
+            self.recorder.close()
+            if self.recorder.path.exists() and self.recorder.path.stat().st_size == 0:
+                self.recorder.path.unlink()
+            self.recorder = None
+
+    def close(self) -> Summary:
+        """Write the summary line and close the recording (once)."""
+        if self.summary is not None:
+            return self.summary
+        self.summary = self.metrics.summary(t=self.now(), stopped_early=self.stop_requested,
+                                            requests_not_submitted=len(self.pending))
+        self.emit(self.summary)
+        if self.recorder is not None:
+            self.recorder.close()
+        return self.summary
+
+
+def _timeline_warnings(scenario) -> list[str]:
+    """The scenario's timeline entries a remote server cannot honour (engine knobs, faults)."""
+    ignored = [e for e in scenario.timeline if e.engine_overrides() or e.fault_switch]
+    if not ignored:
+        return []
+    return [f"{len(ignored)} timeline entries set engine knobs or faults, which a target server does not take "
+            "from kvtui; they are ignored (arrival-rate changes and markers still apply)"]
