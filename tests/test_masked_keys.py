@@ -143,3 +143,29 @@ def test_the_poisoned_slot_is_harmless_in_half_precision_too(dtype):
         engine.submit("long", LONG, GREEDY)
         engine.run_until_done()
         assert clean.generated_ids == alone.generated_ids and len(clean.generated_ids) == 8
+
+
+def test_decode_steps_batch_their_rows_in_one_call_unless_a_masked_tail_is_not_finite(tiny, oracle, monkeypatch):
+    """The fast decode path (one SDPA call over the slots' view, each row masked past its own length)
+    runs when every masked position it reads is finite, and gives the oracle's tokens; with NaN past a
+    row's length it steps aside for the per-row path, which never reads there."""
+    from kvtui.engine import attention
+
+    calls = []
+    real = attention._decode_span
+    monkeypatch.setattr(attention, "_decode_span", lambda *a: calls.append(1) or real(*a))
+
+    def run(poisoned: bool):
+        engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=3, max_len=64), eos_token_ids=())
+        engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        engine.run_until_done()
+        if poisoned:
+            poison(engine, slot=0, start=5, value=float("nan"))
+        states = [engine.submit(name, prompt, GREEDY) for name, prompt in (("a", CLEAN), ("b", LONG), ("c", LONG[:12]))]
+        engine.run_until_done()
+        return [s.generated_ids for s in states]
+
+    expected = [reference_tokens(oracle, p, 8) for p in (CLEAN, LONG, LONG[:12])]
+    assert run(poisoned=False) == expected and calls  # batched
+    calls.clear()
+    assert run(poisoned=True) == expected and not calls  # the NaN tail: per row

@@ -58,6 +58,37 @@ class StepState:
     attn_sum: torch.Tensor | None = None
     flow_terms: int = 0
     fp16: bool = False
+    _decode_rows: tuple | None = None  # (row, slot, end) per row when every row decodes one token (slots)
+    _causal: dict | None = None  # segment -> its causal mask, built once per step
+    _span: object = None  # the batched-decode plan (see span()), built once per step; False: none
+
+    def decode_rows(self) -> tuple:
+        """((row, slot, end), ...) when the step is decode only: one token per row at query column 0,
+        rows in segment order, slot pool, no attention_flow measurement (then one SDPA call per row
+        and one concatenation make the layer's output); () otherwise. Computed once per step."""
+        if self._decode_rows is None:
+            segments = self.batch.segments
+            simple = not self.measure_flow and all(
+                s.num_tokens == 1 and s.q_start == 0 and s.row == i and s.blocks is None for i, s in enumerate(segments))
+            self._decode_rows = tuple((s.row, s.slot, s.end_pos) for s in segments) if simple else ()
+        return self._decode_rows
+
+    def span(self, device):
+        """The batched-decode plan, or None: when the decode rows' slots lie in a range no more than twice
+        their number, one SDPA call over the pool's view of that range, with a boolean mask that ends
+        each row at its own length, replaces one call per row. Returns (lo, hi, order, mask [span, 1, 1, K],
+        tail slots, tail positions) where `order` maps rows to view rows (None when they coincide)."""
+        if self._span is None:
+            self._span = _span_plan(self.decode_rows(), device) or False
+        return self._span or None
+
+    def causal(self, seg: Segment, device) -> torch.Tensor | None:
+        """The segment's causal mask (see _causal), built on the first layer and reused by the others."""
+        if self._causal is None:
+            self._causal = {}
+        if seg not in self._causal:
+            self._causal[seg] = _causal(seg, device)
+        return self._causal[seg]
 
 
 class PooledCacheLayer(CacheLayerMixin):
@@ -151,11 +182,20 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch.Tensor:
     """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view)."""
+    rows = state.decode_rows()
+    if rows:  # the common decode step: no scatter into a zeroed output
+        plan = state.span(query.device)
+        if plan is not None and _tails_finite(pool_k, pool_v, plan):
+            return _decode_span(query, pool_k, pool_v, scaling, plan)
+        outs = [F.scaled_dot_product_attention(query[r : r + 1], pool_k[slot : slot + 1, :, :end],
+                                               pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
+                for r, slot, end in rows]
+        return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
     for seg in state.batch.segments:
         q = query[seg.row, :, seg.q_start : seg.q_start + seg.num_tokens]  # [Hq, n, D]
         k, v = own_keys(pool_k, seg), own_keys(pool_v, seg)  # [Hkv, end, D]
-        causal = _causal(seg, query.device)
+        causal = state.causal(seg, query.device)
         if state.measure_flow:
             o, probs = _eager(q, k, v, causal, scaling)
             _add_flow(state, seg, probs)
@@ -164,6 +204,53 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
                                                enable_gqa=True)[0]
         out[seg.row, seg.q_start : seg.q_start + seg.num_tokens] = o.transpose(0, 1)
     return out
+
+
+def _span_plan(rows: tuple, device):
+    """See StepState.span. None when there are fewer than two rows or their slots are too scattered."""
+    if len(rows) < 2:
+        return None
+    slots = [slot for _, slot, _ in rows]
+    lo, hi = min(slots), max(slots) + 1
+    if hi - lo > 2 * len(rows) or len(set(slots)) != len(slots):
+        return None
+    k_len = max(end for _, _, end in rows)
+    mask = torch.ones((hi - lo, 1, 1, k_len), dtype=torch.bool, device=device)  # rows not in the step: unread
+    tail_slots, tail_pos = [], []
+    for _, slot, end in rows:
+        mask[slot - lo, 0, 0, end:] = False
+        tail_slots += [slot] * (k_len - end)
+        tail_pos += range(end, k_len)
+    in_order = slots == list(range(lo, hi))
+    order = None if in_order else torch.tensor([slot - lo for slot in slots], device=device)
+    as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return lo, hi, order, mask, as_index(tail_slots), as_index(tail_pos)
+
+
+def _tails_finite(pool_k, pool_v, plan) -> bool:
+    """Whether every masked position the span reads (past a row's own length) holds finite K and V in this
+    layer: only then does a masked key add exactly zero (0 x NaN would not); else the per-row path runs."""
+    tail_slots, tail_pos = plan[4], plan[5]
+    if not len(tail_pos):
+        return True
+    return bool(torch.isfinite(pool_k[tail_slots, :, tail_pos]).all() and
+                torch.isfinite(pool_v[tail_slots, :, tail_pos]).all())
+
+
+def _decode_span(query, pool_k, pool_v, scaling: float, plan) -> torch.Tensor:
+    """One SDPA call for every decode row: the pool's slots lo..hi-1 as a view, each row masked past its own
+    length (rows of the range that are not in the step read garbage and are dropped)."""
+    lo, hi, order, mask, _, _ = plan
+    k_len = mask.shape[-1]
+    q = query
+    if order is not None:
+        q = query.new_zeros((hi - lo, *query.shape[1:]))
+        q[order] = query
+    out = F.scaled_dot_product_attention(q, pool_k[lo:hi, :, :k_len], pool_v[lo:hi, :, :k_len], attn_mask=mask,
+                                         scale=scaling, enable_gqa=True)  # [span, Hq, 1, D]
+    if order is not None:
+        out = out[order]
+    return out.transpose(1, 2)  # [R, 1, Hq, D]
 
 
 def own_keys(pool: torch.Tensor, seg: Segment) -> torch.Tensor:
