@@ -1,10 +1,12 @@
 """Peers on one Poisson workload: kvtui's engine against what a user would pick instead.
 
 Workload: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, Poisson
-arrivals, greedy, every request forced to its output length; arrival times are honoured on the wall
-clock (a system cannot start a request before it arrives). Systems, run one after another:
+arrivals at 8 per second (faster than any system here serves them, so throughput measures capacity,
+not the arrival rate), greedy, every request forced to its output length; arrival times are honoured
+on the wall clock (a system cannot start a request before it arrives). Systems, one after another:
   - solo: one request at a time in arrival order, batch of one (kvtui's engine; the reference);
-  - kvtui: the continuous-batching engine fed as requests arrive;
+  - kvtui: the continuous-batching engine fed as requests arrive, packed layout (a step that mixes a
+    prefill with decodes computes no padding); and the same with the padded layout;
   - transformers generate, static batches: left-padded `generate` (sdpa) on batches of 8 formed in
     arrival order, a batch starting when its last request has arrived and the previous batch ended;
   - transformers continuous batching: its ContinuousBatchingManager fed as requests arrive;
@@ -26,6 +28,9 @@ from kvtui.bench.common import Spread, make_prompts
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.metrics import percentile
+
+
+RATE = 8.0  # requests per second: faster than any of the systems serves them, so throughput is capacity
 
 
 @dataclass
@@ -89,11 +94,12 @@ def run_solo(model, work: Workload) -> Outcome:
     return out
 
 
-def run_kvtui(model, work: Workload, *, slots: int = 16) -> Outcome:
-    """The engine on the wall clock, requests submitted when they arrive."""
+def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed") -> Outcome:
+    """The engine on the wall clock, requests submitted when they arrive. The packed layout computes
+    no padding when prefills and decodes share a step; padded pads every decode row to the prefill."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 1
-    engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len), eos_token_ids=(),
-                    clock="wall")
+    engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout),
+                    eos_token_ids=(), clock="wall")
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     states, out = {}, Outcome([None] * len(order), [0.0] * len(order), [0.0] * len(order))
     while order or engine.has_unfinished():
@@ -233,12 +239,13 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
     from kvtui.bench.overhead import bare_model
     from kvtui.target.llama_server import find_llama_server
 
-    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=2.0)
+    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=RATE)
     console.print("  peers: solo (reference)")
     solo = run_solo(loaded.model, work)
     other = bare_model(name, loaded.dtype)  # transformers' own attention runs on a separate instance
     pad = loaded.tokenizer.pad_token_id or 0
     systems = {"kvtui": lambda: run_kvtui(loaded.model, work),
+               "kvtui, padded layout": lambda: run_kvtui(loaded.model, work, layout="padded"),
                "transformers generate, static batches of 8": lambda: run_generate_static(other, work, pad),
                "transformers continuous batching": lambda: run_transformers_cb(other, work)}
     results = {"solo, one after another": solo.figures(work, solo.tokens)}
@@ -250,7 +257,7 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
         served = run_llama_server(True, work, loaded.tokenizer, parallel=16, threads=torch.get_num_threads())
         results["llama.cpp llama-server (-np 16)"] = served.figures(work, solo_text)
-    return {"requests": len(work.prompts), "rate_per_s": 2.0, "prompt_lengths": [len(p) for p in work.prompts],
+    return {"requests": len(work.prompts), "rate_per_s": RATE, "prompt_lengths": [len(p) for p in work.prompts],
             "output_lengths": work.outputs, "systems": results}
 
 
@@ -276,7 +283,7 @@ def run_bf16(loaded, *, name: str, quick: bool, console) -> dict:
     differences are numeric, not leaks (the reference detector labels them so)."""
     from kvtui.models import load_model
 
-    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=2.0)
+    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=RATE)
     console.print("  bf16: float32 solo reference")
     solo = run_solo(loaded.model, work)
     console.print("  bf16: kvtui float32")
