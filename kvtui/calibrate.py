@@ -64,7 +64,7 @@ def measure(model, rows: int, query: int, context: int, repeats: int = 3) -> tup
         report = engine.step()
         assert all(s.generated_ids for s in states)
         times.append(report.wall_s)
-        shape = (report.rows, report.query_positions, report.rows * (context + query))
+        shape = (report.rows, report.query_positions, report.rows * (context + query))  # keys read: each row's own
     times.sort()
     return shape, times[len(times) // 2]
 

@@ -27,7 +27,7 @@ tenants: {{count: 2}}
 arrivals: {{process: constant, rate_per_s: 10.0}}
 prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
     "block_refcount": """seed: 0
-max_requests: 8
+max_requests: 12
 engine: {{kv: paged, block_size: 4, max_len: 64, num_blocks: 20, prefix_caching: true, layout: {layout},
           faults: [{faults}]}}
 arrivals: {{process: constant, rate_per_s: 10.0}}

@@ -29,7 +29,6 @@ from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.metrics import percentile
 
-
 RATE = 8.0  # requests per second: faster than any of the systems serves them, so throughput is capacity
 
 

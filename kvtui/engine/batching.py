@@ -67,7 +67,8 @@ class BatchStats:
         rows: rows of the model input (requests in the padded layout, 1 packed, 0 idle).
         query_positions: query positions computed, pads included (tokens).
         padded_positions: query positions that were padding (tokens).
-        key_cells: rows x key columns: key positions read per query column (the cost model's keys).
+        key_cells: keys attention reads: each chunk's own positions 0 .. end-1, summed over chunks (the
+            cost model's keys; cache padding is not read, so it costs nothing here).
         key_positions: real query tokens x key columns of their row (mask cells of real queries).
         key_padded_positions: of those, cells whose key is not the query's own request's.
     """
@@ -143,7 +144,8 @@ class BatchTensors:
         rows, k_len = self.key_slot.shape
         real = self.query_positions - self.padded_positions
         return BatchStats(rows=self.rows, query_positions=self.query_positions,
-                          padded_positions=self.padded_positions, key_cells=rows * k_len,
+                          padded_positions=self.padded_positions,
+                          key_cells=sum(s.end_pos for s in self.segments) if self.segments else rows * k_len,
                           key_positions=real * k_len, key_padded_positions=self.key_padded_positions)
 
     def additive_mask(self, dtype: torch.dtype, masked_value: float | None = None) -> torch.Tensor:

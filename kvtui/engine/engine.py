@@ -50,14 +50,15 @@ class StepCostModel:
     """Modeled step duration for the virtual clock, in seconds:
     base_s + per_row_s * rows + per_token_s * query positions (pads included) + per_key_s * key positions read.
 
-    Defaults are rough fits for SmolLM2-135M fp32 on 2 CPU cores (measured bare-forward decode: batch 1
-    ~25 tokens/s, batch 8 ~134 tokens/s); they set pacing only, never token values.
+    The defaults are `kvtui calibrate`'s fit for SmolLM2-135M in float32 on a 2-core x86_64 machine
+    (torch 2.13 with 2 threads; 12 step shapes, R^2 0.997); `kvtui calibrate` fits them to another
+    machine or model. They set pacing only, never token values.
     """
 
-    base_s: float = 0.035
-    per_row_s: float = 0.001
-    per_token_s: float = 0.004
-    per_key_s: float = 0.000002
+    base_s: float = 0.0492
+    per_row_s: float = 0.000253
+    per_token_s: float = 0.00128
+    per_key_s: float = 0.00000897
 
     def duration(self, rows: int, tokens: int, key_positions: int) -> float:
         return self.base_s + self.per_row_s * rows + self.per_token_s * tokens + self.per_key_s * key_positions
