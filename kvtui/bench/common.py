@@ -74,6 +74,14 @@ def pool_bytes(engine: Engine) -> dict:
     return {"configured": engine.pool.nbytes, "measured": measured}
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine() -> dict:
     """What the figures ran on."""
     import os
@@ -81,6 +89,6 @@ def machine() -> dict:
 
     import transformers
 
-    return {"machine": platform.machine(), "processor": platform.processor() or "?", "cores": os.cpu_count(),
+    return {"machine": platform.machine(), "processor": _cpu_name() or platform.processor() or "?", "cores": os.cpu_count(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
