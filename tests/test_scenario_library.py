@@ -91,3 +91,11 @@ def test_timeline_helpers():
     assert e3.arrival_changes() == {"rate_per_s": 3.0} and e3.fault_switch is None
     assert s.normalized()["timeline"][0]["set"] == {"engine.max_batch_size": 2, "engine.bucketing.enabled": True,
                                                     "engine.layout": "packed"}
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "scenarios").rglob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_scenario_has_no_warnings(path: Path):
+    """Every timeline event of a ready scenario falls while its arrivals run (ramp's markers once sat at 6 and
+    12 s on stages of 4 s, so the second never showed)."""
+    assert load_scenario(path).warnings == []
