@@ -36,7 +36,7 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     if header.target:
         title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
                  f"{header.engine.get('api', '?')} API, client-side wall clock)")
-    table = Table(title=escape(printable(title)), show_header=False, title_justify="left")
+    table = Table(title=escape(printable(title)), show_header=False, title_justify="left", box=None)
     table.add_column("metric", style="bold")
     table.add_column("value")
     for name, value in (_target_rows(summary) if header.target else _rows(summary)):
@@ -154,7 +154,7 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
     if not events:
         return
     ordered = sorted(events, key=lambda e: (e.kind in ("numeric", "unknown"), e.step))
-    table = Table(title="contamination", title_justify="left")
+    table = Table(title="contamination", title_justify="left", box=None)
     for column in ("step", "victim <- source", "kind", "detector", "evidence"):
         table.add_column(column)
     for e in ordered[:limit]:
