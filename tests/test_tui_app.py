@@ -1,7 +1,7 @@
 """The dashboard app driven by Pilot: on a replay of a recording and on a live tiny-llama session.
 
 Screens are checked as text (kvtui.tui.app.screen_text), not pixel-exact SVG, so they survive
-Textual upgrades. DEMO is the committed SmolLM2 demo recording (a real stale_slot leak the canary
+Textual upgrades. DEMO is the committed SmolLM2 demo recording (a real shared_cache leak the canary
 catches); `make_demo_recording` makes a fresh tiny-llama one with the current engine and detectors.
 """
 
@@ -106,9 +106,9 @@ def test_main_screen_from_the_fixed_recording(size):
         return text
 
     text = asyncio.run(run())
-    for needle in ("passphrase_demo", "isolation OFF: stale_slot", "LEAKS", "slots", "requests",
-                   "contamination", "events", "canary", "findings", "r005 ← r001", "LEAK←r001", "tok/s", "TTFT", "p50",
-                   "took slot", "quit"):
+    for needle in ("passphrase_demo", "isolation OFF: shared_cache", "LEAKS", "slots", "requests",
+                   "contamination", "events", "canary", "findings", "r005 ← r003", "LEAK←r003", "tok/s", "TTFT", "p50",
+                   "⚑ fault shared_ca", "quit"):
         assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
     assert "isolation" in text.splitlines()[0]
     assert len(text.splitlines()) == size[1]
