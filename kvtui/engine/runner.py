@@ -28,6 +28,24 @@ def model_geometry(model) -> tuple[int, int, int, int]:
     return layers, heads, kv_heads, head_dim
 
 
+class _Turnstile:
+    """Runs actions from several threads in ticket order (0, 1, 2, ...): `turnstile(ticket, action)` waits
+    for the ticket's turn, runs the action, and passes the turn on even when the action raises."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._changed = threading.Condition()
+
+    def __call__(self, ticket: int, action) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next == ticket, timeout=60)
+            try:
+                action()
+            finally:
+                self._next += 1
+                self._changed.notify_all()
+
+
 class ModelRunner:
     """Runs forwards of `model` over `pool` (see module docstring).
 
@@ -53,10 +71,12 @@ class ModelRunner:
                  if isinstance(getattr(batch, f.name), torch.Tensor)}
         return replace(batch, **moved)
 
-    def _run_body(self, batch: BatchTensors, state: StepState) -> torch.Tensor:
-        """Forward the model body on `batch` with the cache bound to `state`; returns [S, V] float32 logits."""
+    def _run_body(self, batch: BatchTensors, state: StepState, *, bind: bool = True) -> torch.Tensor:
+        """Forward the model body on `batch` with the cache bound to `state` (bind=False: to whatever is
+        bound already, the racy_threads fault); returns [S, V] float32 logits."""
         masked = FP16_MASK_CONSTANT if state.fp16 else None
-        self.cache.state = state
+        if bind:
+            self.cache.state = state
         out = self.body(
             input_ids=batch.input_ids,
             attention_mask=batch.additive_mask(self.dtype, masked).to(self.device),
@@ -91,20 +111,29 @@ class ModelRunner:
     def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False,
                      own_range: bool = True) -> list[tuple[torch.Tensor | None, str]]:
         """The racy_threads fault: one Python thread per request, each running its own batch-of-one
-        forward, all through this runner's single cache-state variable (like a global
-        past_key_values). Whichever thread set it last decides where every thread's layers write and
-        read. Returns, per batch, (logits [S, V] or None, error text or "")."""
+        forward, all through this runner's single cache-state variable (like a global past_key_values).
+
+        The interleaving is fixed, so a run stays reproducible: every thread binds the shared state in
+        turn (thread 0 first), then the threads run their forwards one after another on whatever is bound,
+        the last thread's state, so every other thread's layers write and read that request's cache. A
+        free-running race does the same on most steps, and on the others varies from run to run.
+        Returns, per batch, (logits [S, V] or None, error text, e.g. a shape mismatch, or "")."""
         results: list[tuple[torch.Tensor | None, str]] = [(None, "not run")] * len(batches)
-        barrier = threading.Barrier(len(batches))
+        in_turn = _Turnstile()
 
         def work(index: int, batch: BatchTensors) -> None:
-            try:
-                with torch.inference_mode():
-                    barrier.wait(timeout=10)
-                    state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16)
-                    results[index] = (self._run_body(self._to_device(batch), state), "")
-            except Exception as e:  # the race's own failures, e.g. mismatched tensor sizes
-                results[index] = (None, f"{type(e).__name__}: {e}")
+            batch = self._to_device(batch)
+            state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16)
+
+            def forward() -> None:
+                try:
+                    with torch.inference_mode():
+                        results[index] = (self._run_body(batch, state, bind=False), "")
+                except Exception as e:  # the race's own failures, e.g. mismatched tensor sizes
+                    results[index] = (None, f"{type(e).__name__}: {e}")
+
+            in_turn(index, lambda: setattr(self.cache, "state", state))
+            in_turn(len(batches) + index, forward)
 
         threads = [threading.Thread(target=work, args=(i, b), name=f"racy-{i}") for i, b in enumerate(batches)]
         for t in threads:
