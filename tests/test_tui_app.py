@@ -81,6 +81,13 @@ async def until(predicate, timeout_s: float = 10.0, pilot=None) -> None:
         await (pilot.pause(0.05) if pilot else asyncio.sleep(0.05))
 
 
+async def quit_app(app, pilot, timeout_s: float = 60.0) -> None:
+    """Press q and wait until the app has exited with the live summary. run_test's exit shuts the app
+    down at once, cancelling a quit that is still closing the session (return value None)."""
+    await pilot.press("q")
+    await until(lambda: app.return_value is not None, pilot=pilot, timeout_s=timeout_s)
+
+
 def test_a_newer_snapshot_replaces_an_unprocessed_older_one():
     from textual.message import Message
 
@@ -271,7 +278,7 @@ def test_live_keys_switch_faults_pause_step_and_quit_writes_the_summary(loaded, 
             assert source.state.step == step + 1, "fault switches must not step the engine"
             await pilot.press("space")
             await until(lambda: source.state.step > step + 2, pilot=pilot)
-            await pilot.press("q")
+            await quit_app(app, pilot)
         return app.return_value
 
     summary = asyncio.run(run())
@@ -428,7 +435,7 @@ def test_restart_pause_step_resume_keeps_every_latency_non_negative(loaded, tmp_
             await pilot.pause(0.5)
             await pilot.press("space")
             await until(lambda: source.state.step >= step + 10, pilot=pilot, timeout_s=60)
-            await pilot.press("q")
+            await quit_app(app, pilot)
         return app.return_value
 
     summary = asyncio.run(run())
@@ -466,7 +473,7 @@ def test_quit_skips_the_waiting_reference_checks_and_counts_them(loaded, tmp_pat
         app = KvtuiApp(source)
         async with app.run_test(size=(100, 30)) as pilot:
             await until(lambda: source.session.reference.pending >= 2, pilot=pilot, timeout_s=30)
-            await pilot.press("q")
+            await quit_app(app, pilot)
         return app.return_value
 
     summary = asyncio.run(run())

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_tui_app import LIVE_DETECTORS, until
+from test_tui_app import LIVE_DETECTORS, quit_app, until
 
 from kvtui.events import StepEvent
 from kvtui.scenario import parse_scenario
@@ -114,7 +114,7 @@ def test_block_map_live(loaded, tmp_path):
             await until(lambda: "blocks in use" in screen_text(app) and source.state.metrics.prefix_hits > 0,
                         pilot=pilot, timeout_s=30)
             text = screen_text(app)
-            await pilot.press("q")
+            await quit_app(app, pilot)
         return text, app.return_value
 
     text, summary = asyncio.run(run())
