@@ -180,7 +180,7 @@ def run(
         return
     loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
     session = _session(spec, scenario, loaded, **{**options, "clock": clock or "virtual"})
-    _install_stop_handlers(session)
+    install_stop_handlers(session)
     summary = _run_headless(session, record, quiet)
     from kvtui.summary import print_contamination, print_summary
 
@@ -225,8 +225,9 @@ def _session(spec, path: Path, loaded, **options):
         fail(f"{path}: {e}")
 
 
-def _install_stop_handlers(session) -> None:
-    """Ctrl-C / SIGTERM: stop after the current step and write the summary; a second one aborts."""
+def install_stop_handlers(session) -> None:
+    """Ctrl-C / SIGTERM: set `session.stop_requested` (the engine stops after its current step, a target
+    run stops sending and aborts what is in flight) and write the summary; a second one aborts."""
     def stop(signum, frame):
         if session.stop_requested:
             raise KeyboardInterrupt

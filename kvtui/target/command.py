@@ -3,7 +3,6 @@ and exit code. The CLI (kvtui/cli.py) hands over here when `--target` is given."
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +71,11 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
                detectors: tuple[str, ...], quiet: bool) -> None:
     """`kvtui run SCENARIO --target URL --headless`: run, print the summary and the contamination table,
     exit by the scenario's `expect` (0, 1), 2 for bad input, 3 when no request could complete."""
-    from kvtui.cli import EXIT_RUNTIME, err, fail, out, verdict
+    from kvtui.cli import EXIT_RUNTIME, err, fail, install_stop_handlers, out, verdict
     from kvtui.summary import print_contamination, print_summary
 
     session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
-    _install_stop(session)
+    install_stop_handlers(session)
     try:
         summary = _run(session, quiet)
     except TargetError as e:
@@ -191,17 +190,4 @@ def _run(session: TargetSession, quiet: bool):
                           f"finished {s.metrics.requests_finished}  t={s.now():.1f}s")
         return session.run(progress)
 
-
-def _install_stop(session: TargetSession) -> None:
-    """Ctrl-C / SIGTERM: stop sending, abort what is in flight, write the summary; a second one aborts."""
-    from kvtui.cli import err
-
-    def stop(signum, frame):
-        if session.stop_requested:
-            raise KeyboardInterrupt
-        session.stop_requested = True
-        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
 
