@@ -297,13 +297,18 @@ def _add_flow(state: StepState, seg: Segment, probs: torch.Tensor) -> None:
         state.flow_terms += probs.shape[0]
 
 
+def _repeat_kv(key: torch.Tensor, value: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention for the matmul paths: each of the [R, Hkv, K, D] key and value heads
+    repeated `groups` times, to [R, Hkv * groups, K, D] (the SDPA path uses enable_gqa instead)."""
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
 def _masked(query, key, value, attention_mask, scaling: float, state: StepState | None) -> torch.Tensor:
     """The mask path over gathered keys [R, Hkv, K, D]: masked scores replaced by finfo.min, and a
     value row counted only where its probability is non-zero (0 x NaN stays 0)."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key, value = _repeat_kv(key, value, query.shape[1] // key.shape[1])
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         mask = attention_mask[:, :, :, : key.shape[-2]]
@@ -326,10 +331,7 @@ def _naive_fp16(query, key, value, attention_mask, scaling: float) -> torch.Tens
     there, so a fully masked row is NaN and a zero weight times a NaN value is NaN."""
     dtype = query.dtype
     query, key, value = query.half(), key.half(), value.half()
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key, value = _repeat_kv(key, value, query.shape[1] // key.shape[1])
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, :, : key.shape[-2]].half()
