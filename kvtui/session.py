@@ -318,13 +318,17 @@ class Session:
         """Nothing to run: check a finished request against its solo run (wall clock), else wait for
         (wall) or jump to (virtual) the next arrival."""
         if self.reference is not None and self.reference.pending and self.clock == "wall":
-            self._drain_references(limit=self.reference.batch)
+            self._drain_references(limit=self.reference.batch, yield_to_work=True)
         elif self.serving:  # wait for a submission (never spin a core)
             self._external_ready.wait(0.05)
         elif self.clock == "virtual" or self.engine.clock_paused:
             self.engine.advance_to(self.pending[0].arrival_s)
         else:
             time.sleep(min(max(self.pending[0].arrival_s - self.engine.now(), 0.0), 0.05))
+
+    def _work_waiting(self) -> bool:
+        """A submission from outside (serve) or a planned arrival that is due: the engine has work."""
+        return self._external_ready.is_set() or bool(self.pending and self.pending[0].arrival_s <= self.engine.now())
 
     def _emit_step(self, report) -> list[tuple[str, str]]:
         """Emit the step event (each new token's text included, so replays need no tokenizer), stale
@@ -376,16 +380,21 @@ class Session:
                     f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
                     frozenset(f.faults)))
 
-    def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None) -> None:
+    def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
+                          yield_to_work: bool = False) -> None:
         """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
-        request ends it between engine steps. Emits the reports and a reference.status event."""
+        request ends it between reference steps, and so does new work when `yield_to_work` (an idle
+        moment on the wall clock: a request that arrives meanwhile is served first, the check resumes
+        later where it stopped). Emits the reports and a reference.status event."""
         ref = self.reference
+        should_stop = (lambda: self.stop_requested or self._work_waiting()) if yield_to_work else \
+            (lambda: self.stop_requested)
         if progress is not None and ref.pending:  # say what is waiting before the first batch
             self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
                                       pending=ref.pending))
-        while ref.pending and (limit is None or limit > 0) and not self.stop_requested:
+        while ref.pending and (limit is None or limit > 0) and not should_stop():
             batch = min(ref.batch, limit or ref.batch)
-            for event in ref.drain(self.engine.now(), limit=batch, should_stop=lambda: self.stop_requested):
+            for event in ref.drain(self.engine.now(), limit=batch, should_stop=should_stop):
                 self.emit(event)
             limit = None if limit is None else limit - batch
             if progress is not None:

@@ -136,3 +136,81 @@ def test_exit_codes_follow_expect(tmp_path):
     assert missed.returncode == 1 and "no detector fired" in missed.stderr
     caught = subprocess.run(base + ["--isolation", "off"], capture_output=True, text=True, timeout=120)
     assert caught.returncode == 0 and "detected as expected" in caught.stdout
+
+
+def _planned(request_id: str, prompt: list[int], arrival_s: float):
+    from kvtui.engine.request import SamplingParams
+    from kvtui.scenario import PlannedRequest
+
+    return PlannedRequest(request_id, arrival_s, prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+
+
+def test_an_idle_reference_check_gives_way_to_a_request_that_arrives(tiny):
+    """On the wall clock the reference detector checks finished requests while the engine is idle.
+    A request that arrives meanwhile is served first: the idle drain stops, the check stays queued and
+    later resumes. (kvtui serve once made each of four back-to-back clients wait about a second behind
+    the previous one's reference check: 0.9 s, then 2.2 s per request.)"""
+    spec = parse_scenario("name: serve-like\nmax_requests: 1\nmodel: tiny-llama\nengine: {slots: 2, max_len: 64}")
+    finished = []
+    session = Session(spec, tiny["tiny-llama"], clock="wall", detectors=("reference",), serving=True,
+                      listeners=(lambda e: isinstance(e, Finish) and finished.append(e.request_id),))
+
+    def step_until_finished(request_id: str) -> None:
+        for _ in range(200):
+            if request_id in finished:
+                return
+            session.step_once()
+        raise AssertionError(f"{request_id} never finished")
+
+    session.submit_external(_planned("a", [5, 6, 7, 8], session.engine.now()))
+    step_until_finished("a")
+    assert session.reference.pending == 1
+    session.submit_external(_planned("b", [9, 10, 11], session.engine.now()))
+    session._idle()  # what step_once does between requests: here it must yield to "b"
+    assert (session.reference.pending, session.reference.checked) == (1, 0)
+    step_until_finished("b")
+    for _ in range(20):
+        if not session.reference.pending:
+            break
+        session._idle()
+    assert (session.reference.pending, session.reference.checked) == (0, 2)
+    session.close()
+
+
+def test_an_interrupted_reference_run_resumes_where_it_stopped(tiny):
+    """The checks a new arrival interrupted resume on the same clean engine: the steps taken before and
+    after the interruption add up to one uninterrupted run's, and the verdict is the same."""
+    from kvtui.detect.reference import PendingCheck, ReferenceDetector
+    from kvtui.engine.request import SamplingParams
+
+    loaded = tiny["tiny-llama"]
+    sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 7]
+
+    def detector_with_a_check():
+        ref = ReferenceDetector(loaded, loaded.tokenizer)
+        solo = ref._run([(prompt, sampling)], frozenset())[0][0]
+        ref._cache.clear()
+        ref._clean = None
+        ref.on_finish(PendingCheck("x", prompt, solo, [1.0] * len(solo), sampling, [0] * len(solo), [()] * len(solo),
+                                   (), frozenset()))
+        return ref
+
+    def counting(ref):
+        steps = []
+        engine = ref._clean_engine(64)
+        original = engine.step
+        engine.step = lambda: steps.append(1) or original()
+        return steps
+
+    whole = detector_with_a_check()
+    whole_steps = counting(whole)
+    assert whole.drain(0.0) == [] and whole.checked == 1
+
+    cut = detector_with_a_check()
+    cut_steps = counting(cut)
+    calls = iter([False, False, False, True])  # drain's own check, then one per reference step
+    assert cut.drain(0.0, should_stop=lambda: next(calls, False)) == []
+    assert (cut.pending, cut.checked, len(cut_steps)) == (1, 0, 2)
+    assert cut.drain(0.0) == [] and (cut.pending, cut.checked) == (0, 1)
+    assert len(cut_steps) == len(whole_steps) > 2

@@ -90,6 +90,8 @@ class ReferenceDetector:
         self.max_queue, self.batch, self.cache_size = max_queue, batch, cache_size
         self._cache: OrderedDict = OrderedDict()
         self._clean: Engine | None = None  # reused across drains: no pool allocated per check
+        self._resume: tuple | None = None  # (items, engine, states) of a clean run a stop interrupted
+        self._interrupted = 0  # how many checks that run was for (they wait at the queue's front)
         self.checked = 0
         self.skipped = 0
 
@@ -120,11 +122,15 @@ class ReferenceDetector:
         events = []
         while self.queue and (limit is None or limit > 0) and not (should_stop and should_stop()):
             take = min(self.batch, len(self.queue), limit if limit is not None else len(self.queue))
+            if self._interrupted:  # the same checks again, so the interrupted run resumes
+                take = min(self._interrupted, len(self.queue))
             checks = [self.queue.popleft() for _ in range(take)]
             references = self._references([(c.prompt_ids, c.sampling) for c in checks], should_stop)
-            if references is None:  # stopped mid-batch: put them back
+            if references is None:  # stopped mid-batch: put them back, at the front
                 self.queue.extendleft(reversed(checks))
+                self._interrupted = take
                 break
+            self._interrupted = 0
             for check, reference in zip(checks, references):
                 events += self._compare(check, reference, t)
             self.checked += take
@@ -155,12 +161,21 @@ class ReferenceDetector:
         """Run (prompt, sampling) pairs together with `faults` on and no EOS, so each covers its
         max_new_tokens (comparisons stop at the checked output's length). Without faults the clean engine
         is kept between calls (its pool grows to the longest request seen, so a long run does not allocate
-        a pool per check); with faults a fresh engine replays the request alone."""
-        max_len = max(len(p) + s.max_new_tokens for p, s in items)
-        engine = self._clean_engine(max_len) if not faults else self._engine(len(items), max_len, faults)
-        states = [engine.submit(f"reference-{i}", list(p), s) for i, (p, s) in enumerate(items)]
+        a pool per check); with faults a fresh engine replays the request alone.
+
+        Returns None when `should_stop()` turned true between steps; the clean run is then kept as it
+        is, and a later call with the same items resumes it instead of starting over."""
+        key = tuple((tuple(p), s) for p, s in items)
+        if not faults and self._resume is not None and self._resume[0] == key:
+            engine, states = self._resume[1], self._resume[2]
+        else:
+            max_len = max(len(p) + s.max_new_tokens for p, s in items)
+            engine = self._clean_engine(max_len) if not faults else self._engine(len(items), max_len, faults)
+            states = [engine.submit(f"reference-{i}", list(p), s) for i, (p, s) in enumerate(items)]
+        self._resume = None
         while engine.has_unfinished():
             if should_stop is not None and should_stop():
+                self._resume = (key, engine, states) if not faults else None
                 return None
             engine.step()
         return [(list(s.generated_ids), list(s.top2_gaps)) for s in states]
