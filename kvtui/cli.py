@@ -185,7 +185,7 @@ def run(
     from kvtui.summary import print_contamination, print_summary
 
     print_summary(summary, session.header(), out)
-    print_contamination(session.contamination, out)
+    print_contamination(session.contamination, out, recording=record)
     if session.unapplied_timeline:
         err.print(f"[yellow]warning:[/] {len(session.unapplied_timeline)} timeline event(s) came after the run's end "
                   f"and were not applied (first at {session.unapplied_timeline[0].at_s:g} s)", highlight=False,
@@ -333,7 +333,7 @@ def replay(
     if truncated:
         say("note", f"{recording} ends early (killed run?); replayed {len(events)} events")
     print_summary(summary, header, out)
-    print_contamination([e for e in events if isinstance(e, Contamination)], out)
+    print_contamination([e for e in events if isinstance(e, Contamination)], out, recording=recording)
 
 
 def replay_summary(header, events, recorded):
@@ -487,7 +487,7 @@ def serve(
 
     if result.summary is not None:
         print_summary(result.summary, result.header, out)
-        print_contamination(result.contamination, out)
+        print_contamination(result.contamination, out, recording=record)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
     if result.error is not None:

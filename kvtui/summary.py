@@ -51,7 +51,8 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         ("requests", f"{s.requests_finished} ({reasons})"),
         ("prompt tokens", str(s.prompt_tokens)),
         ("generated tokens", str(s.generated_tokens)),
-        ("duration", f"{s.duration_s:.2f} s over {s.steps} steps (measured step time {s.measured_step_wall_s:.2f} s)"),
+        ("duration", f"{s.duration_s:.2f} s over {s.steps} steps (all steps together took {s.measured_step_wall_s:.2f} s "
+                     "measured)"),
         ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
         ("prefill / decode tokens/s", f"{s.prefill_tokens_per_s:.1f} / {s.decode_tokens_per_s:.1f}"),
         ("TTFT p50 / p95", f"{_ms(ttft.p50)} / {_ms(ttft.p95)}"),
@@ -149,8 +150,10 @@ def evidence_text(e: Contamination) -> str:
     return str(ev.model_dump())[:100]
 
 
-def print_contamination(events: list[Contamination], console: Console, limit: int = 12) -> None:
-    """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last."""
+def print_contamination(events: list[Contamination], console: Console, limit: int = 12,
+                        recording=None) -> None:
+    """One line per contamination event (victim <- source, kind, detector, evidence), numeric ones last;
+    beyond `limit`, a count and where the rest are (`recording`, the file that holds them, if any)."""
     if not events:
         return
     ordered = sorted(events, key=lambda e: (e.kind in ("numeric", "unknown"), e.step))
@@ -163,5 +166,6 @@ def print_contamination(events: list[Contamination], console: Console, limit: in
         table.add_row(str(e.step) if e.step >= 0 else "-", escape(printable(f"{e.victim} <- {e.source or '?'}")), f"[{style}]{e.kind}[/]",
                       e.detector, escape(printable(evidence_text(e))))
     if len(ordered) > limit:
-        table.caption = f"{len(ordered) - limit} more in the recording"
+        table.caption = (f"{len(ordered) - limit} more in {recording}" if recording else
+                         f"{len(ordered) - limit} more not shown")
     console.print(table)

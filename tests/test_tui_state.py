@@ -333,3 +333,58 @@ def test_slot_map_falls_back_to_one_character_per_slot():
     snap = snap_of(feed(*events))
     text = render(panels.slot_map(snap, 40, 5), 40)
     assert "40/64 slots in use" in text and "·" * 24 in text
+
+
+def test_a_panel_redraws_whenever_what_it_draws_changes():
+    """Each panel redraws only when its key changes, so the key must cover everything its draw reads.
+    Replaying the demo recording event by event: wherever a panel's drawing changed, its key changed.
+    (The contamination panel's key once left out the reference status: "reference checked 0, 2 waiting"
+    stayed on screen after the run was done and every check had finished.)"""
+    from pathlib import Path
+
+    from kvtui.events import ReferenceStatus
+    from kvtui.record import read_recording
+    from kvtui.tui.widgets import PANELS, Panel
+
+    _, events, _, _ = read_recording(Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl")
+    events = list(events) + [ReferenceStatus(t=events[-1].t, checked=16, skipped=0, pending=0)]
+    console = Console(width=80, record=True, color_system=None)
+    state = DashboardState()
+    shown: dict[type, tuple] = {}
+    changes = {cls: 0 for cls in PANELS if issubclass(cls, Panel)}
+    for event in events:
+        state.apply(event)
+        snap = build_snapshot(state)
+        for cls in changes:
+            panel = cls.__new__(cls)  # key() and draw() read only the snapshot
+            with console.capture() as capture:
+                console.print(panel.draw(snap, 60, 24))
+            drawn, key = capture.get(), panel.key(snap)
+            if cls in shown and shown[cls][1] != drawn:
+                assert shown[cls][0] != key, f"{cls.__name__} drew something new under the same key after {event!r}"
+                changes[cls] += 1
+            shown[cls] = (key, drawn)
+    assert all(n > 0 for n in changes.values()), changes
+
+
+def test_the_contamination_table_says_where_the_rest_is():
+    """Beyond its limit the table names the recording that holds every report, and claims none when
+    the run was not recorded (it once said "more in the recording" with no recording written)."""
+    from pathlib import Path
+
+    from kvtui.events import Contamination
+    from kvtui.record import read_recording
+    from kvtui.summary import print_contamination
+
+    demo = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"
+    _, events, _, _ = read_recording(demo)
+    reports = [e for e in events if isinstance(e, Contamination)]
+    shown = 12
+    assert len(reports) > shown
+    for recording, caption in ((demo, f"{len(reports) - shown} more in {demo}"),
+                               (None, f"{len(reports) - shown} more not shown")):
+        console = Console(width=300, color_system=None)
+        with console.capture() as capture:
+            print_contamination(reports, console, limit=shown, recording=recording)
+        text = capture.get()
+        assert caption in text and "in the recording" not in text

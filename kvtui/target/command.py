@@ -82,7 +82,7 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
         session.abandon()
         fail(str(e))
     print_summary(summary, session.header(), out)
-    print_contamination(session.contamination, out)
+    print_contamination(session.contamination, out, recording=record)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
     if not summary.requests_completed and summary.finish_reasons.get("error") and not summary.stopped_early:
@@ -118,7 +118,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     summary, header, session = run_target_dashboard(make_session)
     if summary is not None:
         print_summary(summary, header, out)
-        print_contamination(session.contamination, out)
+        print_contamination(session.contamination, out, recording=record)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
 

@@ -280,6 +280,18 @@ def stats(snap: Snapshot, width: int, height: int) -> Text:
 
 
 # -- contamination -------------------------------------------------------------------------------
+def flow_rows(snap: Snapshot) -> list:
+    """The requests the attention-flow meter lists: those measured that are running or saw foreign keys."""
+    return [r for r in snap.requests if r.attention_mass is not None and (r.active or r.attention_mass > 0)]
+
+
+def contamination_inputs(snap: Snapshot) -> tuple:
+    """Everything `contamination` draws from (the panel redraws when it changes)."""
+    last = snap.contamination[-1] if snap.contamination else None
+    return (snap.by_detector, snap.findings, snap.reference, len(snap.contamination), last,
+            tuple((r.id, r.attention_mass) for r in flow_rows(snap)[:4]))
+
+
 def contamination(snap: Snapshot, width: int, height: int) -> Text:
     """Counts by detector and kind, the attention-flow meter (share of attention on other requests'
     keys) per request, and the latest detector reports (victim ← source, kind, evidence)."""
@@ -296,7 +308,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
         checked, skipped, pending = snap.reference
         text.append(f"reference checked {checked}" + (f", skipped {skipped}" if skipped else "")
                     + (f", {pending} waiting" if pending else "") + "\n", style="dim")
-    flows = [r for r in snap.requests if r.attention_mass is not None and (r.active or r.attention_mass > 0)]
+    flows = flow_rows(snap)
     if flows:
         text.append("attention on other requests' keys\n", style="dim")
         for r in flows[:4]:

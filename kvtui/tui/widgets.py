@@ -88,8 +88,7 @@ class ContaminationPanel(Panel):
     TITLE = "contamination"
 
     def key(self, snapshot):
-        return (len(snapshot.contamination), snapshot.by_detector,
-                tuple((r.id, r.attention_mass) for r in snapshot.requests if r.attention_mass is not None))
+        return panels.contamination_inputs(snapshot)
 
     def draw(self, snapshot, width, height):
         return panels.contamination(snapshot, width, height)
