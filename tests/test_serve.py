@@ -533,3 +533,14 @@ def test_a_snapshot_that_arrives_while_the_dashboard_closes_is_ignored():
             assert app.frames == 1
 
     asyncio.run(run())
+
+
+def test_a_missing_model_path_is_relative_to_the_current_folder_for_serve():
+    """kvtui serve has no scenario file: a missing --model path is explained against the current folder."""
+    from kvtui.serve.server import ServeOptions, serve_scenario
+
+    with pytest.raises(ValueError) as raised:
+        serve_scenario(ServeOptions(model="./models/nothing-here", port=0))
+    message = str(raised.value)
+    assert "--model" in message and "does not exist" in message and "relative to the current folder" in message
+    assert "scenario file" not in message

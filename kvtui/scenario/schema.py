@@ -262,8 +262,9 @@ class Scenario(Strict):
             except (OSError, ValueError):
                 exists = False
             if not exists:
+                where = "the scenario file" if self._base_dir is not None else "the current folder"
                 raise Problem(f"model path {m} does not exist", "give an existing folder or .gguf file "
-                              f"(relative to the scenario file) or one of {', '.join(MODEL_NAMES)}", ("model",))
+                              f"(relative to {where}) or one of {', '.join(MODEL_NAMES)}", ("model",))
             return
         raise Problem(f"unknown model {m!r}{did_you_mean(m, MODEL_NAMES)}",
                       f"use one of {', '.join(MODEL_NAMES)}, or a path to a folder or .gguf file", ("model",))
