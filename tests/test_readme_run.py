@@ -1,6 +1,6 @@
 """The README's main job prints what the README shows: its `kvtui run` command, run as written on the
 default model, prints every line of the "What the run prints" block, in that order (`...` stands for
-rows the README leaves out, e.g. the measured step time, which is the machine's)."""
+rows the README leaves out, e.g. the duration row, whose measured part is the machine's)."""
 
 from __future__ import annotations
 
