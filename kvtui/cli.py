@@ -92,6 +92,15 @@ def _detectors(text: str) -> tuple[str, ...]:
     return chosen
 
 
+# options `run --target` and `audit --target` share
+MaxConcurrency = Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in flight "
+                                             "at most.", rich_help_panel="Target server")]
+Timeout = Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may take, "
+                                        "no retry.", rich_help_panel="Target server")]
+Tolerance = Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap (nats) "
+                                          "under which a changed token is numeric.", rich_help_panel="Target server")]
+
+
 @app.command()
 def run(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML file, e.g. scenarios/passphrase.yaml")],
@@ -128,13 +137,9 @@ def run(
     served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
                                                         "to send (default: the first of /v1/models).",
                                                         rich_help_panel="Target server")] = None,
-    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
-                                                 "flight at most.", rich_help_panel="Target server")] = 64,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
-                                           "take, no retry.", rich_help_panel="Target server")] = 120.0,
-    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
-                                             "(nats) under which a reference divergence is numeric.",
-                                             rich_help_panel="Target server")] = 0.5,
+    max_concurrency: MaxConcurrency = 64,
+    timeout: Timeout = 120.0,
+    tolerance: Tolerance = 0.5,
     logprobs: Annotated[bool, typer.Option("--logprobs/--no-logprobs", help="With --target: ask for top "
                                            "logprobs (labels reference divergences).",
                                            rich_help_panel="Target server")] = True,
@@ -395,13 +400,9 @@ def audit(
                                      "has text).", rich_help_panel="Target server")] = "auto",
     served_model: Annotated[Optional[str], typer.Option("--served-model", help="With --target: the model name "
                                                         "to send.", rich_help_panel="Target server")] = None,
-    max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1, help="With --target: requests in "
-                                                 "flight at most.", rich_help_panel="Target server")] = 64,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.001, help="With --target: seconds one request may "
-                                           "take.", rich_help_panel="Target server")] = 120.0,
-    tolerance: Annotated[float, typer.Option("--tolerance", min=0.0, help="With --target: top-2 logprob gap "
-                                             "(nats) under which a change is numeric.",
-                                             rich_help_panel="Target server")] = 0.5,
+    max_concurrency: MaxConcurrency = 64,
+    timeout: Timeout = 120.0,
+    tolerance: Tolerance = 0.5,
 ) -> None:
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
     must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
