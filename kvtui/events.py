@@ -91,15 +91,18 @@ class FirstToken(_Frozen):
 
 
 class Finish(_Frozen):
-    """A request left the engine: finished (stop, length), aborted or rejected; against a target
-    server (`kvtui run --target`) also `error`: an HTTP error, a timeout or a broken stream, with the
-    error text in `detail`."""
+    """A request left the engine: finished (stop, length), aborted, rejected, or `error`: its own
+    sampling or stop check raised in kvtui's engine (the rest of the batch went on), or against a target
+    server (`kvtui run --target`) an HTTP error, a timeout or a broken stream; the text is in `detail`.
+    `code` (v2) names the cause of a rejection or an engine error for machines (kvtui.engine.FinishCode:
+    empty, too_long, out_of_vocabulary, queue_full, internal_error); None otherwise."""
 
     type: Literal["request.finish"] = "request.finish"
     t: float | None
     request_id: str
     finish_reason: Literal["stop", "length", "abort", "rejected", "error"]
     detail: str = ""
+    code: str | None = None  # (v2)
     slot: int | None = None
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()

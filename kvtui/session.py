@@ -289,8 +289,17 @@ class Session:
             self._submit(self.pending.pop(0))
 
     def _submit(self, p) -> None:
-        state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
-                                   metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
+        """Submit planned request `p` and emit its arrival. One the engine refuses by raising (a duplicate
+        id, a value no check caught) finishes alone with `error`, so its client gets an answer and
+        every other request goes on."""
+        try:
+            state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
+                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
+        except Exception as e:
+            self.emit(Finish(t=self.engine.now(), request_id=p.request_id, finish_reason="error",
+                             detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
+                             arrival_s=p.arrival_s, finish_s=self.engine.now(), tenant=p.tenant))
+            return
         passphrase = p.metadata.get("passphrase")
         if self.canary is not None:
             self.canary.on_arrive(p.request_id, passphrase)
@@ -405,8 +414,8 @@ class Session:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
         passphrase = f.metadata.get("passphrase")
         return Finish(t=f.finish_s, request_id=f.request_id, finish_reason=f.finish_reason, detail=f.detail,
-                      slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids, output_text=text,
-                      arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
+                      code=f.code or None, slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids,
+                      output_text=text, arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
                       finish_s=f.finish_s, token_times_s=f.token_times_s, passphrase=passphrase,
                       passphrase_echoed=(passphrase in text) if passphrase else None, tenant=f.tenant)
 

@@ -1,8 +1,9 @@
 """Engine behaviour with real values: step reports, chunked prefill, slot reuse, rejection, stops."""
 
 import pytest
-from helpers import solo
+from helpers import oracle_model, solo, uncached_greedy
 
+import kvtui.engine.engine as engine_module
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 
@@ -100,12 +101,94 @@ def test_stop_on_eos_and_stop_string(tiny):
     state = ignoring.submit("r", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     ignoring.run_until_done()
     assert state.generated_ids == free and state.finish_reason.value == "length"
-    text = loaded.tokenizer.decode(free[:3], skip_special_tokens=True)
-    if text:
-        stopper = make(loaded)
-        state = stopper.submit("s", prompt, SamplingParams(max_new_tokens=8, stop=(text,)))
-        stopper.run_until_done()
-        assert state.finish_reason.value == "stop" and len(state.generated_ids) <= 3
+    # stop string: the first whole character of the free text (tiny-llama's tokens are bytes, so the first
+    # few may be parts of one character); the request stops at the token that completes it
+    texts = [loaded.tokenizer.decode(free[:n], skip_special_tokens=True) for n in range(1, len(free) + 1)]
+    cut = next((n for n, text in enumerate(texts, 1) if text and text[-1] != "\ufffd"), None)
+    assert cut is not None, texts
+    stop = texts[cut - 1][-1]
+    assert cut == 1 or stop not in texts[cut - 2]
+    stopper = make(loaded)
+    state = stopper.submit("s", prompt, SamplingParams(max_new_tokens=8, stop=(stop,)))
+    stopper.run_until_done()
+    assert (state.finish_reason.value, state.generated_ids, state.stop_str) == ("stop", free[:cut], stop)
+    assert state.text_end == len(texts[cut - 1]) - 1  # the returned text ends before the stop string
+
+
+def _finished(reports) -> dict:
+    return {f.request_id: f for r in reports for f in r.finished}
+
+
+@pytest.mark.parametrize("bad", [-1, 259, 999_999, 2**63, 2**70])
+def test_a_token_id_outside_the_vocabulary_is_rejected_at_submit_and_the_rest_run(tiny, bad):
+    """An id the embedding has no row for used to reach the batched forward and raise there (IndexError,
+    or an int64 overflow from 2**63 on), taking every request of the step down with it."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    engine.submit("ok", [5, 17, 42], SamplingParams(max_new_tokens=6))
+    engine.submit("oov", [1, bad, 2], SamplingParams(max_new_tokens=6))
+    finished = _finished(engine.run_until_done())
+    assert engine.vocab_size == loaded.model.config.vocab_size == 259
+    oov = finished["oov"]
+    assert (oov.finish_reason, oov.code, oov.output_ids) == ("rejected", "out_of_vocabulary", ())
+    assert oov.detail.startswith(f"Token id {bad} is out of vocabulary")
+    assert list(finished["ok"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [5, 17, 42], 6)
+    assert (finished["ok"].finish_reason, finished["ok"].code) == ("length", "")
+
+
+def test_rejections_carry_their_code(tiny):
+    engine = make(tiny["tiny-llama"], num_slots=1, max_waiting=0, max_len=16)
+    codes = {name: engine.submit(name, prompt, SamplingParams(max_new_tokens=n)).finish_code
+             for name, prompt, n in (("runs", [1, 2], 2), ("empty", [], 2), ("long", [1] * 16, 2),
+                                     ("long_output", [1, 2], 20), ("queued", [3, 4], 2))}
+    assert codes == {"runs": "", "empty": "empty", "long": "too_long", "long_output": "too_long",
+                     "queued": "queue_full"}
+
+
+class _FailingDecode:
+    """The tokenizer, with its decode raising from the `fail_at`-th call on (a detokenizer bug)."""
+
+    def __init__(self, tokenizer, fail_at: int) -> None:
+        self.tokenizer, self.calls, self.fail_at = tokenizer, 0, fail_at
+
+    def decode(self, ids, **kwargs):
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError("injected decode failure")
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["sampling", "stop_check"])
+def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, monkeypatch, where):
+    """An exception while one request samples or checks its stop strings finishes that request with
+    `error` (code internal_error) and frees its slot; the others' tokens stay their solo tokens."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    if where == "sampling":  # its third draw raises; greedy ignores top_k, so top_k=13 marks the request
+        real, draws = engine_module.sample_token, []
+
+        def sample(logits, params, generator):
+            if params.top_k == 13:
+                draws.append(1)
+                if len(draws) == 3:
+                    raise RuntimeError("injected sampling failure")
+            return real(logits, params, generator)
+
+        monkeypatch.setattr(engine_module, "sample_token", sample)
+        bad_params = SamplingParams(max_new_tokens=8, top_k=13)
+    else:  # only the bad request has stop strings, so only it decodes; the third decode raises
+        engine.tokenizer = _FailingDecode(loaded.tokenizer, fail_at=3)
+        bad_params = SamplingParams(max_new_tokens=8, stop=("never in this text",))
+    engine.submit("good", [5, 17, 42], SamplingParams(max_new_tokens=8))
+    engine.submit("bad", [9, 8, 7], bad_params)
+    finished = _finished(engine.run_until_done())
+    oracle = oracle_model("tiny-llama", "eager")
+    bad = finished["bad"]
+    assert (bad.finish_reason, bad.code) == ("error", "internal_error")
+    assert "injected" in bad.detail and bad.detail.startswith("sampling failed: RuntimeError")
+    assert list(bad.output_ids) == uncached_greedy(oracle, [9, 8, 7], 2)  # the two tokens before the failure
+    assert list(finished["good"].output_ids) == uncached_greedy(oracle, [5, 17, 42], 8)
+    assert engine.pool.num_free == engine.pool.num_slots and not engine.has_unfinished()
 
 
 def test_kv_budget_sizes_the_pool(tiny):

@@ -6,9 +6,9 @@ Only runner.py calls the model; everything else is plain data or small tensor bu
 
 from kvtui.engine.engine import Engine, StepCostModel
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
-from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
+from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 
 __all__ = [
     "Engine", "StepCostModel", "StepReport", "RunningRequestReport", "FinishedRequestReport",
-    "RequestState", "RequestStatus", "FinishReason", "SamplingParams",
+    "RequestState", "RequestStatus", "FinishReason", "FinishCode", "SamplingParams",
 ]

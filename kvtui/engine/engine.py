@@ -21,7 +21,7 @@ from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.paged import PagedCache
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
-from kvtui.engine.request import FinishReason, RequestState, RequestStatus, SamplingParams
+from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import make_generator, sample_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
@@ -85,6 +85,7 @@ class Engine:
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
         self.model = model
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # token ids a prompt may hold: [0, vocab_size)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -150,9 +151,11 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
                arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
                cache_salt: str | None = None) -> RequestState:
-        """Queue a request. A request that cannot fit is rejected (or capped, per config.on_too_long);
-        a rejected request is reported in the next StepReport's `finished`, never raised. `tenant` and
-        `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
+        """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
+        token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
+        per config.on_too_long), a full waiting queue; a rejected request is reported in the next
+        StepReport's `finished`, never raised, so one request's bad input never reaches the batch.
+        `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
         Raises:
             ValueError: request_id already used.
@@ -169,35 +172,48 @@ class Engine:
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        reason = self._admission_problem(request)
-        if reason:
-            self._finish(request, FinishReason.REJECTED, reason)
+        problem = self._prompt_problem(request) or self._admission_problem(request)
+        if problem:
+            self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
         self._generators[request_id] = make_generator(request.sampling)
         self.scheduler.add(request)
         return request
 
-    def _admission_problem(self, request: RequestState) -> str:
-        max_len, need = self.pool.max_len, request.prompt_len + request.sampling.max_new_tokens
+    def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
+        has no row for (it would raise inside the batched forward and take every request down), or
+        longer than a slot."""
         if request.prompt_len == 0:
-            return "empty prompt"
+            return FinishCode.EMPTY, "empty prompt"
+        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return FinishCode.OUT_OF_VOCABULARY, (f"Token id {bad} is out of vocabulary: the model has "
+                                                  f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
+        max_len = self.pool.max_len
         if request.prompt_len >= max_len:
-            return f"prompt of {request.prompt_len} tokens does not fit max_len={max_len}"
+            return FinishCode.TOO_LONG, f"prompt of {request.prompt_len} tokens does not fit max_len={max_len}"
+        return None
+
+    def _admission_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """(code, detail) when the request cannot be queued: prompt + max_new_tokens past max_len (unless
+        capped), past the paged pool, or a full waiting queue."""
+        max_len, need = self.pool.max_len, request.prompt_len + request.sampling.max_new_tokens
         if need > max_len:
             if self.config.on_too_long == "reject":
-                return (f"prompt {request.prompt_len} + max_new_tokens {request.sampling.max_new_tokens} "
-                        f"> max_len={max_len}")
+                return FinishCode.TOO_LONG, (f"prompt {request.prompt_len} + max_new_tokens "
+                                             f"{request.sampling.max_new_tokens} > max_len={max_len}")
             capped = max_len - request.prompt_len
             request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
         if self.paged and self.blocks.rejection(request):
-            return self.blocks.rejection(request)
+            return FinishCode.TOO_LONG, self.blocks.rejection(request)
         limit = self.config.max_waiting
         # requests that a free slot will take at the next step do not count as queued
         free = 0 if self.paged else self.pool.num_free
         if limit is not None and len(self.scheduler.waiting) - free >= limit:
-            return f"waiting queue full ({limit} requests)"
-        return ""
+            return FinishCode.QUEUE_FULL, f"waiting queue full ({limit} requests)"
+        return None
 
     def reconfigure(self, **changes) -> None:
         """Change engine knobs between steps (timeline, dashboard): max_batch_size, max_tokens_per_step,
@@ -393,22 +409,37 @@ class Engine:
         if logits is not None:
             gap, finite = facts
             nonfinite = not finite
-            token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
-            if request.sampling.logprobs is not None:
-                logprobs = token_logprobs(logits, token, request.sampling.logprobs)
-            request.generated_ids.append(token)
-            request.top2_gaps.append(gap)
-            request.token_times_s.append(end_s)
-            if request.first_token_s is None:
-                request.first_token_s = end_s
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                self._finish(request, reason, "")
+            try:
+                token, logprobs = self._sample(request, logits, gap, end_s)
+            except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
+                self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
+                             FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
         return RunningRequestReport(request.request_id, None if self.paged else chunk.slot, chunk.end_pos,
                                     chunk.num_tokens, token, chunk.phase, gap, nonfinite,
                                     request.ttft_s if first else None, chunk.blocks,
                                     logprobs)
+
+    def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
+        """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
+        Returns (token, logprobs or None). Whatever raises leaves the request's tokens as they were."""
+        token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
+        logprobs = None
+        if request.sampling.logprobs is not None:
+            logprobs = token_logprobs(logits, token, request.sampling.logprobs)
+        request.generated_ids.append(token)
+        try:
+            reason = self._stop_reason(request, token)
+        except Exception:
+            request.generated_ids.pop()
+            raise
+        request.top2_gaps.append(gap)
+        request.token_times_s.append(end_s)
+        if request.first_token_s is None:
+            request.first_token_s = end_s
+        if reason is not None:
+            self._finish(request, reason, "")
+        return token, logprobs
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
@@ -434,7 +465,8 @@ class Engine:
         request.text_end = index + len(stop) if request.sampling.include_stop_str_in_output else index
         return True
 
-    def _finish(self, request: RequestState, reason: FinishReason, detail: str) -> None:
+    def _finish(self, request: RequestState, reason: FinishReason, detail: str,
+                code: FinishCode | None = None) -> None:
         if request.status == RequestStatus.RUNNING:
             self.scheduler.remove(request)
         if self.paged:
@@ -445,6 +477,7 @@ class Engine:
         request.finish_reason = reason
         if detail:
             request.finish_detail = detail
+        request.finish_code = code.value if code else ""
         request.finish_s = self.now()
         self._generators.pop(request.request_id, None)
         self._pending_finished.append(request)
@@ -457,7 +490,7 @@ class Engine:
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
-            r.faults_seen, r.tenant)
+            r.faults_seen, r.tenant, r.finish_code)
 
     def _pool_fields(self) -> dict:
         """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)

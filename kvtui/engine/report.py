@@ -80,10 +80,12 @@ class PrefixHitReport:
 
 @dataclass(frozen=True)
 class FinishedRequestReport:
-    """A request that left the engine during the step (finished, aborted or rejected); the engine
-    forgets it once this report is out.
+    """A request that left the engine during the step (finished, aborted, rejected or failed); the
+    engine forgets it once this report is out.
 
     Attributes (besides the timestamps of RequestState, seconds on the engine clock):
+        finish_reason, detail: a FinishReason value and one line on why; code: a FinishCode value for a
+            rejection or an error, else "".
         stop_str, text_end: the stop string that ended it and how many characters of the decoded
             output to return (None: all).
         top2_gaps: top-1 minus top-2 logit at each generated token.
@@ -109,6 +111,7 @@ class FinishedRequestReport:
     sampling: object = None
     faults: frozenset = frozenset()
     tenant: str | None = None
+    code: str = ""
 
 
 @dataclass(frozen=True)

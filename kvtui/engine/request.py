@@ -21,12 +21,30 @@ class RequestStatus(str, enum.Enum):
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped: `stop` (EOS or a stop string), `length` (max_new_tokens or the slot's
-    max_len), `abort` (cancelled by the caller), `rejected` (could not be admitted: too long, queue full)."""
+    max_len), `abort` (cancelled by the caller), `rejected` (could not be admitted: too long, queue full,
+    a token id outside the vocabulary), `error` (its own sampling or stop check raised; it alone ended,
+    the rest of the batch went on). A rejected or failed request also carries a FinishCode."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
     REJECTED = "rejected"
+    ERROR = "error"
+
+
+class FinishCode(str, enum.Enum):
+    """Machine-readable cause of a rejection or an error (RequestState.finish_code), so a server maps it
+    to a status without reading the prose of `finish_detail`:
+    `empty` (no prompt tokens), `too_long` (prompt, or prompt + max_new_tokens, above max_len or the
+    paged pool), `out_of_vocabulary` (a prompt token id outside [0, vocab size)), `queue_full` (the
+    waiting queue is at config.max_waiting), `internal_error` (the request's own sampling, log-probability
+    or stop-string step raised)."""
+
+    EMPTY = "empty"
+    TOO_LONG = "too_long"
+    OUT_OF_VOCABULARY = "out_of_vocabulary"
+    QUEUE_FULL = "queue_full"
+    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,8 @@ class RequestState:
         cache_len: tokens of this request currently held in its slot (tokens).
         prefill_done: prompt tokens already fed (chunked prefill feeds a long prompt over several steps).
         status, finish_reason: lifecycle, see RequestStatus and FinishReason.
+        finish_detail: one line on why it ended (rejections, errors, a capped max_new_tokens);
+            finish_code: a FinishCode value for a rejection or an error, else "".
         arrival_s, scheduled_s, first_token_s, finish_s: timestamps in seconds on the engine's clock
             (None until reached). token_times_s: time of every generated token, for ITL.
         top2_gaps: top-1 minus top-2 logit at each generated token (for labelling numeric divergence).
@@ -116,6 +136,7 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     finish_detail: str = ""
+    finish_code: str = ""
     arrival_s: float | None = None
     scheduled_s: float | None = None
     first_token_s: float | None = None

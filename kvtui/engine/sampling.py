@@ -41,7 +41,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if params.top_k > 0:
+    if 0 < params.top_k < keep.numel():  # a top_k at or past the vocabulary keeps every token
         keep[params.top_k :] = False
     if params.top_p < 1.0:
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
