@@ -118,6 +118,9 @@ class Finish(_Frozen):
     sent_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # (v2, target runs) prompt tokens the server said it took from its prefix cache
+    # (`usage.prompt_tokens_details.cached_tokens` or llama.cpp's `timings.cache_n`); None: not said
+    cached_tokens: int | None = None
 
     @property
     def completed(self) -> bool:
@@ -378,6 +381,10 @@ class ReferenceStatus(_Frozen):
     checked: int
     skipped: int
     pending: int
+    # (v2, target runs) solo runs the server answered partly from its prefix cache: not counted as
+    # checked; and of the checked ones, those whose server reported 0 cached prompt tokens
+    cached: int | None = None
+    uncached_verified: int | None = None
 
 
 # -- a target server's own view ---------------------------------------------------------------------
@@ -468,6 +475,13 @@ class Summary(_Frozen):
     prefix_cache_queries: int | None = None  # (v2, tokens)
     prefix_cache_hits: int | None = None  # (v2, tokens)
     prefix_cache_cross_tenant_hits: int | None = None  # (v2, tokens of blocks another tenant computed)
+    # (v2, target runs) references not counted: the server took part of their prompts from its cache;
+    # references whose server reported 0 cached tokens; prompt tokens of the load the server reported
+    # cached (summed over requests); prefix_cache_queries / _hits then hold the server's own counters
+    # (vLLM's `vllm:prefix_cache_queries` / `_hits`, tokens) over the load
+    reference_cached: int | None = None
+    reference_uncached_verified: int | None = None
+    prompt_tokens_cached: int | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

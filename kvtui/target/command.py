@@ -125,7 +125,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
 
 def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
     """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
-    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out
+    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out, say
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.summary import print_contamination
     from kvtui.target.audit import run_target_audit
@@ -137,12 +137,16 @@ def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None
     options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
                             max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance)
     try:
-        events = run_target_audit(spec, tokenizer, options, console=err)
+        audit = run_target_audit(spec, tokenizer, options, console=err)
     except TargetError as e:
         fail(str(e))
     except ValueError as e:
         fail(f"{scenario_path}: {e}")
+    events = audit.events
     print_contamination(events, out)
+    if audit.cached:
+        say("warning", f"{audit.cached} requests were not compared: the server reported prompt tokens from its "
+            "prefix cache although each request carried a fresh cache_salt (or cache_prompt: false)")
     counted = [e for e in events if e.counts]
     if counted:
         err.print(f"[bold red]noninterference violated: {len(counted)} requests changed with their neighbours[/]")
