@@ -20,6 +20,8 @@ from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_iso
 Isolation = Literal["on", "off"]
 Api = Literal["auto", "chat", "completions"]
 CostModel = Literal["auto", "default"]
+KvMode = Literal["slots", "paged"]
+SaltMode = Literal["per_tenant", "none"]
 
 app = typer.Typer(
     name="kvtui",
@@ -393,6 +395,15 @@ def audit(
                                          "cached, with and without per-tenant salts.")] = False,
     probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
                                         max=1000)] = 16,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=4096, help="--timing --target: "
+                                                      "tokens per probe block when the server publishes no block "
+                                                      "size (vLLM does, in vllm:cache_config_info) [default: 64].",
+                                                      rich_help_panel="Target server")] = None,
+    cache_salt: Annotated[SaltMode, typer.Option("--cache-salt", help="--timing --target: per_tenant: kvtui gives "
+                                                 "each tenant its own cache_salt (does the server honour it?); "
+                                                 "none: the tenants send no salt, as the deployment's clients do "
+                                                 "(does something else separate them?).",
+                                                 rich_help_panel="Target server")] = "per_tenant",
     target: Annotated[Optional[str], typer.Option("--target", help="Audit an OpenAI-compatible server at this "
                                                   "URL instead of kvtui's engine.",
                                                   rich_help_panel="Target server")] = None,
@@ -407,17 +418,25 @@ def audit(
     """Noninterference audit: re-run with co-batched neighbours' prompts replaced; a request's tokens
     must not change. Exit 1 when some did. With --timing: the prefix-cache timing side channel; exit 1
     when, with per-tenant salts, a tenant's probe hit another tenant's cached blocks. With --target, the
-    neighbour-replacement runs against a server."""
+    neighbour-replacement runs against a server; with --timing --target, the timing side channel of the
+    server (exit 1 when one tenant can tell another's cached prefix)."""
     spec = _load_scenario(scenario)
     if target is not None:
         from kvtui.target import command
 
-        command.refuse_engine_options(dict(fault=fault, timing=timing))
+        command.refuse_engine_options(dict(fault=fault))
         run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
                                      max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
                                      logprobs=True)
-        command.audit_target(spec, scenario, run_spec, model=model)
+        if timing:
+            command.timing_target(spec, run_spec, model=model, probes=probes, block_size=block_size,
+                                  cache_salt=cache_salt)
+        else:
+            command.audit_target(spec, scenario, run_spec, model=model)
         return
+    if block_size is not None or cache_salt != "per_tenant":
+        fail(f"{'--block-size' if block_size is not None else '--cache-salt'} applies to --timing --target; "
+             "kvtui's own engine takes the scenario's engine.block_size and tenants.cache_salt")
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
     if timing:
         _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)
@@ -459,6 +478,14 @@ def serve(
     max_waiting: Annotated[Optional[int], typer.Option(help="Most requests queued for a slot; more get 429 "
                                                        "(default: no limit).", min=0)] = None,
     layout: Annotated[Layout, typer.Option(help="Batch layout.")] = "padded",
+    kv: Annotated[KvMode, typer.Option("--kv", help="KV memory: slots (one region of --max-len per request) or "
+                                       "paged (blocks through per-request block tables, as vLLM).")] = "slots",
+    block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=64, help="With --kv paged: tokens "
+                                                      "per KV block [default: 16].")] = None,
+    prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="With --kv paged: "
+                                                 "reuse cached blocks of earlier prompts' prefixes; a request's "
+                                                 "`cache_salt` keys its blocks, so only requests with the same "
+                                                 "salt share them.")] = False,
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
     threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (default: all cores but "
                                                    "one).", min=1)] = None,
@@ -472,10 +499,13 @@ def serve(
     from kvtui.serve.server import ServeOptions
     from kvtui.tui.launch import default_torch_threads
 
+    if kv != "paged" and (prefix_caching or block_size is not None):
+        fail(f"{'--prefix-caching' if prefix_caching else '--block-size'} needs paged KV: add --kv paged")
     options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
                            faults=_fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,
                            max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,
-                           layout=layout, max_waiting=max_waiting, detectors=_detectors(detectors),
+                           layout=layout, kv=kv, block_size=block_size or 16, prefix_caching=prefix_caching,
+                           max_waiting=max_waiting, detectors=_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True)
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")

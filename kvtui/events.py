@@ -121,6 +121,9 @@ class Finish(_Frozen):
     sent_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # (v2, target runs) prompt tokens the server said it took from its prefix cache
+    # (`usage.prompt_tokens_details.cached_tokens` or llama.cpp's `timings.cache_n`); None: not said
+    cached_tokens: int | None = None
 
     @property
     def completed(self) -> bool:
@@ -381,6 +384,10 @@ class ReferenceStatus(_Frozen):
     checked: int
     skipped: int
     pending: int
+    # (v2, target runs) solo runs the server answered partly from its prefix cache: not counted as
+    # checked; and of the checked ones, those whose server reported 0 cached prompt tokens
+    cached: int | None = None
+    uncached_verified: int | None = None
 
 
 # -- a target server's own view ---------------------------------------------------------------------
@@ -397,7 +404,8 @@ class SlotState(_Frozen):
 class ServerSample(_Frozen):
     """What a target server exposes, polled during `kvtui run --target`: gauges and counters from its
     Prometheus `/metrics` (vLLM `vllm:*`, llama.cpp `llamacpp:*`, SGLang `sglang:*`, TGI `tgi_*`;
-    samples of one name summed over their labels) and llama.cpp's `/slots`. `running`, `waiting` and
+    under each sample name the sum over its labels, plus `name{label="value",...}` per label set where
+    a family's labels go beyond `model_name` and `engine`) and llama.cpp's `/slots`. `running`, `waiting` and
     `kv_usage` (fraction 0-1) are read from whichever of those names the server has; None when none."""
 
     type: Literal["server.sample"] = "server.sample"
@@ -471,6 +479,13 @@ class Summary(_Frozen):
     prefix_cache_queries: int | None = None  # (v2, tokens)
     prefix_cache_hits: int | None = None  # (v2, tokens)
     prefix_cache_cross_tenant_hits: int | None = None  # (v2, tokens of blocks another tenant computed)
+    # (v2, target runs) references not counted: the server took part of their prompts from its cache;
+    # references whose server reported 0 cached tokens; prompt tokens of the load the server reported
+    # cached (summed over requests); prefix_cache_queries / _hits then hold the server's own counters
+    # (vLLM's `vllm:prefix_cache_queries` / `_hits`, tokens) over the load
+    reference_cached: int | None = None
+    reference_uncached_verified: int | None = None
+    prompt_tokens_cached: int | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

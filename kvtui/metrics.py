@@ -29,6 +29,37 @@ from kvtui.events import (
 PERCENTILES = (50, 90, 95, 99)
 
 
+# a server's prefix-cache counters (tokens): vLLM's v1 names (vllm/v1/metrics/loggers.py)
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)
+PREFIX_HITS = ("vllm:prefix_cache_hits_total",)
+
+
+class ServerPrefixCounters:
+    """A target server's cumulative prefix-cache counters (tokens queried, tokens hit), as the run's
+    delta: the last sample fed minus the first."""
+
+    def __init__(self) -> None:
+        self.first: tuple[float, float] | None = None
+        self.last: tuple[float, float] | None = None
+
+    def add(self, metrics: dict[str, float]) -> None:
+        """One sample's metrics (name -> value); ignored when the server has no such counters."""
+        queries = next((metrics[n] for n in PREFIX_QUERIES if n in metrics), None)
+        hits = next((metrics[n] for n in PREFIX_HITS if n in metrics), None)
+        if queries is None or hits is None:
+            return
+        self.last = (queries, hits)
+        if self.first is None:
+            self.first = self.last
+
+    def fields(self) -> dict:
+        """prefix_cache_queries / prefix_cache_hits for the Summary (none without two samples)."""
+        if self.first is None or self.last is None:
+            return {}
+        return dict(prefix_cache_queries=int(self.last[0] - self.first[0]),
+                    prefix_cache_hits=int(self.last[1] - self.first[1]))
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default);
     None for an empty list."""
@@ -121,6 +152,8 @@ class Metrics:
         self.measured_wall_s = 0.0
         self.paged = False  # paged KV: preemptions and prefix-cache counters (vLLM's names)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = self.cross_tenant_hits = 0
+        self.cached_tokens: int | None = None  # target runs: prompt tokens the server reported cached
+        self.server_prefix = ServerPrefixCounters()
 
     def add_event(self, event) -> None:
         """Feed one typed event (kvtui.events); live runs and replays feed the same events, so a
@@ -140,7 +173,10 @@ class Metrics:
             self._add_server_sample(event)
 
     def _add_server_sample(self, e: ServerSample) -> None:
-        """A target server's gauges: its peak KV usage and waiting count stand for the engine's."""
+        """A target server's gauges: its peak KV usage and waiting count stand for the engine's; its
+        prefix-cache counters until the reference checks begin (the load's share)."""
+        if self.reference is None:
+            self.server_prefix.add(e.metrics)
         if e.kv_usage is not None:
             self.peak_kv_usage = max(self.peak_kv_usage, e.kv_usage)
         if e.waiting is not None:
@@ -191,6 +227,8 @@ class Metrics:
             self.last_t = max(self.last_t, r.finish_s)
         if r.finish_reason == "rejected":
             return
+        if r.cached_tokens is not None:
+            self.cached_tokens = (self.cached_tokens or 0) + r.cached_tokens
         self.prompt_tokens += r.prompt_tokens if r.prompt_tokens is not None else len(r.prompt_ids)
         self.generated_tokens += r.completion_tokens if r.completion_tokens is not None else len(r.output_ids)
         if r.passphrase:
@@ -251,5 +289,8 @@ class Metrics:
             findings_by_kind=self.findings.by_kind(), requests_in_flight=self.arrived - self.requests_finished,
             reference_checked=self.reference.checked if self.reference else None,
             reference_skipped=self.reference.skipped if self.reference else None,
-            **self.paged_fields(), **session_fields,
+            reference_cached=self.reference.cached if self.reference else None,
+            reference_uncached_verified=self.reference.uncached_verified if self.reference else None,
+            prompt_tokens_cached=self.cached_tokens, **self.paged_fields(), **self.server_prefix.fields(),
+            **session_fields,
         )

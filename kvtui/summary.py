@@ -44,7 +44,7 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     console.print(table)
 
 
-def _rows(s: Summary) -> list[tuple[str, str]]:
+def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(s.finish_reasons.items())) or "-"
     ttft, tpot = s.time_to_first_token_seconds, s.time_per_output_token_seconds
     rows = [
@@ -62,7 +62,7 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
         ("peak KV usage", f"{s.kv_cache_usage_perc_peak:.1%}"),
         ("goodput", f"{s.goodput_requests_per_s:.2f} req/s"),
     ]
-    rows += _paged_rows(s)
+    rows += _paged_rows(s, target)
     if s.passphrase_requests:
         rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
     if s.stopped_early:
@@ -70,7 +70,7 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
     if s.requests_in_flight:
         rows.append(("in flight at the end", f"{s.requests_in_flight} requests arrived but never finished"))
     if s.reference_checked is not None:
-        rows.append(("reference checks", f"{s.reference_checked} checked"
+        rows.append(("reference checks", f"{s.reference_checked} checked" + _reference_cache(s)
                      + (f", {s.reference_skipped} skipped (sampled out or left at a stop)" if s.reference_skipped else "")))
     findings = ", ".join(f"{k} {n}" for k, n in sorted((s.findings_by_kind or {}).items()))
     detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
@@ -82,16 +82,35 @@ def _rows(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
-def _paged_rows(s: Summary) -> list[tuple[str, str]]:
-    """Paged KV figures: preemptions, prefix-cache hit rate (tokens) and cross-tenant hits."""
+def _reference_cache(s: Summary) -> str:
+    """What a target server said of its prefix cache on the reference runs (they are sent past it)."""
+    text = ""
+    if s.reference_uncached_verified:
+        every = "each" if s.reference_uncached_verified == s.reference_checked else \
+            f"{s.reference_uncached_verified} of them"
+        text += f" (the server reported 0 cached prompt tokens for {every})"
+    if s.reference_cached:
+        text += (f"; {s.reference_cached} not counted: the server took part of their prompts from its prefix "
+                 "cache despite a fresh cache_salt")
+    return text
+
+
+def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
+    """Paged KV figures: preemptions, prefix-cache hit rate (tokens) and cross-tenant hits; against a
+    target, the server's own prefix-cache counters and the cached prompt tokens it reported."""
     rows = []
     if s.num_preemptions_total is not None:
         rows.append(("preemptions", str(s.num_preemptions_total)))
     if s.prefix_cache_queries:
         rate = s.prefix_cache_hits / s.prefix_cache_queries
-        rows.append(("prefix cache hit rate", f"{rate:.1%} ({s.prefix_cache_hits} of {s.prefix_cache_queries} "
-                                              "prompt tokens)"))
+        rows.append(("server prefix cache hit rate" if target else "prefix cache hit rate",
+                     f"{rate:.1%} ({s.prefix_cache_hits} of {s.prefix_cache_queries} prompt tokens"
+                     + (" during the load, the server's counters)" if target else ")")))
+    if s.prefix_cache_cross_tenant_hits is not None:
         rows.append(("cross-tenant prefix hits", f"{s.prefix_cache_cross_tenant_hits} tokens"))
+    if s.prompt_tokens_cached is not None:
+        rows.append(("cached prompt tokens", f"{s.prompt_tokens_cached} of {s.prompt_tokens} (the server's usage, "
+                                             "per request)"))
     return rows
 
 
@@ -112,7 +131,7 @@ def _target_rows(s: Summary) -> list[tuple[str, str]]:
            if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak else []),
     }
     rows = []
-    for row in _rows(s):
+    for row in _rows(s, target=True):
         if row[0] not in ENGINE_ONLY_ROWS:
             rows += [row] + extra.get(row[0], [])
     return rows

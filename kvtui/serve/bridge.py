@@ -4,7 +4,9 @@ In: a handler calls `EngineBridge.submit`; the request goes to the session's thr
 queue and is submitted at the start of the next step. Out: the bridge listens to the session's typed
 events in the engine thread and hands each request's news to the handler's asyncio queue with
 `loop.call_soon_threadsafe`: a `TokenOut` per sampled token (from the step event), then the request's
-`Finish` event, or `Closed` when the session closed before the request ever reached the engine.
+`Finish` event, or `Closed` when the session closed before the request ever reached the engine. A
+request admitted with part of its prompt from the prefix cache (paged KV) has the hit's tokens set on
+its stream (`cached_tokens`) before its first token is queued.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class RequestStream:
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.cached_tokens: int | None = None  # prompt tokens from the prefix cache; None: no prefix cache
 
     def put(self, item) -> None:
         """From any thread: queue `item` for the handler."""
@@ -72,8 +75,14 @@ class EngineBridge:
         with self._lock:
             self.accepting = False
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict) -> RequestStream:
+    def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict, *, tenant: str | None = None,
+               cache_salt: str | None = None) -> RequestStream:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
+
+        Args:
+            tenant: who sent it (prefix-cache provenance), None for nobody in particular.
+            cache_salt: its prefix-cache namespace (vLLM's `cache_salt`): with paged KV and prefix caching
+                it is part of its first block's key, so it reuses only blocks computed under the same salt.
 
         Raises:
             NotAccepting: loading or stopping.
@@ -85,8 +94,11 @@ class EngineBridge:
             if not self.accepting or self.session is None:
                 raise NotAccepting()
             self.streams[request_id] = stream
+            if self.session.config.kv == "paged" and self.session.config.prefix_caching:
+                stream.cached_tokens = 0
             planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
-                                     prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata)
+                                     prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata,
+                                     tenant=tenant, cache_salt=cache_salt)
             self.session.submit_external(planned)
         return stream
 
@@ -103,6 +115,10 @@ class EngineBridge:
     def on_event(self, event) -> None:
         """Session listener (engine thread): route tokens and finishes to their handlers."""
         if isinstance(event, StepEvent):
+            for hit in event.prefix_hits:  # admitted this step: before its first token is queued
+                stream = self.streams.get(hit.request_id)
+                if stream is not None and not stream.cached_tokens:
+                    stream.cached_tokens = hit.hit_tokens
             for r in event.running:
                 stream = self.streams.get(r.id) if r.token is not None else None
                 if stream is not None:

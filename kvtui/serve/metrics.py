@@ -34,9 +34,11 @@ class ServeMetrics:
 
     Args:
         model_name: the served model name (label `model_name`).
+        block_size, prefix_caching: the engine's KV block size (tokens; None: slots, no blocks) and
+            whether it caches prefixes, published as vLLM does in `vllm:cache_config_info`'s labels.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, block_size: int | None = None, prefix_caching: bool = False) -> None:
         disable_created_metrics()  # no `*_created` series, as vLLM (a process-wide switch of prometheus_client)
         self.registry = CollectorRegistry()
         labels, values = ("model_name", "engine"), (model_name, "0")
@@ -69,6 +71,13 @@ class ServeMetrics:
                              REQUEST_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        info = {"block_size": str(block_size) if block_size else "None",
+                "enable_prefix_caching": str(bool(prefix_caching))}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=self.registry).labels(**info).set(1)
         self.contamination = Counter("kvtui:contamination_events", "Contamination events reported by kvtui's "
                                      "detectors (kind numeric is a near tie, not contamination).",
                                      ("model_name", "kind", "detector"), registry=self.registry)
@@ -81,6 +90,8 @@ class ServeMetrics:
             self.kv_usage.set(event.kv_usage)
             self.prompt_tokens.inc(event.prefill_tokens)
             self.generation_tokens.inc(sum(1 for r in event.running if r.token is not None))
+            self.prefix_queries.inc(event.prefix_cache_queries or 0)
+            self.prefix_hits.inc(event.prefix_cache_hits or 0)
         elif isinstance(event, FirstToken):
             if event.ttft_s is not None:
                 self.ttft.observe(event.ttft_s)

@@ -1,7 +1,7 @@
 """The OpenAI request bodies `kvtui serve` accepts, their checks, and OpenAI-shaped errors.
 
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
-`include_stop_str_in_output`). Unknown fields are accepted and ignored (as vLLM does); known
+`include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
 parameters the engine cannot honour (n > 1, penalties, logit_bias, echo, suffix, tools) are refused
 with 400 rather than silently ignored.
 """
@@ -86,6 +86,7 @@ class SamplingFields(_Open):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None

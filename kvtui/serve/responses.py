@@ -24,9 +24,14 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's `usage`; with `cached_tokens` (paged KV with prefix caching: prompt tokens taken from the
+    prefix cache) also `prompt_tokens_details.cached_tokens`, as vLLM with --enable-prompt-tokens-details."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class Formatter:
@@ -97,12 +102,12 @@ class Formatter:
         return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         """The stream's last chunk with `stream_options.include_usage`: no choices, the usage."""
-        return {**self._head(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._head(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def whole(self, text: str, entries: list[Entry], finish_reason: str, prompt_tokens: int,
-              completion_tokens: int) -> dict:
+              completion_tokens: int, cached_tokens: int | None = None) -> dict:
         """A non-streamed response."""
         return {**self._head(False), "choices": [self._choice(text, entries, finish_reason, chunk=False)],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

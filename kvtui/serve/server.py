@@ -29,7 +29,8 @@ from kvtui.serve.bridge import EngineBridge
 from kvtui.serve.metrics import ServeMetrics
 
 # where a scenario field comes from on the command line, for error messages
-FLAGS = {"engine.slots": "--slots", "engine.max_len": "--max-len", "engine.max_batch_size": "--max-batch-size",
+FLAGS = {"engine.kv": "--kv", "engine.block_size": "--block-size", "engine.prefix_caching": "--prefix-caching",
+         "engine.slots": "--slots", "engine.max_len": "--max-len", "engine.max_batch_size": "--max-batch-size",
          "engine.max_tokens_per_step": "--max-tokens-per-step", "engine.layout": "--layout",
          "engine.max_waiting": "--max-waiting", "model": "--model", "dtype": "--dtype", "engine": "engine"}
 
@@ -51,6 +52,9 @@ class ServeOptions:
     max_batch_size: int = 8
     max_tokens_per_step: int = 1024
     layout: str = "padded"
+    kv: str = "slots"
+    block_size: int = 16
+    prefix_caching: bool = False
     max_waiting: int | None = None
     detectors: tuple[str, ...] = DETECTOR_NAMES
     threads: int | None = None
@@ -72,7 +76,9 @@ def serve_scenario(options: ServeOptions):
 
     engine = {"slots": options.slots, "max_len": options.max_len, "max_batch_size": options.max_batch_size,
               "max_tokens_per_step": options.max_tokens_per_step, "layout": options.layout,
-              "max_waiting": options.max_waiting, **options.extra}
+              "max_waiting": options.max_waiting, "kv": options.kv, **options.extra}
+    if options.kv == "paged":
+        engine.update(block_size=options.block_size, prefix_caching=options.prefix_caching)
     try:
         return Scenario.model_validate({
             "name": "kvtui serve", "description": "requests from HTTP clients (OpenAI API)", "model": options.model,
@@ -155,7 +161,10 @@ class ServeServer:
         check_fault_names(self.options.faults)
         self.scenario = serve_scenario(self.options)
         self.loaded = self._load(self.options)
-        self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id)
+        paged = self.scenario.engine.kv == "paged"
+        self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id,
+                                    block_size=self.scenario.engine.block_size if paged else None,
+                                    prefix_caching=paged and self.scenario.engine.prefix_caching)
 
     def make_session(self, listener=None, generation: int = 0):
         """A serving Session wired to the bridge and the metrics (a LiveSource SessionFactory too);

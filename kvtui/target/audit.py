@@ -7,11 +7,16 @@ differ from run to run anyway, so a changed answer is compared as the reference 
 first differing token's top-2 logprob gap within the tolerance is `numeric`; beyond it the answer
 moved with its neighbours' content: `cross_request`, naming the replaced neighbours that were in flight
 with it in the first run; without logprobs, `unknown`.
+
+Every request of the three runs goes past the server's prefix cache (a fresh `cache_salt` each, or
+`cache_prompt: false` to llama.cpp): a run that reused the KV an earlier run wrote for the same prompt
+would copy that run's answer instead of computing its own. A request whose server still reports cached
+prompt tokens in either run is not compared, and counted (`TargetAudit.cached`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from kvtui.audit import _replacement
 from kvtui.events import Contamination, NoninterferenceEvidence
@@ -37,9 +42,19 @@ def replaced_plan(planned: list, tokenizer, parity: int) -> list:
     return out
 
 
-def run_target_audit(spec, tokenizer, options: TargetOptions, *, console=None) -> list[Contamination]:
-    """The three runs; returns a `noninterference` report for every kept request whose answer changed
-    (kinds numeric, cross_request or unknown, see the module docstring).
+@dataclass
+class TargetAudit:
+    """What the audit found: `events` (noninterference reports), `compared` (requests compared across
+    two runs), `cached` (requests left out because the server reported cached prompt tokens)."""
+
+    events: list[Contamination] = field(default_factory=list)
+    compared: int = 0
+    cached: int = 0
+
+
+def run_target_audit(spec, tokenizer, options: TargetOptions, *, console=None) -> TargetAudit:
+    """The three runs; a `noninterference` report for every kept request whose answer changed (kinds
+    numeric, cross_request or unknown, see the module docstring).
 
     Raises:
         TargetError: the server cannot be reached.
@@ -48,12 +63,13 @@ def run_target_audit(spec, tokenizer, options: TargetOptions, *, console=None) -
         if console is not None:
             console.print(text)
 
+    options = replace(options, uncached_load=True)
     say("audit: baseline run")
     base = TargetSession(spec, tokenizer, options, detectors=())
     planned = list(base.pending)
     base.run()
     ordered = sorted(base.results)
-    events = []
+    audit = TargetAudit()
     for parity in (0, 1):
         say(f"audit: run with the {'even' if parity == 0 else 'odd'} requests' prompts replaced")
         changed = TargetSession(spec, tokenizer, options, detectors=(),
@@ -62,10 +78,14 @@ def run_target_audit(spec, tokenizer, options: TargetOptions, *, console=None) -
         for index, rid in enumerate(ordered):
             if index % 2 == parity or rid not in changed.results:
                 continue
+            if base.results[rid].cached_tokens or changed.results[rid].cached_tokens:
+                audit.cached += 1
+                continue
+            audit.compared += 1
             event = _compare(rid, base, changed, parity, ordered, options.tolerance)
             if event is not None:
-                events.append(event)
-    return events
+                audit.events.append(event)
+    return audit
 
 
 def _compare(rid: str, base: TargetSession, changed: TargetSession, parity: int, ordered: list[str],

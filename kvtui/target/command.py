@@ -12,8 +12,7 @@ from rich.markup import escape
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
-               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching",
-               "--timing": "timing"}
+               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching"}
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
 
 def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
     """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
-    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out
+    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out, say
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.summary import print_contamination
     from kvtui.target.audit import run_target_audit
@@ -137,12 +136,16 @@ def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None
     options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
                             max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance)
     try:
-        events = run_target_audit(spec, tokenizer, options, console=err)
+        audit = run_target_audit(spec, tokenizer, options, console=err)
     except TargetError as e:
         fail(str(e))
     except ValueError as e:
         fail(f"{scenario_path}: {e}")
+    events = audit.events
     print_contamination(events, out)
+    if audit.cached:
+        say("warning", f"{audit.cached} requests were not compared: the server reported prompt tokens from its "
+            "prefix cache although each request carried a fresh cache_salt (or cache_prompt: false)")
     counted = [e for e in events if e.counts]
     if counted:
         err.print(f"[bold red]noninterference violated: {len(counted)} requests changed with their neighbours[/]")
@@ -151,6 +154,39 @@ def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None
     out.print("noninterference holds: no request's answer moved with its neighbours' prompts beyond numeric "
               f"noise ({numeric} near-tie or unlabelled changes)" if numeric else
               "noninterference holds: every request's answer stayed the same with its neighbours replaced")
+
+
+def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block_size: int | None,
+                  cache_salt: str) -> None:
+    """`kvtui audit SCENARIO --timing --target URL`: the three configurations, the table, the verdict;
+    exit 1 when one tenant can tell another's prefix (kvtui/target/timing.py)."""
+    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out, say
+    from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.target.timing import CONFIG_TEXT, print_target_timing, run_target_timing, verdict
+
+    try:
+        tokenizer = load_tokenizer(model or spec.model)
+    except ModelLoadError as e:
+        fail(str(e))
+    options = TargetOptions(url=run.url, served_model=run.served_model, timeout_s=run.timeout_s)
+    try:
+        cache, rows = run_target_timing(options, tokenizer, probes=probes, block_size=block_size, console=err)
+    except TargetError as e:
+        fail(str(e))
+    print_target_timing(cache, rows, out)
+    v = verdict(rows, cache_salt)
+    judged = CONFIG_TEXT[v.judged]
+    if v.leak:
+        err.print(f"[bold red]prefix-cache side channel: with {escape(judged)}, one tenant can tell another's "
+                  "cached prefix[/]", highlight=False)
+        raise typer.Exit(EXIT_CONTAMINATION)
+    if v.inconclusive:
+        off = " (the server says enable_prefix_caching=False)" if cache.prefix_caching is False else ""
+        say("warning", f"cannot judge: even with the same salt no probe reused the victim's blocks{off}; "
+            "prefix caching looks off, so a clean result proves nothing about salts")
+        return
+    out.print(f"tenants kept apart with {judged}: no probe read another tenant's cached blocks, and TTFT does not "
+              "tell a matching guess apart; the same salt does share (the control)", markup=False, highlight=False)
 
 
 def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,

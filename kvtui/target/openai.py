@@ -76,6 +76,9 @@ class StreamResult:
         tokens: per generated token, when the server returned logprobs (else empty).
         finish_reason: the server's (stop, length, ...), or "error" with `error` set.
         prompt_tokens / completion_tokens: the server's `usage`, None when it sent none.
+        cached_tokens: prompt tokens the server took from its prefix cache (KV it had computed before),
+            from `usage.prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details,
+            llama.cpp, OpenAI) or llama.cpp's `timings.cache_n`; None when the server said nothing.
     """
 
     sent_s: float
@@ -88,6 +91,7 @@ class StreamResult:
     error: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def text(self) -> str:
@@ -210,7 +214,24 @@ def _read_event(line: str, result: StreamResult, clock: Callable[[], float]) -> 
     if usage:
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         result.completion_tokens = usage.get("completion_tokens", result.completion_tokens)
+    cached = cached_tokens(data)
+    if cached is not None:
+        result.cached_tokens = cached
     return False
+
+
+def cached_tokens(data: dict) -> int | None:
+    """Prompt tokens a response (or stream chunk) says came from the server's prefix cache: OpenAI's
+    `usage.prompt_tokens_details.cached_tokens` (vLLM fills it when started with
+    --enable-prompt-tokens-details; llama.cpp always), else llama.cpp's `timings.cache_n`; None when
+    neither is there."""
+    details = (data.get("usage") or {}).get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        return details["cached_tokens"]
+    timings = data.get("timings")
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"]
+    return None
 
 
 def _add_chunk(choice: dict, result: StreamResult, now: float) -> None:

@@ -72,8 +72,22 @@ def stats(snap, width: int, height: int) -> Text:
         f"streaming {snap.running}  before first token {snap.waiting}  finished {snap.finished}\n")
     text.append("padding  ", style="bold").append("not visible from outside the server\n", style="dim")
     text.append("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}\n")
-    text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}")
+    text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}\n")
+    text.append("prefix   ", style="bold").append(*_prefix(view))
     return text
+
+
+def _prefix(view) -> tuple[str, str | None]:
+    """The server's prefix cache: hit rate by its counters, and the cached tokens its responses reported."""
+    parts = []
+    if view.prefix_queries:
+        parts.append(f"hits {view.prefix_hits / view.prefix_queries:.1%} ({view.prefix_hits:.0f} of "
+                     f"{view.prefix_queries:.0f} tok)")
+    if view.cached_tokens is not None:
+        parts.append(f"cached {view.cached_tokens} of {view.prompt_tokens} prompt tok (usage)")
+    if not parts:
+        return "not exposed (vllm:prefix_cache_hits, usage.prompt_tokens_details)", "dim"
+    return "  ".join(parts), None
 
 
 def header_status(snap) -> Text:

