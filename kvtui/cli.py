@@ -150,8 +150,9 @@ def run(
     inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
 
     Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
-    `expect: {contamination: detected}` but nothing detected; 2 bad input; 3 runtime error (against a
-    target: no request completed).
+    `expect: {contamination: detected}` but nothing detected; 2 bad input (also a scenario in which no
+    request fits the engine, or a fault that cannot act in its layout or KV mode); 3 runtime error (the
+    recording stopped, or no request completed); 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     spec = _load_scenario(scenario)
     if target is not None:
@@ -180,31 +181,134 @@ def run(
         headless = True
     if prefix_caching is not None:
         spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
+    refuse_idle_faults(scenario, spec, _fault_names(fault), off, layout=layout, clear_faults=clear_faults,
+                       prefix_caching=prefix_caching)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model)
     if not headless:
+        check_lengths(scenario, spec, _load_tokenizer(model or spec.model))
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or "wall"})
         return
     loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
-    session = _session(spec, scenario, loaded, **{**options, "clock": clock or "virtual"})
-    install_stop_handlers(session)
+    planned = check_lengths(scenario, spec, loaded.tokenizer)
+    session = _session(spec, scenario, loaded, planned=planned, **{**options, "clock": clock or "virtual"})
+    stopped = install_stop_handlers(session)
     summary = _run_headless(session, record, quiet)
     from kvtui.summary import print_contamination, print_summary
 
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out, recording=record)
-    if session.unapplied_timeline:
-        err.print(f"[yellow]warning:[/] {len(session.unapplied_timeline)} timeline event(s) came after the run's end "
-                  f"and were not applied (first at {session.unapplied_timeline[0].at_s:g} s)", highlight=False,
-                  soft_wrap=True)
-    if record:
+    if session.unapplied_timeline and stopped.signum is None:
+        say("warning", f"{len(session.unapplied_timeline)} timeline event(s) came after the run's end and were not "
+                       f"applied (first at {session.unapplied_timeline[0].at_s:g} s)")
+    finish_headless(spec, session, record, stopped, expect_override="none" if clear_faults and not faults else None)
+
+
+def finish_headless(spec, session, record: Path | None, stopped: StopSignal, expect_override: str | None = None,
+                    untested: str | None = None) -> None:
+    """The last lines and the exit code of a headless run (local or --target), first match wins:
+    interrupted by a signal (128 + its number: 130 SIGINT, 143 SIGTERM), the recording stopped (3), no
+    request completed (3: each was rejected, or none arrived; `untested` replaces the line that says so),
+    then the scenario's `expect` (0 or 1)."""
+    broken = session.recording_error
+    if record and not broken:
         out.print(f"recording: {record}", markup=False, highlight=False)
-    code, reason = verdict(spec, session, expect_override="none" if clear_faults and not faults else None)
+    if broken:
+        say("error", f"{broken}; the run went on without it (free space, or choose another --record path)")
+    if stopped.signum is not None:
+        summary = session.summary
+        left = summary.requests_not_submitted if summary is not None else 0
+        left = f"; {left} planned request{'s' if left != 1 else ''} not submitted" if left else ""
+        say("error", f"interrupted by {stopped.name}: the run stopped early{left}; the summary above covers what "
+                     f"ran (exit {stopped.exit_code})")
+        raise typer.Exit(stopped.exit_code)
+    if broken:
+        raise typer.Exit(EXIT_RUNTIME)
+    untested = nothing_completed(session.summary) if untested is None else untested
+    if untested:
+        say("error", untested)
+        raise typer.Exit(EXIT_RUNTIME)
+    code, reason = verdict(spec, session, expect_override=expect_override)
     if code:
         err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
         raise typer.Exit(code)
     if reason:
         out.print(reason, markup=False, highlight=False)
+
+
+def nothing_completed(summary) -> str:
+    """Why a run tested nothing (no request completed: each was rejected, or none arrived), one line
+    with the rejections counted by code; "" when some request completed."""
+    from kvtui.summary import finish_counts
+
+    if summary is None or summary.requests_completed:
+        return ""
+    if not summary.requests_finished:
+        return "no request arrived, so nothing was tested; check max_requests, duration_s and the arrivals"
+    fix = ""
+    codes = summary.rejection_reasons or {}
+    if codes.get("too_long"):
+        fix = "; raise engine.max_len or lower output_tokens (or set engine.on_too_long: cap)"
+    elif codes.get("queue_full"):
+        fix = "; raise engine.max_waiting or lower the arrival rate"
+    if summary.rejections == summary.requests_finished:
+        counted = ", ".join(f"{k} {v}" for k, v in sorted(codes.items()))
+        return f"no request completed: all {summary.rejections} were rejected ({counted}), so nothing was tested{fix}"
+    return f"no request completed ({finish_counts(summary)}), so nothing was tested{fix}"
+
+
+def _load_tokenizer(name: str):
+    from kvtui.models import ModelLoadError, load_tokenizer
+
+    try:
+        return load_tokenizer(name)
+    except ModelLoadError as e:
+        fail(str(e))
+
+
+def check_lengths(path: Path, spec, tokenizer) -> list:
+    """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when none
+    does (every one would be rejected, so the run would test nothing), a warning line when some do
+    not. Returns the planned requests."""
+    from kvtui.scenario import plan_requests
+    from kvtui.scenario.fit import fit_lines
+
+    planned = plan_requests(spec, tokenizer)
+    errors, warnings = fit_lines(spec, planned, str(path))
+    for line in warnings:
+        say("warning", line)
+    if errors:
+        fail(errors[0])
+    return planned
+
+
+def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tuple[str, ...] = (), *,
+                       layout: str | None = None, clear_faults: bool = False,
+                       prefix_caching: bool | None = None) -> None:
+    """Exit 2 with one line for a fault that could not act in this run (so it would never fire and an
+    `expect: detected` run would fail for nothing, an `expect: none` one pass for nothing): a --fault or
+    --isolation off one outside the engine's layout or KV mode, or the scenario's own once --layout or
+    --no-prefix-caching changed the engine. The line names what the fault needs."""
+    from kvtui.faults import FAULTS
+    from kvtui.scenario.fit import idle_faults
+
+    e = spec.engine
+    for name, where, why in idle_faults(spec, faults + off, layout, prefix_caching, scenario_faults=not clear_faults):
+        fault = FAULTS[name]
+        if e.kv not in fault.kv:
+            need = f"a scenario with engine.kv: {fault.kv[0]}"
+        elif "prefix_caching" in fault.needs and not e.prefix_caching:
+            need = "--prefix-caching (or engine.prefix_caching: true)"
+        else:
+            need = f"--layout {fault.layouts[0]}"
+        if where == "extra":
+            flag = f"--isolation off ({name})" if name in off and name not in faults else f"--fault {name}"
+            fail(f"{flag}: {why.removeprefix(f'fault {name} ')}, so it would never fire; use {need} "
+                 "(`kvtui faults` lists where each fault acts)")
+        changed = " and ".join(x for x in (f"--layout {layout}" if layout else "", "--no-prefix-caching"
+                                           if prefix_caching is False else "") if x) or "these options"
+        fail(f"{path}: {where}: {why} (with {changed}), so it would never fire; drop {changed}, or add "
+             "--clear-faults to run without the scenario's faults")
 
 
 def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):
@@ -232,17 +336,38 @@ def _session(spec, path: Path, loaded, **options):
         fail(f"{path}: {e}")
 
 
-def install_stop_handlers(session) -> None:
+class StopSignal:
+    """The signal that stopped a headless run: `signum` (None while none came), its `name` and the exit
+    code a shell gives a process that signal ended, 128 + its number (130 SIGINT, 143 SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+
+def install_stop_handlers(session) -> StopSignal:
     """Ctrl-C / SIGTERM: set `session.stop_requested` (the engine stops after its current step, a target
-    run stops sending and aborts what is in flight) and write the summary; a second one aborts."""
+    run stops sending and aborts what is in flight) and write the summary; a second one aborts.
+    Returns the StopSignal that says which signal came."""
+    stopped = StopSignal()
+
     def stop(signum, frame):
         if session.stop_requested:
             raise KeyboardInterrupt
         session.stop_requested = True
+        stopped.signum = signum
         err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    return stopped
 
 
 def _run_headless(session, record, quiet: bool):
@@ -275,8 +400,9 @@ def _dashboard(scenario: Path, **options) -> None:
     from kvtui.summary import print_summary
     from kvtui.tui import run_dashboard
 
+    closed: list = []
     try:
-        summary, header = run_dashboard(scenario, **options)
+        summary, header = run_dashboard(scenario, on_closed=closed.append, **options)
     except ScenarioError as e:
         for line in e.errors:
             say("error", line)
@@ -289,6 +415,9 @@ def _dashboard(scenario: Path, **options) -> None:
         fail(f"runtime error: {type(e).__name__}: {e}", EXIT_RUNTIME)
     if summary is not None:
         print_summary(summary, header, out)
+    broken = closed[-1].recording_error if closed else ""
+    if broken:
+        fail(f"{broken}; the run went on without it (free space, or choose another --record path)", EXIT_RUNTIME)
     if options.get("record"):
         out.print(f"recording: {options['record']}", markup=False, highlight=False)
 
@@ -360,11 +489,33 @@ def replay_summary(header, events, recorded):
 
 
 @app.command()
-def validate(scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")]) -> None:
-    """Check a scenario and print it normalized (all defaults filled), or its errors (exit 2)."""
+def validate(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")],
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Check this fault too, as `kvtui "
+                                                               "run --fault` would turn it on (repeatable).")] = None,
+    layout: Annotated[Optional[Layout], typer.Option(help="Check with this engine layout, as `kvtui run --layout`."
+                                                     )] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Plan the prompts with this model's tokenizer, "
+                                                 "as `kvtui run --model`.")] = None,
+) -> None:
+    """Check a scenario and print it normalized (all defaults filled), or its errors (exit 2).
+
+    Besides the fields, it refuses a scenario that would test nothing: one in which no planned request
+    fits the engine (prompt + output above max_len: each would be rejected), or a fault that cannot act
+    in its layout or KV mode; it warns when only some requests fit. Planning the prompts loads the
+    model's tokenizer (not its weights)."""
     import yaml
 
     spec = _load_scenario(scenario)
+    refuse_idle_faults(scenario, spec, _fault_names(fault), layout=layout)
+    from kvtui.models import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model or spec.model)
+    except ModelLoadError as e:
+        say("note", f"request lengths not checked: {e}")
+    else:
+        check_lengths(scenario, spec, tokenizer)
     out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False, markup=False)
 
 
@@ -437,10 +588,12 @@ def audit(
     if block_size is not None or cache_salt != "per_tenant":
         fail(f"{'--block-size' if block_size is not None else '--cache-salt'} applies to --timing --target; "
              "kvtui's own engine takes the scenario's engine.block_size and tenants.cache_salt")
+    refuse_idle_faults(scenario, spec, _fault_names(fault))
     loaded = _load_model(model or spec.model, spec.dtype, "cpu")
     if timing:
         _timing_audit(scenario, spec, loaded, _fault_names(fault), probes)
         return
+    check_lengths(scenario, spec, loaded.tokenizer)
     from kvtui.audit import run_audit
 
     try:
@@ -519,10 +672,13 @@ def serve(
     if result.summary is not None:
         print_summary(result.summary, result.header, out)
         print_contamination(result.contamination, out, recording=record)
-    if record:
+    if record and not result.recording_error:
         out.print(f"recording: {record}", markup=False, highlight=False)
     if result.error is not None:
         fail(f"runtime error: {type(result.error).__name__}: {result.error}", EXIT_RUNTIME)
+    if result.recording_error:
+        fail(f"{result.recording_error}; serving went on without it (free space, or choose another --record path)",
+             EXIT_RUNTIME)
 
 
 def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:
@@ -629,7 +785,8 @@ def main() -> int:
         message = e.format_message().replace("Value error, ", "")
         say("error", f"{message} (see `{command} --help`)")
         return EXIT_BAD_INPUT
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):  # a second Ctrl-C while a run was stopping
+        say("error", "interrupted")
         return 130
     return code if isinstance(code, int) else EXIT_OK
 

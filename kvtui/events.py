@@ -375,6 +375,19 @@ class Marker(_Frozen):
     text: str
 
 
+class RecordingFailed(_Frozen):
+    """The recording stopped: a write failed (disk full, file too large, I/O error). Never recorded (the
+    file takes no more lines); listeners get it, so a server can log it and count it and the dashboard
+    can show it. `lines`: whole lines the file kept; `error`: the cause, e.g. 'No space left on device
+    (ENOSPC)'."""
+
+    type: Literal["recording.failed"] = "recording.failed"
+    t: float
+    path: str
+    lines: int
+    error: str
+
+
 class ReferenceStatus(_Frozen):
     """Progress of the reference detector's checks (v2): completed requests checked against their
     reference run, skipped (sampled out when it fell behind, or left at a quit), still waiting."""
@@ -446,6 +459,7 @@ class Summary(_Frozen):
     requests_finished: int
     finish_reasons: dict[str, int]
     rejections: int
+    rejection_reasons: dict[str, int] | None = None  # (v2) rejected requests by code, when any was
     prompt_tokens: int
     generated_tokens: int
     prefill_tokens_per_s: float

@@ -143,6 +143,21 @@ def faults_for(kv: str = "slots") -> tuple[str, ...]:
     """The faults that act in KV mode `kv`, in catalogue order."""
     return tuple(name for name, fault in FAULTS.items() if kv in fault.kv)
 
+
+def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False) -> str:
+    """Why fault `name` cannot act in an engine with this layout and KV mode, naming what it needs, e.g.
+    "fault no_request_mask acts in the packed layout only, not padded"; "" when it can act there. A run
+    with such a fault on would test nothing: the fault never fires, so nothing can be detected."""
+    fault = FAULTS[name]
+    if kv not in fault.kv:
+        return f"fault {name} acts with kv: {' or '.join(fault.kv)} only, not {kv}"
+    if "prefix_caching" in fault.needs and not prefix_caching:
+        return f"fault {name} acts in the prefix cache, which is off"
+    if layout not in fault.layouts:
+        return f"fault {name} acts in the {' or '.join(fault.layouts)} layout only, not {layout}"
+    return ""
+
+
 FP16_MASK_CONSTANT = -1e9  # the classic hand-written mask constant; float16 rounds it to -inf
 
 

@@ -108,6 +108,20 @@ class SLO:
         return not (self.tpot_s is not None and tpot is not None and tpot > self.tpot_s)
 
 
+# the engine's rejection texts, for a Finish event that carries no code (recordings made before codes)
+_DETAIL_CODES = (("empty prompt", "empty"), ("waiting queue full", "queue_full"), ("out of vocabulary",
+                 "out_of_vocabulary"), ("max_len", "too_long"), ("KV blocks", "too_long"))
+
+
+def rejection_code(finish: Finish) -> str:
+    """Why a request was rejected, as a code: the event's own `code` when it has one, else the code of
+    the engine's detail text (`empty`, `too_long`, `queue_full`, `out_of_vocabulary`), else `other`."""
+    code = getattr(finish, "code", None)
+    if code:
+        return code
+    return next((c for text, c in _DETAIL_CODES if text in finish.detail), "other")
+
+
 class Metrics:
     """Accumulates a run's figures from its events; `summary()` gives the final ones.
 
@@ -147,6 +161,7 @@ class Metrics:
         self.e2e: list[float] = []
         self.queue: list[float] = []
         self.finish_reasons: Counter = Counter()
+        self.rejection_reasons: Counter = Counter()  # rejected requests by code (too_long, queue_full, ...)
         self.requests_finished = 0
         self.good_requests = 0
         self.measured_wall_s = 0.0
@@ -226,6 +241,7 @@ class Metrics:
         if r.finish_s is not None:
             self.last_t = max(self.last_t, r.finish_s)
         if r.finish_reason == "rejected":
+            self.rejection_reasons[rejection_code(r)] += 1
             return
         if r.cached_tokens is not None:
             self.cached_tokens = (self.cached_tokens or 0) + r.cached_tokens
@@ -273,7 +289,8 @@ class Metrics:
             t=self.last_t if t is None else t, duration_s=d, steps=self.steps,
             measured_step_wall_s=self.measured_wall_s, requests_finished=self.requests_finished,
             requests_completed=self.requests_completed, finish_reasons=dict(self.finish_reasons),
-            rejections=self.finish_reasons.get("rejected", 0), prompt_tokens=self.prompt_tokens,
+            rejections=self.finish_reasons.get("rejected", 0), rejection_reasons=dict(self.rejection_reasons) or None,
+            prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens, prefill_tokens_per_s=self.prefill_tokens / d,
             decode_tokens_per_s=self.decode_tokens / d, output_tokens_per_s=self.generated_tokens / d,
             request_throughput_per_s=self.requests_completed / d, goodput_requests_per_s=self.good_requests / d,

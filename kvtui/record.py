@@ -10,8 +10,12 @@ files read with the same types. recordings/README.md documents every field.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -19,7 +23,8 @@ import pydantic
 
 from kvtui.events import FORMAT, READABLE_VERSIONS, VERSION, Header, Summary, parse_event
 
-__all__ = ["FORMAT", "VERSION", "RecordingError", "RecordingWriter", "read_recording"]
+__all__ = ["FORMAT", "VERSION", "RecordingError", "RecordingWriter", "check_unlocked", "describe_os_error",
+           "read_recording"]
 
 
 class RecordingError(Exception):
@@ -30,34 +35,137 @@ class RecordingWriter:
     """Appends events to a JSONL file, flushing (and fsyncing every `sync_every` lines) so a crash
     or kill loses at most the line being written.
 
+    The file is created with mode 0600 (a recording holds every prompt and answer) and, when it is a
+    regular file, held under an exclusive advisory lock (flock) while it is written: a second writer
+    given the same path is refused at start instead of interleaving its lines with the first's.
+
+    A write that fails later (disk full, file too large, I/O error) never raises: the writer stops
+    there, keeps the cause in `error` and the count of whole lines in `lines`, and calls `on_error`
+    once, so a run or a server goes on without its recording.
+
     Raises:
-        OSError: the file cannot be created (the caller turns it into a one-line error).
+        OSError: the file cannot be created or opened for writing (the caller turns it into a one-line
+            error); errno EAGAIN, its strerror saying so, when another writer holds the file's lock.
     """
 
-    def __init__(self, path: str | Path, *, sync_every: int = 50) -> None:
+    def __init__(self, path: str | Path, *, sync_every: int = 50,
+                 on_error: Callable[[RecordingWriter], None] | None = None) -> None:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")
-        self._lines = 0
+        self._file: IO[str] | None
+        self._file, self._syncable = _open_locked(self.path)
+        self.lines = 0
         self.sync_every = sync_every
+        self.error: OSError | None = None
+        self.on_error = on_error
+
+    @property
+    def failed(self) -> bool:
+        """A write failed: nothing more is written (see `error`)."""
+        return self.error is not None
 
     def write(self, event) -> None:
-        """Append one typed event (kvtui.events) as a line."""
+        """Append one typed event (kvtui.events) as a line; after a failed write, nothing."""
         if self._file is None:
             return
-        self._file.write(event.to_json() + "\n")
-        self._file.flush()
-        self._lines += 1
-        if self._lines % self.sync_every == 0:
-            os.fsync(self._file.fileno())
+        try:
+            self._file.write(event.to_json() + "\n")
+            self._file.flush()
+            if self._syncable and (self.lines + 1) % self.sync_every == 0:
+                os.fsync(self._file.fileno())
+        except OSError as e:
+            self._fail(e)
+            return
+        self.lines += 1
 
     def close(self) -> None:
-        if self._file is not None:
+        """Flush, fsync and close (releasing the lock); a failure here is kept in `error` too."""
+        if self._file is None:
+            return
+        try:
             self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+            if self._syncable:
+                os.fsync(self._file.fileno())
+        except OSError as e:
+            self._fail(e)
+            return
+        self._release()
+
+    def describe_error(self) -> str:
+        """One line: the file, where it stopped and the cause, e.g. 'runs/a.jsonl: recording stopped
+        after 120 lines: No space left on device (ENOSPC)'; "" when nothing failed."""
+        if self.error is None:
+            return ""
+        return f"{self.path}: recording stopped after {self.lines} lines: {describe_os_error(self.error)}"
+
+    def _fail(self, e: OSError) -> None:
+        self.error = e
+        self._release()
+        if self.on_error is not None:
+            self.on_error(self)
+
+    def _release(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()  # closing the descriptor releases the flock
+        except OSError:  # the buffered tail cannot be written either: the descriptor is closed regardless
+            pass
+
+
+def describe_os_error(e: OSError) -> str:
+    """'No space left on device (ENOSPC)': the system's text and the errno name."""
+    name = errno.errorcode.get(e.errno or 0)
+    text = e.strerror or str(e) or type(e).__name__
+    return f"{text} ({name})" if name else text
+
+
+def _open_locked(path: Path) -> tuple[IO[str], bool]:
+    """Open `path` for writing, created 0600; a regular file is locked (flock, exclusive, not waiting)
+    before it is emptied, so a refused second writer leaves the first one's lines alone. Returns the
+    file and whether it is a regular file (only those are locked, emptied and fsynced; a pipe or a
+    device such as /dev/stdout is written as it is)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            _lock(fd)
+            os.ftruncate(fd, 0)
+            with contextlib.suppress(OSError):  # a file another user owns keeps its mode
+                os.fchmod(fd, 0o600)
+        return open(fd, "w", encoding="utf-8", closefd=True), regular
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_unlocked(path: str | Path) -> None:
+    """Raise the writer's OSError (errno EAGAIN) now when another writer holds `path`'s lock; nothing
+    when the file is absent, not a regular file, or free. Changes nothing in the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return  # absent or not writable: creating it reports that
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            _lock(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int) -> None:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no advisory lock
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OSError(errno.EAGAIN, "another process is writing this recording (it holds the file's lock); "
+                                    "wait for it to finish") from None
+    except OSError as e:  # a file system without flock (some network mounts): write unlocked
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            raise
 
 
 def read_recording(path: str | Path) -> tuple[Header, list, Summary | None, bool]:

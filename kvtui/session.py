@@ -37,6 +37,7 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
+    RecordingFailed,
     ReferenceStatus,
     RunningEntry,
     StepEvent,
@@ -46,7 +47,7 @@ from kvtui.events import (
 )
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
-from kvtui.record import RecordingWriter
+from kvtui.record import RecordingWriter, describe_os_error
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
 MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
@@ -82,7 +83,7 @@ _malloc_trim = None
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
-                  cost_model: str = "auto", serving: bool = False) -> "Session":
+                  cost_model: str = "auto", serving: bool = False, planned: list | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -92,6 +93,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         cost_model: the virtual clock's step costs: "auto" (this machine's `kvtui calibrate` fit for the
             model when there is one, else the built-in fit) or "default" (the built-in fit).
         serving: requests come from submit_external (kvtui serve), not the scenario (see Session).
+        planned: the scenario's planned requests when the caller planned them already (see Session).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -103,7 +105,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   cost_model=cost_model, serving=serving)
+                   cost_model=cost_model, serving=serving, planned=planned)
 
 
 class Session:
@@ -123,18 +125,21 @@ class Session:
             one; see kvtui/calibrate.py). Virtual clock only.
         serving: plan no scenario arrivals; requests come only from `submit_external` (any thread), and
             the session is never done until stopped (kvtui serve). Use the wall clock.
+        planned: `plan_requests(scenario, tokenizer)` when the caller has it already (the CLI checks
+            the plan before the run); None plans here.
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
-        OSError: the recording cannot be created.
+        OSError: the recording cannot be created, its first lines cannot be written, or another
+            writer holds it (errno EAGAIN). A write that fails later only stops the recording
+            (`recording_error` says why; listeners get a RecordingFailed event).
     """
 
     def __init__(self, scenario, loaded, *, clock: str = "virtual", record_path=None,
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
-                 fault_switches: bool = True, cost_model: str = "default", serving: bool = False) -> None:
-        from kvtui.scenario import plan_requests
-
+                 fault_switches: bool = True, cost_model: str = "default", serving: bool = False,
+                 planned: list | None = None) -> None:
         self.scenario, self.loaded, self.clock = scenario, loaded, clock
         self.tokenizer = loaded.tokenizer
         self.config = self._engine_config(engine_overrides, faults)
@@ -145,8 +150,7 @@ class Session:
         self.engine.detect_taint = "slot_taint" in self.detectors
         self.engine.measure_flow = "attention_flow" in self.detectors
         self.serving = serving
-        self.pending = [] if serving else sorted(plan_requests(scenario, self.tokenizer),
-                                                 key=lambda p: (p.arrival_s, p.request_id))
+        self.pending = self._planned(planned)
         self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
         self._external_ready = threading.Event()
         self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
@@ -167,6 +171,17 @@ class Session:
         self.unapplied_timeline: list = []
         self._trails = _Trails()
         self._started()
+        self._watch_recording()
+
+    def _planned(self, planned: list | None) -> list:
+        """The requests to submit, in arrival order (none when serving)."""
+        from kvtui.scenario import plan_requests
+
+        if self.serving:
+            return []
+        if planned is None:
+            planned = plan_requests(self.scenario, self.tokenizer)
+        return sorted(planned, key=lambda p: (p.arrival_s, p.request_id))
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
         overrides = dict(engine_overrides or {})
@@ -199,6 +214,26 @@ class Session:
         self.emit(self.header())
         for name in sorted(self.engine.faults):
             self.emit(FaultSwitch(t=0.0, name=name, on=True, source="config", active=tuple(sorted(self.engine.faults))))
+
+    def _watch_recording(self) -> None:
+        """A recording whose first lines cannot be written (e.g. /dev/full) is refused now (OSError); a
+        write that fails later stops the recording only, and listeners get a RecordingFailed event."""
+        if self.recorder is None:
+            return
+        if self.recorder.failed:
+            raise self.recorder.error
+        self.recorder.on_error = self._recording_failed
+
+    def _recording_failed(self, recorder: RecordingWriter) -> None:
+        event = RecordingFailed(t=self.engine.now(), path=str(recorder.path), lines=recorder.lines,
+                                error=describe_os_error(recorder.error))
+        for listener in self.listeners:
+            listener(event)
+
+    @property
+    def recording_error(self) -> str:
+        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
+        return self.recorder.describe_error() if self.recorder is not None else ""
 
     # -- events -------------------------------------------------------------------------------
     def header(self) -> Header:

@@ -44,8 +44,17 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     console.print(table)
 
 
+def finish_counts(s: Summary) -> str:
+    """'stop 6, rejected 2: too_long 2': requests by finish reason, the rejected last with their codes."""
+    parts = [f"{k} {v}" for k, v in sorted(s.finish_reasons.items()) if k != "rejected"]
+    if s.finish_reasons.get("rejected"):
+        codes = ", ".join(f"{k} {v}" for k, v in sorted((s.rejection_reasons or {}).items()))
+        parts.append(f"rejected {s.finish_reasons['rejected']}" + (f": {codes}" if codes else ""))
+    return ", ".join(parts) or "-"
+
+
 def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s.finish_reasons.items())) or "-"
+    reasons = finish_counts(s)
     ttft, tpot = s.time_to_first_token_seconds, s.time_per_output_token_seconds
     rows = [
         ("requests", f"{s.requests_finished} ({reasons})"),

@@ -60,3 +60,39 @@ def test_committed_recordings_validate_and_replay_to_their_summaries():
         replayed = replay_summary(header, events, summary)
         written = summary.model_dump(exclude_unset=True)
         assert {k: v for k, v in replayed.model_dump().items() if k in written} == written, path.name
+
+
+FORBIDDEN_FOR_CORE = ("kvtui.tui", "kvtui.serve", "kvtui.target", "kvtui.cli")
+
+
+def _imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `path`, at any depth (function-level ones too);
+    relative imports resolved against `package` (the file's), `from X import Y` counted as X and X.Y."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_engine_detectors_and_events_import_nothing_from_the_ui_server_target_or_cli():
+    files = sorted((ROOT / "kvtui" / "engine").glob("*.py")) + sorted((ROOT / "kvtui" / "detect").glob("*.py")) \
+        + [ROOT / "kvtui" / "events.py"]
+    assert len(files) > 15
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in files
+           for line, name in _imported_modules(path, ".".join(path.relative_to(ROOT).parts[:-1]))
+           if name in FORBIDDEN_FOR_CORE or name.startswith(tuple(m + "." for m in FORBIDDEN_FOR_CORE))]
+    assert bad == []
+
+
+def test_the_import_check_sees_function_level_and_relative_imports(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from ..tui import app\n    import kvtui.cli\n    from kvtui import serve\n")
+    names = [name for _, name in _imported_modules(probe, "kvtui.engine")]
+    assert {"kvtui.tui", "kvtui.tui.app", "kvtui.cli", "kvtui.serve"} <= set(names)

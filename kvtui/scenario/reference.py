@@ -74,6 +74,13 @@ Conventions:
   reported as `warning:` lines.
 - The engine's KV pool must fit in memory and `engine.max_len` within a model's learned position
   table; where the model's geometry is known without loading it, `kvtui validate` checks both.
+- A scenario must be able to test something. `kvtui validate` and `kvtui run` plan its requests (with
+  the model's tokenizer) and refuse it when none fits the engine (prompt + `output_tokens` above
+  `engine.max_len` with `on_too_long: reject`, a prompt of `max_len` tokens or more, or more blocks than
+  a paged pool gives one request): every request would be rejected. When only some do not fit, a
+  `warning:` line says how many. A fault in `engine.faults` or switched on by the timeline must act in
+  the engine's KV mode and in the layout in effect when it is switched on (`kvtui faults` lists both);
+  one that cannot would never fire.
 
 The sections below list every field. "allowed" gives the bounds; a field with no default is required.
 """

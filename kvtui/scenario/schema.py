@@ -162,14 +162,22 @@ class EngineSection(Strict):
         return (self.slots or _D.num_slots) * -(-self.max_len // self.block_size) + 1
 
 
-def check_fault_fits(name: str, engine: EngineSection, where: tuple) -> None:
-    """A fault must act in the engine's KV mode and have what it needs (prefix caching). Raises Problem."""
+def check_fault_fits(name: str, engine: EngineSection, where: tuple, layout: str | None = None) -> None:
+    """A fault must act in the engine's KV mode, have what it needs (prefix caching) and act in the layout
+    in effect when it is switched on (`layout`, default engine.layout). Raises Problem naming what it needs."""
     fault = FAULTS[name]
     if engine.kv not in fault.kv:
         raise Problem(f"fault {name} acts with kv: {' or '.join(fault.kv)} only", f"set engine.kv: {fault.kv[0]} "
                       f"or drop {name}", where)
     if "prefix_caching" in fault.needs and not engine.prefix_caching:
         raise Problem(f"fault {name} acts in the prefix cache", "set engine.prefix_caching: true", where)
+    layout = layout or engine.layout
+    if layout not in fault.layouts:
+        fix = f"set engine.layout: {fault.layouts[0]} or drop {name}"
+        if layout != engine.layout:
+            fix = f"switch it on while engine.layout is {fault.layouts[0]}, or drop it"
+        raise Problem(f"fault {name} acts in the {' or '.join(fault.layouts)} layout only, not {layout}: it would "
+                      "never fire and the run would test nothing", fix, where)
 
 
 class SamplingSection(Strict):
@@ -338,9 +346,13 @@ class Scenario(Strict):
                               f"{MAX_PLANNED}) or lower the rate or duration", ("duration_s",))
 
     def _check_timeline(self) -> None:
+        layout = self.engine.layout  # the timeline may change it: each switch is checked in the one in effect
         for i, event in enumerate(self.timeline):
-            if event.fault_switch:
-                check_fault_fits(event.fault_switch[0], self.engine, ("timeline", i, "set", "fault"))
+            layout = event.engine_overrides().get("layout", layout)
+            if event.fault_switch:  # switching a fault off is checked for its KV mode only
+                name, on = event.fault_switch
+                check_fault_fits(name, self.engine, ("timeline", i, "set", "fault"),
+                                 layout if on else FAULTS[name].layouts[0])
             for knob in event.arrival_changes():
                 a = self.arrivals
                 if not isinstance(a, RATE_PROCESSES) or a.stages:

@@ -19,18 +19,20 @@ class BadInput(Exception):
 @dataclass(frozen=True)
 class ServeResult:
     """How a serve ended: the session's Summary and Header (None if it never started), its
-    contamination events, and the engine thread's exception (None after a clean stop)."""
+    contamination events, the engine thread's exception (None after a clean stop), and why the
+    recording stopped early ("" when it is whole or there is none)."""
 
     summary: object = None
     header: object = None
     contamination: tuple = ()
     error: BaseException | None = None
+    recording_error: str = ""
 
 
 def _result(session, summary, error=None) -> ServeResult:
     if session is None:
         return ServeResult(error=error)
-    return ServeResult(summary, session.header(), tuple(session.contamination), error)
+    return ServeResult(summary, session.header(), tuple(session.contamination), error, session.recording_error)
 
 
 def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[[str], None] = print):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvtui.events import Contamination, Finish, FirstToken, StepEvent
+from kvtui.events import Contamination, Finish, FirstToken, RecordingFailed, StepEvent
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -81,6 +81,9 @@ class ServeMetrics:
         self.contamination = Counter("kvtui:contamination_events", "Contamination events reported by kvtui's "
                                      "detectors (kind numeric is a near tie, not contamination).",
                                      ("model_name", "kind", "detector"), registry=self.registry)
+        self.recording_errors = Counter("kvtui:recording_errors", "Recordings (--record) stopped by a failed write "
+                                        "(disk full, I/O error); serving went on.", ("model_name",),
+                                        registry=self.registry).labels(model_name)
 
     def on_event(self, event) -> None:
         """Fold one session event into the metrics (engine thread)."""
@@ -99,6 +102,8 @@ class ServeMetrics:
             self._finish(event)
         elif isinstance(event, Contamination):
             self.contamination.labels(self.model_name, event.kind, event.detector).inc()
+        elif isinstance(event, RecordingFailed):
+            self.recording_errors.inc()
 
     def _finish(self, e: Finish) -> None:
         if e.finish_reason == "rejected":

@@ -15,6 +15,7 @@ Threads:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -102,8 +103,9 @@ class ServeServer:
     stop(). As a context manager it does all of them.
     """
 
-    def __init__(self, options: ServeOptions, *, load=None) -> None:
+    def __init__(self, options: ServeOptions, *, load=None, warn=None) -> None:
         self.options = options
+        self.warn = warn or _warn
         self.state = ServerState()
         self.app = create_app(self.state)
         self.bridge = EngineBridge()
@@ -156,9 +158,15 @@ class ServeServer:
         Raises:
             ValueError: a bad engine value or fault/detector name; kvtui.models.ModelLoadError.
         """
-        from kvtui.faults import check_fault_names
+        from kvtui.faults import check_fault_names, fault_misfit
 
         check_fault_names(self.options.faults)
+        for name in self.options.faults:  # a fault that cannot act here would never fire
+            why = fault_misfit(name, self.options.layout, self.options.extra.get("kv", "slots"),
+                               bool(self.options.extra.get("prefix_caching")))
+            if why:
+                raise ValueError(f"--fault {name}: {why.removeprefix(f'fault {name} ')}, so it would never fire; "
+                                 "`kvtui faults` lists where each fault acts (--layout picks the layout)")
         self.scenario = serve_scenario(self.options)
         self.loaded = self._load(self.options)
         paged = self.scenario.engine.kv == "paged"
@@ -176,7 +184,8 @@ class ServeServer:
         from kvtui.session import build_session
         from kvtui.tui.launch import restart_path
 
-        listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event)
+        listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event,
+                                                         self._recording_failed)
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
                                 record=restart_path(self.options.record, generation), faults=self.options.faults,
                                 detectors=self.options.detectors, listeners=listeners, serving=True)
@@ -185,6 +194,14 @@ class ServeServer:
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
                                           self.metrics.model_name, self.loaded.model_id)
         return session
+
+    def _recording_failed(self, event) -> None:
+        """Session listener: a failed write stopped the recording; say so once (serving goes on)."""
+        from kvtui.events import RecordingFailed
+
+        if isinstance(event, RecordingFailed):
+            self.warn(f"{event.path}: recording stopped after {event.lines} lines: {event.error}; serving goes on "
+                      "without it (counted in kvtui:recording_errors_total)")
 
     # -- engine thread (no dashboard) ---------------------------------------------------------------
     def start_engine(self) -> None:
@@ -245,6 +262,10 @@ class ServeServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
 def _load_model(options: ServeOptions):

@@ -69,12 +69,13 @@ def target_detectors(chosen: tuple[str, ...], explicit: bool) -> tuple[str, ...]
 def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                detectors: tuple[str, ...], quiet: bool) -> None:
     """`kvtui run SCENARIO --target URL --headless`: run, print the summary and the contamination table,
-    exit by the scenario's `expect` (0, 1), 2 for bad input, 3 when no request could complete."""
-    from kvtui.cli import EXIT_RUNTIME, err, fail, install_stop_handlers, out, verdict
+    exit as a local run does (kvtui.cli.finish_headless): 130/143 interrupted, 3 when the recording
+    stopped or no request could complete, else by the scenario's `expect` (0, 1); 2 for bad input."""
+    from kvtui.cli import fail, finish_headless, install_stop_handlers, out
     from kvtui.summary import print_contamination, print_summary
 
     session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
-    install_stop_handlers(session)
+    stopped = install_stop_handlers(session)
     try:
         summary = _run(session, quiet)
     except TargetError as e:
@@ -82,24 +83,18 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
         fail(str(e))
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out, recording=record)
-    if record:
-        out.print(f"recording: {record}", markup=False, highlight=False)
-    if not summary.requests_completed and summary.finish_reasons.get("error") and not summary.stopped_early:
+    untested = None
+    if not summary.requests_completed and summary.finish_reasons.get("error"):
         first = next(r for r in session.results.values() if r.finish_reason == "error")
-        fail(f"no request completed against {run.url}: first error: {first.error}", EXIT_RUNTIME)
-    code, reason = verdict(spec, session)
-    if code:
-        err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
-        raise typer.Exit(code)
-    if reason:
-        out.print(reason, markup=False, highlight=False)
+        untested = f"no request completed against {run.url}: first error: {first.error}"
+    finish_headless(spec, session, record, stopped, untested=untested)
 
 
 def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                      detectors: tuple[str, ...]) -> None:
     """`kvtui run SCENARIO --target URL` in a terminal: the dashboard, then the summary. Input errors
     and an unreachable server exit 2 before the dashboard takes the terminal."""
-    from kvtui.cli import fail, out
+    from kvtui.cli import EXIT_RUNTIME, fail, out
     from kvtui.summary import print_contamination, print_summary
     from kvtui.target.dashboard import run_target_dashboard
 
@@ -118,6 +113,9 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     if summary is not None:
         print_summary(summary, header, out)
         print_contamination(session.contamination, out, recording=record)
+    if session.recording_error:
+        fail(f"{session.recording_error}; the run went on without it (free space, or choose another --record "
+             "path)", EXIT_RUNTIME)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
 

@@ -34,11 +34,12 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
+    RecordingFailed,
     ReferenceStatus,
     Summary,
 )
 from kvtui.metrics import SLO, Metrics
-from kvtui.record import RecordingWriter
+from kvtui.record import RecordingWriter, describe_os_error
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event, uncached
 from kvtui.target.server_view import ServerProbe
@@ -125,7 +126,7 @@ class TargetSession:
             "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
         self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
         self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.recorder = RecordingWriter(record_path) if record_path else None
+        self.recorder = RecordingWriter(record_path, on_error=self._recording_failed) if record_path else None
         self.listeners = list(listeners)
         self.warnings = _timeline_warnings(scenario)
         self.timeline = [e for e in scenario.timeline if e.marker]
@@ -178,6 +179,18 @@ class TargetSession:
         self.metrics.add_event(event)
         for listener in self.listeners:
             listener(event)
+
+    def _recording_failed(self, recorder: RecordingWriter) -> None:
+        """A write failed: the run goes on unrecorded; listeners get a RecordingFailed event."""
+        event = RecordingFailed(t=self.now(), path=str(recorder.path), lines=recorder.lines,
+                                error=describe_os_error(recorder.error))
+        for listener in self.listeners:
+            listener(event)
+
+    @property
+    def recording_error(self) -> str:
+        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
+        return self.recorder.describe_error() if self.recorder is not None else ""
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:

@@ -40,7 +40,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
-                  torch_threads: int | None = None, cost_model: str = "auto"):
+                  torch_threads: int | None = None, cost_model: str = "auto", on_closed=None):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -55,6 +55,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         progress: show model-loading progress on stderr.
         torch_threads: torch.set_num_threads for the engine worker (None: default_torch_threads()).
             It is process-wide: the dashboard process runs nothing else on torch.
+        on_closed: called with the last Session once it closed (the CLI reads its recording_error).
 
     Returns:
         (summary, header) of the last session: kvtui.events.Summary (None if it never closed cleanly)
@@ -67,6 +68,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     from kvtui.detect import DETECTOR_NAMES
     from kvtui.faults import check_fault_names
     from kvtui.models import check_model_available, load_model
+    from kvtui.record import check_unlocked
     from kvtui.scenario import load_scenario
     from kvtui.session import build_session
     from kvtui.tui.app import KvtuiApp
@@ -80,6 +82,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     check_model_available(name)
     if record is not None:
         check_writable(Path(record))
+        check_unlocked(record)
     loaded: list = []
 
     def prepare() -> None:
@@ -97,6 +100,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     summary = source.shutdown()
     if source.error is not None:
         raise source.error
+    if on_closed is not None:
+        on_closed(source.session)
     return summary, source.session.header()
 
 

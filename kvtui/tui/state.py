@@ -19,6 +19,7 @@ from kvtui.events import (
     FirstToken,
     Header,
     Marker,
+    RecordingFailed,
     StepEvent,
     Summary,
     TimelineApplied,
@@ -300,6 +301,9 @@ class DashboardState:
         sets = ", ".join(f"{k}={v}" for k, v in e.set.items())
         self.note("timeline", " · ".join(x for x in (e.marker, sets) if x), e.t)
 
+    def _recording_failed(self, e: RecordingFailed) -> None:
+        self.note("error", f"recording stopped after {e.lines} lines: {e.error}; the run goes on", e.t)
+
     def _summary(self, e: Summary) -> None:
         self.summary = e
         self.note("info", "run finished" + (" (stopped early)" if e.stopped_early else ""), e.t)
@@ -319,4 +323,5 @@ _HANDLERS = {
     FirstToken: DashboardState._first_token, Finish: DashboardState._finish, FaultSwitch: DashboardState._fault,
     Contamination: DashboardState._contamination, Marker: DashboardState._marker,
     TimelineApplied: DashboardState._timeline, Summary: DashboardState._summary,
+    RecordingFailed: DashboardState._recording_failed,
 }
