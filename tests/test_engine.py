@@ -5,7 +5,7 @@ from helpers import oracle_model, solo, uncached_greedy
 
 import kvtui.engine.engine as engine_module
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import Engine, SamplingParams, StepInterrupted
 
 
 def make(loaded, **kw):
@@ -189,6 +189,32 @@ def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, 
     assert list(bad.output_ids) == uncached_greedy(oracle, [9, 8, 7], 2)  # the two tokens before the failure
     assert list(finished["good"].output_ids) == uncached_greedy(oracle, [5, 17, 42], 8)
     assert engine.pool.num_free == engine.pool.num_slots and not engine.has_unfinished()
+
+
+def test_an_interrupt_stops_the_step_in_progress_at_the_next_layer(tiny):
+    """Engine.interrupt (kvtui serve's stop) ends a forward between two layers instead of after the whole
+    step; the requests are then aborted, and the engine serves a new request exactly as before."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    layers = loaded.model.model.layers
+    ran: list[int] = []
+    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    hooks.append(layers[0].register_forward_hook(lambda module, args, out: engine.interrupt()))  # a stop arrives
+    hooks.append(loaded.model.model.norm.register_forward_pre_hook(lambda module, args: ran.append("norm")))
+    try:
+        engine.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=4))
+        with pytest.raises(StepInterrupted, match="layer 1"):
+            engine.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == [0, 1]  # layer 1 began, its attention never ran, nor did the rest of the model
+    engine.abort("a")
+    assert [(f.request_id, f.finish_reason) for f in engine.step().finished] == [("a", "abort")]
+    engine.submit("b", [9, 8, 7], SamplingParams(max_new_tokens=5))
+    finished = _finished(engine.run_until_done())
+    assert list(finished["b"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [9, 8, 7], 5)
+    assert engine.pool.num_free == engine.pool.num_slots
 
 
 def test_kv_budget_sizes_the_pool(tiny):
