@@ -246,3 +246,14 @@ def test_a_paused_wall_clock_advanced_to_an_arrival_reaches_it_exactly(tiny):
     for t in (0.924062925044169, 3.000000000001, 12.5, 1234.000000001):
         engine.advance_to(t)
         assert engine.now() >= t
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_tokens(tiny, temperature):
+    """logits / 1e-300 overflowed to inf and the softmax to NaN: the draw landed on an arbitrary token
+    ("ectableectable" from SmolLM2 for any prompt). The limit of a vanishing temperature is the argmax."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    engine.submit("t", [5, 17, 42], SamplingParams(max_new_tokens=8, temperature=temperature, seed=3))
+    finished = _finished(engine.run_until_done())
+    assert list(finished["t"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [5, 17, 42], 8)
