@@ -16,6 +16,7 @@ from rich.markup import escape
 from kvtui.config import Clock, DType, Layout
 from kvtui.events import Contamination
 from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULT_NAMES, FAULTS, default_isolation_off
+from kvtui.serve import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 
 Isolation = Literal["on", "off"]
 Api = Literal["auto", "chat", "completions"]
@@ -643,6 +644,12 @@ def serve(
     threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (default: all cores but "
                                                    "one).", min=1)] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, show_default=False,
+                                                   help="Require `Authorization: Bearer KEY` on /v1/* (401 "
+                                                   "otherwise; /health and /metrics stay open), as vLLM's "
+                                                   "--api-key.")] = None,
+    max_request_bytes: Annotated[int, typer.Option(help="Largest request body taken, in bytes; bigger ones get "
+                                                   "413 before they are parsed.", min=1)] = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics) until Ctrl-C.
 
@@ -659,7 +666,8 @@ def serve(
                            max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,
                            layout=layout, kv=kv, block_size=block_size or 16, prefix_caching=prefix_caching,
                            max_waiting=max_waiting, detectors=_detectors(detectors),
-                           threads=threads or default_torch_threads(), progress=True)
+                           threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
+                           max_request_bytes=max_request_bytes)
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")
         dashboard = False
@@ -674,11 +682,22 @@ def serve(
         print_contamination(result.contamination, out, recording=record)
     if record and not result.recording_error:
         out.print(f"recording: {record}", markup=False, highlight=False)
+    _quick_exit()
     if result.error is not None:
         fail(f"runtime error: {type(result.error).__name__}: {result.error}", EXIT_RUNTIME)
     if result.recording_error:
         fail(f"{result.recording_error}; serving went on without it (free space, or choose another --record path)",
              EXIT_RUNTIME)
+
+
+def _quick_exit() -> None:
+    """Everything is written: spare the interpreter's final garbage collection over the model's and
+    torch's objects, which took 2-4 s of a `kvtui serve` exit on a loaded 2-core machine (0.4 s
+    without it). gc.freeze moves every object out of the collector's reach; memory goes back to the
+    system with the process."""
+    import gc
+
+    gc.freeze()
 
 
 def _timing_audit(path: Path, spec, loaded, faults: tuple[str, ...], probes: int) -> None:

@@ -5,7 +5,7 @@ from helpers import oracle_model, solo, uncached_greedy
 
 import kvtui.engine.engine as engine_module
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import Engine, SamplingParams, StepInterrupted
 
 
 def make(loaded, **kw):
@@ -191,6 +191,32 @@ def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, 
     assert engine.pool.num_free == engine.pool.num_slots and not engine.has_unfinished()
 
 
+def test_an_interrupt_stops_the_step_in_progress_at_the_next_layer(tiny):
+    """Engine.interrupt (kvtui serve's stop) ends a forward between two layers instead of after the whole
+    step; the requests are then aborted, and the engine serves a new request exactly as before."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    layers = loaded.model.model.layers
+    ran: list[int] = []
+    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    hooks.append(layers[0].register_forward_hook(lambda module, args, out: engine.interrupt()))  # a stop arrives
+    hooks.append(loaded.model.model.norm.register_forward_pre_hook(lambda module, args: ran.append("norm")))
+    try:
+        engine.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=4))
+        with pytest.raises(StepInterrupted, match="layer 1"):
+            engine.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert ran == [0, 1]  # layer 1 began, its attention never ran, nor did the rest of the model
+    engine.abort("a")
+    assert [(f.request_id, f.finish_reason) for f in engine.step().finished] == [("a", "abort")]
+    engine.submit("b", [9, 8, 7], SamplingParams(max_new_tokens=5))
+    finished = _finished(engine.run_until_done())
+    assert list(finished["b"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [9, 8, 7], 5)
+    assert engine.pool.num_free == engine.pool.num_slots
+
+
 def test_kv_budget_sizes_the_pool(tiny):
     loaded = tiny["tiny-llama"]
     one = make(loaded).pool.bytes_per_slot  # 2 (K,V) x 2 layers x 2 kv heads x 64 tokens x 16 dim x 4 bytes
@@ -220,3 +246,14 @@ def test_a_paused_wall_clock_advanced_to_an_arrival_reaches_it_exactly(tiny):
     for t in (0.924062925044169, 3.000000000001, 12.5, 1234.000000001):
         engine.advance_to(t)
         assert engine.now() >= t
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_tokens(tiny, temperature):
+    """logits / 1e-300 overflowed to inf and the softmax to NaN: the draw landed on an arbitrary token
+    ("ectableectable" from SmolLM2 for any prompt). The limit of a vanishing temperature is the argmax."""
+    loaded = tiny["tiny-llama"]
+    engine = make(loaded)
+    engine.submit("t", [5, 17, 42], SamplingParams(max_new_tokens=8, temperature=temperature, seed=3))
+    finished = _finished(engine.run_until_done())
+    assert list(finished["t"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [5, 17, 42], 8)

@@ -24,6 +24,7 @@ import torch
 from helpers import uncached_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtui.events import StepEvent
 from kvtui.models import load_model
 from kvtui.scenario.prompts import chat_ids, user_chat
 from kvtui.serve.detok import TextStream
@@ -49,7 +50,10 @@ def metrics(server: ServeServer) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def until(predicate, timeout_s: float = 20.0) -> None:
+WAIT_S = 300  # subprocess and HTTP waits: generous, a loaded 2-core machine imports torch in tens of seconds
+
+
+def until(predicate, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
@@ -120,6 +124,36 @@ def test_stop_strings_cut_the_text_streamed_or_whole(tiny_server, oracle_tiny):
             streamed = c.completions.create(prompt=prompt, model="tiny-llama", max_tokens=30, temperature=0,
                                             stop=stop, stream=True, extra_body=extra)
             assert "".join(ch.choices[0].text for ch in streamed) == expected, stop
+
+
+def test_a_stream_delivers_each_token_while_the_request_runs(tiny_server):
+    """Chunks leave as tokens are sampled, not all at the end: the engine is held after the request's
+    third token, and the client reads three chunks (logprobs on, so every token makes one) while the
+    request is still running; then the rest follow, one chunk per token."""
+    held, release, tokens = threading.Event(), threading.Event(), []
+
+    def hold_after_three(event):  # a session listener (engine thread), after the bridge's: the token went out
+        if isinstance(event, StepEvent):
+            tokens.extend(r.token for r in event.running if r.token is not None)
+            if len(tokens) == 3:
+                held.set()
+                release.wait(WAIT_S)
+
+    tiny_server.session.listeners.append(hold_after_three)
+    try:
+        stream = client(tiny_server).completions.create(model="tiny-llama", prompt="go", max_tokens=12, temperature=0,
+                                                        logprobs=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        first = [next(chunks) for _ in range(3)]
+        assert held.wait(WAIT_S)  # the engine waits in the listener: three tokens sampled, the fourth not yet
+        assert len(tokens) == 3 and tiny_server.bridge.in_flight() == 1
+    finally:
+        release.set()
+        tiny_server.session.listeners.remove(hold_after_three)
+    rest = list(chunks)
+    per_token = [c for c in first + rest if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert [len(c.choices[0].logprobs.tokens) for c in per_token] == [1] * 12
+    assert rest[-1].choices[0].finish_reason == "length"
 
 
 def incremental_equals_whole(tok) -> None:
@@ -276,7 +310,7 @@ def test_503_while_the_model_loads_then_200(oracle_tiny):
     release = threading.Event()
 
     def slow_load(options):
-        release.wait(30)
+        release.wait(WAIT_S)
         return load_model("tiny-llama", progress=False)
 
     server = ServeServer(ServeOptions(model="tiny-llama", port=0, detectors=()), load=slow_load)
@@ -288,7 +322,7 @@ def test_503_while_the_model_loads_then_200(oracle_tiny):
             response = httpx.request(method, server.url + path, json={"prompt": "x"})
             assert response.status_code == 503 and response.json()["error"]["code"] == "model_loading"
         release.set()
-        loading.join(30)
+        loading.join(WAIT_S)
         assert httpx.get(server.url + "/health").status_code == 200
         assert client(server).completions.create(model="tiny-llama", prompt="x", max_tokens=2).usage.completion_tokens
     finally:
@@ -304,7 +338,7 @@ def test_stop_aborts_requests_in_flight_and_writes_the_summary(tmp_path):
     first = threading.Event()
 
     def read():
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=WAIT_S,
                           json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
             for line in r.iter_lines():
                 if line:
@@ -313,11 +347,11 @@ def test_stop_aborts_requests_in_flight_and_writes_the_summary(tmp_path):
 
     reader = threading.Thread(target=read)
     reader.start()
-    assert first.wait(30)
+    assert first.wait(WAIT_S)
     t0 = time.monotonic()
     server.stop()
-    reader.join(30)
-    assert time.monotonic() - t0 < 15
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and time.monotonic() - t0 < 120  # bounded: a stop never hangs
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and lines[-1] == "data: [DONE]"
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
@@ -419,37 +453,78 @@ def test_smollm2_concurrent_requests_each_get_their_own_answer(smol_server, smol
 
 
 # -- command line and dashboard ----------------------------------------------------------------------------
+class Lines:
+    """Every line of a process's text stream, read by a thread, so a wait has a deadline and never hangs."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self.ended = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+        self.ended.set()
+
+    def wait_for(self, pattern: str, timeout_s: float = WAIT_S) -> re.Match:
+        """The first line matching `pattern`; fails after `timeout_s` or when the stream ends first."""
+        deadline, seen = time.monotonic() + timeout_s, 0
+        while True:
+            for line in self.lines[seen:]:
+                found = re.search(pattern, line)
+                if found:
+                    return found
+            seen = len(self.lines)
+            if self.ended.is_set():
+                pytest.fail(f"the stream ended before a line matching {pattern!r}: {self.lines[-5:]}")
+            assert time.monotonic() < deadline, f"no line matching {pattern!r} within {timeout_s} s"
+            time.sleep(0.02)
+
+    def text(self, timeout_s: float = WAIT_S) -> str:
+        """Everything, once the stream ended (the process exited)."""
+        assert self.ended.wait(timeout_s), f"the stream did not end within {timeout_s} s"
+        return "".join(self.lines)
+
+
 def test_the_command_serves_until_sigterm_then_writes_the_summary_and_exits_0(tmp_path):
+    """With a request in flight: it is aborted, the summary written, exit 0 and no traceback. The API key
+    comes from KVTUI_API_KEY."""
     record = tmp_path / "cli.jsonl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "KVTUI_API_KEY": "from-env"}
     process = subprocess.Popen([sys.executable, "-m", "kvtui.cli", "serve", "--model", "tiny-llama", "--port", "0",
-                                "--record", str(record), "--detectors", "none", "--threads", "1"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "--record", str(record), "--detectors", "none", "--threads", "1", "--max-len", "4096"],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = Lines(process.stdout), Lines(process.stderr)
     try:
-        url = None
-        for line in process.stderr:
-            found = re.search(r"serving tiny-llama at (http://[\d.:]+)/v1", line)
-            if found:
-                url = found.group(1)
-                break
-        assert url, "no 'serving' line"
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+        found = stderr.wait_for(r"serving tiny-llama at (http://[\d.:]+)/v1")
+        url, key = found.group(1), {"authorization": "Bearer from-env"}
+        body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=WAIT_S).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, headers=key, timeout=WAIT_S)
         assert r.json()["usage"]["completion_tokens"] == 3
-        process.send_signal(signal.SIGTERM)
-        out, _ = process.communicate(timeout=30)
+        with httpx.stream("POST", url + "/v1/completions", headers=key, timeout=WAIT_S,
+                          json={**body, "max_tokens": 4000, "stream": True}) as long:
+            lines = long.iter_lines()
+            assert next(lines).startswith("data: {")  # in flight
+            process.send_signal(signal.SIGTERM)
+            last = [line for line in lines if line]
+        process.wait(WAIT_S)
+        out, err = stdout.text(), stderr.text()
     finally:
         process.kill()
-    assert process.returncode == 0
+    assert process.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert json.loads(last[-2][6:])["choices"][0]["finish_reason"] == "abort" and last[-1] == "data: [DONE]"
     assert "kvtui serve on tiny-llama" in out and f"recording: {record}" in out
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
     assert recorded[0]["type"] == "header" and recorded[-1]["type"] == "summary"
-    assert recorded[-1]["finish_reasons"] == {"length": 1}
+    assert recorded[-1]["finish_reasons"] == {"length": 1, "abort": 1}
 
 
 def test_the_command_refuses_bad_input_in_one_line():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-m", "kvtui.cli", "serve", "--model", "tiny-gpt2", "--max-len", "100000",
-                        "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                        "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --max-len")
 
@@ -474,10 +549,10 @@ def test_the_dashboard_shows_the_served_engine(tmp_path):
         async with app.run_test(size=(160, 45)) as pilot:
             asker = threading.Thread(target=ask)
             asker.start()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + WAIT_S
             while len(answers) < 2 and time.monotonic() < deadline:
                 await pilot.pause(0.05)
-            asker.join(5)
+            asker.join(WAIT_S)
             await pilot.press("q")
 
     try:

@@ -4,11 +4,12 @@ layouts, pooled attention, runner.
 Only runner.py calls the model; everything else is plain data or small tensor builders.
 """
 
+from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.engine import Engine, StepCostModel
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 
 __all__ = [
-    "Engine", "StepCostModel", "StepReport", "RunningRequestReport", "FinishedRequestReport",
+    "Engine", "StepCostModel", "StepInterrupted", "StepReport", "RunningRequestReport", "FinishedRequestReport",
     "RequestState", "RequestStatus", "FinishReason", "FinishCode", "SamplingParams",
 ]

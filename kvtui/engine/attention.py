@@ -25,6 +25,7 @@ attn_implementation="eager".
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,8 @@ class PooledCacheLayer(CacheLayerMixin):
         state = self.owner.state
         if state is None:
             raise RuntimeError("PooledCache used outside an engine step")
+        if self.owner.interrupt.is_set():
+            raise StepInterrupted(f"the step was interrupted at layer {self.layer_idx}")
         b = state.batch
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
@@ -149,12 +152,19 @@ class PooledCacheLayer(CacheLayerMixin):
         return self.pool.max_len
 
 
+class StepInterrupted(Exception):
+    """A forward stopped between two layers because `PooledCache.interrupt` was set (Engine.interrupt)."""
+
+
 class PooledCache(Cache):
-    """A transformers `Cache` whose layers read and write the kvtui KV pool for the current step."""
+    """A transformers `Cache` whose layers read and write the kvtui KV pool for the current step.
+    `interrupt` (any thread may set it) makes the next layer raise StepInterrupted, so a long forward
+    ends within one layer's time."""
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(layers=[PooledCacheLayer(pool, i, self) for i in range(pool.num_layers)])
         self.state: StepState | None = None
+        self.interrupt = threading.Event()
 
 
 def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

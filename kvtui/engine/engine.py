@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvtui.config import EngineConfig
+from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slot_admission
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
@@ -288,9 +289,20 @@ class Engine:
         self.resume_clock()
         try:
             return self._step()
+        except StepInterrupted:
+            self.runner.cache.interrupt.clear()  # one interrupt stops one step
+            raise
         finally:
             if paused:
                 self.pause_clock()
+
+    def interrupt(self) -> None:
+        """Any thread: stop the step in progress at its next layer (or the next step's forward at its first
+        layer); that step() raises StepInterrupted and reports nothing. Meant for stopping: a long prefill
+        step (seconds on a loaded CPU) need not finish before its requests are aborted. The requests keep
+        the state they had before the step, with their admission and the step's K/V writes partly done;
+        abort them before stepping again."""
+        self.runner.cache.interrupt.set()
 
     def _step(self) -> StepReport:
         start_s, wall_start = self.now(), time.perf_counter()
@@ -334,6 +346,8 @@ class Engine:
                                     block_size=self._block_size)
                 return ForwardOutcome(racy.logits, _facts(racy.logits), racy.stats, errors=racy.errors)
             return self._forward_batch(plan, faults)
+        except StepInterrupted:
+            raise
         except Exception as e:
             if not faults:
                 raise

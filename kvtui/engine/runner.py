@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from kvtui.engine.attention import PooledCache, StepState, register_attention
+from kvtui.engine.attention import PooledCache, StepInterrupted, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
 from kvtui.engine.kv_pool import KVPool
 from kvtui.faults import FP16_MASK_CONSTANT
@@ -141,4 +141,6 @@ class ModelRunner:
         for t in threads:
             t.join()
         self.cache.state = None
+        if self.cache.interrupt.is_set():  # the threads noted it as their error; it is the step's
+            raise StepInterrupted("the step was interrupted")
         return results

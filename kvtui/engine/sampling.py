@@ -37,7 +37,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(torch.argmax(logits))
     if generator is None:
         raise ValueError("sampling with temperature > 0 needs the request's generator")
-    scaled = logits.float().cpu() / params.temperature
+    logits = logits.float().cpu()
+    scaled = logits / params.temperature
+    if not torch.isfinite(scaled).all() and torch.isfinite(logits).all():
+        # a temperature so small (1e-300 is 0 in float32) that the division overflows to inf, and softmax
+        # to NaN: take the limit instead, every probability on the top logit (shared by exact ties)
+        scaled = torch.where(logits == logits.max(), 0.0, -torch.inf)
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     keep = torch.ones_like(sorted_probs, dtype=torch.bool)

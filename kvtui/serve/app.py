@@ -1,8 +1,15 @@
 """The FastAPI application: OpenAI's completions and chat completions, /v1/models, /health, /metrics.
 
 Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters
-(FastAPI's own 422 validation errors included), 400 `context_length_exceeded`, 404 unknown model or
-path, 429 waiting queue full, 503 while the model loads or the server stops.
+(FastAPI's own 422 validation errors and unparsable JSON included), 400 `context_length_exceeded`,
+400 `out_of_vocabulary`, 401 `invalid_api_key`, 404 unknown model or path, 413 `request_too_large`,
+429 waiting queue full, 500 `internal_error` (the request alone failed inside the engine), 503 while
+the model loads or the server stops. The engine's rejections and errors reach HTTP by their
+FinishCode (ENGINE_ERRORS), never by their text. A request that fails after its stream began ends
+with an `{"error": ...}` event, then `[DONE]`, as vLLM streams its errors.
+
+Tokenizing and chat templating run in a small thread pool (TOKENIZE_WORKERS), never on the event
+loop, so a long prompt delays only its own request, never /health or other clients' streams.
 
 A client that disconnects, streaming or not, aborts its request: the engine frees its slot at the
 next step boundary.
@@ -14,6 +21,7 @@ import asyncio
 import itertools
 import re
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -27,14 +35,22 @@ from kvtui.events import Finish
 from kvtui.scenario.prompts import chat_ids, encode_text
 from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, RequestStream, TokenOut
 from kvtui.serve.detok import TextStream
+from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
-from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, sampling_params
+from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
 from kvtui.serve.responses import Formatter, sse
 
 # A passphrase as kvtui's passphrase prompts make them (WORD-WORD-NN): found in a prompt, it becomes
 # the request's canary, so the canary detector can see it leak into another client's answer.
 PASSPHRASE = re.compile(r"\b[A-Z]+-[A-Z]+-\d{2}\b")
 _serial = itertools.count(1)  # request ids: a serial (unique in the process) and a random tail, short for the dashboard
+TOKENIZE_WORKERS = 2  # threads that tokenize prompts and render chat templates (requests queue for them)
+# the engine's FinishCode of a rejected or failed request -> (HTTP status, OpenAI error code, param)
+ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
+                 "too_long": (400, "context_length_exceeded", "max_tokens"),
+                 "empty": (400, "empty_prompt", "prompt"),
+                 "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
+                 "internal_error": (500, "internal_error", None)}
 
 
 @dataclass
@@ -56,10 +72,20 @@ class ServeContext:
 
 
 class ServerState:
-    """Holds the context once loaded (None while loading, so requests get 503)."""
+    """Holds the context once loaded (None while loading, so requests get 503), and the threads that
+    tokenize (shut down by `close`)."""
 
     def __init__(self) -> None:
         self.context: ServeContext | None = None
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="kvtui-tokenize")
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` in the tokenizing threads; the event loop serves everyone else meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        """Stop the tokenizing threads (queued work is dropped; running work finishes on its own)."""
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def ready(self) -> ServeContext:
         """Raises ApiError 503 while the model loads."""
@@ -72,9 +98,12 @@ class ClientGone(Exception):
     """The client closed its connection."""
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """The application; `state.context` is set by the server once the model is loaded."""
+def create_app(state: ServerState, *, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The application; `state.context` is set by the server once the model is loaded. `api_key`: the
+    Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest body taken (413 past it)."""
     app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     _error_handlers(app)
 
     @app.get("/health")
@@ -98,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
         body.check()
         prompt = body.single_prompt()
         text = prompt if isinstance(prompt, str) else None
-        ids = encode_text(ctx.tokenizer, prompt) if text is not None else [int(t) for t in prompt]
+        ids = await state.off_loop(encode_text, ctx.tokenizer, prompt) if text is not None else list(prompt)
         return await _serve(ctx, request, body, ids, text, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -106,7 +135,7 @@ def create_app(state: ServerState) -> FastAPI:
         ctx = state.ready()
         body.check()
         messages = body.chat()
-        ids = chat_ids(ctx.tokenizer, messages)
+        ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return await _serve(ctx, request, body, ids, last_user, chat=True)
 
@@ -121,6 +150,10 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, LoneSurrogate):
+            error = ApiError(400, str(cause), param=cause.path[0] if cause.path else None, code="invalid_unicode")
+            return JSONResponse(error.body(), status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
@@ -129,6 +162,22 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat's prompt ids (tokenizing thread).
+
+    Raises:
+        ApiError: 400 when the model's chat template refuses the messages (an unknown role, turns out of
+            order): the template's own words, as vLLM answers them.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        return chat_ids(tokenizer, messages)
+    except (TemplateError, ValueError, TypeError, KeyError) as e:
+        raise ApiError(400, f"messages: the model's chat template cannot render them ({e})", param="messages") \
+            from None
 
 
 async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int], prompt_text: str | None, *,
@@ -201,13 +250,21 @@ async def _next(stream: RequestStream, listener: asyncio.Future):
 
 
 def _check_admitted(first) -> None:
-    """Raises ApiError when the engine refused the request (queue full: 429) or never took it (503)."""
+    """Raises ApiError when the engine refused or failed the request (by its code, ENGINE_ERRORS) or
+    never took it (503)."""
     if isinstance(first, Closed):
         raise ApiError(503, "the server stopped before the request started", code="unavailable")
-    if isinstance(first, Finish) and first.finish_reason == "rejected":
-        if "queue full" in first.detail:
-            raise ApiError(429, f"the engine's {first.detail}; retry later", code="rate_limit_exceeded")
-        raise ApiError(400, f"request rejected: {first.detail}", code="context_length_exceeded")
+    if isinstance(first, Finish) and first.finish_reason in ("rejected", "error"):
+        raise engine_error(first)
+
+
+def engine_error(finish: Finish) -> ApiError:
+    """The HTTP error of a request the engine rejected or failed, chosen by its FinishCode (an unknown
+    or missing code is a 500: the engine did not say why)."""
+    status, code, param = ENGINE_ERRORS.get(finish.code or "", (500, finish.code or "internal_error", None))
+    if finish.code == "queue_full":
+        return ApiError(status, f"the engine's {finish.detail}; retry later", param=param, code=code)
+    return ApiError(status, finish.detail or f"request {finish.finish_reason}", param=param, code=code)
 
 
 async def _whole(stream: RequestStream, item, formatter: Formatter, listener: asyncio.Future) -> dict:
@@ -218,6 +275,8 @@ async def _whole(stream: RequestStream, item, formatter: Formatter, listener: as
         item = await _next(stream, listener)
     if isinstance(item, Closed):
         raise ApiError(503, "the server stopped before the request finished", code="unavailable")
+    if item.finish_reason == "error":
+        raise engine_error(item)
     return formatter.whole(item.output_text, entries, item.finish_reason, len(item.prompt_ids), len(item.output_ids),
                            stream.cached_tokens)
 
@@ -237,6 +296,9 @@ async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: For
             else:
                 finished = True
                 done = item if isinstance(item, Finish) else None
+                if done is not None and done.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
+                    yield sse(engine_error(done).body())
+                    break
                 rest = text.finish(done.output_text) if done else ""
                 yield sse(formatter.chunk(rest, [], done.finish_reason if done else "abort"))
                 if include_usage and done:

@@ -3,17 +3,22 @@
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
 parameters the engine cannot honour (n > 1, penalties, logit_bias, echo, suffix, tools) are refused
-with 400 rather than silently ignored.
+with 400 rather than silently ignored. Ranges as OpenAI's API reference states them: `temperature`
+a finite number in [0, 2], `top_p` in (0, 1]. A string anywhere in the body that holds a lone UTF-16
+surrogate (JSON `"\ud800"` with no pair) is refused with 400: it is not Unicode text, and no
+tokenizer or JSON encoder takes it.
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -26,8 +31,8 @@ class ApiError(Exception):
         code: a machine-readable code such as "context_length_exceeded", or None.
     """
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             503: "service_unavailable_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -36,6 +41,40 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class LoneSurrogate(ValueError):
+    """A string of the request body holds a lone UTF-16 surrogate; `path` is where (field names and
+    list indexes from the body's root)."""
+
+    def __init__(self, path: tuple) -> None:
+        self.path = tuple(_printable(p) for p in path)  # a key may be the surrogate itself: escape it
+        where = ".".join(self.path) or "body"
+        super().__init__(f"{where}: holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                         "which is not Unicode text; send the character itself in UTF-8, or both halves of its pair")
+
+
+def _printable(part) -> str:
+    return str(part).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def lone_surrogate_path(data: Any) -> tuple | None:
+    """Where the first string (a value or a key) holding a lone surrogate is in decoded JSON `data`, or
+    None. Iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return (*path, key)
+                stack.append(((*path, key), item))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 class _Open(BaseModel):
@@ -75,8 +114,8 @@ class SamplingFields(_Open):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -92,6 +131,15 @@ class SamplingFields(_Open):
     logit_bias: dict[str, float] | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        """Refuse the body when a string in it holds a lone surrogate (LoneSurrogate names where)."""
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise LoneSurrogate(path)
+        return data
 
     def check_common(self) -> None:
         """Raises ApiError (400) for parameters the engine cannot honour."""

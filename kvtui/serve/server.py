@@ -27,6 +27,7 @@ import uvicorn
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.serve.app import ServeContext, ServerState, create_app
 from kvtui.serve.bridge import EngineBridge
+from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvtui.serve.metrics import ServeMetrics
 
 # where a scenario field comes from on the command line, for error messages
@@ -38,7 +39,9 @@ FLAGS = {"engine.kv": "--kv", "engine.block_size": "--block-size", "engine.prefi
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests)."""
+    """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests).
+    `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest request body
+    taken (bytes; 413 past it)."""
 
     model: str = "default"
     dtype: str = "float32"
@@ -60,6 +63,8 @@ class ServeOptions:
     detectors: tuple[str, ...] = DETECTOR_NAMES
     threads: int | None = None
     progress: bool = False
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)
 
 
@@ -107,7 +112,7 @@ class ServeServer:
         self.options = options
         self.warn = warn or _warn
         self.state = ServerState()
-        self.app = create_app(self.state)
+        self.app = create_app(self.state, api_key=options.api_key, max_request_bytes=options.max_request_bytes)
         self.bridge = EngineBridge()
         self._load = load or _load_model
         self.loaded = None
@@ -216,9 +221,13 @@ class ServeServer:
             import torch
 
             torch.set_num_threads(self.options.threads)
+        from kvtui.engine import StepInterrupted
+
         try:
             while not self._stop.is_set():
                 session.step_once()
+        except StepInterrupted:  # stop() cut the step in progress short: a stop, not an error
+            pass
         except BaseException as e:  # a bug: say it, stop serving, still write the summary
             self.error = e
             traceback.print_exc()
@@ -236,9 +245,19 @@ class ServeServer:
     # -- stop ------------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 60.0) -> None:
         """Take no new requests, abort what is in flight, write the summary, stop uvicorn. Bounded:
-        returns within about `timeout_s` + 10 seconds whatever happens. Safe to call more than once."""
+        returns within about `timeout_s` + 10 seconds whatever happens. Safe to call more than once.
+
+        The step in progress is interrupted at its next layer and a reference check at its next step,
+        so a stop under load takes well under a second, not the seconds a long prefill step or a batch
+        of reference checks would; uvicorn stops listening at once and lets the open responses end
+        (each gets its finish: "abort" for what was in flight)."""
         self.bridge.close_intake()
         self._stop.set()
+        if self._http is not None:
+            self._http.should_exit = True
+        if self.session is not None and self._engine_thread is not None:
+            self.session.stop_requested = True  # a reference check in progress stops at its next step
+            self.session.engine.interrupt()  # a long step stops at its next layer (it would take seconds)
         if self._engine_thread is not None:
             self._engine_thread.join(timeout_s)
         self.stop_http()
@@ -249,6 +268,7 @@ class ServeServer:
             self._http.should_exit = True
         if self._http_thread is not None:
             self._http_thread.join(timeout_s)
+        self.state.close()
 
     def __enter__(self) -> ServeServer:
         self.start_http()
