@@ -549,7 +549,7 @@ def audit(
                                         max=1000)] = 16,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=4096, help="--timing --target: "
                                                       "tokens per probe block when the server publishes no block "
-                                                      "size (vLLM does, in vllm:cache_config_info) [default: 64].",
+                                                      "size (vLLM does, in vllm:cache_config_info); default 64.",
                                                       rich_help_panel="Target server")] = None,
     cache_salt: Annotated[SaltMode, typer.Option("--cache-salt", help="--timing --target: per_tenant: kvtui gives "
                                                  "each tenant its own cache_salt (does the server honour it?); "
@@ -635,7 +635,7 @@ def serve(
     kv: Annotated[KvMode, typer.Option("--kv", help="KV memory: slots (one region of --max-len per request) or "
                                        "paged (blocks through per-request block tables, as vLLM).")] = "slots",
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=64, help="With --kv paged: tokens "
-                                                      "per KV block [default: 16].")] = None,
+                                                      "per KV block (default 16).")] = None,
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="With --kv paged: "
                                                  "reuse cached blocks of earlier prompts' prefixes; a request's "
                                                  "`cache_salt` keys its blocks, so only requests with the same "

