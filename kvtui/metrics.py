@@ -251,5 +251,6 @@ class Metrics:
             findings_by_kind=self.findings.by_kind(), requests_in_flight=self.arrived - self.requests_finished,
             reference_checked=self.reference.checked if self.reference else None,
             reference_skipped=self.reference.skipped if self.reference else None,
+            reference_skipped_by_reason=self.reference.skipped_by_reason if self.reference else None,
             **self.paged_fields(), **session_fields,
         )
