@@ -112,8 +112,10 @@ def run(
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model: default, "
                                                  "tiny-llama, tiny-gpt2, a HF model directory or a .gguf file.")] = None,
     dtype: Annotated[Optional[DType], typer.Option(help="Override the scenario's dtype.")] = None,
-    clock: Annotated[Optional[Clock], typer.Option(help="virtual (deterministic; headless default) or wall "
-                                                   "(dashboard default).")] = None,
+    clock: Annotated[Optional[Clock], typer.Option(help="virtual (modeled step times: the same steps and tokens "
+                                                   "on any machine; headless default), paced (virtual, held to real "
+                                                   "time: a demo on the dashboard) or wall (real time). The "
+                                                   "dashboard's default is the scenario's dashboard.clock (wall).")] = None,
     layout: Annotated[Optional[Layout], typer.Option(help="Override the engine layout.")] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = "cpu",
     fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
@@ -188,7 +190,7 @@ def run(
                    clear_faults=clear_faults, cost_model=cost_model)
     if not headless:
         check_lengths(scenario, spec, _load_tokenizer(model or spec.model))
-        _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or "wall"})
+        _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return
     loaded = _load_model(model or spec.model, dtype or spec.dtype, device)
     planned = check_lengths(scenario, spec, loaded.tokenizer)

@@ -9,7 +9,7 @@ Layout = Literal["padded", "packed"]
 PaddingSide = Literal["right", "left"]
 SlotReuse = Literal["reuse", "reallocate"]
 TooLong = Literal["reject", "cap"]
-Clock = Literal["virtual", "wall"]
+Clock = Literal["virtual", "paced", "wall"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVMode = Literal["slots", "paged"]
 

@@ -62,7 +62,7 @@ class Header(_Frozen):
     seed: int = 0
     model: ModelInfo = ModelInfo(id="?")
     engine: dict[str, Any] = {}
-    clock: Literal["virtual", "wall"] = "virtual"
+    clock: Literal["virtual", "paced", "wall"] = "virtual"
     detectors: tuple[str, ...] = ()
     measured: tuple[str, ...] = ()
     modeled: tuple[str, ...] = ()
@@ -388,9 +388,19 @@ class RecordingFailed(_Frozen):
     error: str
 
 
+# Why a completed request was left without a reference check (ReferenceStatus.skipped_by_reason), in words.
+SKIP_REASONS = {
+    "stopped": "the run was stopped before they were checked",
+    "queue_full": "the oldest were dropped when more were waiting than the queue holds",
+    "sampled": "sampled answers (temperature > 0) from a server have no reference",
+    "error": "their request (the batched or the solo one) failed",
+}
+
+
 class ReferenceStatus(_Frozen):
     """Progress of the reference detector's checks (v2): completed requests checked against their
-    reference run, skipped (sampled out when it fell behind, or left at a quit), still waiting."""
+    reference run, skipped (left unchecked; `skipped_by_reason` says why, by the keys of SKIP_REASONS),
+    still waiting."""
 
     type: Literal["reference.status"] = "reference.status"
     t: float
@@ -401,6 +411,7 @@ class ReferenceStatus(_Frozen):
     # checked; and of the checked ones, those whose server reported 0 cached prompt tokens
     cached: int | None = None
     uncached_verified: int | None = None
+    skipped_by_reason: dict[str, int] | None = None  # (v2) reason -> requests; None in older recordings
 
 
 # -- a target server's own view ---------------------------------------------------------------------
@@ -488,7 +499,8 @@ class Summary(_Frozen):
     requests_in_flight: int | None = None  # (v2) arrived, not finished when the recording ended
     findings_by_kind: dict[str, int] | None = None  # (v2)
     reference_checked: int | None = None  # (v2) requests compared with their solo run
-    reference_skipped: int | None = None  # (v2) requests left unchecked (sampled out or skipped at quit)
+    reference_skipped: int | None = None  # (v2) requests left unchecked
+    reference_skipped_by_reason: dict[str, int] | None = None  # (v2) why, by the keys of SKIP_REASONS
     num_preemptions_total: int | None = None  # (v2, paged KV)
     prefix_cache_queries: int | None = None  # (v2, tokens)
     prefix_cache_hits: int | None = None  # (v2, tokens)

@@ -308,6 +308,7 @@ class Metrics:
             reference_skipped=self.reference.skipped if self.reference else None,
             reference_cached=self.reference.cached if self.reference else None,
             reference_uncached_verified=self.reference.uncached_verified if self.reference else None,
+            reference_skipped_by_reason=self.reference.skipped_by_reason if self.reference else None,
             prompt_tokens_cached=self.cached_tokens, **self.paged_fields(), **self.server_prefix.fields(),
             **session_fields,
         )

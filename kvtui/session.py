@@ -7,6 +7,8 @@ recorded events to the same Metrics, so a replay's summary equals the live one.
 
 from __future__ import annotations
 
+import bisect
+import math
 import platform
 import queue
 import threading
@@ -47,6 +49,7 @@ from kvtui.events import (
 )
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
+from kvtui.pacing import Pacer
 from kvtui.record import RecordingWriter, describe_os_error
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
@@ -54,6 +57,7 @@ MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", 
                    "all latencies and tokens/s in the summary")
 
 Listener = Callable[[object], None]
+MODELED_CLOCKS = ("virtual", "paced")  # clocks whose times are modeled (paced: virtual, held to the wall)
 MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (all go to the recording)
 TRIM_EVERY_STEPS = 256
 
@@ -83,7 +87,8 @@ _malloc_trim = None
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
-                  cost_model: str = "auto", serving: bool = False, planned: list | None = None) -> "Session":
+                  cost_model: str = "auto", serving: bool = False, planned: list | None = None,
+                  pacer: Pacer | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -94,6 +99,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
             model when there is one, else the built-in fit) or "default" (the built-in fit).
         serving: requests come from submit_external (kvtui serve), not the scenario (see Session).
         planned: the scenario's planned requests when the caller planned them already (see Session).
+        pacer: the paced clock's Pacer (default: one on the real wall clock).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -105,7 +111,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   cost_model=cost_model, serving=serving, planned=planned)
+                   cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)
 
 
 class Session:
@@ -114,7 +120,9 @@ class Session:
     Args:
         scenario: a kvtui.scenario.Scenario.
         loaded: a kvtui.models.LoadedModel.
-        clock: "virtual" (deterministic, headless default) or "wall" (real time).
+        clock: "virtual" (deterministic, headless default), "paced" (the virtual clock's steps and tokens,
+            each step started no earlier than its modeled time on the wall clock: kvtui/pacing.py) or
+            "wall" (real time).
         record_path: JSONL recording to write, or None.
         engine_overrides: EngineConfig fields that replace the scenario's (from CLI flags).
         listeners: callables receiving every typed event (e.g. the dashboard's publisher).
@@ -127,6 +135,8 @@ class Session:
             the session is never done until stopped (kvtui serve). Use the wall clock.
         planned: `plan_requests(scenario, tokenizer)` when the caller has it already (the CLI checks
             the plan before the run); None plans here.
+        pacer: for clock="paced": the Pacer holding modeled time to the wall (default: a real one; tests
+            pass one with a fake wall clock and sleep).
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
@@ -139,16 +149,14 @@ class Session:
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
                  fault_switches: bool = True, cost_model: str = "default", serving: bool = False,
-                 planned: list | None = None) -> None:
-        self.scenario, self.loaded, self.clock = scenario, loaded, clock
+                 planned: list | None = None, pacer: Pacer | None = None) -> None:
+        self.scenario, self.loaded, self.clock = scenario, loaded, self._check_clock(clock)
+        self.pacer = (pacer or Pacer()) if clock == "paced" else None
         self.tokenizer = loaded.tokenizer
         self.config = self._engine_config(engine_overrides, faults)
         self.detectors = self._check_detectors(detectors)
         self.cost_model = self._cost_model(cost_model)
-        self.engine = Engine(loaded.model, self.config, eos_token_ids=loaded.eos_token_ids, tokenizer=self.tokenizer,
-                             clock=clock, cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
-        self.engine.detect_taint = "slot_taint" in self.detectors
-        self.engine.measure_flow = "attention_flow" in self.detectors
+        self.engine = self._make_engine()
         self.serving = serving
         self.pending = self._planned(planned)
         self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
@@ -183,6 +191,15 @@ class Session:
             planned = plan_requests(self.scenario, self.tokenizer)
         return sorted(planned, key=lambda p: (p.arrival_s, p.request_id))
 
+    def _make_engine(self) -> Engine:
+        """The run's engine: on the virtual clock for the paced clock too (the pacer only waits)."""
+        engine = Engine(self.loaded.model, self.config, eos_token_ids=self.loaded.eos_token_ids,
+                        tokenizer=self.tokenizer, clock="virtual" if self.clock in MODELED_CLOCKS else self.clock,
+                        cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
+        engine.detect_taint = "slot_taint" in self.detectors
+        engine.measure_flow = "attention_flow" in self.detectors
+        return engine
+
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
         overrides = dict(engine_overrides or {})
         if faults:
@@ -202,6 +219,12 @@ class Session:
 
             model, described = StepCostModel(), {"source": "default", **asdict(StepCostModel())}
         return model, described
+
+    @staticmethod
+    def _check_clock(clock: str) -> str:
+        if clock not in ("wall", *MODELED_CLOCKS):
+            raise ValueError(f"clock {clock!r}: use 'virtual', 'paced' or 'wall'")
+        return clock
 
     @staticmethod
     def _check_detectors(detectors) -> tuple[str, ...]:
@@ -248,8 +271,8 @@ class Session:
             model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                             dtype=str(loaded.dtype).replace("torch.", "")),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if self.clock == "virtual" else (),
-            cost_model=self.cost_model[1] if self.clock == "virtual" else None)
+            modeled=MODELED_VIRTUAL if self.clock in MODELED_CLOCKS else (),
+            cost_model=self.cost_model[1] if self.clock in MODELED_CLOCKS else None)
 
     def emit(self, event) -> None:
         """Send one typed event to the recording, the metrics and every listener. A contamination
@@ -258,8 +281,8 @@ class Session:
             event = self.metrics.findings.add(event)
             if len(self.contamination) < MAX_KEPT_REPORTS:
                 self.contamination.append(event)
-            if event.counts:
-                for name in self.engine.faults:
+            if event.counts:  # the faults on at the step the report is about (a reference check comes later)
+                for name in self._trails.faults_at(event.step, self.engine.faults):
                     self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
         if self.recorder is not None:
             self.recorder.write(event)
@@ -365,7 +388,7 @@ class Session:
             self._drain_references(limit=self.reference.batch, yield_to_work=True)
         elif self.serving:  # wait for a submission (never spin a core)
             self._external_ready.wait(0.05)
-        elif self.clock == "virtual" or self.engine.clock_paused:
+        elif self.clock in MODELED_CLOCKS or self.engine.clock_paused:
             self.engine.advance_to(self.pending[0].arrival_s)
         else:
             time.sleep(min(max(self.pending[0].arrival_s - self.engine.now(), 0.0), 0.05))
@@ -425,25 +448,43 @@ class Session:
                     frozenset(f.faults)))
 
     def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
-                          yield_to_work: bool = False) -> None:
+                          yield_to_work: bool = False, until: Callable[[], bool] | None = None) -> None:
         """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
         request ends it between reference steps, and so does new work when `yield_to_work` (an idle
         moment on the wall clock: a request that arrives meanwhile is served first, the check resumes
-        later where it stopped). Emits the reports and a reference.status event."""
-        ref = self.reference
-        should_stop = (lambda: self.stop_requested or self._work_waiting()) if yield_to_work else \
-            (lambda: self.stop_requested)
-        if progress is not None and ref.pending:  # say what is waiting before the first batch
-            self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
-                                      pending=ref.pending))
+        later where it stopped), and `until()` turning true. Emits each request's reports as soon as it
+        is compared, and a reference.status event; with `progress`, a reference.status event and
+        `progress(checked, total)` after every request (the closing checks, shown as they go)."""
+        ref, total = self.reference, self.reference.checked + self.reference.pending
+        should_stop = lambda: (self.stop_requested or (yield_to_work and self._work_waiting())  # noqa: E731
+                               or (until is not None and until()))
+
+        def checked(found: list[Contamination]) -> None:
+            for event in found:
+                self.emit(event)
+            if progress is not None:
+                self._reference_status(pending=total - ref.checked)
+                progress(ref.checked, total)
+
+        if progress is not None and ref.pending:  # say what is waiting before the first check
+            self._reference_status()
+        start = ref.checked
         while ref.pending and (limit is None or limit > 0) and not should_stop():
             batch = min(ref.batch, limit or ref.batch)
-            for event in ref.drain(self.engine.now(), limit=batch, should_stop=should_stop):
-                self.emit(event)
+            ref.drain(self.engine.now(), limit=batch, should_stop=should_stop, on_checked=checked)
             limit = None if limit is None else limit - batch
-            if progress is not None:
-                progress(ref.checked, ref.checked + ref.pending)
-        self.emit(ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped, pending=ref.pending))
+        if progress is None or ref.checked == start:
+            self._reference_status()
+
+    def _reference_status(self, pending: int | None = None) -> None:
+        """A reference.status event with the detector's counts, unless they are those of the last one."""
+        ref = self.reference
+        status = ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
+                                 pending=ref.pending if pending is None else pending,
+                                 skipped_by_reason=dict(sorted(ref.skipped_by_reason.items())))
+        last = self.metrics.reference
+        if last is None or status.model_copy(update={"t": last.t}) != last:
+            self.emit(status)
 
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
@@ -457,12 +498,40 @@ class Session:
     # -- live controls (dashboard keys) ------------------------------------------------------
     def pause_clock(self) -> None:
         """Wall clock: stop the run's clock (a paused dashboard); steps taken while paused advance it
-        by their own duration only (see Engine.pause_clock)."""
+        by their own duration only (see Engine.pause_clock). Paced clock: stop pacing."""
         self.engine.pause_clock()
+        if self.pacer is not None:
+            self.pacer.pause()
 
     def resume_clock(self) -> None:
-        """Wall clock: let the run's clock go on from where it stopped."""
+        """Wall clock: let the run's clock go on from where it stopped. Paced clock: pace again from the
+        engine's time now."""
         self.engine.resume_clock()
+        if self.pacer is not None:
+            self.pacer.resume()
+
+    def hold_for_wall(self, max_wait_s: float = math.inf, wait: Callable[[float], object] | None = None) -> float:
+        """Paced clock: wait until the wall clock reaches the engine's modeled time, `max_wait_s` at most,
+        spending the wait on waiting reference checks first. Returns the seconds still to wait (0: the
+        next step may start); other clocks return 0 at once.
+
+        Args:
+            max_wait_s: the longest wait in one call (a caller that must stay responsive waits in slices).
+            wait: how to wait the rest (default: the pacer's sleep); the dashboard passes an event's
+                wait, so a key press ends the wait early.
+        """
+        if self.pacer is None:
+            return 0.0
+        delay = self.pacer.delay(self.engine.now())
+        if delay <= 0:
+            return 0.0
+        deadline = self.pacer.wall() + min(delay, max_wait_s)
+        if self.reference is not None and self.reference.pending and not self.stop_requested:
+            self._drain_references(limit=self.reference.batch, until=lambda: self.pacer.wall() >= deadline)
+        left = deadline - self.pacer.wall()
+        if left > 0:
+            (wait or self.pacer.sleep)(left)
+        return self.pacer.delay(self.engine.now())
 
     def set_fault(self, name: str, on: bool, source: str = "key") -> None:
         """Switch one isolation fault on or off from the next step; emits a `fault` event.
@@ -506,7 +575,11 @@ class Session:
             on_reference: called with (checked, total) while the last reference checks run.
         """
         try:
-            while not self.stop_requested and self.step_once():
+            while not self.stop_requested:
+                if self.hold_for_wall(max_wait_s=0.1) > 0:  # paced clock: ahead of the wall (stop read between)
+                    continue
+                if not self.step_once():
+                    break
                 if on_progress is not None:
                     on_progress(self)
         finally:
@@ -530,8 +603,7 @@ class Session:
             self._drain_references(progress=on_reference or (lambda checked, total: None))
             if self.reference.pending:
                 self.reference.skip_pending()
-                self.emit(ReferenceStatus(t=self.engine.now(), checked=self.reference.checked,
-                                          skipped=self.reference.skipped, pending=0))
+                self._reference_status()
         self._note_unapplied_timeline()
         self.summary = self.metrics.summary(
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
@@ -553,15 +625,31 @@ class Session:
 
 class _Trails:
     """What a reference check needs of each running request, kept while it runs: the step of each of
-    its tokens, the requests co-batched with it at that step, and its slot's earlier owners."""
+    its tokens, the requests co-batched with it at that step, and its slot's earlier owners; and the
+    faults on at each step (as spans), so a report is counted for the faults of the step it is about."""
+
+    last_step = -1
 
     def __init__(self) -> None:
         self.steps: dict[str, list[int]] = {}
         self.cobatched: dict[str, list[tuple[str, ...]]] = {}
         self.earlier: dict[str, tuple[str, ...]] = {}
         self.slot_owners: dict[int, deque] = {}
+        self.fault_spans: list[tuple[int, frozenset]] = []  # (first step, faults on from it), one per change
+
+    def faults_at(self, step: int | None, now: frozenset) -> frozenset:
+        """The faults on during engine step `step` (`now` for a report about no step or a step to come)."""
+        spans = self.fault_spans
+        if step is None or step < 0 or not spans or step > self.last_step:
+            return now
+        at = bisect.bisect_right(spans, step, key=lambda span: span[0]) - 1
+        return spans[at][1] if at >= 0 else frozenset()
 
     def on_step(self, report) -> None:
+        faults = frozenset(report.faults)
+        if (self.fault_spans[-1][1] if self.fault_spans else frozenset()) != faults:
+            self.fault_spans.append((report.step, faults))
+        self.last_step = report.step
         ids = [r.request_id for r in report.running]
         for r in report.running:
             if r.request_id not in self.earlier:

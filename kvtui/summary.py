@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtui.events import (
+    SKIP_REASONS,
     CanaryEvidence,
     Contamination,
     FlowEvidence,
@@ -80,7 +81,7 @@ def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
         rows.append(("in flight at the end", f"{s.requests_in_flight} requests arrived but never finished"))
     if s.reference_checked is not None:
         rows.append(("reference checks", f"{s.reference_checked} checked" + _reference_cache(s)
-                     + (f", {s.reference_skipped} skipped (sampled out or left at a stop)" if s.reference_skipped else "")))
+                     + skipped_text(s.reference_skipped, s.reference_skipped_by_reason)))
     findings = ", ".join(f"{k} {n}" for k, n in sorted((s.findings_by_kind or {}).items()))
     detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
     rows.append(("contamination findings", f"{sum((s.findings_by_kind or {}).values())}"
@@ -89,6 +90,19 @@ def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
     return rows
+
+
+def skipped_text(skipped: int | None, by_reason: dict[str, int] | None) -> str:
+    """", 8 skipped: the run was stopped before they were checked" (every reason with its count when
+    there are several; '' when nothing was skipped; no reason for a recording that does not say)."""
+    if not skipped:
+        return ""
+    reasons = {k: n for k, n in sorted((by_reason or {}).items()) if n}
+    if not reasons:
+        return f", {skipped} skipped"
+    if len(reasons) == 1:
+        return f", {skipped} skipped: {SKIP_REASONS.get(next(iter(reasons)), next(iter(reasons)))}"
+    return f", {skipped} skipped (" + "; ".join(f"{n}: {SKIP_REASONS.get(k, k)}" for k, n in reasons.items()) + ")"
 
 
 def _reference_cache(s: Summary) -> str:

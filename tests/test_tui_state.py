@@ -250,14 +250,22 @@ def test_fault_events_switch_isolation_and_are_logged():
 
 
 def test_markers_timeline_rejections_and_summary_in_the_log():
+    """A timeline event's knobs are written as a scenario writes them (the log once showed Python's
+    `on=False`); its fault switch and its marker have lines of their own (the fault and marker events),
+    so it adds none for them."""
     s = feed(header(), parse_event({"type": "marker", "t": 0.5, "text": "burst of 4 requests"}),
-             parse_event({"type": "timeline", "t": 1.0, "at_s": 1.0, "set": {"fault": "stale_slot", "on": True},
+             parse_event({"type": "timeline", "t": 1.0, "at_s": 1.0, "set": {"fault": "stale_slot", "on": False},
                           "marker": "leak on"}),
+             parse_event({"type": "timeline", "t": 1.2, "at_s": 1.2, "set": {
+                 "engine.max_batch_size": 2, "engine.bucketing.enabled": False, "arrivals.rate_per_s": 4.0,
+                 "engine.max_waiting": None}}),
              arrive("big"), finish("big", 1.5, None, "rejected", detail="prompt longer than max_len"),
              Metrics().summary(t=2.0, stopped_early=True))
     snap = snap_of(s)
     assert [(line.kind, line.text) for line in snap.log] == [
-        ("marker", "burst of 4 requests"), ("timeline", "leak on · fault=stale_slot, on=True"),
+        ("marker", "burst of 4 requests"),
+        ("timeline", "timeline: engine.max_batch_size 2, engine.bucketing.enabled false, arrivals.rate_per_s 4, "
+                     "engine.max_waiting null"),
         ("reject", "big rejected: prompt longer than max_len"), ("info", "run finished (stopped early)")]
     assert snap.done and snap.rejected == 1 and snap.summary.stopped_early
     with pytest.raises(pydantic.ValidationError):  # the summary a snapshot carries is read-only

@@ -17,8 +17,9 @@ Cost and bounds: references run several requests at a time in one clean engine (
 invariance is what tests/test_engine_parity.py checks against transformers' own attention), off
 the engine's critical path: the session drains the queue when the engine is idle, between steps on
 the virtual clock, and at the end (interruptible). At most `max_queue` checks wait; beyond that the
-oldest is skipped (sampled out) and counted. References are cached per (model, dtype, prompt,
-sampling) in an LRU of `cache_size` entries.
+oldest is dropped unchecked, counted as skipped for the reason `queue_full`; checks still waiting when
+the run is stopped are skipped for the reason `stopped`. References are cached per (model, dtype,
+prompt, sampling) in an LRU of `cache_size` entries.
 
 Tolerances (logits): float32 1e-3 (batched-vs-solo noise measured here is under 1e-5), float16 0.1,
 bfloat16 0.5 (measured on SmolLM2: bf16 greedy batch 16 vs batch 1 agrees on only 9 of 16).
@@ -27,7 +28,7 @@ bfloat16 0.5 (measured on SmolLM2: bf16 greedy batch 16 vs batch 1 agrees on onl
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -93,11 +94,16 @@ class ReferenceDetector:
         self._resume: tuple | None = None  # (items, engine, states) of a clean run a stop interrupted
         self._interrupted = 0  # how many checks that run was for (they wait at the queue's front)
         self.checked = 0
-        self.skipped = 0
+        self.skipped_by_reason: Counter = Counter()  # reason (kvtui.events.SKIP_REASONS) -> requests left unchecked
 
     @property
     def pending(self) -> int:
         return len(self.queue)
+
+    @property
+    def skipped(self) -> int:
+        """Completed requests left unchecked, whatever the reason."""
+        return sum(self.skipped_by_reason.values())
 
     def on_finish(self, check: PendingCheck) -> None:
         """Queue a completed request (one with output); the oldest waiting check is skipped when full."""
@@ -105,20 +111,23 @@ class ReferenceDetector:
             return
         if len(self.queue) >= self.max_queue:
             self.queue.popleft()
-            self.skipped += 1
+            self.skipped_by_reason["queue_full"] += 1
         self.queue.append(check)
 
     def skip_pending(self) -> int:
-        """Give up the waiting checks (a quit); returns how many, also added to `skipped`."""
+        """Give up the waiting checks (a stop); returns how many, counted as skipped for `stopped`."""
         n = len(self.queue)
-        self.skipped += n
+        if n:
+            self.skipped_by_reason["stopped"] += n
         self.queue.clear()
         return n
 
-    def drain(self, t: float, limit: int | None = None, should_stop: Callable[[], bool] | None = None
-              ) -> list[Contamination]:
+    def drain(self, t: float, limit: int | None = None, should_stop: Callable[[], bool] | None = None,
+              on_checked: Callable[[list[Contamination]], None] | None = None) -> list[Contamination]:
         """Check up to `limit` waiting requests (all when None), `batch` at a time; stops early (the
-        unchecked stay queued) once `should_stop()` is true. Returns their events, time-stamped `t`."""
+        unchecked stay queued) once `should_stop()` is true. Returns their events, time-stamped `t`;
+        with `on_checked`, each request's events go to it as soon as that request is compared (and
+        `checked` counts it), and none are returned."""
         events = []
         while self.queue and (limit is None or limit > 0) and not (should_stop and should_stop()):
             take = min(self.batch, len(self.queue), limit if limit is not None else len(self.queue))
@@ -132,8 +141,12 @@ class ReferenceDetector:
                 break
             self._interrupted = 0
             for check, reference in zip(checks, references):
-                events += self._compare(check, reference, t)
-            self.checked += take
+                found = self._compare(check, reference, t)
+                self.checked += 1
+                if on_checked is None:
+                    events += found
+                else:
+                    on_checked(found)
             limit = None if limit is None else limit - take
         return events
 

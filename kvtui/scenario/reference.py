@@ -27,7 +27,7 @@ from kvtui.scenario.prompts import (
     SyntheticPrompts,
     SystemPromptPrompts,
 )
-from kvtui.scenario.schema import SLO, Bucketing, EngineSection, Expect, SamplingSection, Scenario
+from kvtui.scenario.schema import SLO, Bucketing, Dashboard, EngineSection, Expect, SamplingSection, Scenario
 from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import RUNTIME_KNOBS, TimelineEvent
 
@@ -101,12 +101,13 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("sampling", "", [SamplingSection]),
     ("slo", "", [SLO]),
     ("expect", "", [Expect]),
+    ("dashboard", "", [Dashboard]),
     ("timeline", "", [TimelineEvent]),
 ]
 # model -> its heading; the anchor is GitHub's slug of it
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             Tenants: "tenants",
-            SLO: "slo", Expect: "expect", TimelineEvent: "timeline", Stage: "stage", ScriptedRequest: "scripted request"}
+            SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage", ScriptedRequest: "scripted request"}
 UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions"}
 
 

@@ -214,6 +214,16 @@ class Expect(Strict):
                             "exit 1 if none does")
 
 
+class Dashboard(Strict):
+    """How `kvtui run` shows the scenario live (headless runs ignore this section; `--clock` overrides it)."""
+
+    clock: Literal["wall", "paced", "virtual"] = Field(
+        "wall", description="the dashboard's clock: `wall` (real time: latencies as this machine serves them), "
+                            "`paced` (the virtual clock held to real time: the same steps and tokens as a headless "
+                            "run, on any machine; the header says the pace when the machine is slower) or `virtual` "
+                            "(as fast as the engine goes)")
+
+
 class Scenario(Strict):
     """A load scenario: who arrives when, saying what, served by which engine."""
 
@@ -248,6 +258,7 @@ class Scenario(Strict):
                         pydantic.AfterValidator(lambda v: sorted(v, key=lambda e: e.at_s))] = Field(
         [], description="knob changes at given times (see timeline), applied in at_s order")
     expect: Expect = Field(Expect(), description="see expect")
+    dashboard: Dashboard = Field(Dashboard(), description="see dashboard")
     _base_dir: Path | None = pydantic.PrivateAttr(default=None)
     _warnings: list[str] = pydantic.PrivateAttr(default_factory=list)
 

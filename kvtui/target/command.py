@@ -51,8 +51,8 @@ def refuse_engine_options(given: dict[str, object]) -> None:
         if given.get(key):
             fail(f"{flag} acts on kvtui's own engine and cannot apply to a --target server; drop it "
                  "(the server's configuration is its own)")
-    if given.get("clock") == "virtual":
-        fail("--clock virtual models kvtui's engine; a --target run is timed on the wall clock: drop --clock")
+    if given.get("clock") in ("virtual", "paced"):
+        fail(f"--clock {given['clock']} models kvtui's engine; a --target run is timed on the wall clock: drop --clock")
 
 
 def target_detectors(chosen: tuple[str, ...], explicit: bool) -> tuple[str, ...]:

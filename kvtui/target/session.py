@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -139,8 +140,9 @@ class TargetSession:
         self.stop_requested = False
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
         self.summary: Summary | None = None
-        self.reference_checked = self.reference_skipped = 0
+        self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
+        self.reference_skips: Counter = Counter()  # why requests were left unchecked (kvtui.events.SKIP_REASONS)
         self._header: Header | None = None
         self._clock = clock
         self._t0 = clock()
@@ -219,7 +221,7 @@ class TargetSession:
                 if "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
                 elif "reference" in self.detectors:
-                    self.reference_skipped = len(self.results)
+                    self.reference_skips["stopped"] += len(self.results)
                     self._reference_status(pending=0)
             finally:
                 poller.cancel()
@@ -384,13 +386,15 @@ class TargetSession:
         ordered = sorted(self.results.items(), key=lambda kv: kv[0])
         greedy = [(rid, r) for rid, r in ordered if r.finish_reason in ("stop", "length")
                   and self.planned[rid].sampling.temperature == 0]
-        self.reference_skipped = len(ordered) - len(greedy)
+        completed = sum(1 for _, r in ordered if r.finish_reason in ("stop", "length"))
+        self.reference_skips["sampled"] += completed - len(greedy)
+        self.reference_skips["error"] += len(ordered) - completed
         self._reference_status(pending=len(greedy))
         if greedy:
             self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
         for k, (rid, batched) in enumerate(greedy):
             if self.stop_requested:
-                self.reference_skipped += 1
+                self.reference_skips["stopped"] += 1
             else:
                 await self._reference_one(client, rid, batched)
             self._reference_status(pending=len(greedy) - k - 1)
@@ -402,7 +406,7 @@ class TargetSession:
         solo = await stream_request(client, path, uncached(body, self.server_kind), timeout_s=self.options.timeout_s,
                                     clock=self.now)
         if solo.finish_reason == "error":
-            self.reference_skipped += 1
+            self.reference_skips["error"] += 1
             self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
             return
         if solo.cached_tokens:
@@ -419,8 +423,9 @@ class TargetSession:
             self.emit(event)
 
     def _reference_status(self, pending: int) -> None:
-        self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=self.reference_skipped,
-                                  pending=pending, cached=self.reference_cached,
+        skips = {k: n for k, n in sorted(self.reference_skips.items()) if n}
+        self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=sum(skips.values()),
+                                  pending=pending, skipped_by_reason=skips, cached=self.reference_cached,
                                   uncached_verified=self.reference_uncached_verified))
 
     def _overlapping(self, rid: str) -> tuple[str, ...]:

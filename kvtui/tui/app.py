@@ -24,6 +24,10 @@ RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the play
 BURST_SIZE = 4  # requests moved to "now" by b
 SEEK_S = 5.0  # replay seek step (seconds of run clock)
 
+RATE_GROUP = Binding.Group("rate", compact=True)  # the footer shows "+- rate"
+SEEK_GROUP = Binding.Group("seek 5s", compact=True)
+FOOTER_PALETTE_MIN_WIDTH = 120  # narrower, the footer leaves out "^p palette" so `? help` and `q quit` fit
+
 # action -> what the source must support (Source.supports); others always apply
 NEEDS = {"isolation": "isolation", "faults": "faults", "rate_up": "rate", "rate_down": "rate", "burst": "burst",
          "restart": "restart", "step": "step", "seek_back": "seek", "seek_forward": "seek"}
@@ -34,7 +38,7 @@ class KvtuiApp(App[dict | None]):
 
     Args:
         source: where events come from.
-        screenshot_dir: where `s` saves SVG screenshots.
+        screenshot_dir: where `s` saves SVG screenshots (default runs/, which git ignores).
     """
 
     CSS_PATH = Path(__file__).with_name("kvtui.tcss")  # absolute: subclasses elsewhere find it too
@@ -45,18 +49,20 @@ class KvtuiApp(App[dict | None]):
         Binding("f", "faults", "faults", tooltip="pick faults from a list"),
         Binding("space", "pause", "pause", tooltip="pause / resume"),
         Binding("n", "step", "step", tooltip="one engine step while paused"),
-        Binding("plus,equals_sign", "rate_up", "rate+", key_display="+", tooltip="arrival rate x1.25 (replay: speed)"),
-        Binding("minus", "rate_down", "rate-", key_display="-", tooltip="arrival rate ÷1.25 (replay: speed)"),
-        Binding("left", "seek_back", "-5s", tooltip="replay: seek back"),
-        Binding("right", "seek_forward", "+5s", tooltip="replay: seek forward"),
+        Binding("plus,equals_sign", "rate_up", "rate+", key_display="+", tooltip="arrival rate x1.25 (replay: speed)",
+                group=RATE_GROUP),
+        Binding("minus", "rate_down", "rate-", key_display="-", tooltip="arrival rate ÷1.25 (replay: speed)",
+                group=RATE_GROUP),
+        Binding("left", "seek_back", "-5s", tooltip="replay: seek back", group=SEEK_GROUP),
+        Binding("right", "seek_forward", "+5s", tooltip="replay: seek forward", group=SEEK_GROUP),
         Binding("b", "burst", "burst", tooltip=f"{BURST_SIZE} requests arrive now"),
         Binding("r", "restart", "restart", tooltip="restart the scenario with a fresh session"),
-        Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under recordings/"),
+        Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under runs/"),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit", tooltip="quit (live: writes the summary to the recording)"),
     ]
 
-    def __init__(self, source: Source, *, screenshot_dir: str | Path = "recordings") -> None:
+    def __init__(self, source: Source, *, screenshot_dir: str | Path = "runs") -> None:
         super().__init__()
         self.source = source
         self.screenshot_dir = Path(screenshot_dir)
@@ -79,7 +85,17 @@ class KvtuiApp(App[dict | None]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._fit_footer()
         self.source.attach(self)
+
+    def on_resize(self) -> None:
+        self._fit_footer()
+
+    def _fit_footer(self) -> None:
+        """On a narrow terminal the footer leaves out the command palette's key (ctrl+p still opens it),
+        so that at 100 columns every key, `? help` and `q quit` last, stays on screen."""
+        for footer in self.query(Footer):
+            footer.show_command_palette = self.size.width >= FOOTER_PALETTE_MIN_WIDTH
 
     def on_unmount(self) -> None:
         self.source.request_stop()

@@ -46,7 +46,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     Args:
         scenario_path: scenario YAML.
         model, dtype: override the scenario's model / dtype (e.g. "tiny-llama", "bfloat16").
-        clock: "wall" (real time, the default here) or "virtual".
+        clock: "wall" (real time, the default here), "paced" (the virtual clock held to real time) or
+            "virtual" (modeled time, as fast as the engine goes).
         record: JSONL recording path; a restart (`r`) records to NAME.restartN.jsonl.
         layout: "padded" or "packed" to override the scenario's engine layout.
         device: torch device.
@@ -74,8 +75,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     from kvtui.tui.app import KvtuiApp
     from kvtui.tui.live import LiveSource
 
-    if clock not in ("wall", "virtual"):
-        raise ValueError(f"clock {clock!r}: use 'wall' or 'virtual'")
+    if clock not in ("wall", "paced", "virtual"):
+        raise ValueError(f"clock {clock!r}: use 'wall', 'paced' or 'virtual'")
     check_fault_names(faults)
     scenario = load_scenario(scenario_path)
     name = model or scenario.model

@@ -5,6 +5,10 @@ the session; it queues commands (fault switches, bursts, a single step, restart)
 runs between steps, so faults switch at step boundaries. The worker posts a snapshot at most
 every `min_interval_s` (1/20 s, raised by the app when drawing costs more than its CPU share), and
 builds one only when it is due; the UI never blocks it.
+
+On the paced clock (kvtui/pacing.py) the worker holds each step, and the snapshot that shows it, until
+the wall clock reaches the engine's modeled time; it waits in slices of HOLD_SLICE_S, so a key press
+is served at once, and spends the waits on waiting reference checks.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvtui.events import ReferenceStatus
 from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.sources import Source
 from kvtui.tui.state import DashboardState
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 # make_session(listener, generation) -> a new Session whose listeners include `listener`;
 # generation counts restarts (0 for the first run).
 SessionFactory = Callable[[Callable[[dict], None], int], "Session"]
+HOLD_SLICE_S = 0.05  # paced clock: the longest wait before the worker looks at its commands again
 
 
 class LiveSource(Source):
@@ -56,6 +62,8 @@ class LiveSource(Source):
         self.generation = 0
         self._closing = False
         self.parked = False  # the worker is waiting (paused or done), not stepping: tests read it
+        self.closing_checks: tuple[int, int] | None = None  # (checked, total) of the closing reference checks
+        self._unshown = False  # paced clock: a step ran whose snapshot waits for the wall clock
         self.state = DashboardState()
         self.session: Session | None = None if prepare else make_session(self._apply, 0)
         self.done = False
@@ -66,18 +74,32 @@ class LiveSource(Source):
         self._stop = threading.Event()
         self._exited = threading.Event()
 
-    def _apply(self, event: dict) -> None:
+    def _apply(self, event) -> None:
         self.state.apply(event)
-        if self._closing and self.publish_due():  # close() may take seconds (reference checks)
-            self.publish(build_snapshot(self.state), force=True)
+        if not self._closing:
+            return
+        # close() may take a minute (reference checks): show each check's result and progress at once
+        if isinstance(event, ReferenceStatus):
+            self.closing_checks = (event.checked, event.checked + event.pending)
+        if isinstance(event, ReferenceStatus) or self.publish_due():
+            self.publish(self._snapshot(), force=True)
+
+    def _snapshot(self):
+        """The state frozen for the UI, with the paced clock's pace (model seconds per wall second)."""
+        pacer = self.session.pacer if self.session is not None else None
+        self.state.pace = pacer.pace() if pacer is not None else None
+        return build_snapshot(self.state)
 
     def mode(self) -> str:
         if self.session is None:
             return "ERROR" if self.error else "LOADING"
         if self.done:
             return "DONE"
-        if self._closing or self._stop.is_set():
-            return "CLOSING"  # close() may run the reference detector's solo checks first
+        if self._closing or self._stop.is_set():  # close() may run the reference detector's solo checks first
+            if self.closing_checks is None or self._stop.is_set():
+                return "CLOSING"
+            checked, total = self.closing_checks
+            return f"CLOSING: checks {checked}/{total} · q skips" if checked < total else "CLOSING"
         return "PAUSED" if self.paused else "LIVE"
 
     # -- worker -----------------------------------------------------------------------------------
@@ -102,17 +124,22 @@ class LiveSource(Source):
         if self.session is None and not self._start():
             self._stop.wait()
             return
-        self.publish(build_snapshot(self.state), force=True)
+        self.publish(self._snapshot(), force=True)
         while not self._stop.is_set():
             self._wake.clear()  # before draining, so a command queued from now on wakes the wait below
             ran = self._drain()
             if self.paused or self.done:
                 if ran:
-                    self.publish(build_snapshot(self.state), force=True)
+                    self.publish(self._snapshot(), force=True)
                 self.parked = True
                 self._wake.wait(0.5)
                 continue
             self.parked = False
+            if self._hold():  # paced clock: the engine is ahead of the wall; it waited a slice
+                if ran:
+                    self.publish(self._snapshot(), force=True)
+                continue
+            self._show_due()
             try:
                 more = self.session.step_once()
             except Exception as e:  # keep the dashboard alive and say what failed
@@ -120,16 +147,32 @@ class LiveSource(Source):
                 continue
             if not more:
                 self._finish()
-            if self.done or self.publish_due():
-                self.publish(build_snapshot(self.state), force=True)  # the snapshot is built only when due
+            self._unshown = True
+            if self.done or self.session.pacer is None:
+                self._show_due(force=self.done)
         self._finish(early=True)
-        self.publish(build_snapshot(self.state), force=True)
+        self.publish(self._snapshot(), force=True)
+
+    def _hold(self) -> bool:
+        """Paced clock: wait one slice (or until a command wakes the worker) while the wall clock has not
+        reached the engine's modeled time; returns whether it is still ahead."""
+        try:
+            return self.session.hold_for_wall(max_wait_s=HOLD_SLICE_S, wait=self._wake.wait) > 0
+        except Exception as e:  # a reference check that failed: keep the dashboard alive
+            self._fail(e)
+            return True
+
+    def _show_due(self, force: bool = False) -> None:
+        """Post the steps run since the last snapshot when one is due (the snapshot is built only then)."""
+        if self._unshown and (force or self.publish_due()):
+            self._unshown = False
+            self.publish(self._snapshot(), force=True)
 
     def _start(self) -> bool:
         """Run `prepare` and make the first session, showing the loading text meanwhile; on failure
         keep the dashboard up with the error (q quits) and return False."""
         self.state.note("info", self.loading_text)
-        self.publish(build_snapshot(self.state), force=True)
+        self.publish(self._snapshot(), force=True)
         try:
             t0 = time.perf_counter()
             self.prepare()
@@ -138,7 +181,7 @@ class LiveSource(Source):
         except Exception as e:
             self.error = e
             self.state.note("error", f"{type(e).__name__}: {e} (q quits)")
-            self.publish(build_snapshot(self.state), force=True)
+            self.publish(self._snapshot(), force=True)
             return False
         self._sync_clock()
         return True
@@ -146,7 +189,7 @@ class LiveSource(Source):
     def _fail(self, error: Exception) -> None:
         self.state.note("error", f"{type(error).__name__}: {error} (paused; r restarts)")
         self.paused = True
-        self.publish(build_snapshot(self.state), force=True)
+        self.publish(self._snapshot(), force=True)
 
     def _finish(self, early: bool = False) -> None:
         """Close the session once (summary written); `early`: it was cut short (quit, restart)."""
@@ -156,10 +199,11 @@ class LiveSource(Source):
             self._closing = True
             try:
                 if self.app is not None:
-                    self.publish(build_snapshot(self.state), force=True)  # shows CLOSING while close() runs
+                    self.publish(self._snapshot(), force=True)  # shows CLOSING while close() runs
                 self.summary = self.session.close()
             finally:
                 self._closing = False
+                self.closing_checks = None
             self.done = True
 
     def _drain(self) -> bool:

@@ -8,6 +8,7 @@ shared block shows its reference count, a cached free block `░`, a free block 
 from __future__ import annotations
 
 import re
+import textwrap
 
 from rich.console import Group
 from rich.table import Table
@@ -22,6 +23,7 @@ EIGHTHS = " ▏▎▍▌▋▊▉█"
 # Reds bright enough to stay readable when NO_COLOR turns the screen to greys by luminance.
 RED = "#ff6060"
 LEAK_STYLE = "bold #ffffff on #c00000"
+PACE_SHOWN_BELOW = 0.95  # the header says the paced clock's pace when it runs slower than this
 SHORT_KINDS = {"cross_request": "cross", "cross_tenant": "tenant", "corruption": "corrupt"}  # narrow panel
 _CONTROL = {c: "·" for c in (*range(32), 127) if c != 10}
 
@@ -61,17 +63,9 @@ def ms(seconds: float | None) -> str:
 
 
 # -- header --------------------------------------------------------------------------------------
-def header(snap: Snapshot | None, mode: str, width: int) -> Text:
-    """One line: scenario, [model, dtype, clock, layout when they fit], step, elapsed, mode,
-    isolation state (ON, or OFF with the active faults), leak count. The isolation state always fits."""
-    text = Text().append(" kvtui ", style="bold reverse")  # (a Text's own style would cover all it holds)
-    if snap is None:
-        return text.append(f"  {mode}  loading…")
-    text.append(f" {snap.scenario} ", style="bold")
-    candidates = (f"· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ",
-                  f"· {snap.model} · {snap.clock} ", f"· {snap.model} ")
-    tail = Text(f" step {max(snap.step, 0)} · {snap.t:.1f} s  " if snap.server is None else f" {snap.t:.1f} s  ")
-    tail.append(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
+def _status_line(snap: Snapshot, mode: str) -> Text:
+    """The header's right part: mode, isolation state (ON, or OFF with the faults) and leak count."""
+    tail = Text(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
     tail.append("  ")
     if snap.server is not None:
         from kvtui.target.panels import header_status
@@ -83,11 +77,34 @@ def header(snap: Snapshot | None, mode: str, width: int) -> Text:
         tail.append(f" isolation OFF: {', '.join(snap.active_faults)} ", style="bold #ffffff on #c00000")
     if snap.leaks:
         tail.append(f"  LEAKS {snap.leaks}", style=LEAK_STYLE)
-    for details in candidates:  # as much detail as fits
-        if text.cell_len + len(details) + tail.cell_len <= width:
-            text.append(details)
+    return tail
+
+
+def header(snap: Snapshot | None, mode: str, width: int) -> Text:
+    """One line: scenario, [model, dtype, clock, layout when they fit], step, elapsed, the paced clock's
+    pace when it runs behind real time ("0.6x real time"), mode, isolation state (ON, or OFF with the
+    active faults), leak count. Where the line is short, the details go first, then the step number,
+    then the words of the pace ("0.6x"), so the mode, the isolation state and the leaks always fit."""
+    text = Text().append(" kvtui ", style="bold reverse")  # (a Text's own style would cover all it holds)
+    if snap is None:
+        return text.append(f"  {mode}  loading…")
+    text.append(f" {snap.scenario} ", style="bold")
+    details = ("· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ", "· {snap.model} · {snap.clock} ",
+               "· {snap.model} ", "")
+    clock = ((f" step {max(snap.step, 0)} · {snap.t:.1f} s  ", f" {snap.t:.1f} s  ") if snap.server is None
+             else (f" {snap.t:.1f} s  ",))
+    behind = snap.pace is not None and snap.pace < PACE_SHOWN_BELOW  # the paced clock fell behind real time
+    paces = (f"{snap.pace:.1f}x real time", f"{snap.pace:.1f}x") if behind else ("",)
+    status = _status_line(snap, mode)
+    choices = [(d.format(snap=snap), c, p) for c in clock for p in paces for d in details]
+    choices.sort(key=lambda x: (paces.index(x[2]), clock.index(x[1])))  # the pace's words kept longest
+    for detail, time, pace in choices + [("", clock[-1], paces[-1])]:
+        if text.cell_len + len(detail) + len(time) + (len(pace) + 2 if pace else 0) + status.cell_len <= width:
             break
-    text.append_text(tail)
+    text.append(detail).append(time)
+    if pace:
+        text.append(pace, style="bold #000000 on #edc948").append("  ")
+    text.append_text(status)
     text.truncate(width)
     return text
 
@@ -214,38 +231,87 @@ def _status(r: RequestView) -> Text:
     return Text(r.status, style=style)
 
 
-def _tail(r: RequestView, width: int) -> Text:
-    tail = clean(r.text_tail)[-max(width, 1):]
-    text = Text(tail)
+def window(text: str, phrase: str | None, width: int) -> str:
+    """`width` cells of `text` showing `phrase` whole where it occurs (with up to PHRASE_CONTEXT
+    characters before it), else its end; "…" marks text left out on either side."""
+    if len(text) <= width:
+        return text
+    at = text.find(phrase) if phrase else -1
+    if at < 0:
+        return "…" + text[-(width - 1):] if width > 1 else text[-width:]
+    before = min(at, PHRASE_CONTEXT, max(width - len(phrase) - 2, 0))
+    start = at - before
+    lead = "…" if start > 0 and text[start] != "…" else ""
+    piece = lead + text[start:start + width - len(lead)]
+    if start + len(piece) - len(lead) < len(text) and piece[-1] != "…":
+        piece = piece[:-1] + "…"
+    return piece
+
+
+def _answer(r: RequestView, width: int) -> Text:
+    """The row's text in `width` cells: the part around the passphrase it holds (another request's,
+    highlighted as a leak, else its own in green), else the end of what it generated so far."""
+    focus = clean(r.text_focus)
+    phrase = next((p for p in r.leaked if p in focus), None) or (r.passphrase if r.passphrase and
+                                                                 r.passphrase in focus else None)
+    shown = window(focus if phrase else clean(r.text_tail), phrase, max(width, 1))
+    text = Text(shown)
     for phrase in r.leaked:
-        for m in re.finditer(re.escape(phrase), tail):
+        for m in re.finditer(re.escape(phrase), shown):
             text.stylize(LEAK_STYLE, m.start(), m.end())
     if r.passphrase:
-        for m in re.finditer(re.escape(r.passphrase), tail):
+        for m in re.finditer(re.escape(r.passphrase), shown):
             text.stylize("bold green", m.start(), m.end())
     return text
 
 
-def request_table(snap: Snapshot, width: int, height: int) -> Table:
-    """id, status (LEAK←source in red), slot, cache bar + length, prompt/generated tokens, TTFT, the
-    tail of the generated text with other requests' passphrases highlighted; as many rows as fit."""
-    table = Table(box=None, expand=True, padding=(0, 1), show_edge=False, header_style="bold")
-    table.add_column("id", no_wrap=True)
-    table.add_column("status", no_wrap=True, min_width=7)
-    table.add_column("slot", justify="right", no_wrap=True)
-    table.add_column("cache", no_wrap=True)
-    table.add_column("p/g", justify="right", no_wrap=True)
-    table.add_column("TTFT", justify="right", no_wrap=True)
-    table.add_column("text", no_wrap=True, ratio=1, overflow="crop")
+# Columns besides id, status and text: (name, cells), left out in this order when the text would get
+# fewer than TEXT_MIN cells (a passphrase, e.g. LANTERN-GINGER-90, and the words before it).
+OPTIONAL_COLUMNS = ("slot", "TTFT", "bar", "p/g", "cache")
+TEXT_MIN = 30
+PHRASE_CONTEXT = 14  # characters shown before a passphrase: "passphrase is "
+
+
+def _columns(snap: Snapshot, rows, width: int) -> tuple[set[str], int, int]:
+    """Which optional columns fit, the cache bar's width and the text column's width (cells)."""
     bar_width = 6 if width >= 90 else 4
-    text_width = max(width - 60, 12)
-    for r in snap.requests[:max(height - 1, 0)]:
+    widest = lambda header, values: max([len(header)] + [len(v) for v in values])  # noqa: E731
+    cells = {"slot": widest("slot", [str(r.slot if r.slot is not None else f"{r.blocks}b") for r in rows]),
+             "TTFT": widest("TTFT", [ms(r.ttft_s) for r in rows]), "bar": bar_width,
+             "p/g": widest("p/g", [f"{r.prompt_tokens}/{r.generated_tokens}" for r in rows]), "cache": 5}
+    fixed = widest("id", [r.id for r in rows]) + 1 + max([6] + [_status(r).cell_len for r in rows]) + 1
+    shown = [c for c in OPTIONAL_COLUMNS if snap.server is None or c not in ("bar", "cache")]
+    used = lambda cols: fixed + sum(cells[c] + (0 if c == "bar" else 1) for c in cols)  # noqa: E731
+    while shown and width - used(shown) < TEXT_MIN:
+        shown.pop(0)
+    return set(shown), bar_width, max(width - used(shown), 8)
+
+
+def request_table(snap: Snapshot, width: int, height: int) -> Table:
+    """id, status (LEAK←source in red), slot, cache bar + length, prompt/generated tokens, TTFT, and the
+    part of the answer that matters: around the passphrase it holds (another request's highlighted as a
+    leak), else its end. As many rows as fit; where the panel is narrow, slot, TTFT, the cache bar,
+    p/g and the cache length are left out, in that order, so the text keeps TEXT_MIN cells."""
+    rows = snap.requests[:max(height - 1, 0)]
+    shown, bar_width, text_width = _columns(snap, rows, width)
+    table = Table(box=None, expand=True, padding=(0, 1, 0, 0), show_edge=False, header_style="bold")
+    table.add_column("id", no_wrap=True)
+    table.add_column("status", no_wrap=True, min_width=6)
+    names = [c for c in ("slot", "cache", "p/g", "TTFT") if c in shown]
+    for name in names:
+        table.add_column(name, justify="left" if name == "cache" else "right", no_wrap=True)
+    table.add_column("text", no_wrap=True, ratio=1, overflow="crop")
+    for r in rows:
         fill = r.cache_len / r.capacity if r.capacity else 0.0
-        cache = (Text().append(bar(fill, bar_width), style=color(r.color)).append(f"{r.cache_len:>5}")
-                 if r.status != "waiting" and snap.server is None else Text(""))
-        where = str(r.slot) if r.slot is not None else f"{r.blocks}b" if r.blocks and r.active else ""
-        table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), where,
-                      cache, f"{r.prompt_tokens}/{r.generated_tokens}", ms(r.ttft_s), _tail(r, text_width))
+        cache = Text()
+        if r.status != "waiting" and snap.server is None:
+            if "bar" in shown:
+                cache.append(bar(fill, bar_width), style=color(r.color))
+            cache.append(f"{r.cache_len:>5}")
+        cells = {"slot": str(r.slot) if r.slot is not None else f"{r.blocks}b" if r.blocks and r.active else "",
+                 "cache": cache, "p/g": f"{r.prompt_tokens}/{r.generated_tokens}", "TTFT": ms(r.ttft_s)}
+        table.add_row(Text(r.id, style=f"bold {color(r.color)}"), _status(r), *(cells[n] for n in names),
+                      _answer(r, text_width))
     return table
 
 
@@ -292,6 +358,22 @@ def contamination_inputs(snap: Snapshot) -> tuple:
             tuple((r.id, r.attention_mass) for r in flow_rows(snap)[:4]))
 
 
+def _packed(items: list[str], width: int, first: int = 0) -> str:
+    """`items` joined by " · ", broken onto new lines between items (never inside one, e.g. `canary 7`)
+    to fit `width` cells; the first line has `first` cells taken already."""
+    lines, used = [""], first
+    for item in items:
+        piece = item if not lines[-1] else f" · {item}"
+        if lines[-1] and used + len(piece) > width:
+            lines[-1] += " ·"
+            lines.append(item)
+            used = len(item)
+        else:
+            lines[-1] += piece
+            used += len(piece)
+    return "\n".join(lines)
+
+
 def contamination(snap: Snapshot, width: int, height: int) -> Text:
     """Counts by detector and kind, the attention-flow meter (share of attention on other requests'
     keys) per request, and the latest detector reports (victim ← source, kind, evidence)."""
@@ -302,7 +384,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
         if snap.findings:
             text.append("findings ", style="bold").append(" · ".join(f"{k} {n}" for k, n in snap.findings),
                                                           style=f"bold {RED}").append("\n")
-        text.append("witnesses ", style="dim").append(" · ".join(f"{d} {n}" for d, n in snap.by_detector))
+        text.append("witnesses ", style="dim").append(_packed([f"{d} {n}" for d, n in snap.by_detector], width, 10))
         text.append("\n")
     if snap.reference is not None:
         checked, skipped, pending = snap.reference
@@ -344,19 +426,18 @@ LOG_SYMBOLS = {"fault": "⚑", "marker": "▸", "timeline": "⏱", "reject": "�
 
 def event_log(snap: Snapshot, width: int, height: int) -> Text:
     """The latest lines that fit: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
-    ✗ rejection, ! error), the text; a long entry wraps onto one indented continuation line."""
+    ✗ rejection, ! error), the text, wrapped at spaces onto indented continuation lines (a word longer
+    than a line is cut; passphrases are not broken at their hyphens)."""
     if not snap.log:
         return Text("no events yet (markers, timeline, faults, rejections)", style="dim")
     rows: list[Text] = []
-    indent = 10
-    for line in snap.log:
+    indent = 9
+    room = max(width - indent, 8)
+    for line in list(snap.log)[-max(height, 1):]:
         style = LOG_STYLES.get(line.kind, "")
         body = f"{LOG_SYMBOLS.get(line.kind, '·')} {clean(line.text)}"
-        room = max(width - indent, 8)
-        rows.append(Text().append(f"{line.t:7.1f}s ", style="dim").append(body[:room], style=style))
-        if len(body) > room:
-            rest = Text(" " * indent).append(body[room:], style=style)
-            rest.truncate(width)
-            rows.append(rest)
-    text = Text("\n").join(rows[-max(height, 1):])
-    return text
+        parts = textwrap.wrap(body, room, subsequent_indent="  ", break_on_hyphens=False) or [body[:room]]
+        for n, part in enumerate(parts):
+            lead = f"{line.t:7.1f}s " if n == 0 else " " * indent
+            rows.append(Text().append(lead, style="dim" if n == 0 else "").append(part, style=style))
+    return Text("\n").join(rows[-max(height, 1):])

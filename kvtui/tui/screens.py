@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+from rich.segment import Segment
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Footer, SelectionList, Static
+from textual.strip import Strip
+from textual.widgets import Button, Checkbox, Footer, SelectionList, Static
+from textual.widgets.option_list import OptionDoesNotExist
 from textual.widgets.selection_list import Selection
 
 from kvtui.faults import FAULTS
+
+
+class CheckList(SelectionList[str]):
+    """A SelectionList whose check boxes read `[x]` and `[ ]`: Textual's differ by colour alone, which
+    NO_COLOR (or a monochrome screenshot) removes."""
+
+    BOX = Checkbox.BUTTON_LEFT + Checkbox.BUTTON_INNER + Checkbox.BUTTON_RIGHT  # the box SelectionList draws
+
+    def render_line(self, y: int) -> Strip:
+        strip = super().render_line(y)
+        try:
+            option = self.get_option_at_index(self.scroll_offset.y + y)
+        except OptionDoesNotExist:
+            return strip
+        segments = list(strip)
+        if len(segments) < 3 or "".join(seg.text for seg in segments[:3]) != self.BOX:
+            return strip
+        mark = "[x]" if option.value in self.selected else "[ ]"
+        return Strip([Segment(mark, segments[1].style), *segments[3:]], strip.cell_length)
 
 
 class FaultPicker(ModalScreen[set[str] | None]):
@@ -25,7 +47,7 @@ class FaultPicker(ModalScreen[set[str] | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="picker"):
             yield Static("[b]Faults[/b]  space toggles · enter applies · esc cancels", id="picker-title")
-            yield SelectionList[str](
+            yield CheckList(
                 *(Selection(f"{name:<24} {FAULTS[name].breaks if name in FAULTS else ''}", name, name in self.active)
                   for name in self.names),
                 id="fault-list",
@@ -35,15 +57,15 @@ class FaultPicker(ModalScreen[set[str] | None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one(SelectionList).focus()
+        self.query_one(CheckList).focus()
         self._show_choice()
 
     def on_selection_list_selected_changed(self, event: SelectionList.SelectedChanged) -> None:
         self._show_choice()
 
     def _show_choice(self) -> None:
-        """The chosen set in words (the checkboxes differ only by colour, which NO_COLOR removes)."""
-        chosen = [n for n in self.names if n in self.query_one(SelectionList).selected]
+        """The chosen set in words, under the list."""
+        chosen = [n for n in self.names if n in self.query_one(CheckList).selected]
         self.query_one("#picker-choice", Static).update(
             f"on after apply: {', '.join(chosen)}" if chosen else "on after apply: none (isolation ON)")
 
@@ -51,7 +73,7 @@ class FaultPicker(ModalScreen[set[str] | None]):
         self.dismiss(None)
 
     def action_apply(self) -> None:
-        self.dismiss(set(self.query_one(SelectionList).selected))
+        self.dismiss(set(self.query_one(CheckList).selected))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.action_apply()
@@ -61,7 +83,8 @@ HELP = """\
 [b]kvtui dashboard[/b]
 
 [b]Panels[/b]
-  header          scenario · model · clock · step · elapsed; isolation ON, or OFF with the active faults
+  header          scenario · model · clock · step · elapsed (paced clock: "0.6x real time" when behind);
+                  isolation ON, or OFF with the active faults; CLOSING counts the last reference checks
   slots           one cell per KV slot: owner, cache fill, cached tokens; ↻ = reused in the last steps
   requests        id, status (LEAK←source when another request's passphrase shows up), slot, cache,
                   prompt/generated tokens, TTFT, text tail (leaked passphrase highlighted)
@@ -77,7 +100,7 @@ HELP = """\
   + / -    arrival rate x1.25 / ÷1.25  (replay: playback speed)
   ← / →    replay: seek 5 s back / forward
   b        burst of requests       r   restart the scenario
-  s        save an SVG screenshot under recordings/
+  s        save an SVG screenshot under runs/
   ?        this help               q   quit (live: closes the recording with its summary)
 """
 

@@ -83,6 +83,8 @@ class RequestView:
         prompt_tokens, generated_tokens, max_new_tokens: token counts.
         ttft_s: time to first token (seconds) or None.
         text_tail: the end of its generated text (newlines shown as ⏎).
+        text_focus: the part of its text that matters, from a little before the first passphrase it holds
+            (another request's first, else its own), "…" where text was left out; "" when it holds none.
         passphrase: its own canary passphrase, if the prompt has one.
         leaked: passphrases of OTHER requests found in its text or named by a detector.
         leak_sources: the requests those passphrases belong to (ids).
@@ -112,6 +114,7 @@ class RequestView:
     color: int
     tenant: str | None = None
     blocks: int = 0
+    text_focus: str = ""
 
     @property
     def active(self) -> bool:
@@ -174,6 +177,8 @@ class Snapshot:
         kv: "slots" or "paged"; blocks: the paged block map (empty with slots); paged: its figures.
         server: a run against a target server (`kvtui run --target`): what the server exposes, which the
             slot map and the stats panel show instead of engine internals; None for a local run.
+        pace: on the paced clock, modeled seconds per wall second lately (1.0: real time; below: the
+            machine is slower than the model); None on other clocks or before it is known.
     """
 
     seq: int
@@ -217,6 +222,7 @@ class Snapshot:
     blocks: tuple[BlockView, ...] = ()
     paged: PagedView | None = None
     server: ServerView | None = None
+    pace: float | None = None
 
     @property
     def isolation_on(self) -> bool:

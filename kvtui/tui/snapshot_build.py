@@ -7,17 +7,34 @@ from kvtui.tui.snapshot import BlockView, Latency, PagedView, RequestView, SlotV
 from kvtui.tui.state import MAX_TABLE_ROWS, REUSE_MARK_STEPS, TAIL_CHARS, DashboardState, _Request
 
 FLAGGED_ROWS = 16  # finished rows with a leak or a detector report kept in the table ahead of others
+FOCUS_BEFORE = 24  # characters of text kept before the passphrase a row's text_focus shows
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "").replace("\n", "⏎")
+
+
+def text_focus(text: str, phrases) -> str:
+    """The part of `text` that matters: TAIL_CHARS characters from FOCUS_BEFORE before the earliest of
+    `phrases` it holds, "…" where text was left out; "" when it holds none of them."""
+    found = [i for i in (text.find(p) for p in phrases if p) if i >= 0]
+    if not found:
+        return ""
+    start = max(min(found) - FOCUS_BEFORE, 0)
+    end = start + TAIL_CHARS
+    return ("…" if start else "") + _one_line(text[start:end]) + ("…" if end < len(text) else "")
 
 
 def _request_view(state: DashboardState, r: _Request) -> RequestView:
-    tail = r.text[-TAIL_CHARS:].replace("\r", "").replace("\n", "⏎")
+    tail = _one_line(r.text[-TAIL_CHARS:])
+    focus = text_focus(r.text, tuple(r.leaked)) or text_focus(r.text, (r.passphrase,))
     return RequestView(
         id=r.id, status=r.status, slot=r.slot, cache_len=r.cache_len, capacity=state.capacity,
         prompt_tokens=r.prompt_tokens, generated_tokens=r.generated, max_new_tokens=r.max_new_tokens,
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
         leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.passphrase and r.passphrase in r.text),
         contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
-        blocks=r.blocks,
+        blocks=r.blocks, text_focus=focus,
     )
 
 
@@ -129,4 +146,5 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         reference=(m.reference.checked, m.reference.skipped, m.reference.pending) if m.reference else None,
         kv=state.kv, blocks=_blocks(state) if state.kv == "paged" else (), paged=_paged(state),
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
+        pace=state.pace,
     )

@@ -26,7 +26,7 @@ from kvtui.events import (
 )
 from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
-from kvtui.summary import evidence_text
+from kvtui.summary import evidence_text, skipped_text
 from kvtui.tui.snapshot import ContaminationView, LogLine
 
 HISTORY_WINDOW_S = 0.5  # width of one throughput-history bar (seconds of run clock)
@@ -106,6 +106,7 @@ class DashboardState:
         self.latency_cache: dict = {}  # used by snapshot_build
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
         self.server = None  # kvtui.target.view.ServerTrack for a run against a target server
+        self.pace: float | None = None  # paced clock: modeled seconds per wall second (set by the live worker)
 
     # -- feeding -----------------------------------------------------------------------------
     def apply(self, event) -> None:
@@ -298,15 +299,20 @@ class DashboardState:
         self.note("marker", e.text, e.t)
 
     def _timeline(self, e: TimelineApplied) -> None:
-        sets = ", ".join(f"{k}={v}" for k, v in e.set.items())
-        self.note("timeline", " · ".join(x for x in (e.marker, sets) if x), e.t)
+        """A timeline event's knob settings (a fault switch has its own `fault` line, a marker its own
+        `marker` line, so an event of only those adds nothing here)."""
+        knobs = [f"{k} {knob_value(v)}" for k, v in e.set.items() if k not in ("fault", "on")]
+        if knobs:
+            self.note("timeline", "timeline: " + ", ".join(knobs), e.t)
 
     def _recording_failed(self, e: RecordingFailed) -> None:
         self.note("error", f"recording stopped after {e.lines} lines: {e.error}; the run goes on", e.t)
 
     def _summary(self, e: Summary) -> None:
         self.summary = e
-        self.note("info", "run finished" + (" (stopped early)" if e.stopped_early else ""), e.t)
+        checks = (f"; reference checks: {e.reference_checked} checked"
+                  f"{skipped_text(e.reference_skipped, e.reference_skipped_by_reason)}" if e.reference_skipped else "")
+        self.note("info", "run finished" + (" (stopped early)" if e.stopped_early else "") + checks, e.t)
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -316,6 +322,15 @@ class DashboardState:
                                    header.scenario.get("timeline") if header else (),
                                    header.engine.get("kv") or "slots" if header else "slots",
                                    bool(header.engine.get("prefix_caching")) if header else False)
+
+
+def knob_value(value) -> str:
+    """A knob's value as a scenario writes it: true/false, null, 4, 0.5 (never a Python repr)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 _HANDLERS = {
