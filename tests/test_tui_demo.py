@@ -302,3 +302,25 @@ def test_the_live_dashboard_on_the_paced_clock_runs_the_virtual_steps_and_says_t
     virtual: list = []
     Session(spec, tiny["tiny-llama"], clock="virtual", listeners=(virtual.append,)).run()
     assert comparable(events) == comparable(virtual)
+
+
+def test_a_stop_does_not_wait_for_the_replay_that_attributes_a_divergence(tiny):
+    """`q` while closing once waited for a divergent check's replay with its faults (13 s per check on a
+    loaded 2-core machine): the replay now stops between its steps, and the check waits (then is
+    counted as skipped for the stop)."""
+    from kvtui.detect.reference import PendingCheck, ReferenceDetector
+    from kvtui.engine import SamplingParams
+
+    loaded = tiny["tiny-llama"]
+    ref = ReferenceDetector(loaded, loaded.tokenizer)
+    prompt, sampling = (5, 6, 7, 8), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    [(tokens, gaps)] = ref._references([(prompt, sampling)])  # the clean reference, now cached
+    wrong = tuple(tokens[:3]) + ((tokens[3] + 1) % 100,) + tuple(tokens[4:])
+    check = PendingCheck("r1", prompt, wrong, (10.0,) * 6, sampling, steps=tuple(range(6)),
+                         cobatched=(("r0",),) * 6, faults=frozenset({"stale_slot"}))
+    ref.on_finish(check)
+    calls = iter([False])  # the drain's first look says go on; from then on, stop
+    assert ref.drain(0.0, should_stop=lambda: next(calls, True)) == []
+    assert (ref.pending, ref.checked) == (1, 0)
+    [report] = ref.drain(0.0)  # not stopped: the replay runs and the check is done
+    assert (report.kind, report.evidence.token_index, ref.checked, ref.pending) == ("cross_request", 3, 1, 0)

@@ -140,8 +140,11 @@ class ReferenceDetector:
                 self._interrupted = take
                 break
             self._interrupted = 0
-            for check, reference in zip(checks, references):
-                found = self._compare(check, reference, t)
+            for n, (check, reference) in enumerate(zip(checks, references)):
+                found = self._compare(check, reference, t, should_stop)
+                if found is None:  # stopped in the check's fault replay: it and the rest wait again
+                    self.queue.extendleft(reversed(checks[n:]))
+                    return events
                 self.checked += 1
                 if on_checked is None:
                     events += found
@@ -209,7 +212,9 @@ class ReferenceDetector:
         return engine
 
     # -- comparison ---------------------------------------------------------------------------
-    def _compare(self, check: PendingCheck, reference, t: float) -> list[Contamination]:
+    def _compare(self, check: PendingCheck, reference, t: float, should_stop=None) -> list[Contamination] | None:
+        """The check's report (none when it equals its reference); None when `should_stop()` turned
+        true during the replay that attributes a divergence (the check is then not done)."""
         output, (ref, ref_gaps) = list(check.output_ids), reference
         index = _first_difference(output, ref)
         if index is None:
@@ -219,7 +224,10 @@ class ReferenceDetector:
         if gap is not None and gap <= self.tolerance:
             kind, source, suspects = "numeric", None, ()
         else:
-            kind, source, suspects = self._attribute(check, index)
+            attributed = self._attribute(check, index, should_stop)
+            if attributed is None:
+                return None
+            kind, source, suspects = attributed
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         evidence = ReferenceEvidence(
             token_index=index, batched_token=output[index], solo_token=ref[index] if index < len(ref) else None,
@@ -229,10 +237,15 @@ class ReferenceDetector:
         return [Contamination(t=t, step=step, detector="reference", kind=kind, victim=check.request_id,
                               source=source, evidence=evidence)]
 
-    def _attribute(self, check: PendingCheck, index: int) -> tuple[str, str | None, tuple[str, ...]]:
+    def _attribute(self, check: PendingCheck, index: int, should_stop=None
+                   ) -> tuple[str, str | None, tuple[str, ...]] | None:
         """corruption when the request alone, with the same faults, diverges the same way; else
-        cross_request with its suspects (and the source when there is only one)."""
-        alone = self._run([(check.prompt_ids, check.sampling)], frozenset(check.faults))[0][0]
+        cross_request with its suspects (and the source when there is only one). None when
+        `should_stop()` turned true during that replay (a quit does not wait for it)."""
+        replayed = self._run([(check.prompt_ids, check.sampling)], frozenset(check.faults), should_stop)
+        if replayed is None:
+            return None
+        alone = replayed[0][0]
         output = list(check.output_ids)
         if _first_difference(output, alone) is None:
             return "corruption", None, ()
