@@ -256,3 +256,18 @@ def test_timing_verdict_needs_the_control():
     assert verdict(off, "per_tenant").inconclusive and not verdict(off, "per_tenant").leak
     unreported = [row("different", None, auc=0.95), row("same", None, auc=1.0), row("none", None, auc=1.0)]
     assert verdict(unreported, "per_tenant").leak  # timing alone tells them apart
+
+
+def test_serve_takes_a_paged_fault_with_the_tenant_flags_and_refuses_it_without():
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    def load(**options):
+        server = ServeServer(ServeOptions(model="tiny-llama", port=0, threads=1, detectors=(),
+                                          faults=("unsalted_prefix",), **options))
+        server.load()
+        return server
+
+    assert load(kv="paged", prefix_caching=True).scenario.engine.kv == "paged"
+    with pytest.raises(ValueError, match=r"^--fault unsalted_prefix: acts with kv: paged only, not slots, so it "
+                                         r"would never fire"):
+        load()

@@ -166,13 +166,15 @@ class ServeServer:
         from kvtui.faults import check_fault_names, fault_misfit
 
         check_fault_names(self.options.faults)
+        scenario = serve_scenario(self.options)
+        engine = scenario.engine  # the flags and any extra engine fields, as the session will run them
         for name in self.options.faults:  # a fault that cannot act here would never fire
-            why = fault_misfit(name, self.options.layout, self.options.extra.get("kv", "slots"),
-                               bool(self.options.extra.get("prefix_caching")))
+            why = fault_misfit(name, engine.layout, engine.kv, engine.prefix_caching)
             if why:
                 raise ValueError(f"--fault {name}: {why.removeprefix(f'fault {name} ')}, so it would never fire; "
-                                 "`kvtui faults` lists where each fault acts (--layout picks the layout)")
-        self.scenario = serve_scenario(self.options)
+                                 "`kvtui faults` lists where each fault acts (--layout, --kv and --prefix-caching "
+                                 "pick where)")
+        self.scenario = scenario
         self.loaded = self._load(self.options)
         paged = self.scenario.engine.kv == "paged"
         self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id,
