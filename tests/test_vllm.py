@@ -4,7 +4,8 @@ server's own count, and the timing audit tells salted tenants (kept apart) from 
 
 One server for the whole module (scripts/serve-vllm-cpu.sh, a free port, one OpenMP thread), stopped at
 the end; the module is one xdist group, so one worker runs it. Skipped, with the reason, when vLLM CPU is
-not installed. The first start on a machine compiles for 3-5 minutes; later starts take about a minute.
+not installed. The first start on a machine compiles for 3-5 minutes; later starts took 2-5 minutes on the shared
+2 cores here, and the whole module 4-12 minutes (load average 3 to 12).
 """
 
 from __future__ import annotations
