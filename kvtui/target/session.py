@@ -128,6 +128,7 @@ class TargetSession:
         self.server_kind: str | None = None  # "llama.cpp" when /v1/models says so
         self.stop_requested = False
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
+        self._round, self._round_start = None, 0.0  # `process: rounds`: the round sent last, and when
         self.summary: Summary | None = None
         self.reference_checked = self.reference_skipped = 0
         self._header: Header | None = None
@@ -241,9 +242,13 @@ class TargetSession:
         while self.pending and not self.stop_requested:
             p = self.pending[0]
             await self._wait_until(p.arrival_s)
+            if p.round is not None and p.round != self._round:
+                await self._wait_round(tasks)
+                self._round, self._round_start = p.round, self.now()
             if self.stop_requested:
                 break
-            p = replace(self.pending.pop(0), arrival_s=p.arrival_s + self.held_s)
+            at = self._round_start if p.round is not None else p.arrival_s + self.held_s
+            p = replace(self.pending.pop(0), arrival_s=at)
             passphrase = p.metadata.get("passphrase")
             if self.canary is not None:
                 self.canary.on_arrive(p.request_id, passphrase)
@@ -251,6 +256,11 @@ class TargetSession:
                              max_new_tokens=p.sampling.max_new_tokens, passphrase=passphrase))
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
         return tasks
+
+    async def _wait_round(self, tasks: list[asyncio.Task]) -> None:
+        """`process: rounds`: wait until every request sent so far has finished (and arrivals are not held)."""
+        while not self.stop_requested and (self._held_since is not None or any(not t.done() for t in tasks)):
+            await asyncio.sleep(0.02)
 
     async def _wait_all(self, tasks: list[asyncio.Task]) -> None:
         """Wait for every request; a stop cancels those still in flight (they finish as `abort`)."""
