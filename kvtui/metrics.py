@@ -80,9 +80,11 @@ class SLO:
 class Metrics:
     """Accumulates a run's figures from its events; `summary()` gives the final ones.
 
-    Latency statistics (TTFT, TPOT, ITL, E2E, queue time) count completed requests only (finish
-    reason stop or length), as vLLM's `bench serve` does; aborted, rejected and failed requests are
-    counted separately in `finish_reasons`.
+    Latency statistics (TTFT, TPOT, ITL, E2E, queue time), the prompt and generated token totals (so
+    output tokens/s) and the passphrase echo count cover completed requests only (finish reason stop
+    or length), as vLLM's `bench serve` counts only successful requests; aborted, rejected and failed
+    requests are counted separately in `finish_reasons` (the engine's prefill / decode rates still
+    count every token its steps computed).
 
     A target run (`kvtui run --target`, Finish events with `sent_s`) is timed as vLLM's `bench serve`
     times it (vllm/benchmarks/lib/endpoint_request_func.py, calculate_metrics): TTFT and E2E from the
@@ -189,15 +191,14 @@ class Metrics:
         self.finish_reasons[r.finish_reason] += 1
         if r.finish_s is not None:
             self.last_t = max(self.last_t, r.finish_s)
-        if r.finish_reason == "rejected":
+        if not r.completed:  # rejected, aborted or failed: no answer to count
             return
         self.prompt_tokens += r.prompt_tokens if r.prompt_tokens is not None else len(r.prompt_ids)
         self.generated_tokens += r.completion_tokens if r.completion_tokens is not None else len(r.output_ids)
         if r.passphrase:
             self.canary_requests += 1
             self.canary_echoed += int(r.passphrase in r.output_text)
-        if r.completed:
-            self._add_latencies(r)
+        self._add_latencies(r)
 
     def _add_latencies(self, r: Finish) -> None:
         arrival, first, times = r.arrival_s, r.first_token_s, r.token_times_s

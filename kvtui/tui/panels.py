@@ -65,11 +65,12 @@ def header(snap: Snapshot | None, mode: str, width: int) -> Text:
     """One line: scenario, [model, dtype, clock, layout when they fit], step, elapsed, mode,
     isolation state (ON, or OFF with the active faults), leak count. The isolation state always fits."""
     text = Text().append(" kvtui ", style="bold reverse")  # (a Text's own style would cover all it holds)
-    if snap is None:
+    if snap is None or snap.clock == "?":  # no header yet: the model or tokenizer is still loading
         return text.append(f"  {mode}  loading…")
     text.append(f" {snap.scenario} ", style="bold")
+    short = snap.model.rstrip("/").rsplit("/", 1)[-1]  # a served model's id is often a folder path
     candidates = (f"· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ",
-                  f"· {snap.model} · {snap.clock} ", f"· {snap.model} ")
+                  f"· {snap.model} · {snap.clock} ", f"· {snap.model} ", f"· {short} ")
     tail = Text(f" step {max(snap.step, 0)} · {snap.t:.1f} s  " if snap.server is None else f" {snap.t:.1f} s  ")
     tail.append(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
     tail.append("  ")
@@ -318,7 +319,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
     room = max(height - len(text.plain.splitlines()), 1)
     per_report = 1 if width >= 90 else 2
     for c in list(snap.contamination)[-max(room // per_report, 1):]:
-        step = "" if c.step is None else f"#{c.step} "
+        step = "" if c.step is None or c.step < 0 else f"#{c.step} "  # -1: not made in a step (a target run)
         who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
         kind_style = f"bold {RED}" if c.kind in ("cross_request", "cross_tenant", "corruption") else "yellow"
         kind = c.kind if width >= 60 else SHORT_KINDS.get(c.kind, c.kind)
