@@ -135,7 +135,8 @@ def run(
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
     target: Annotated[Optional[str], typer.Option("--target", help="Drive an OpenAI-compatible server at this "
-                                                  "URL (http://HOST:PORT) instead of kvtui's engine.",
+                                                  "URL (http://HOST:PORT, with or without /v1) instead of "
+                                                  "kvtui's engine.",
                                                   rich_help_panel="Target server")] = None,
     api: Annotated[Api, typer.Option(help="With --target: chat or completions endpoint (auto: chat when every "
                                      "prompt has text).", rich_help_panel="Target server")] = "auto",

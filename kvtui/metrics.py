@@ -125,9 +125,11 @@ def rejection_code(finish: Finish) -> str:
 class Metrics:
     """Accumulates a run's figures from its events; `summary()` gives the final ones.
 
-    Latency statistics (TTFT, TPOT, ITL, E2E, queue time) count completed requests only (finish
-    reason stop or length), as vLLM's `bench serve` does; aborted, rejected and failed requests are
-    counted separately in `finish_reasons`.
+    Latency statistics (TTFT, TPOT, ITL, E2E, queue time), the prompt and generated token totals (so
+    output tokens/s) and the passphrase echo count cover completed requests only (finish reason stop
+    or length), as vLLM's `bench serve` counts only successful requests; aborted, rejected and failed
+    requests are counted separately in `finish_reasons` (the engine's prefill / decode rates still
+    count every token its steps computed).
 
     A target run (`kvtui run --target`, Finish events with `sent_s`) is timed as vLLM's `bench serve`
     times it (vllm/benchmarks/lib/endpoint_request_func.py, calculate_metrics): TTFT and E2E from the
@@ -242,6 +244,7 @@ class Metrics:
             self.last_t = max(self.last_t, r.finish_s)
         if r.finish_reason == "rejected":
             self.rejection_reasons[rejection_code(r)] += 1
+        if not r.completed:  # rejected, aborted or failed: no answer to count
             return
         if r.cached_tokens is not None:
             self.cached_tokens = (self.cached_tokens or 0) + r.cached_tokens
@@ -250,8 +253,7 @@ class Metrics:
         if r.passphrase:
             self.canary_requests += 1
             self.canary_echoed += int(r.passphrase in r.output_text)
-        if r.completed:
-            self._add_latencies(r)
+        self._add_latencies(r)
 
     def _add_latencies(self, r: Finish) -> None:
         arrival, first, times = r.arrival_s, r.first_token_s, r.token_times_s

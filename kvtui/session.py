@@ -178,6 +178,7 @@ class Session:
         self.fault_counts: dict[str, int] = {}
         self.unapplied_timeline: list = []
         self._trails = _Trails()
+        self._round: int | None = None  # `process: rounds`: the round arriving or running now
         self._started()
         self._watch_recording()
 
@@ -343,8 +344,20 @@ class Session:
 
     def _submit_due(self) -> None:
         now = self.engine.now()
-        while self.pending and self.pending[0].arrival_s <= now:
+        while self.pending and self.pending[0].arrival_s <= now and not self._round_held(now):
             self._submit(self.pending.pop(0))
+
+    def _round_held(self, now: float) -> bool:
+        """`process: rounds`: the next request waits while a request of an earlier round is unfinished;
+        when none is, its whole round arrives now (their arrival_s set to `now`)."""
+        head = self.pending[0]
+        if head.round is None or head.round == self._round:
+            return False
+        if self.engine.has_unfinished():
+            return True
+        self._round = head.round
+        self.pending = [replace(p, arrival_s=now) if p.round == head.round else p for p in self.pending]
+        return False
 
     def _submit(self, p) -> None:
         """Submit planned request `p` and emit its arrival. One the engine refuses by raising (a duplicate

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvtui.events import (
     SKIP_REASONS,
@@ -37,7 +38,10 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     if header.target:
         title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
                  f"{header.engine.get('api', '?')} API, client-side wall clock)")
-    table = Table(title=escape(printable(title)), show_header=False, title_justify="left", box=None)
+    # the title on a line of its own: a table's title wraps at the table's width, which broke a long
+    # model id (a served path) mid-word although the terminal had room for it
+    console.print(Text(printable(title), style="italic"), overflow="fold")
+    table = Table(show_header=False, box=None)
     table.add_column("metric", style="bold")
     table.add_column("value")
     for name, value in (_target_rows(summary) if header.target else _rows(summary)):
@@ -59,6 +63,7 @@ def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
     ttft, tpot = s.time_to_first_token_seconds, s.time_per_output_token_seconds
     rows = [
         ("requests", f"{s.requests_finished} ({reasons})"),
+        *_failed_row(s),
         ("prompt tokens", str(s.prompt_tokens)),
         ("generated tokens", str(s.generated_tokens)),
         ("duration", f"{s.duration_s:.2f} s over {s.steps} steps (all steps together took {s.measured_step_wall_s:.2f} s "
@@ -85,7 +90,7 @@ def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
     findings = ", ".join(f"{k} {n}" for k, n in sorted((s.findings_by_kind or {}).items()))
     detail = ", ".join(f"{c.detector} {c.kind} {c.value}" for c in s.contamination_events_total)
     rows.append(("contamination findings", f"{sum((s.findings_by_kind or {}).values())}"
-                 + (f" ({findings}; reports: {detail})" if detail else "")))
+                 + (f" ({'; '.join(part for part in (findings, f'reports: {detail}') if part)})" if detail else "")))
     if s.contamination_by_fault:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
@@ -116,6 +121,19 @@ def _reference_cache(s: Summary) -> str:
         text += (f"; {s.reference_cached} not counted: the server took part of their prompts from its prefix "
                  "cache despite a fresh cache_salt")
     return text
+
+
+FAILED_REASONS = ("error", "abort")
+
+
+def _failed_row(s: Summary) -> list[tuple[str, str]]:
+    """Requests that ended without a complete answer (error, abort), when there are any."""
+    failed = {reason: n for reason, n in sorted(s.finish_reasons.items()) if reason in FAILED_REASONS and n}
+    if not failed:
+        return []
+    which = ", ".join(f"{reason} {n}" for reason, n in failed.items())
+    return [("failed requests", f"{sum(failed.values())} ({which}): no complete answer, so not in the token "
+                                "counts, throughput, latency or reference checks")]
 
 
 def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
@@ -160,6 +178,23 @@ def _target_rows(s: Summary) -> list[tuple[str, str]]:
     return rows
 
 
+EXCERPT_CHARS = 40  # characters of each text a changed-answer report shows
+EXCERPT_LEAD = 10  # characters kept before the first difference when the excerpt does not start at 0
+
+
+def differing_excerpts(a: str, b: str, width: int = EXCERPT_CHARS) -> tuple[str, str]:
+    """Excerpts of two texts, `width` characters each at most, cut at the same offset so that the first
+    character where they differ is inside both: from the start when it lies within the first
+    width - EXCERPT_LEAD characters, else from EXCERPT_LEAD characters before it; "…" marks a cut."""
+    first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    start = 0 if first < width - EXCERPT_LEAD else first - EXCERPT_LEAD
+
+    def cut(text: str) -> str:
+        return ("…" if start else "") + text[start:start + width] + ("…" if len(text) > start + width else "")
+
+    return cut(a), cut(b)
+
+
 def evidence_text(e: Contamination) -> str:
     """One line of a report's evidence, by its detector's evidence type."""
     ev = e.evidence
@@ -180,15 +215,14 @@ def evidence_text(e: Contamination) -> str:
                 f"{'the same' if ev.same_salt else 'another'} salt, {'the same' if ev.same_prefix else 'another'} "
                 "prefix")
     if isinstance(ev, NoninterferenceEvidence):
-        return (f"token {ev.token_index} changed: {ev.baseline_text[:40]!r} -> "
-                f"{ev.text_with_neighbours_replaced[:40]!r}")
+        before, after = differing_excerpts(ev.baseline_text, ev.text_with_neighbours_replaced)
+        return f"token {ev.token_index} changed: {before!r} -> {after!r}"
     if isinstance(ev, ReferenceEvidence):
         gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
+        batched, solo = differing_excerpts(ev.batched_text, ev.solo_text)
         if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
-            return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
-                    f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
-        return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); "
-                f"{ev.batched_text[:40]!r} vs {ev.solo_text[:40]!r}")
+            return f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); {batched!r} vs {solo!r}"
+        return f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); {batched!r} vs {solo!r}"
     return str(ev.model_dump())[:100]
 
 

@@ -8,14 +8,27 @@
 # build can emit instructions a virtual machine's guest may not run, e.g. AMX).
 #
 # Installs: ${KVTUI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtui}/llama-server/llama-server
-# plus a stamp file naming the source version and CMake flags; a rerun with the same stamp does nothing.
+# plus a stamp file naming the source version, the vendored llama.cpp commit and the CMake flags; a rerun
+# with the same stamp does nothing.
+#
+# The sdist vendors llama.cpp as a git submodule but ships no work-tree git metadata, so llama.cpp's own
+# CMake cannot find the commit and `llama-server --version` would say "unknown". The commit is passed as
+# -DLLAMA_BUILD_COMMIT instead (known per sdist version below, checked against the submodule HEAD that
+# the sdist records in .git/modules/vendor/llama.cpp/HEAD).
 #
 # Usage: scripts/build-llama-server.sh [--force]
 # Environment: KVTUI_CACHE_DIR / XDG_CACHE_HOME (install folder), LLAMA_CPP_PYTHON_VERSION (sdist
-# version, default below), BUILD_JOBS (parallel jobs, default: number of cores).
+# version, default below), LLAMA_BUILD_COMMIT (the vendored commit, for a version not listed below),
+# BUILD_JOBS (parallel jobs, default: number of cores).
 set -euo pipefail
 
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+# llama.cpp commit vendored by each known llama-cpp-python sdist (short hash, as `git rev-parse --short`).
+case "$VERSION" in
+  0.3.36) KNOWN_COMMIT=0c1e57098 ;;
+  *) KNOWN_COMMIT="" ;;
+esac
+COMMIT="${LLAMA_BUILD_COMMIT:-$KNOWN_COMMIT}"
 CACHE="${KVTUI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtui}"
 DEST="$CACHE/llama-server"
 STAMP="$DEST/stamp.txt"
@@ -48,6 +61,7 @@ FLAGS=(
   -DLLAMA_BUILD_TESTS=OFF
   -DLLAMA_BUILD_EXAMPLES=OFF
 )
+[ -n "$COMMIT" ] && FLAGS+=("-DLLAMA_BUILD_COMMIT=$COMMIT")
 if [ "$(uname -m)" = x86_64 ]; then
   cpu_flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
   isa() {  # isa CMAKE_OPTION cpuinfo_flag: ON when /proc/cpuinfo lists the flag, else OFF
@@ -101,6 +115,20 @@ sdist=$(ls "$work"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null) || die "no sd
 mkdir -p "$work/src"
 tar -xzf "$sdist" -C "$work/src" --strip-components=3 "llama_cpp_python-$VERSION/vendor/llama.cpp" \
   || die "the sdist has no vendor/llama.cpp folder"
+# The submodule commit the sdist records (absent from some sdists): it must be the one passed to CMake.
+recorded=$(tar -xzOf "$sdist" "llama_cpp_python-$VERSION/.git/modules/vendor/llama.cpp/HEAD" 2>/dev/null | head -c 40 || true)
+if [ -n "$recorded" ] && [ -n "$COMMIT" ]; then
+  case "$recorded" in
+    "$COMMIT"*) say "      vendored llama.cpp commit $recorded" ;;
+    *) die "the sdist vendors llama.cpp $recorded, not $COMMIT: set LLAMA_BUILD_COMMIT=${recorded:0:9}" ;;
+  esac
+elif [ -n "$recorded" ]; then
+  COMMIT=${recorded:0:9}
+  FLAGS+=("-DLLAMA_BUILD_COMMIT=$COMMIT")
+  say "      vendored llama.cpp commit $recorded (read from the sdist)"
+else
+  say "      warning: the sdist records no llama.cpp commit and none is known for $VERSION; --version will say unknown"
+fi
 rm -f "$sdist"
 say "      sources ready ($((SECONDS - start)) s)"
 
@@ -126,6 +154,13 @@ if command -v ldd >/dev/null 2>&1; then
 fi
 version_line=$("$bin" --version 2>&1 | tr '\n' ' ') \
   || die "the built llama-server does not run on this CPU ($version_line): check the ISA flags"
+# e.g. "version: 0.5.0-dev (build 0, commit 0c1e57098) built with GNU 12.2.0 for Linux x86_64"
+if [ -n "$COMMIT" ]; then
+  case "$version_line" in
+    *"commit $COMMIT"*) ;;
+    *) die "llama-server --version does not name commit $COMMIT: $version_line" ;;
+  esac
+fi
 mkdir -p "$DEST"
 cp "$bin" "$DEST/llama-server.tmp"
 mv -f "$DEST/llama-server.tmp" "$DEST/llama-server"

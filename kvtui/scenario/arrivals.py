@@ -11,6 +11,9 @@ YAML `arrivals:` takes one of
   - `{process: trace, file, time_scale}`: times (and lengths) from a CSV trace (see trace.py);
     arrival = (timestamp - first timestamp) * time_scale, so 0.5 replays twice as fast.
   - `{process: scripted, requests: [{at_s, prompt, max_new_tokens}]}`: an explicit list.
+  - `{process: rounds, rounds: [{size, count}]}`: closed-loop rounds: a round's `size` requests arrive
+    together once every request of the rounds before has finished (fill a cache one request at a
+    time, then send rounds of concurrent ones).
 constant/poisson/gamma take `stages: [{rate_per_s, duration_s}]` instead of `rate_per_s` for ramps:
 a piecewise rate; arrivals stop when the last stage ends.
 
@@ -146,8 +149,34 @@ class Scripted(Strict):
         description="`[{at_s, prompt, max_new_tokens, chat}, ...]` (see ScriptedRequest)")
 
 
-ArrivalSpec = Annotated[Union[Constant, Poisson, Gamma, Burst, Trace, Scripted], Field(discriminator="process")]
-PROCESS_NAMES = ("constant", "poisson", "gamma", "burst", "trace", "scripted")
+class RoundSpec(Strict):
+    """`count` rounds of `size` requests each."""
+
+    size: Annotated[int, Field(ge=1, le=10_000)] = Field(description="requests per round, arriving together")
+    count: Annotated[int, Field(ge=1, le=MAX_PLANNED)] = Field(1, description="rounds of this size, one after another")
+
+
+class Rounds(Strict):
+    """Closed-loop rounds: the requests of a round arrive together, at the moment the last request of the
+    rounds before it finished (the first round at 0); a round never overlaps the one before. Rounds are
+    run in the order listed: `[{size: 1, count: 12}, {size: 2, count: 20}]` sends 12 requests one at a
+    time, each once the previous one finished, then 20 rounds of 2 at once. Arrival times therefore
+    depend on how fast requests finish (on the engine's clock locally, the wall clock against a
+    `--target` server), not on the seed alone."""
+
+    process: Literal["rounds"]
+    rounds: Annotated[list[RoundSpec], Field(min_length=1, max_length=1000)] = Field(
+        description="`[{size, count}, ...]` (see RoundSpec), in order")
+
+    @pydantic.model_validator(mode="after")
+    def _bounded(self):
+        if sum(r.size * r.count for r in self.rounds) > MAX_PLANNED:
+            raise Problem(f"rounds plan over {MAX_PLANNED} requests", "lower the sizes or counts", ("rounds",))
+        return self
+
+
+ArrivalSpec = Annotated[Union[Constant, Poisson, Gamma, Burst, Trace, Scripted, Rounds], Field(discriminator="process")]
+PROCESS_NAMES = ("constant", "poisson", "gamma", "burst", "trace", "scripted", "rounds")
 RATE_PROCESSES = (Constant, Poisson, Gamma)
 
 
@@ -161,6 +190,7 @@ class Arrival:
     prompt: str | None = None  # scripted: prompt text
     chat: bool = True
     tenant: str | None = None  # scripted: its tenant
+    round: int | None = None  # rounds: its round (0, 1, ...); it arrives once every earlier round finished
 
 
 @dataclass(frozen=True)
@@ -244,5 +274,11 @@ def arrivals(spec, rng: random.Random, changes: Sequence[tuple[float, dict]] = (
     elif isinstance(spec, Scripted):
         for item in sorted(spec.requests, key=lambda r: r.at_s):
             yield Arrival(item.at_s, None, item.max_new_tokens, item.prompt, item.chat, item.tenant)
+    elif isinstance(spec, Rounds):
+        k = 0
+        for block in spec.rounds:
+            for _ in range(block.count):
+                yield from (Arrival(0.0, round=k) for _ in range(block.size))
+                k += 1
     else:
         raise TypeError(f"unknown arrival spec {type(spec).__name__}")

@@ -92,8 +92,8 @@ def _parse(text: str, source: str, base_dir: Path | None) -> Scenario:
 def _late_timeline(scenario: Scenario, raw: object, node: Node | None, source: str) -> list[str]:
     """A warning line for each timeline event set after the run's arrivals end (after duration_s, or
     after the last planned arrival without one): it applies only if requests are still running then."""
-    if not scenario.timeline or not isinstance(raw, list):
-        return []
+    if not scenario.timeline or not isinstance(raw, list) or scenario.arrivals.process == "rounds":
+        return []  # rounds arrive when the rounds before finish: their times are not known here
     if scenario.duration_s is not None:
         end, what, fix = scenario.duration_s, f"duration_s ({scenario.duration_s:g} s)", "raise duration_s"
     else:

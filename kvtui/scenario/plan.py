@@ -43,10 +43,12 @@ class PlannedRequest:
         prompt_ids: prompt token ids.
         sampling: SamplingParams; max_new_tokens is the request's output length (tokens) and seed its
             own sampling seed (derive_seed(scenario seed, "sampling:<index>")).
-        metadata: passphrase prompts {"passphrase", "prompt_text"}; text prompts {"prompt_text"};
+        metadata: passphrase prompts {"passphrase", "prompt_text"} ("opening": its index with openings); text prompts {"prompt_text"};
             synthetic {"prompt_tokens", "shared_prefix_tokens"}; trace rows add "trace_prompt_tokens";
             system_prompt {"system_prompt"}; multi_turn {"session", "turn"}.
         tenant: who sends it (None: the only tenant); cache_salt: its tenant's salt (see tenants.py).
+        round: `process: rounds` only: its round (0, 1, ...). It is sent once every request of an earlier
+            round has finished, and its arrival_s (0 in the plan) becomes that moment.
     """
 
     request_id: str
@@ -56,6 +58,7 @@ class PlannedRequest:
     metadata: dict = field(default_factory=dict)
     tenant: str | None = None
     cache_salt: str | None = None
+    round: int | None = None
 
 
 def derive_seed(seed: int, label: str) -> int:
@@ -92,7 +95,8 @@ class PromptMaker:
             return self.text_ids(arrival.prompt, arrival.chat), {"prompt_text": arrival.prompt}
         if isinstance(spec, PassphrasePrompts):
             phrase = next(self.phrases)
-            text = spec.template.replace("{passphrase}", phrase)
+            text = spec.text(index, phrase)
+            meta = {**meta, "opening": index % len(spec.openings)} if spec.openings else meta
             return chat_ids(self.tok, user_chat(text)), {**meta, "passphrase": phrase, "prompt_text": text}
         if isinstance(spec, SyntheticPrompts):
             n = arrival.prompt_tokens or drawn
@@ -189,7 +193,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
                 max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 include_stop_str_in_output=s.include_stop_str_in_output),
-            metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant),
+            metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
         )
         for i, (arrival, ids, meta, n_out, tenant) in enumerate(planned)
     ]

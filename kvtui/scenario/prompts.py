@@ -3,7 +3,8 @@
 YAML `prompts:` takes one of
   - `{kind: passphrase}`: a chat prompt asking the model to remember and repeat a unique generated
     passphrase WORD-WORD-NN (e.g. VELVET-ORCHID-42); the passphrase is the request's canary
-    (what the canary detector looks for), kept in its metadata. Optional `template` with `{passphrase}` in it.
+    (what the canary detector looks for), kept in its metadata. Optional `template` with `{passphrase}` in it,
+    and `openings`: texts for an `{opening}` in the template, one per request in turn.
   - `{kind: synthetic, prompt_tokens: <length dist>, shared_prefix_tokens: N}`: random token ids
     (special tokens avoided), N of them common to all requests first (total = N + prompt_tokens, as
     vLLM's random dataset adds its prefix length to the input length).
@@ -57,7 +58,12 @@ class PassphrasePrompts(Strict):
 
     kind: Literal["passphrase"]
     template: Annotated[str, Field(min_length=1, max_length=10_000)] = Field(
-        DEFAULT_TEMPLATE, description="the user message; must contain `{passphrase}`, replaced by the passphrase")
+        DEFAULT_TEMPLATE, description="the user message; must contain `{passphrase}`, replaced by the passphrase, "
+                                      "and `{opening}` when `openings` are given")
+    openings: Annotated[list[Annotated[str, Field(min_length=1, max_length=10_000)]],
+                        Field(max_length=1000)] = Field(
+        [], description="texts for the template's `{opening}`, request i taking openings[i mod n]: groups of "
+                        "conversations that share an opening (a prompt prefix) and differ in their passphrase")
 
     @pydantic.field_validator("template")
     @classmethod
@@ -65,6 +71,23 @@ class PassphrasePrompts(Strict):
         if "{passphrase}" not in v:
             raise Problem("template has no {passphrase}", 'put {passphrase} where the passphrase goes')
         return v
+
+    @pydantic.model_validator(mode="after")
+    def _openings_fit(self):
+        if self.openings and "{opening}" not in self.template:
+            raise Problem("openings are given but the template has no {opening}",
+                          "put {opening} where the opening goes, or drop openings", ("template",))
+        if not self.openings and "{opening}" in self.template:
+            raise Problem("the template has {opening} but no openings are given",
+                          "add `openings: [text, ...]` or remove {opening}", ("openings",))
+        return self
+
+    def text(self, index: int, passphrase: str) -> str:
+        """Request `index`'s user message with `passphrase` (and its opening) filled in."""
+        text = self.template
+        if self.openings:
+            text = text.replace("{opening}", self.openings[index % len(self.openings)])
+        return text.replace("{passphrase}", passphrase)
 
 
 class SyntheticPrompts(Strict):

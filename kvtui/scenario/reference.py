@@ -18,7 +18,18 @@ from pathlib import Path
 
 import pydantic
 
-from kvtui.scenario.arrivals import Burst, Constant, Gamma, Poisson, Scripted, ScriptedRequest, Stage, Trace
+from kvtui.scenario.arrivals import (
+    Burst,
+    Constant,
+    Gamma,
+    Poisson,
+    Rounds,
+    RoundSpec,
+    Scripted,
+    ScriptedRequest,
+    Stage,
+    Trace,
+)
 from kvtui.scenario.lengths import Choice, Fixed, LogNormal, Normal, Uniform, Zipf
 from kvtui.scenario.prompts import (
     FilePrompts,
@@ -90,8 +101,9 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("Top level", "", [Scenario]),
     ("engine", "", [EngineSection, Bucketing]),
     ("arrivals", "One of the processes below, chosen by `process`. The generators are pure: the same "
-                 "scenario and seed give the same times.", [Constant, Poisson, Gamma, Burst, Trace, Scripted,
-                                                             Stage, ScriptedRequest]),
+                 "scenario and seed give the same times (rounds: the same order, at times set by when the "
+                 "requests before finish).", [Constant, Poisson, Gamma, Burst, Trace, Scripted, Rounds,
+                                              Stage, ScriptedRequest, RoundSpec]),
     ("tenants", "", [Tenants]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
                                                               SystemPromptPrompts, MultiTurnPrompts]),
@@ -107,7 +119,8 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 # model -> its heading; the anchor is GitHub's slug of it
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             Tenants: "tenants",
-            SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage", ScriptedRequest: "scripted request"}
+            SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage",
+            ScriptedRequest: "scripted request", RoundSpec: "round"}
 UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions"}
 
 

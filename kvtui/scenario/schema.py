@@ -38,7 +38,7 @@ from kvtui.config import EngineConfig
 from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
-from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson
+from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson, Rounds
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, did_you_mean, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
@@ -342,6 +342,10 @@ class Scenario(Strict):
 
     def _check_stop(self) -> None:
         a = self.arrivals
+        if isinstance(a, Rounds) and self.duration_s is not None:
+            raise Problem("duration_s cannot end rounds: each round arrives when the one before finished, at a "
+                          "time known only while running", "drop duration_s (max_requests or the rounds' counts "
+                          "bound the run)", ("duration_s",))
         open_ended = isinstance(a, Burst) or (isinstance(a, RATE_PROCESSES) and not a.stages)
         if open_ended and self.max_requests is None and self.duration_s is None:
             raise Problem(f"process {a.process} never stops by itself and no stop condition is set",

@@ -29,7 +29,9 @@ class TargetRun:
 
 
 def check_url(url: str) -> str:
-    """`url` without a trailing slash; exits 2 with one line unless it is http(s)://HOST[:PORT]."""
+    """The server's base URL: `url` without a trailing slash or `/v1` (the OpenAI clients' base URL ends
+    in /v1, vLLM's `bench serve --base-url` does not; kvtui adds the /v1/... paths itself, so both are
+    taken). Exits 2 with one line unless it is http(s)://HOST[:PORT][/PATH]."""
     import httpx
 
     from kvtui.cli import fail
@@ -40,7 +42,8 @@ def check_url(url: str) -> str:
         fail(f"--target {url!r}: not a URL ({e}); give http://HOST:PORT")
     if parsed.scheme not in ("http", "https") or not parsed.host:
         fail(f"--target {url!r}: not an http(s) URL with a host; give http://HOST:PORT")
-    return url.rstrip("/")
+    base = url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def refuse_engine_options(given: dict[str, object]) -> None:
@@ -92,24 +95,52 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
 
 def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                      detectors: tuple[str, ...]) -> None:
-    """`kvtui run SCENARIO --target URL` in a terminal: the dashboard, then the summary. Input errors
-    and an unreachable server exit 2 before the dashboard takes the terminal."""
-    from kvtui.cli import EXIT_RUNTIME, fail, out
-    from kvtui.summary import print_contamination, print_summary
+    """`kvtui run SCENARIO --target URL` in a terminal: the dashboard, then the summary. The quick input
+    checks (recording path, the server answering) exit 2 before the dashboard takes the terminal. The
+    tokenizer (importing torch and transformers takes 5-15 s on 2 busy cores) is loaded and the requests
+    planned with the dashboard up; a bad model is said there and exits 2 once it closes."""
+    from kvtui.cli import fail, say
     from kvtui.target.dashboard import run_target_dashboard
+    from kvtui.target.session import check_reachable, timeline_warnings
+    from kvtui.tui.launch import check_writable
 
-    first = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
+    name = model or spec.model
     try:
-        first.check_reachable()
+        if record is not None:
+            check_writable(record)
+        check_reachable(target_options(run))
+    except OSError as e:
+        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
     except TargetError as e:
-        first.abandon()
         fail(str(e))
+    for line in timeline_warnings(spec):
+        say("warning", line)
 
     def make_session(listener) -> TargetSession:
-        first.listeners.append(listener)
-        return first
+        return new_target_session(spec, run, model=model, record=record, detectors=detectors, listeners=(listener,))
 
-    summary, header, session = run_target_dashboard(make_session)
+    try:
+        summary, header, session = run_target_dashboard(
+            make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…")
+    except OSError as e:
+        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+    except ValueError as e:
+        fail(f"{scenario_path}: {e}")
+    except Exception as e:
+        from kvtui.models import ModelLoadError  # imported only now: it pulls in torch
+
+        if not isinstance(e, ModelLoadError):
+            raise
+        fail(str(e))
+    _print_dashboard_result(summary, header, session, record)
+
+
+def _print_dashboard_result(summary, header, session: TargetSession, record: Path | None) -> None:
+    """After the target dashboard closes: the summary, the contamination table, and the recording's
+    fate (exit 3 when its writes failed)."""
+    from kvtui.cli import EXIT_RUNTIME, fail, out
+    from kvtui.summary import print_contamination, print_summary
+
     if summary is not None:
         print_summary(summary, header, out)
         print_contamination(session.contamination, out, recording=record)
@@ -187,22 +218,38 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
               "tell a matching guess apart; the same salt does share (the control)", markup=False, highlight=False)
 
 
+def target_options(run: TargetRun) -> TargetOptions:
+    """The session options of a `--target` run."""
+    return TargetOptions(url=run.url, api=run.api, served_model=run.served_model, max_concurrency=run.max_concurrency,
+                         timeout_s=run.timeout_s, tolerance=run.tolerance, logprobs=run.logprobs)
+
+
+def new_target_session(spec, run: TargetRun, *, model: str | None, record: Path | None,
+                       detectors: tuple[str, ...], listeners=(), planned=None) -> TargetSession:
+    """The tokenizer of the scenario's model (or `model`) and a TargetSession.
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be loaded. OSError: the recording cannot be created.
+        ValueError: a bad detector or option (see TargetSession).
+    """
+    from kvtui.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model or spec.model)
+    return TargetSession(spec, tokenizer, target_options(run), record_path=record, detectors=detectors,
+                         listeners=tuple(listeners), planned=planned)
+
+
 def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                          detectors: tuple[str, ...], listeners=(), planned=None) -> TargetSession:
-    """The tokenizer of the scenario's model (or `model`) and a TargetSession; input errors exit 2."""
+    """new_target_session, input errors as one line and exit 2, the scenario's warnings printed."""
     from kvtui.cli import fail, say
-    from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.models import ModelLoadError
 
     try:
-        tokenizer = load_tokenizer(model or spec.model)
+        session = new_target_session(spec, run, model=model, record=record, detectors=detectors,
+                                     listeners=listeners, planned=planned)
     except ModelLoadError as e:
         fail(str(e))
-    options = TargetOptions(url=run.url, api=run.api, served_model=run.served_model,
-                            max_concurrency=run.max_concurrency, timeout_s=run.timeout_s, tolerance=run.tolerance,
-                            logprobs=run.logprobs)
-    try:
-        session = TargetSession(spec, tokenizer, options, record_path=record, detectors=detectors,
-                                listeners=tuple(listeners), planned=planned)
     except OSError as e:
         fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
     except ValueError as e:

@@ -26,19 +26,26 @@ if TYPE_CHECKING:
 
 
 class TargetSource(Source):
-    """Runs one TargetSession (made by `make_session(listener)`, at once, in the caller's thread)."""
+    """Runs one TargetSession made by `make_session(listener)`: at once in the caller's thread, or, with
+    `loading_text`, in the worker while the dashboard shows that text (loading the scenario model's
+    tokenizer and planning take seconds; the dashboard is up meanwhile). A failure to make it stays on
+    screen (q quits) and is kept in `setup_error` for the caller to report.
+    """
 
     kind = "live"
     LIVE_ACTIONS = frozenset()
 
-    def __init__(self, make_session) -> None:
+    def __init__(self, make_session, *, loading_text: str | None = None) -> None:
         super().__init__()
         self.state = DashboardState()
-        self.session: TargetSession = make_session(self._apply)
+        self.make_session, self.loading_text = make_session, loading_text
+        self.session: TargetSession | None = None if loading_text else make_session(self._apply)
         self.summary = None
         self.error: BaseException | None = None
+        self.setup_error: Exception | None = None  # making the session failed (the run never started)
         self.worker: Worker | None = None
         self._exited = threading.Event()
+        self._stop_asked = False
 
     def _apply(self, event) -> None:
         self.state.apply(event)
@@ -51,6 +58,8 @@ class TargetSource(Source):
             self.publish(build_snapshot(self.state), force=True)
 
     def mode(self) -> str:
+        if self.session is None:
+            return "ERROR" if self.setup_error else "LOADING"
         if self.summary is not None:
             return "DONE"
         if self.session.stop_requested:
@@ -63,7 +72,26 @@ class TargetSource(Source):
         self.worker = app.run_worker(self._run, thread=True, name="target", group="target", exit_on_error=False)
         return True
 
+    def _start(self) -> bool:
+        """Make the session in the worker, the loading text on screen meanwhile; False when that failed
+        (the error stays on screen)."""
+        self.state.note("info", self.loading_text)
+        self.publish(build_snapshot(self.state), force=True)
+        try:
+            session = self.make_session(self._apply)
+            session.stop_requested = self._stop_asked
+            self.session = session
+        except Exception as e:  # a bad model or recording path: said on screen, reported by the caller
+            self.setup_error = e
+            self.state.note("error", f"{e} (q quits)")
+            self.publish(build_snapshot(self.state), force=True)
+            return False
+        return True
+
     def _run(self) -> None:
+        if self.session is None and not self._start():
+            self._exited.set()
+            return
         try:
             self.publish(build_snapshot(self.state), force=True)
             self.summary = asyncio.run(self.session.run_async(self._tick))
@@ -77,14 +105,18 @@ class TargetSource(Source):
 
     def toggle_pause(self) -> None:
         """Hold new arrivals / let them go (a server cannot be paused from outside)."""
+        if self.session is None:
+            return
         self.paused = not self.paused
         self.session.hold(self.paused)
         self.state.note("info", "arrivals held (requests in flight go on)" if self.paused else "arrivals resumed")
         self.publish(build_snapshot(self.state), force=True)
 
     def request_stop(self) -> None:
-        self.session.stop_requested = True
-        self.session.hold(False)
+        self._stop_asked = True  # also when the session is still being made: it then stops at once
+        if self.session is not None:
+            self.session.stop_requested = True
+            self.session.hold(False)
 
     async def stop(self):
         """Stop the run (in-flight requests aborted, summary written) and return the summary."""
@@ -98,21 +130,30 @@ class TargetSource(Source):
         self.request_stop()
         if self.worker is not None and not self._exited.wait(timeout_s):
             return None
-        if self.summary is None:
+        if self.summary is None and self.session is not None:
             self.summary = self.session.close()
         return self.summary
 
 
-def run_target_dashboard(make_session):
-    """Run the dashboard on a TargetSession until `q` or the run's end and `q`.
+def run_target_dashboard(make_session, loading_text: str | None = None):
+    """Run the dashboard on a TargetSession until `q` or the run's end and `q`. With `loading_text` the
+    session is made in the dashboard's worker (see TargetSource).
 
     Returns:
-        (summary, header, session): the summary (None if the run did not close), its Header, the session.
+        (summary, header, session): the summary (None if the run did not close), its Header, the session;
+        (None, None, None) when the session could not be made.
+
+    Raises:
+        Exception: what `make_session` raised, once the dashboard has closed.
     """
     from kvtui.tui.app import KvtuiApp
     from kvtui.tui.launch import _run_app
 
-    source = TargetSource(make_session)
+    source = TargetSource(make_session, loading_text=loading_text)
     _run_app(KvtuiApp(source), source)
     summary = source.shutdown()
+    if source.setup_error is not None:
+        raise source.setup_error
+    if source.session is None:
+        return None, None, None
     return summary, source.session.header(), source.session

@@ -129,7 +129,7 @@ class TargetSession:
         self.canary = CanaryDetector() if "canary" in self.detectors else None
         self.recorder = RecordingWriter(record_path, on_error=self._recording_failed) if record_path else None
         self.listeners = list(listeners)
-        self.warnings = _timeline_warnings(scenario)
+        self.warnings = timeline_warnings(scenario)
         self.timeline = [e for e in scenario.timeline if e.marker]
         self.contamination: list[Contamination] = []
         self.fault_history: list = []  # a target's faults are its own: none known to the client
@@ -139,6 +139,7 @@ class TargetSession:
         self.server_kind: str | None = None  # SERVER_KINDS' values, from /v1/models' owned_by
         self.stop_requested = False
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
+        self._round, self._round_start = None, 0.0  # `process: rounds`: the round sent last, and when
         self.summary: Summary | None = None
         self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
@@ -221,7 +222,8 @@ class TargetSession:
                 if "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
                 elif "reference" in self.detectors:
-                    self.reference_skips["stopped"] += len(self.results)
+                    self.reference_skips["stopped"] += sum(r.finish_reason in ("stop", "length")
+                                                           for r in self.results.values())
                     self._reference_status(pending=0)
             finally:
                 poller.cancel()
@@ -247,18 +249,10 @@ class TargetSession:
 
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
         """Check the server answers; take the served model's name from /v1/models unless given."""
-        try:
-            response = await client.get("/v1/models", timeout=10.0)
-        except httpx.HTTPError as e:
-            raise TargetError(f"cannot reach {self.options.url} ({type(e).__name__}: {e}); "
-                              "check --target (http://HOST:PORT) and that the server is up") from None
-        try:
-            first = response.json()["data"][0] if response.status_code == 200 else {}
-        except (ValueError, KeyError, IndexError, TypeError):
-            first = {}
-        if self.served_model is None and isinstance(first, dict):
+        first = await first_model(client, self.options.url, self.served_model)
+        if self.served_model is None:
             self.served_model = first.get("id")
-        if isinstance(first, dict) and first.get("owned_by") in SERVER_KINDS:
+        if first.get("owned_by") in SERVER_KINDS:
             self.server_kind = SERVER_KINDS[first["owned_by"]]
 
     async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
@@ -268,9 +262,13 @@ class TargetSession:
         while self.pending and not self.stop_requested:
             p = self.pending[0]
             await self._wait_until(p.arrival_s)
+            if p.round is not None and p.round != self._round:
+                await self._wait_round(tasks)
+                self._round, self._round_start = p.round, self.now()
             if self.stop_requested:
                 break
-            p = replace(self.pending.pop(0), arrival_s=p.arrival_s + self.held_s)
+            at = self._round_start if p.round is not None else p.arrival_s + self.held_s
+            p = replace(self.pending.pop(0), arrival_s=at)
             passphrase = p.metadata.get("passphrase")
             if self.canary is not None:
                 self.canary.on_arrive(p.request_id, passphrase)
@@ -278,6 +276,11 @@ class TargetSession:
                              max_new_tokens=p.sampling.max_new_tokens, passphrase=passphrase))
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
         return tasks
+
+    async def _wait_round(self, tasks: list[asyncio.Task]) -> None:
+        """`process: rounds`: wait until every request sent so far has finished (and arrivals are not held)."""
+        while not self.stop_requested and (self._held_since is not None or any(not t.done() for t in tasks)):
+            await asyncio.sleep(0.02)
 
     async def _wait_all(self, tasks: list[asyncio.Task]) -> None:
         """Wait for every request; a stop cancels those still in flight (they finish as `abort`)."""
@@ -386,9 +389,10 @@ class TargetSession:
         ordered = sorted(self.results.items(), key=lambda kv: kv[0])
         greedy = [(rid, r) for rid, r in ordered if r.finish_reason in ("stop", "length")
                   and self.planned[rid].sampling.temperature == 0]
+        # sampled (temperature > 0) answers are not compared; failed or aborted requests have no answer to
+        # compare and are neither checked nor skipped (the summary counts them as failed)
         completed = sum(1 for _, r in ordered if r.finish_reason in ("stop", "length"))
         self.reference_skips["sampled"] += completed - len(greedy)
-        self.reference_skips["error"] += len(ordered) - completed
         self._reference_status(pending=len(greedy))
         if greedy:
             self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
@@ -456,7 +460,43 @@ class TargetSession:
         return self.summary
 
 
-def _timeline_warnings(scenario) -> list[str]:
+async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:
+    """The first entry of the server's /v1/models ({} when it lists none or answers otherwise).
+
+    Raises:
+        TargetError: the server cannot be reached, or /v1/models is not found and no served model is
+            named (the URL is probably not the server's base URL).
+    """
+    try:
+        response = await client.get("/v1/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise TargetError(f"cannot reach {url} ({type(e).__name__}: {e}); "
+                          "check --target (http://HOST:PORT) and that the server is up") from None
+    if response.status_code == 404 and served_model is None:
+        raise TargetError(f"{url}/v1/models answered 404 Not Found: is {url} the server's base URL? Give "
+                          "http://HOST:PORT (kvtui adds /v1/...), or name the model with --served-model if the "
+                          "server has no /v1/models")
+    try:
+        first = response.json()["data"][0] if response.status_code == 200 else {}
+    except (ValueError, KeyError, IndexError, TypeError):
+        first = {}
+    return first if isinstance(first, dict) else {}
+
+
+def check_reachable(options: TargetOptions) -> None:
+    """Ask the server at `options.url` for /v1/models once, before anything slow is set up.
+
+    Raises:
+        TargetError: as first_model.
+    """
+    async def ask() -> None:
+        async with httpx.AsyncClient(base_url=options.url.rstrip("/"), transport=options.transport) as client:
+            await first_model(client, options.url, options.served_model)
+
+    asyncio.run(ask())
+
+
+def timeline_warnings(scenario) -> list[str]:
     """The scenario's timeline entries a remote server cannot honour (engine knobs, faults)."""
     ignored = [e for e in scenario.timeline if e.engine_overrides() or e.fault_switch]
     if not ignored:

@@ -86,17 +86,18 @@ def header(snap: Snapshot | None, mode: str, width: int) -> Text:
     active faults), leak count. Where the line is short, the details go first, then the step number,
     then the words of the pace ("0.6x"), so the mode, the isolation state and the leaks always fit."""
     text = Text().append(" kvtui ", style="bold reverse")  # (a Text's own style would cover all it holds)
-    if snap is None:
+    if snap is None or snap.clock == "?":  # no header yet: the model or tokenizer is still loading
         return text.append(f"  {mode}  loading…")
     text.append(f" {snap.scenario} ", style="bold")
     details = ("· {snap.model} {snap.dtype} · {snap.clock} clock · {snap.layout} ", "· {snap.model} · {snap.clock} ",
-               "· {snap.model} ", "")
+               "· {snap.model} ", "· {short} ", "")
     clock = ((f" step {max(snap.step, 0)} · {snap.t:.1f} s  ", f" {snap.t:.1f} s  ") if snap.server is None
              else (f" {snap.t:.1f} s  ",))
     behind = snap.pace is not None and snap.pace < PACE_SHOWN_BELOW  # the paced clock fell behind real time
     paces = (f"{snap.pace:.1f}x real time", f"{snap.pace:.1f}x") if behind else ("",)
     status = _status_line(snap, mode)
-    choices = [(d.format(snap=snap), c, p) for c in clock for p in paces for d in details]
+    short = snap.model.rstrip("/").rsplit("/", 1)[-1]  # a served model's id is often a folder path
+    choices = [(d.format(snap=snap, short=short), c, p) for c in clock for p in paces for d in details]
     choices.sort(key=lambda x: (paces.index(x[2]), clock.index(x[1])))  # the pace's words kept longest
     for detail, time, pace in choices + [("", clock[-1], paces[-1])]:
         if text.cell_len + len(detail) + len(time) + (len(pace) + 2 if pace else 0) + status.cell_len <= width:
@@ -400,7 +401,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
     room = max(height - len(text.plain.splitlines()), 1)
     per_report = 1 if width >= 90 else 2
     for c in list(snap.contamination)[-max(room // per_report, 1):]:
-        step = "" if c.step is None else f"#{c.step} "
+        step = "" if c.step is None or c.step < 0 else f"#{c.step} "  # -1: not made in a step (a target run)
         who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
         kind_style = f"bold {RED}" if c.kind in ("cross_request", "cross_tenant", "corruption") else "yellow"
         kind = c.kind if width >= 60 else SHORT_KINDS.get(c.kind, c.kind)
