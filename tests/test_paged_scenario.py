@@ -108,7 +108,7 @@ def test_multi_turn_each_turn_extends_the_previous_one():
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--fault", "unsalted_prefix"], "fault 'unsalted_prefix' acts with kv: paged only; this engine runs kv: slots"),
+    (["--fault", "unsalted_prefix"], "--fault unsalted_prefix: acts with kv: paged only, not slots"),
     (["--prefix-caching"], "--prefix-caching needs paged KV; set engine.kv: paged"),
 ])
 def test_cli_refuses_paged_options_on_a_slot_scenario_in_one_line(tmp_path, args, fragment):
