@@ -89,6 +89,8 @@ class FinishedRequestReport:
         top2_gaps: top-1 minus top-2 logit at each generated token.
         sampling: its SamplingParams.
         faults: the faults active in any step it took part in.
+        draws: sampling requests: the Draw of each generated token (uniform and the CDF around it);
+            empty when greedy.
     """
 
     request_id: str
@@ -109,6 +111,7 @@ class FinishedRequestReport:
     sampling: object = None
     faults: frozenset = frozenset()
     tenant: str | None = None
+    draws: tuple = ()
 
 
 @dataclass(frozen=True)
