@@ -144,6 +144,7 @@ class Session:
                              clock=clock, cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
         self.engine.detect_taint = "slot_taint" in self.detectors
         self.engine.measure_flow = "attention_flow" in self.detectors
+        self.engine.record_draws = "reference" in self.detectors
         self.serving = serving
         self.pending = [] if serving else sorted(plan_requests(scenario, self.tokenizer),
                                                  key=lambda p: (p.arrival_s, p.request_id))
@@ -378,7 +379,7 @@ class Session:
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(
                     f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
-                    frozenset(f.faults)))
+                    frozenset(f.faults), f.draws))
 
     def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
                           yield_to_work: bool = False) -> None:
