@@ -253,6 +253,10 @@ class ReferenceEvidence(_Frozen):
     suspects: tuple[str, ...] = ()  # (v2) co-batched requests and the slot's earlier owners
     batched_piece: str | None = None  # (v2, target runs) the two tokens' text at the divergence
     solo_piece: str | None = None
+    draw_u: float | None = None  # (v2, sampled tokens) the uniform that drew the token in both runs
+    draw_shift: float | None = None  # (v2, sampled) log-odds move of a CDF boundary that explains the flip
+    logit_spread: float | None = None  # (v2, sampled) relative move of the logits listed by both runs
+    draw_tolerance: float | None = None  # (v2, sampled) tolerance / temperature: the largest numeric shift
 
 
 class CanaryEvidence(_Frozen):

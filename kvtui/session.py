@@ -199,6 +199,7 @@ class Session:
                         cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
         engine.detect_taint = "slot_taint" in self.detectors
         engine.measure_flow = "attention_flow" in self.detectors
+        engine.record_draws = "reference" in self.detectors
         return engine
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
@@ -458,7 +459,7 @@ class Session:
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(
                     f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
-                    frozenset(f.faults)))
+                    frozenset(f.faults), f.draws))
 
     def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
                           yield_to_work: bool = False, until: Callable[[], bool] | None = None) -> None:

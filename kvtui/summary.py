@@ -221,8 +221,16 @@ def evidence_text(e: Contamination) -> str:
         gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
         batched, solo = differing_excerpts(ev.batched_text, ev.solo_text)
         if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
-            return f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); {batched!r} vs {solo!r}"
-        return f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} (gap {gap}); {batched!r} vs {solo!r}"
+            return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
+                    f"{batched!r} vs {solo!r}")
+        if ev.draw_tolerance is not None:  # a sampled token: how far the draw's boundary and the logits moved
+            shift = "n/a" if ev.draw_shift is None else f"{ev.draw_shift:.3g}"
+            spread = "n/a" if ev.logit_spread is None else f"{ev.logit_spread:.3g}"
+            why = f"draw shift {shift} of {ev.draw_tolerance:.3g}, logits moved {spread} of {ev.tolerance:.3g}"
+        else:
+            why = f"gap {gap}"
+        return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
+                f"{batched!r} vs {solo!r}")
     return str(ev.model_dump())[:100]
 
 

@@ -1,10 +1,13 @@
 """reference: each completed request's tokens vs the same request run in a clean engine (fresh pool,
 no faults, same sampling seed).
 
-The first divergent token is reported with both texts. When the top-2 logit gap at that token (the
-smaller of the checked and the reference run's) is within the dtype's tolerance, the divergence is
-a near tie flipped by numerical batch variance: kind `numeric`, not contamination. A non-finite
-logit at or before the divergence is never numeric.
+The first divergent token is reported with both texts; the rest of the request is not compared
+(after it the two runs continue from different tokens). A greedy token is a near tie flipped by
+numerical batch variance, kind `numeric` and not contamination, when the top-2 logit gap at it (the
+smaller of the checked and the reference run's) is within the dtype's tolerance. A sampled token is
+numeric when the uniform both runs drew fell where rounding moved a boundary of the cumulative
+distribution, and the distribution around it moved no more than rounding does
+(sampled_flip_is_numeric). A non-finite logit at or before the divergence is never numeric.
 
 Who caused a real divergence: the request is run once more, alone, with the faults that were on
 during its life. If that run gives the same tokens, the damage happens with no other request
@@ -36,6 +39,7 @@ import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine
+from kvtui.engine.sampling import Draw
 from kvtui.events import Contamination, ReferenceEvidence
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch.bfloat16: 0.5}
@@ -44,6 +48,96 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch
 def numeric_tolerance(dtype: torch.dtype) -> float:
     """Top-2 logit gap under which a divergence counts as numeric for `dtype` (logits)."""
     return TOLERANCE.get(dtype, 0.5)
+
+
+TOP_SHARED = 4  # each run's most likely tokens that the other run must list
+
+
+def _log_odds(p: float) -> float:
+    p = min(max(p, 1e-300), 1.0)
+    return math.inf if p >= 1.0 else math.log(p) - math.log1p(-p)
+
+
+def _reach(draw: Draw, rank: int) -> float:
+    """How far (log-odds) the draw point lies from rank `rank`'s interval in that run: 0 inside it,
+    inf past the ranks the draw kept. Where the draw kept only ranks that bracket the interval, the
+    distance to the bracket's farther end (an upper bound)."""
+    bounds = draw.bounds(rank)
+    if bounds is None:
+        return math.inf
+    low, high, exact = bounds
+    point, below, above = _log_odds(draw.point), _log_odds(low), _log_odds(high)
+    if exact:
+        return max(below - point, point - above, 0.0)
+    return max(point - below, above - point)
+
+
+def compare_draws(batched: Draw | None, solo: Draw | None) -> tuple[float, float] | None:
+    """How far apart two runs' draws of one sampled token are (the same uniform, different tokens).
+
+    Returns (shift, spread), or None without both draws (a reference that ended first):
+        shift: the smallest move, in log-odds, of the cumulative distribution by rank that explains
+            why the same u fell on different ranks: each run's rank must lie that close to the other
+            run's draw point (the larger of the two distances; 0 for the same rank, where two tokens
+            swapped places); inf when the uniforms differ or a rank lies past what a draw kept.
+        spread: how much the logits of the tokens both runs list (those ranked near the draw and the
+            most likely ones) moved relative to each other: max minus min of (batched - solo logit),
+            logits; inf when one is not finite, or when a run's TOP_SHARED most likely tokens are
+            not all listed by the other (they moved far in rank: another distribution, not rounding).
+    """
+    if batched is None or solo is None:
+        return None
+    if batched.u != solo.u:
+        return math.inf, math.inf
+    shift = max(_reach(batched, solo.rank), _reach(solo, batched.rank))
+    ours, theirs = batched.logit_of(), solo.logit_of()
+    moves = [z - theirs[t] for t, z in ours.items() if t in theirs]
+    shared = all(t in theirs for t in _top(batched)) and all(t in ours for t in _top(solo))
+    spread = max(moves) - min(moves) if shared and all(map(math.isfinite, moves)) else math.inf
+    return shift, spread
+
+
+def _top(draw: Draw) -> list[int]:
+    return [t for t, r in zip(draw.logit_ids, draw.logit_ranks) if r < TOP_SHARED]
+
+
+def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None) -> float:
+    """Logit tolerance of a sampled divergence in `dtype`: numeric_tolerance(dtype) plus 2 units in the
+    last place of the largest logit the two draws list.
+
+    The logits reach the sampler rounded to the dtype, so each run's logit is off by up to half a unit
+    in the last place (ulp = finfo(dtype).eps x 2^floor(log2 |z|)): one token's difference between the
+    runs by up to 1 ulp from that rounding alone, and two tokens' differences apart by up to 2. In
+    bfloat16 a logit of 20 has a unit of 0.125, one of 40 a unit of 0.25; in float32 the term is under
+    1e-5 (float32 stays as strict as the greedy rule)."""
+    values = [abs(z) for d in (batched, solo) if d is not None for z in d.logits if math.isfinite(z)]
+    largest = max(values, default=0.0)
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 0.0
+    return numeric_tolerance(dtype) + 2 * ulp
+
+
+def sampled_flip_is_numeric(batched: Draw | None, solo: Draw | None, temperature: float, tolerance: float) -> bool:
+    """Whether a sampled token that differs between the batched and the solo run is a rounding flip.
+
+    Both runs drew the same uniform u. The flip is numeric when (compare_draws) the cumulative
+    distribution by rank moved by at most tolerance / temperature in log-odds where u fell, and the
+    logits near the draw and at the top moved by at most `tolerance` relative to each other
+    (`tolerance`: logits, sampled_tolerance of the run's dtype).
+
+    Why these bounds: the dtype's tolerance is the largest move of one logit relative to another
+    that its batch rounding makes (numeric_tolerance: the same figure the greedy rule holds the top-2
+    gap to, plus the rounding of the logits themselves, see sampled_tolerance). A boundary of the
+    cumulative distribution (the mass of the ranks above it, against the rest) has log-odds
+    logsumexp(above / T) - logsumexp(rest / T): a difference of two softmax-weighted means of the
+    logits over T, so the same rounding moves it by at most tolerance / T. Measured on SmolLM2 (30
+    bfloat16 and 20 float16 random sampled runs with isolation intact, scripts/sweep_sampled.py):
+    boundaries moved by up to 0.15 / T and logits by 0.5 relative in bfloat16 (tolerance 0.75 to 1.0),
+    by 0.022 / T and 0.0625 in float16 (about 0.16). A fault moves the distribution far more
+    (measured: relative logit moves of 1 to 10, or ranks past what the draw keeps) and stays
+    counted. No draw (a reference that ended first), different uniforms or non-finite logits: False.
+    """
+    moved = compare_draws(batched, solo)
+    return moved is not None and moved[0] <= tolerance / temperature and moved[1] <= tolerance
 
 
 @dataclass(frozen=True)
@@ -57,6 +151,7 @@ class PendingCheck:
         cobatched: the other requests in the batch at each generated token's step.
         earlier_owners: requests that held its slot before it, most recent last.
         faults: the faults on during any step it took part in.
+        draws: sampled requests: the Draw of each generated token (kvtui/engine/sampling.py).
     """
 
     request_id: str
@@ -68,6 +163,7 @@ class PendingCheck:
     cobatched: tuple[tuple[str, ...], ...] = ()
     earlier_owners: tuple[str, ...] = ()
     faults: frozenset = frozenset()
+    draws: tuple = ()
 
 
 class ReferenceDetector:
@@ -194,7 +290,7 @@ class ReferenceDetector:
                 self._resume = (key, engine, states) if not faults else None
                 return None
             engine.step()
-        return [(list(s.generated_ids), list(s.top2_gaps)) for s in states]
+        return [(list(s.generated_ids), list(s.top2_gaps), list(s.draws)) for s in states]
 
     def _engine(self, slots: int, max_len: int, faults: frozenset) -> Engine:
         config = replace(self.config, num_slots=slots, max_batch_size=slots, max_len=max_len, kv_budget_bytes=None,
@@ -215,13 +311,18 @@ class ReferenceDetector:
     def _compare(self, check: PendingCheck, reference, t: float, should_stop=None) -> list[Contamination] | None:
         """The check's report (none when it equals its reference); None when `should_stop()` turned
         true during the replay that attributes a divergence (the check is then not done)."""
-        output, (ref, ref_gaps) = list(check.output_ids), reference
+        output, (ref, ref_gaps, ref_draws) = list(check.output_ids), reference
         index = _first_difference(output, ref)
         if index is None:
             return []
         nonfinite = any(not math.isfinite(g) for g in check.gaps[: index + 1])
         gap = None if nonfinite else min(_at(check.gaps, index), _at(ref_gaps, index))
-        if gap is not None and gap <= self.tolerance:
+        sampled = not getattr(check.sampling, "greedy", True)
+        if sampled:
+            near, draw_fields = self._sampled(check, _at(check.draws, index, None), _at(ref_draws, index, None))
+        else:
+            near, draw_fields = gap is not None and gap <= self.tolerance, {}
+        if near and not nonfinite:
             kind, source, suspects = "numeric", None, ()
         else:
             attributed = self._attribute(check, index, should_stop)
@@ -229,13 +330,23 @@ class ReferenceDetector:
                 return None
             kind, source, suspects = attributed
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        evidence = ReferenceEvidence(
-            token_index=index, batched_token=output[index], solo_token=ref[index] if index < len(ref) else None,
-            top2_gap=None if gap is None else round(gap, 6), tolerance=self.tolerance, batched_text=decode(output),
-            solo_text=decode(ref[: len(output)]), nonfinite=nonfinite, suspects=suspects)
+        evidence = ReferenceEvidence(**{
+            "token_index": index, "batched_token": output[index], "solo_token": _at(ref, index, None),
+            "top2_gap": None if gap is None else round(gap, 6), "tolerance": self.tolerance,
+            "batched_text": decode(output), "solo_text": decode(ref[: len(output)]), "nonfinite": nonfinite,
+            "suspects": suspects, **draw_fields})
         step = check.steps[index] if index < len(check.steps) else -1
         return [Contamination(t=t, step=step, detector="reference", kind=kind, victim=check.request_id,
                               source=source, evidence=evidence)]
+
+    def _sampled(self, check: PendingCheck, draw: Draw | None, solo: Draw | None) -> tuple[bool, dict]:
+        """A sampled divergence: numeric or not (sampled_flip_is_numeric), and the evidence's draw fields."""
+        temperature, tolerance = check.sampling.temperature, sampled_tolerance(self.loaded.dtype, draw, solo)
+        moved = compare_draws(draw, solo)
+        fields = dict(draw_u=None if draw is None else draw.u, tolerance=round(tolerance, 6),
+                      draw_tolerance=round(tolerance / temperature, 6), draw_shift=_finite(moved and moved[0]),
+                      logit_spread=_finite(moved and moved[1]))
+        return sampled_flip_is_numeric(draw, solo, temperature, tolerance), fields
 
     def _attribute(self, check: PendingCheck, index: int, should_stop=None
                    ) -> tuple[str, str | None, tuple[str, ...]] | None:
@@ -261,8 +372,12 @@ def _first_difference(output: list[int], reference: list[int]) -> int | None:
                 None if len(reference) >= len(output) else len(reference))
 
 
-def _at(values, index: int) -> float:
-    return values[index] if index < len(values) else float("inf")
+def _at(values, index: int, default=math.inf):
+    return values[index] if index < len(values) else default
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, 6)
 
 
 def _pad(tokenizer) -> int:

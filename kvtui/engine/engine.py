@@ -24,7 +24,7 @@ from kvtui.engine.paged import PagedCache
 from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
-from kvtui.engine.sampling import make_generator, sample_token
+from kvtui.engine.sampling import draw_token, make_generator
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.faults import FAULTS, check_fault_names
 from kvtui.models.compat import check_model
@@ -110,6 +110,7 @@ class Engine:
         self._pending_finished: list[RequestState] = []
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
+        self.record_draws = True  # reference detector: keep each sampled token's Draw (about 1 KB a token)
         self._faults: frozenset[str] = frozenset()
         self.set_faults(config.faults)  # switched between steps
         self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
@@ -437,7 +438,7 @@ class Engine:
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
         Returns (token, logprobs or None). Whatever raises leaves the request's tokens as they were."""
-        token = sample_token(logits, request.sampling, self._generators.get(request.request_id))
+        token, draw = draw_token(logits, request.sampling, self._generators.get(request.request_id))
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -448,6 +449,8 @@ class Engine:
             request.generated_ids.pop()
             raise
         request.top2_gaps.append(gap)
+        if draw is not None and self.record_draws:
+            request.draws.append(draw)
         request.token_times_s.append(end_s)
         if request.first_token_s is None:
             request.first_token_s = end_s
@@ -504,7 +507,7 @@ class Engine:
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
-            r.faults_seen, r.tenant, r.finish_code)
+            r.faults_seen, r.tenant, r.finish_code, tuple(r.draws))
 
     def _pool_fields(self) -> dict:
         """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)

@@ -91,6 +91,8 @@ class FinishedRequestReport:
         top2_gaps: top-1 minus top-2 logit at each generated token.
         sampling: its SamplingParams.
         faults: the faults active in any step it took part in.
+        draws: sampling requests: the Draw of each generated token (uniform and the CDF around it);
+            empty when greedy.
     """
 
     request_id: str
@@ -112,6 +114,7 @@ class FinishedRequestReport:
     faults: frozenset = frozenset()
     tenant: str | None = None
     code: str = ""
+    draws: tuple = ()
 
 
 @dataclass(frozen=True)

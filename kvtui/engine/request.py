@@ -113,6 +113,8 @@ class RequestState:
         arrival_s, scheduled_s, first_token_s, finish_s: timestamps in seconds on the engine's clock
             (None until reached). token_times_s: time of every generated token, for ITL.
         top2_gaps: top-1 minus top-2 logit at each generated token (for labelling numeric divergence).
+        draws: sampling requests: the Draw of each generated token (kvtui/engine/sampling.py); empty
+            when greedy.
         stop_str: the stop string that ended it, if one did.
         text_end: characters of the decoded output to return (it ends before, or with, the stop
             string), or None for the whole text.
@@ -143,6 +145,7 @@ class RequestState:
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     top2_gaps: list[float] = field(default_factory=list)
+    draws: list = field(default_factory=list)
     stop_str: str | None = None
     text_end: int | None = None
     faults_seen: frozenset = frozenset()
