@@ -165,7 +165,7 @@ def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, 
     loaded = tiny["tiny-llama"]
     engine = make(loaded)
     if where == "sampling":  # its third draw raises; greedy ignores top_k, so top_k=13 marks the request
-        real, draws = engine_module.sample_token, []
+        real, draws = engine_module.draw_token, []
 
         def sample(logits, params, generator):
             if params.top_k == 13:
@@ -174,7 +174,7 @@ def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, 
                     raise RuntimeError("injected sampling failure")
             return real(logits, params, generator)
 
-        monkeypatch.setattr(engine_module, "sample_token", sample)
+        monkeypatch.setattr(engine_module, "draw_token", sample)
         bad_params = SamplingParams(max_new_tokens=8, top_k=13)
     else:  # only the bad request has stop strings, so only it decodes; the third decode raises
         engine.tokenizer = _FailingDecode(loaded.tokenizer, fail_at=3)

@@ -78,7 +78,7 @@ def test_a_request_whose_own_sampling_raises_gets_an_error_and_its_neighbour_its
                                                                                         monkeypatch):
     """An exception in one request's sampling: 500 `internal_error` for it (whole), an error event then
     [DONE] when streamed (the openai client raises APIError), and the request beside it is unharmed."""
-    real, draws = engine_module.sample_token, []
+    real, draws = engine_module.draw_token, []
 
     def sample(logits, params, generator):  # greedy ignores top_k: top_k=13 marks the request to break
         if params.top_k == 13:
@@ -87,7 +87,7 @@ def test_a_request_whose_own_sampling_raises_gets_an_error_and_its_neighbour_its
                 raise RuntimeError("injected sampling failure")
         return real(logits, params, generator)
 
-    monkeypatch.setattr(engine_module, "sample_token", sample)
+    monkeypatch.setattr(engine_module, "draw_token", sample)
     c, tok = client(server), oracle_tiny.tokenizer
     answers = {}
     neighbour = threading.Thread(target=lambda: answers.setdefault("n", c.completions.create(
