@@ -224,9 +224,10 @@ def evidence_text(e: Contamination) -> str:
             return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
                     f"{batched!r} vs {solo!r}")
         if ev.draw_tolerance is not None:  # a sampled token: how far the draw's boundary and the logits moved
-            shift = "n/a" if ev.draw_shift is None else f"{ev.draw_shift:.3g}"
-            spread = "n/a" if ev.logit_spread is None else f"{ev.logit_spread:.3g}"
-            why = f"draw shift {shift} of {ev.draw_tolerance:.3g}, logits moved {spread} of {ev.tolerance:.3g}"
+            shift = "past the recorded ranks" if ev.draw_shift is None else \
+                f"{ev.draw_shift:.3g} of {ev.draw_tolerance:.3g}"
+            spread = "not comparable" if ev.logit_spread is None else f"{ev.logit_spread:.3g} of {ev.tolerance:.3g}"
+            why = f"draw shift {shift}, logits moved {spread}" if ev.draw_u is not None else "no draw recorded"
         else:
             why = f"gap {gap}"
         return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "

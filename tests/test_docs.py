@@ -140,4 +140,5 @@ def test_modules_named_in_the_docs_exist():
     files = {str(p.relative_to(ROOT / "kvtui")) for p in (ROOT / "kvtui").rglob("*.py")}
     files |= {p.name for p in (ROOT / "kvtui").rglob("*.py")} | {"tests/test_faults.py", "tests/test_docs.py",
                                                                     "tests/test_paged_faults.py"}
+    files |= {str(p.relative_to(ROOT)) for p in (ROOT / "scripts").glob("*.py")}
     assert sorted(names - files) == []

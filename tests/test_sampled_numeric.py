@@ -17,6 +17,7 @@ from kvtui.engine.request import SamplingParams
 from kvtui.engine.sampling import CUM_OFFSETS, draw_token, make_generator
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
+from kvtui.summary import evidence_text
 
 V = 64
 BF16, FP32 = numeric_tolerance(torch.bfloat16), numeric_tolerance(torch.float32)
@@ -169,6 +170,7 @@ def test_bf16_sampled_runs_with_isolation_intact_report_only_numeric(tiny_bf16, 
         ev = e.evidence
         assert ev.draw_u is not None and ev.draw_shift <= ev.draw_tolerance and ev.logit_spread <= ev.tolerance
         assert ev.draw_tolerance == pytest.approx(ev.tolerance / 1.0)
+        assert f"draw shift {ev.draw_shift:.3g} of {ev.draw_tolerance:.3g}, logits moved " in evidence_text(e)
 
 
 def test_greedy_divergences_are_still_labelled_by_the_top2_gap(tiny_bf16):
