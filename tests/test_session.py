@@ -66,7 +66,7 @@ def test_replay_summary_equals_live_summary(tiny, tmp_path):
     replayed = metrics.summary(t=summary.t, stopped_early=summary.stopped_early)
     assert replayed == session.summary == summary
     assert summary.requests_finished == 7
-    out = subprocess.run(KVTUI + ["replay", str(path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(KVTUI + ["replay", str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "session-test" in out.stdout and "7 (" in out.stdout
 
 
@@ -80,7 +80,7 @@ def test_truncated_recording_replays_up_to_its_last_whole_line(tiny, tmp_path):
     assert truncated and summary is None and len(events) == 14
     in_flight = sum(isinstance(e, Arrive) for e in events) - sum(isinstance(e, Finish) for e in events)
     assert in_flight > 0
-    out = subprocess.run(KVTUI + ["replay", str(cut)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(KVTUI + ["replay", str(cut)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ends early" in out.stderr
     assert f"{in_flight} requests arrived but never finished" in out.stdout
 
@@ -96,7 +96,7 @@ def test_sigterm_stops_cleanly_with_summary_written(tmp_path):
     while time.time() < deadline and (not path.exists() or path.read_text().count('"type":"step"') < 5):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err  # 128 + SIGTERM, as a shell reports a process a signal ended
     last = json.loads(path.read_text().splitlines()[-1])
     assert last["type"] == "summary" and last["stopped_early"] is True
@@ -107,19 +107,19 @@ def test_sigterm_stops_cleanly_with_summary_written(tmp_path):
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("seed: 1\nmax_requests: 2\nengine: {slots: 0}\n")
-    out = subprocess.run(KVTUI + ["run", str(bad), "--headless"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(KVTUI + ["run", str(bad), "--headless"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     lines = [x for x in out.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "engine.slots" in lines[0] and "bad.yaml:3" in lines[0]
     assert "Traceback" not in out.stderr
     out = subprocess.run(KVTUI + ["run", str(tmp_path / "missing.yaml"), "--headless"], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=300)
     assert out.returncode == 2 and "missing.yaml" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run(KVTUI + ["run", "scenarios/passphrase.yaml", "--headless", "--fault", "nope"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "'--fault': 'nope' is not one of 'shared_cache'" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run(KVTUI + ["replay", str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(KVTUI + ["replay", str(tmp_path / "none.jsonl")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "no such recording" in out.stderr
 
 
@@ -127,14 +127,14 @@ def test_exit_codes_follow_expect(tmp_path):
     scenario = tmp_path / "s.yaml"
     scenario.write_text(SCENARIO)
     base = KVTUI + ["run", str(scenario), "--headless", "--detectors", "slot_taint,attention_flow"]
-    clean = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    clean = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr
-    leaky = subprocess.run(base + ["--fault", "stale_slot"], capture_output=True, text=True, timeout=120)
+    leaky = subprocess.run(base + ["--fault", "stale_slot"], capture_output=True, text=True, timeout=300)
     assert leaky.returncode == 1 and "unexpected contamination" in leaky.stderr
     scenario.write_text(SCENARIO + "expect: {contamination: detected}\n")
-    missed = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    missed = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert missed.returncode == 1 and "no detector fired" in missed.stderr
-    caught = subprocess.run(base + ["--isolation", "off"], capture_output=True, text=True, timeout=120)
+    caught = subprocess.run(base + ["--isolation", "off"], capture_output=True, text=True, timeout=300)
     assert caught.returncode == 0 and "detected as expected" in caught.stdout
 
 
