@@ -314,7 +314,7 @@ def test_a_stop_does_not_wait_for_the_replay_that_attributes_a_divergence(tiny):
     loaded = tiny["tiny-llama"]
     ref = ReferenceDetector(loaded, loaded.tokenizer)
     prompt, sampling = (5, 6, 7, 8), SamplingParams(max_new_tokens=6, ignore_eos=True)
-    [(tokens, gaps)] = ref._references([(prompt, sampling)])  # the clean reference, now cached
+    [(tokens, gaps, _draws)] = ref._references([(prompt, sampling)])  # the clean reference, now cached
     wrong = tuple(tokens[:3]) + ((tokens[3] + 1) % 100,) + tuple(tokens[4:])
     check = PendingCheck("r1", prompt, wrong, (10.0,) * 6, sampling, steps=tuple(range(6)),
                          cobatched=(("r0",),) * 6, faults=frozenset({"stale_slot"}))
