@@ -21,7 +21,7 @@ from typing import IO, Iterator
 
 import pydantic
 
-from kvtui.events import FORMAT, READABLE_VERSIONS, VERSION, Header, Summary, parse_event
+from kvtui.events import FORMAT, READABLE_VERSIONS, VERSION, Header, RecordingFailed, Summary, parse_event
 
 __all__ = ["FORMAT", "VERSION", "RecordingError", "RecordingWriter", "check_unlocked", "describe_os_error",
            "read_recording"]
@@ -91,6 +91,11 @@ class RecordingWriter:
             self._fail(e)
             return
         self._release()
+
+    def failed_event(self, t: float) -> RecordingFailed:
+        """The RecordingFailed event a session gives its listeners after a failed write, at time `t`
+        (seconds on the run's clock)."""
+        return RecordingFailed(t=t, path=str(self.path), lines=self.lines, error=describe_os_error(self.error))
 
     def describe_error(self) -> str:
         """One line: the file, where it stopped and the cause, e.g. 'runs/a.jsonl: recording stopped

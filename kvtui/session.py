@@ -39,7 +39,6 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
-    RecordingFailed,
     ReferenceStatus,
     RunningEntry,
     StepEvent,
@@ -50,7 +49,7 @@ from kvtui.events import (
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
 from kvtui.pacing import Pacer
-from kvtui.record import RecordingWriter, describe_os_error
+from kvtui.record import RecordingWriter
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
 MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
@@ -250,8 +249,7 @@ class Session:
         self.recorder.on_error = self._recording_failed
 
     def _recording_failed(self, recorder: RecordingWriter) -> None:
-        event = RecordingFailed(t=self.engine.now(), path=str(recorder.path), lines=recorder.lines,
-                                error=describe_os_error(recorder.error))
+        event = recorder.failed_event(self.engine.now())
         for listener in self.listeners:
             listener(event)
 

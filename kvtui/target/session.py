@@ -35,12 +35,11 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
-    RecordingFailed,
     ReferenceStatus,
     Summary,
 )
 from kvtui.metrics import SLO, Metrics
-from kvtui.record import RecordingWriter, describe_os_error
+from kvtui.record import RecordingWriter
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event, uncached
 from kvtui.target.server_view import ServerProbe
@@ -185,8 +184,7 @@ class TargetSession:
 
     def _recording_failed(self, recorder: RecordingWriter) -> None:
         """A write failed: the run goes on unrecorded; listeners get a RecordingFailed event."""
-        event = RecordingFailed(t=self.now(), path=str(recorder.path), lines=recorder.lines,
-                                error=describe_os_error(recorder.error))
+        event = recorder.failed_event(self.now())
         for listener in self.listeners:
             listener(event)
 
