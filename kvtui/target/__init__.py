@@ -8,7 +8,7 @@ serve`) whose internals are not visible: what can be checked is what its HTTP en
   streamed requests, the same typed events as a local run (kvtui.events), plus `ServerSample`.
 - `openai`: one streamed request, timed as vLLM's `bench serve` times it.
 - `server_view`: `/metrics` (Prometheus) and llama.cpp's `/slots`.
-- `reference`, `audit`: the black-box reference check and noninterference audit.
+- `solo_check`, `audit`: the black-box reference check and noninterference audit.
 - `view`, `panels`, `dashboard`: the dashboard on a target.
 - `command`: the CLI's `--target` paths. `llama_server`: start llama.cpp's server for tests and findings.
 """
