@@ -140,8 +140,8 @@ def test_the_summary_takes_the_servers_prefix_counters_over_the_load_only():
 
 
 def test_the_target_dashboard_shows_the_servers_prefix_cache():
-    from kvtui.target.panels import _prefix
-    from kvtui.target.view import ServerTrack
+    from kvtui.tui.server_panels import _prefix
+    from kvtui.tui.server_track import ServerTrack
 
     track = ServerTrack("http://x")
     assert _prefix(track.view({}))[0].startswith("not exposed")

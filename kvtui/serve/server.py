@@ -154,8 +154,8 @@ class ServeServer:
         Raises:
             ValueError: a bad engine value; OSError: the recording path.
         """
+        from kvtui.record import restart_path
         from kvtui.session import build_session
-        from kvtui.tui.launch import restart_path
 
         listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event,
                                                          self._recording_failed)

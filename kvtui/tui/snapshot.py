@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvtui.events import Summary
 
 if TYPE_CHECKING:
-    from kvtui.target.view import ServerView
+    from kvtui.tui.server_track import ServerView
 
 
 @dataclass(frozen=True)

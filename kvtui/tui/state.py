@@ -27,6 +27,7 @@ from kvtui.events import (
 from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
 from kvtui.summary import evidence_text, skipped_text
+from kvtui.tui.server_track import ServerTrack
 from kvtui.tui.snapshot import ContaminationView, LogLine
 
 HISTORY_WINDOW_S = 0.5  # width of one throughput-history bar (seconds of run clock)
@@ -105,7 +106,7 @@ class DashboardState:
         self.summary: Summary | None = None
         self.latency_cache: dict = {}  # used by snapshot_build
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
-        self.server = None  # kvtui.target.view.ServerTrack for a run against a target server
+        self.server: ServerTrack | None = None  # for a run against a target server
         self.pace: float | None = None  # paced clock: modeled seconds per wall second (set by the live worker)
 
     # -- feeding -----------------------------------------------------------------------------
@@ -138,8 +139,6 @@ class DashboardState:
         self.kv = e.engine.get("kv") or "slots"
         self.block_size = int(e.engine.get("block_size") or 0)
         if e.target:
-            from kvtui.target.view import ServerTrack
-
             self.server = ServerTrack(e.target)
 
     def _arrive(self, e: Arrive) -> None:
