@@ -11,6 +11,7 @@ import typer
 from kvtui.cli.console import EXIT_CONTAMINATION, err, fail, out
 from kvtui.cli.inputs import check_lengths, load_model, load_scenario, refuse_idle_faults
 from kvtui.cli.options import (
+    ENGINE,
     TARGET,
     TARGET_PANEL,
     FaultChoice,
@@ -74,7 +75,7 @@ def audit(
         fail(f"{'--block-size' if block_size is not None else '--cache-salt'} applies to --timing --target; "
              "kvtui's own engine takes the scenario's engine.block_size and tenants.cache_salt")
     refuse_idle_faults(scenario, spec, fault_names(fault))
-    loaded = load_model(model or spec.model, spec.dtype, "cpu")
+    loaded = load_model(model or spec.model, spec.dtype, ENGINE.device)
     if timing:
         _timing_audit(scenario, spec, loaded, fault_names(fault), probes)
         return

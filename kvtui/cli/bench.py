@@ -11,6 +11,7 @@ import typer
 
 from kvtui.cli.console import err, out
 from kvtui.cli.inputs import load_model
+from kvtui.cli.options import DTYPE, ENGINE, MODEL
 from kvtui.config import DType
 
 BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
@@ -24,8 +25,8 @@ def bench(
     = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
     Path("bench-results/bench.json"),
-    model: Annotated[str, typer.Option(help="Model to benchmark.")] = "default",
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = "float32",
+    model: Annotated[str, typer.Option(help="Model to benchmark.")] = MODEL,
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores).", min=1)] = None,
 ) -> None:
     """Measure kvtui side by side with a bare transformers forward, transformers' generate and continuous
@@ -37,15 +38,15 @@ def bench(
     if threads:
         torch.set_num_threads(threads)
     parts = [p.value for p in part] if part else list(PARTS)
-    loaded = load_model(model, dtype, "cpu")
+    loaded = load_model(model, dtype, ENGINE.device)
     run_suite(loaded, name=model, parts=parts, quick=quick, output=output, console=out)
     out.print(f"figures written to {output} and {output.with_suffix('.md')}")
 
 
 def calibrate_cmd(
-    model: Annotated[str, typer.Option(help="Model to calibrate for.")] = "default",
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = "float32",
-    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
+    model: Annotated[str, typer.Option(help="Model to calibrate for.")] = MODEL,
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
+    device: Annotated[str, typer.Option(help="torch device.")] = ENGINE.device,
 ) -> None:
     """Fit the virtual clock's step-cost model to this machine (a few seconds of engine steps) and store
     it for the model, dtype and device; virtual-clock runs of that model use it from then on."""

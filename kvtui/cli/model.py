@@ -8,16 +8,17 @@ import typer
 
 from kvtui.cli.console import out
 from kvtui.cli.inputs import load_model
+from kvtui.cli.options import DTYPE, ENGINE, MODEL
 
 
 def model_cmd(
-    name: Annotated[str, typer.Argument(help="default, tiny-llama, tiny-gpt2, a HF directory or a .gguf file")] = "default",
+    name: Annotated[str, typer.Argument(help="default, tiny-llama, tiny-gpt2, a HF directory or a .gguf file")] = MODEL,
 ) -> None:
     """Load a model once (converting the default GGUF into the cache) and print what it is."""
     import time
 
     t0 = time.perf_counter()
-    loaded = load_model(name, "float32", "cpu")
+    loaded = load_model(name, DTYPE, ENGINE.device)
     cfg = loaded.model.config
     out.print(f"{loaded.model_id}: {type(loaded.model).__name__}, "
               f"{sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M parameters, "

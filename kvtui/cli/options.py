@@ -20,6 +20,7 @@ from kvtui.target.options import TargetOptions
 ENGINE = EngineConfig()  # the engine's defaults
 SERVE = ServeOptions()  # `kvtui serve`'s defaults
 TARGET = TargetOptions(url="")  # a --target run's defaults (the URL is always given)
+MODEL, DTYPE = SERVE.model, SERVE.dtype  # the model commands load when none is named, and its dtype
 
 Isolation = Literal["on", "off"]
 Api = Literal["auto", "chat", "completions"]
