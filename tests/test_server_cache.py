@@ -17,7 +17,7 @@ from kvtui.events import Finish, ReferenceStatus, ServerSample
 from kvtui.metrics import Metrics
 from kvtui.models import build_tiny_tokenizer
 from kvtui.scenario import parse_scenario
-from kvtui.target.server_view import parse_info, parse_metrics
+from kvtui.target.server_probe import parse_info, parse_metrics
 from kvtui.target.session import TargetOptions, TargetSession
 
 TOK = build_tiny_tokenizer()

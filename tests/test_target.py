@@ -22,7 +22,7 @@ from kvtui.events import Finish, FirstToken, ServerSample
 from kvtui.models import build_tiny_tokenizer
 from kvtui.record import read_recording
 from kvtui.scenario import parse_scenario, plan_requests
-from kvtui.target.server_view import parse_metrics, parse_slots
+from kvtui.target.server_probe import parse_metrics, parse_slots
 from kvtui.target.session import TargetOptions, TargetSession
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]

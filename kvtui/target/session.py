@@ -42,7 +42,7 @@ from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
-from kvtui.target.server_view import ServerProbe
+from kvtui.target.server_probe import ServerProbe
 from kvtui.target.solo_check import reference_event, uncached
 
 TARGET_DETECTORS = ("reference", "canary")
