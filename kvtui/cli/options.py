@@ -1,6 +1,6 @@
 """Option types and declarations more than one command shares, with the defaults of the options'
 owners: the engine's knobs from kvtui.config.EngineConfig, `kvtui serve`'s from ServeOptions, the
-`--target` options from TargetOptions. A default is written once, where it is used.
+`--target` options from TargetOptions. Each default is written once, by its owner.
 """
 
 from __future__ import annotations
