@@ -228,3 +228,12 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 yield number, line
+
+
+def restart_path(record: str | Path | None, generation: int) -> Path | None:
+    """Recording path of restart `generation` (a dashboard's `r`, a served engine's restart): the given
+    path first, then NAME.restartN.jsonl beside it; None without a recording."""
+    if record is None:
+        return None
+    record = Path(record)
+    return record if generation == 0 else record.with_name(f"{record.stem}.restart{generation}{record.suffix}")

@@ -13,7 +13,7 @@ import pytest
 
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.faults import FAULTS
-from kvtui.scenario import reference
+from kvtui.scenario import schema_docs
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.timeline import RUNTIME_KNOBS
 
@@ -111,17 +111,17 @@ def test_detector_table_lists_every_detector_and_kind():
 
 
 def test_scenario_reference_is_the_generated_one():
-    assert text("docs/scenarios.md") == reference.render(), (
-        f"docs/scenarios.md is out of date with the schema; regenerate it with: {reference.REGENERATE}")
+    assert text("docs/scenarios.md") == schema_docs.render(), (
+        f"docs/scenarios.md is out of date with the schema; regenerate it with: {schema_docs.REGENERATE}")
 
 
 def test_scenario_reference_covers_every_model_and_knob():
-    documented = {m.__name__ for _, _, models in reference.SECTIONS for m in models}
+    documented = {m.__name__ for _, _, models in schema_docs.SECTIONS for m in models}
     assert set(Scenario.model_json_schema()["$defs"]) | {"Scenario"} == documented
-    rendered = reference.render()
+    rendered = schema_docs.render()
     for knob in RUNTIME_KNOBS:
         assert f"| `{knob}` |" in rendered
-    headings = {reference.anchor(h) for h in re.findall(r"^#+ (.+)$", rendered, re.M)}
+    headings = {schema_docs.anchor(h) for h in re.findall(r"^#+ (.+)$", rendered, re.M)}
     assert set(re.findall(r"\]\((#[\w-]+)\)", rendered)) <= headings
 
 

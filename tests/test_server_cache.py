@@ -17,7 +17,7 @@ from kvtui.events import Finish, ReferenceStatus, ServerSample
 from kvtui.metrics import Metrics
 from kvtui.models import build_tiny_tokenizer
 from kvtui.scenario import parse_scenario
-from kvtui.target.server_view import parse_info, parse_metrics
+from kvtui.target.server_probe import parse_info, parse_metrics
 from kvtui.target.session import TargetOptions, TargetSession
 
 TOK = build_tiny_tokenizer()
@@ -140,8 +140,8 @@ def test_the_summary_takes_the_servers_prefix_counters_over_the_load_only():
 
 
 def test_the_target_dashboard_shows_the_servers_prefix_cache():
-    from kvtui.target.panels import _prefix
-    from kvtui.target.view import ServerTrack
+    from kvtui.tui.server_panels import _prefix
+    from kvtui.tui.server_track import ServerTrack
 
     track = ServerTrack("http://x")
     assert _prefix(track.view({}))[0].startswith("not exposed")

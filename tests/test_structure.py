@@ -96,3 +96,24 @@ def test_the_import_check_sees_function_level_and_relative_imports(tmp_path):
     probe.write_text("def f():\n    from ..tui import app\n    import kvtui.cli\n    from kvtui import serve\n")
     names = [name for _, name in _imported_modules(probe, "kvtui.engine")]
     assert {"kvtui.tui", "kvtui.tui.app", "kvtui.cli", "kvtui.serve"} <= set(names)
+
+
+# package -> the packages its modules may not import (any depth, function-level and TYPE_CHECKING ones too)
+NOT_IMPORTED_BY = {
+    "tui": ("kvtui.target", "kvtui.serve", "kvtui.cli"),  # the dashboard reads events and snapshots only
+    "target": ("kvtui.tui", "kvtui.cli"),  # HTTP only: clients, sessions, servers
+    "serve": ("kvtui.target", "kvtui.cli"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(NOT_IMPORTED_BY))
+def test_imports_run_down_the_layers(package):
+    """The dashboard imports nothing of target/ (its target views live in tui/), target/ nothing of the
+    dashboard or the CLI, serve/ nothing of target/ or the CLI: no import runs back up."""
+    forbidden = NOT_IMPORTED_BY[package]
+    files = sorted((ROOT / "kvtui" / package).glob("*.py"))
+    assert len(files) > 5
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}" for path in files
+           for line, name in _imported_modules(path, f"kvtui.{package}")
+           if name in forbidden or name.startswith(tuple(m + "." for m in forbidden))]
+    assert bad == []

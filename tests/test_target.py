@@ -22,7 +22,7 @@ from kvtui.events import Finish, FirstToken, ServerSample
 from kvtui.models import build_tiny_tokenizer
 from kvtui.record import read_recording
 from kvtui.scenario import parse_scenario, plan_requests
-from kvtui.target.server_view import parse_metrics, parse_slots
+from kvtui.target.server_probe import parse_metrics, parse_slots
 from kvtui.target.session import TargetOptions, TargetSession
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
@@ -471,8 +471,8 @@ def dashboard_run(session, *, size=(160, 45), keys=(), done=True):
     """Drive a TargetSource in the app until the run is done; returns (source, screen text)."""
     import asyncio
 
-    from kvtui.target.dashboard import TargetSource
     from kvtui.tui.app import KvtuiApp, screen_text
+    from kvtui.tui.target_source import TargetSource
 
     async def go():
         source = TargetSource(lambda listener: (session.listeners.append(listener), session)[1])
@@ -589,7 +589,7 @@ def test_holding_arrivals_delays_the_rest_of_the_plan_by_the_time_held():
 def test_divergence_labels_from_both_runs_top_logprobs():
     """Hand-made logprobs in the two shapes servers send; the labels follow from the numbers here."""
     from kvtui.target.openai import StreamResult, parse_logprobs
-    from kvtui.target.reference import first_divergence
+    from kvtui.target.solo_check import first_divergence
 
     def result(*entries) -> StreamResult:
         tokens = parse_logprobs({"content": [{"token": tok, "logprob": top[0][1],

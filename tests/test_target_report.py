@@ -101,7 +101,7 @@ def test_a_long_served_model_id_is_never_broken_mid_word():
 
 # -- base URLs -----------------------------------------------------------------------------------------
 def test_a_base_url_ending_in_v1_is_taken(tmp_path):
-    from kvtui.target.command import check_url
+    from kvtui.cli.target import check_url
 
     assert check_url("http://127.0.0.1:8000/v1/") == check_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000"
     assert check_url("http://127.0.0.1:8000/proxy/") == "http://127.0.0.1:8000/proxy"
@@ -153,8 +153,8 @@ def test_header_keeps_a_long_model_ids_last_part_when_the_whole_does_not_fit():
 def test_dashboard_is_up_while_the_session_is_made_and_shows_why_it_failed():
     """The tokenizer loads and the requests are planned in the dashboard's worker: the screen says so
     from the first frame (it stayed blank for seconds), and a failure stays on screen until q."""
-    from kvtui.target.dashboard import TargetSource
     from kvtui.tui.app import KvtuiApp, screen_text
+    from kvtui.tui.target_source import TargetSource
 
     release = threading.Event()
 

@@ -223,9 +223,9 @@ def test_help_palette_and_screenshot(tmp_path):
 
 # -- live (tiny-llama, wall clock) ---------------------------------------------------------------------
 def live_source(loaded, record: Path, scenario: Path = LONG) -> LiveSource:
+    from kvtui.record import restart_path
     from kvtui.scenario import load_scenario
     from kvtui.session import Session
-    from kvtui.tui.launch import restart_path
 
     spec = load_scenario(scenario)
 

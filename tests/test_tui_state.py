@@ -51,12 +51,13 @@ def step(n, t, running=(), prefill=0, decode=0, rows=None, padding=0.0, kv=0.0, 
         "num_waiting": waiting, "running": run, **extra})
 
 
-def finish(rid, t, slot, reason="length", text=None, arrival=0.0, first=None, times=(), detail=""):
+def finish(rid, t, slot, reason="length", text=None, arrival=0.0, first=None, times=(), detail="", passphrase=None,
+           echoed=None):
     return parse_event({
         "type": "request.finish", "t": t, "request_id": rid, "finish_reason": reason, "detail": detail, "slot": slot,
         "prompt_ids": [1] * 8, "output_ids": [5] * len(times), "output_text": text if text is not None else "",
         "arrival_s": arrival, "scheduled_s": arrival, "first_token_s": first, "finish_s": t,
-        "token_times_s": list(times)})
+        "token_times_s": list(times), "passphrase": passphrase, "passphrase_echoed": echoed})
 
 
 def feed(*events, state=None):
@@ -125,16 +126,71 @@ def test_text_tail_from_pieces_keeps_the_end_and_marks_newlines():
     assert panels.clean("a\x0bb\nc") == "a·b⏎c"
 
 
-def test_another_requests_passphrase_in_the_text_is_a_leak_own_is_an_echo():
+P3 = "MAPLE-GRANITE-07"
+LEAK_TEXTS = (f"The passphrase is {P1}.", "it said velvet-orchid once", f"mine is {P2}", f"{P3} and ORCHID-42",
+              "nothing here", f"half of it: VELVET-ORC and {P2[:-1]}")
+
+
+def test_the_row_shows_the_canary_detectors_verdicts_and_matches_nothing_itself():
+    """The request table's LEAK and its echo come from the canary detector (its contamination events and
+    the finish event's passphrase_echoed), never from a passphrase match of the dashboard's own: with the
+    canary on, the row names exactly the passphrases and sources the canary reported (a lower-case or
+    partial match included); with it off, no row says LEAK however the text reads."""
+    for text in LEAK_TEXTS:
+        pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+        for canary in (CanaryDetector(), None):
+            s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2), arrive("r3", passphrase=P3))
+            if canary is not None:
+                for rid, phrase in (("r1", P1), ("r2", P2), ("r3", P3)):
+                    canary.on_arrive(rid, phrase)
+            reports = []
+            for n, piece in enumerate(pieces):
+                s.apply(step(n, n / 10, [("r2", 1, 8 + n, 1, piece)], decode=1))
+                new = canary.on_piece("r2", piece, n / 10, n) if canary is not None else []
+                feed(*new, state=s)
+                reports += new
+            end = canary.on_finish("r2", text, 9.0, -1) if canary is not None else []
+            feed(*end, finish("r2", 9.0, 1, text=text, passphrase=P2, echoed=P2 in text), state=s)
+            reports += end
+            r2 = next(r for r in snap_of(s).requests if r.id == "r2")
+            assert r2.leaked == tuple(e.evidence.leaked for e in reports), (text, canary)
+            assert r2.leak_sources == tuple(e.source for e in reports), (text, canary)
+            assert panels._status(r2).plain.startswith("LEAK") == bool(reports), (text, canary)
+            assert r2.echoed == (P2 in text)
+    assert [bool(canary_reports(t)) for t in LEAK_TEXTS] == [True, True, False, True, False, False]
+
+
+def canary_reports(text):
+    canary = CanaryDetector()
+    for rid, phrase in (("r1", P1), ("r2", P2), ("r3", P3)):
+        canary.on_arrive(rid, phrase)
+    return canary.on_finish("r2", text, 1.0, -1)
+
+
+def test_echo_is_the_finish_events_verdict():
+    """A row's echo is what the finish event says (the session decided it on the final text), not a
+    search of the dashboard's own; before the finish it is not known, so not shown."""
+    s = feed(header(), arrive("r2", passphrase=P2), step(0, 0.1, [("r2", 1, 8, 1, f"it is {P2}")]))
+    assert not snap_of(s).requests[0].echoed
+    feed(finish("r2", 0.2, 1, text=f"it is {P2}", passphrase=P2, echoed=False), state=s)
+    assert not snap_of(s).requests[0].echoed
+    s = feed(header(), arrive("r2", passphrase=P2), finish("r2", 0.2, 1, text=f"it is {P2}", passphrase=P2,
+                                                             echoed=True))
+    assert snap_of(s).requests[0].echoed
+
+
+def test_a_leak_row_follows_the_canary_report():
     s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2))
     pieces = ["The ", "pass", "phrase is VELVET-", "ORCH", "ID-42. Also ", P2]
     for n, piece in enumerate(pieces):
         s.apply(step(n, n / 10, [("r2", 1, 8 + n, 1, piece)], decode=1))
     r2 = next(r for r in snap_of(s).requests if r.id == "r2")
-    assert (r2.leaked, r2.leak_sources, r2.echoed) == ((P1,), ("r1",), True)
-    assert snap_of(s).leaks == 0  # the header counts detector findings; the row shows what the text holds
+    assert (r2.leaked, r2.leak_sources) == ((), ())  # no detector said so yet
     s.apply(canary_leak())
     assert snap_of(s).leaks == 1
+    r2 = next(r for r in snap_of(s).requests if r.id == "r2")
+    assert (r2.leaked, r2.leak_sources) == ((P1,), ("r1",))
+    assert P1 in r2.text_focus and "LEAK←r1" in render(panels.request_table(snap_of(s), 100, 10))
     r1 = next(r for r in snap_of(s).requests if r.id == "r1")
     assert r1.leaked == () and not r1.echoed
 
@@ -147,11 +203,11 @@ def canary_leak():
     return leak
 
 
-def test_finish_text_replaces_pieces_and_is_checked_for_leaks():
+def test_finish_text_replaces_pieces():
     s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2),
              step(0, 0.1, [("r2", 0, 8, 1, "x")]), finish("r2", 0.2, 0, text=f"it is {P1}"))
     r2 = next(r for r in snap_of(s).requests if r.id == "r2")
-    assert r2.text_tail == f"it is {P1}" and r2.leaked == (P1,)
+    assert r2.text_tail == f"it is {P1}" and r2.leaked == ()
 
 
 # -- contamination: reports made by the real detectors ------------------------------------------------

@@ -100,7 +100,7 @@ def _plain(server: ServeServer, note: Callable[[str], None]):
 def _dashboard(server: ServeServer):
     """The dashboard's engine worker steps the served session; uvicorn keeps serving in its thread."""
     from kvtui.tui.app import KvtuiApp
-    from kvtui.tui.launch import _run_app, default_torch_threads
+    from kvtui.tui.launch import default_torch_threads, run_app
     from kvtui.tui.live import LiveSource
 
     try:
@@ -108,7 +108,7 @@ def _dashboard(server: ServeServer):
     except OSError as e:
         raise _recording_error(server, e) from None
     try:
-        _run_app(KvtuiApp(source), source)
+        run_app(KvtuiApp(source), source)
     finally:
         server.bridge.close_intake()
         summary = source.shutdown()

@@ -19,53 +19,19 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import uvicorn
 
-from kvtui.detect import DETECTOR_NAMES
 from kvtui.serve.app import ServeContext, ServerState, create_app
 from kvtui.serve.bridge import EngineBridge
-from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES
 from kvtui.serve.metrics import ServeMetrics
+from kvtui.serve.options import ServeOptions
 
 # where a scenario field comes from on the command line, for error messages
 FLAGS = {"engine.kv": "--kv", "engine.block_size": "--block-size", "engine.prefix_caching": "--prefix-caching",
          "engine.slots": "--slots", "engine.max_len": "--max-len", "engine.max_batch_size": "--max-batch-size",
          "engine.max_tokens_per_step": "--max-tokens-per-step", "engine.layout": "--layout",
          "engine.max_waiting": "--max-waiting", "model": "--model", "dtype": "--dtype", "engine": "engine"}
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests).
-    `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest request body
-    taken (bytes; 413 past it)."""
-
-    model: str = "default"
-    dtype: str = "float32"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    faults: tuple[str, ...] = ()
-    record: str | Path | None = None
-    served_model_name: str | None = None
-    slots: int = 8
-    max_len: int = 512
-    max_batch_size: int = 8
-    max_tokens_per_step: int = 1024
-    layout: str = "padded"
-    kv: str = "slots"
-    block_size: int = 16
-    prefix_caching: bool = False
-    max_waiting: int | None = None
-    detectors: tuple[str, ...] = DETECTOR_NAMES
-    threads: int | None = None
-    progress: bool = False
-    api_key: str | None = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    extra: dict = field(default_factory=dict)  # more engine-section fields (tests)
 
 
 def serve_scenario(options: ServeOptions):
@@ -188,8 +154,8 @@ class ServeServer:
         Raises:
             ValueError: a bad engine value; OSError: the recording path.
         """
+        from kvtui.record import restart_path
         from kvtui.session import build_session
-        from kvtui.tui.launch import restart_path
 
         listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event,
                                                          self._recording_failed)

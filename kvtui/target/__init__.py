@@ -7,8 +7,10 @@ serve`) whose internals are not visible: what can be checked is what its HTTP en
 - `session.TargetSession`: `kvtui run SCENARIO --target URL`: the scenario's arrivals as concurrent
   streamed requests, the same typed events as a local run (kvtui.events), plus `ServerSample`.
 - `openai`: one streamed request, timed as vLLM's `bench serve` times it.
-- `server_view`: `/metrics` (Prometheus) and llama.cpp's `/slots`.
-- `reference`, `audit`: the black-box reference check and noninterference audit.
-- `view`, `panels`, `dashboard`: the dashboard on a target.
-- `command`: the CLI's `--target` paths. `llama_server`: start llama.cpp's server for tests and findings.
+- `server_probe`: polls `/metrics` (Prometheus) and llama.cpp's `/slots`.
+- `solo_check`, `audit`: the black-box reference check and noninterference audit.
+- `options`: TargetOptions, how to reach and drive a server.
+- `llama_server`, `vllm_cpu`: start llama.cpp's server or vLLM for tests and findings.
+The dashboard on a target lives in kvtui/tui/ (target_source, server_track, server_panels), the
+`--target` commands in kvtui/cli/target.py.
 """

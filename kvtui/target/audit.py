@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 from kvtui.audit import _replacement
 from kvtui.events import Contamination, NoninterferenceEvidence
-from kvtui.target.reference import first_divergence
 from kvtui.target.session import TargetOptions, TargetSession
+from kvtui.target.solo_check import first_divergence
 
 
 def replaced_plan(planned: list, tokenizer, parity: int) -> list:

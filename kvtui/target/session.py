@@ -9,7 +9,7 @@ since the run started, measured on the client (time.perf_counter). A recording r
 `kvtui replay` like a local one.
 
 Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
-sends each completed greedy request again alone after the load (kvtui.target.reference), past the
+sends each completed greedy request again alone after the load (kvtui.target.solo_check), past the
 server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
 run as checked only when the server did not say it took prompt tokens from its cache.
 """
@@ -21,7 +21,7 @@ import platform
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 
@@ -41,8 +41,9 @@ from kvtui.events import (
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
 from kvtui.target.openai import StreamResult, request_body, stream_request
-from kvtui.target.reference import DEFAULT_TOLERANCE, reference_event, uncached
-from kvtui.target.server_view import ServerProbe
+from kvtui.target.options import TargetOptions
+from kvtui.target.server_probe import ServerProbe
+from kvtui.target.solo_check import reference_event, uncached
 
 TARGET_DETECTORS = ("reference", "canary")
 MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
@@ -53,36 +54,6 @@ Listener = Callable[[object], None]
 
 class TargetError(Exception):
     """The target cannot be used at all (unreachable, not an HTTP server). One line for the user."""
-
-
-@dataclass(frozen=True)
-class TargetOptions:
-    """How to reach and drive a target server.
-
-    Attributes:
-        url: base URL, e.g. http://127.0.0.1:8000 (the /v1/... paths are added).
-        api: "chat", "completions", or "auto" (chat when every prompt has text, else completions).
-        served_model: the `model` field to send; None asks /v1/models and takes the first.
-        max_concurrency: requests in flight at most (later arrivals wait for a free place).
-        timeout_s: one request's limit (seconds), from send to the end of its stream.
-        poll_interval_s: seconds between two polls of /metrics and /slots.
-        tolerance: top-2 logprob gap (nats) under which a reference divergence is numeric.
-        logprobs: ask for top logprobs (the reference check labels divergences with them).
-        transport: an httpx transport to use instead of the network (tests).
-        uncached_load: send every load request past the server's prefix cache too, as the reference
-            runs are (the noninterference audit: its runs must not read each other's KV).
-    """
-
-    url: str
-    api: str = "auto"
-    served_model: str | None = None
-    max_concurrency: int = 64
-    timeout_s: float = 120.0
-    poll_interval_s: float = 0.5
-    tolerance: float = DEFAULT_TOLERANCE
-    logprobs: bool = True
-    transport: httpx.AsyncBaseTransport | None = None
-    uncached_load: bool = False
 
 
 # what /v1/models' `owned_by` says of the server

@@ -45,7 +45,7 @@ import httpx
 
 from kvtui.audit_timing import make_probes, roc_auc
 from kvtui.target.openai import COMPLETIONS_PATH, stream_request
-from kvtui.target.server_view import parse_info
+from kvtui.target.server_probe import parse_info
 from kvtui.target.session import TargetError
 
 DEFAULT_BLOCK_SIZE = 64  # tokens; a server that publishes no block size (llama.cpp reuses any prefix)

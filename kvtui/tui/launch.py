@@ -28,14 +28,6 @@ def default_torch_threads() -> int:
     return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - UI_CORES))
 
 
-def restart_path(record: str | Path | None, generation: int) -> Path | None:
-    """Recording path of restart `generation`: the given path first, then NAME.restartN.jsonl."""
-    if record is None:
-        return None
-    record = Path(record)
-    return record if generation == 0 else record.with_name(f"{record.stem}.restart{generation}{record.suffix}")
-
-
 def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype: str | None = None,
                   clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
@@ -69,7 +61,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     from kvtui.detect import DETECTOR_NAMES
     from kvtui.faults import check_fault_names
     from kvtui.models import check_model_available, load_model
-    from kvtui.record import check_unlocked
+    from kvtui.record import check_unlocked, restart_path
     from kvtui.scenario import load_scenario
     from kvtui.session import build_session
     from kvtui.tui.app import KvtuiApp
@@ -97,7 +89,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
                         torch_threads=torch_threads or default_torch_threads())
-    _run_app(KvtuiApp(source), source)
+    run_app(KvtuiApp(source), source)
     summary = source.shutdown()
     if source.error is not None:
         raise source.error
@@ -129,11 +121,15 @@ def replay_dashboard(recording_path: str | Path, *, speed: float = 1.0) -> None:
     if speed <= 0:
         raise ValueError(f"{speed = } must be > 0")
     source = ReplaySource.from_file(recording_path, speed=speed)
-    _run_app(KvtuiApp(source), source)
+    run_app(KvtuiApp(source), source)
 
 
-def _run_app(app, source) -> None:
-    """app.run() with SIGTERM turned into a clean quit (the live session still writes its summary)."""
+def run_app(app, source) -> None:
+    """app.run() with SIGTERM turned into a clean quit (the live session still writes its summary).
+
+    Args:
+        app: the KvtuiApp to run; source: its Source (kvtui/tui/sources.py), whose `request_stop` SIGTERM calls.
+    """
     previous = None
 
     def on_term(signum, frame):

@@ -14,52 +14,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from kvtui.tui import server_panels
+from kvtui.tui.draw import LEAK_STYLE, RED, SPARKS, bar, clean, color, ms, sparkline
 from kvtui.tui.snapshot import BlockView, RequestView, SlotView, Snapshot
 
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2",
-           "#ff9da7", "#9c755f", "#8cd17d", "#a0cbe8", "#d4a6c8", "#86bcb6")
-SPARKS = "▁▂▃▄▅▆▇█"
-EIGHTHS = " ▏▎▍▌▋▊▉█"
-# Reds bright enough to stay readable when NO_COLOR turns the screen to greys by luminance.
-RED = "#ff6060"
-LEAK_STYLE = "bold #ffffff on #c00000"
 PACE_SHOWN_BELOW = 0.95  # the header says the paced clock's pace when it runs slower than this
 SHORT_KINDS = {"cross_request": "cross", "cross_tenant": "tenant", "corruption": "corrupt"}  # narrow panel
-_CONTROL = {c: "·" for c in (*range(32), 127) if c != 10}
-
-
-def color(index: int) -> str:
-    """The palette colour of a request's colour index (grey for -1)."""
-    return PALETTE[index % len(PALETTE)] if index >= 0 else "grey50"
-
-
-def clean(text: str) -> str:
-    """Text safe for one terminal cell per character: control characters as ·, newlines as ⏎."""
-    return text.translate(_CONTROL).replace("\n", "⏎")
-
-
-def sparkline(values, width: int, top: float | None = None) -> str:
-    """The last `width` values as ▁..█ blocks scaled to `top` (default: their maximum); '' for none."""
-    values = list(values)[-width:] if width > 0 else []
-    if not values:
-        return ""
-    top = top if top is not None else max(values)
-    if top <= 0:
-        return SPARKS[0] * len(values)
-    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] if v > 0 else " "
-                   for v in values)
-
-
-def bar(fraction: float, width: int) -> str:
-    """A horizontal bar `width` cells wide filled to `fraction` (0..1) with eighth blocks."""
-    fraction = min(max(fraction, 0.0), 1.0)
-    eighths = round(fraction * width * 8)
-    full, part = divmod(eighths, 8)
-    return ("█" * full + (EIGHTHS[part] if part else "")).ljust(width)[:width]
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 # -- header --------------------------------------------------------------------------------------
@@ -68,9 +28,7 @@ def _status_line(snap: Snapshot, mode: str) -> Text:
     tail = Text(f" {mode} ", style="bold reverse" if mode.startswith(("PAUSED", "DONE", "END", "CLOSING")) else "bold")
     tail.append("  ")
     if snap.server is not None:
-        from kvtui.target.panels import header_status
-
-        tail.append_text(header_status(snap))
+        tail.append_text(server_panels.header_status(snap))
     elif snap.isolation_on:
         tail.append(" isolation ON ", style="bold #000000 on #5fd75f")
     else:
@@ -132,11 +90,9 @@ def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
     """One cell per slot: index, owner (coloured), fill bar of cache_len/capacity, cache_len; `↻`
     marks a slot reused within the last few steps; free slots dim. Falls back to one character per
     slot (fill height as ▁..█ in the owner's colour, · free) when the cells do not fit. A target
-    server's run shows the server's own slots (kvtui/target/panels.py)."""
+    server's run shows the server's own slots (kvtui/tui/server_panels.py)."""
     if snap.server is not None:
-        from kvtui.target.panels import slot_map as server_slot_map
-
-        return server_slot_map(snap, width, height)
+        return server_panels.slot_map(snap, width, height)
     if not snap.slots:
         return Text("no slots yet", style="dim")
     cell = 26
@@ -320,11 +276,9 @@ def request_table(snap: Snapshot, width: int, height: int) -> Table:
 def stats(snap: Snapshot, width: int, height: int) -> Text:
     """Prefill/decode tokens/s now and their history, padding ratio now and history, KV usage and
     slot occupancy, running/waiting counts, TTFT and TPOT p50/p95. A target server's run shows what
-    the server exposes instead (kvtui/target/panels.py)."""
+    the server exposes instead (kvtui/tui/server_panels.py)."""
     if snap.server is not None:
-        from kvtui.target.panels import stats as server_stats
-
-        return server_stats(snap, width, height)
+        return server_panels.stats(snap, width, height)
     spark_w = max(width - 30, 4)
     top = max(max(snap.prefill_history, default=0.0), max(snap.decode_history, default=0.0), 1.0)
     lines = [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvtui.events import Summary
 
 if TYPE_CHECKING:
-    from kvtui.target.view import ServerView
+    from kvtui.tui.server_track import ServerView
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,10 @@ class RequestView:
         text_focus: the part of its text that matters, from a little before the first passphrase it holds
             (another request's first, else its own), "…" where text was left out; "" when it holds none.
         passphrase: its own canary passphrase, if the prompt has one.
-        leaked: passphrases of OTHER requests found in its text or named by a detector.
+        leaked: passphrases of OTHER requests the canary detector found in its text (its contamination
+            events: the dashboard does no matching of its own, so it cannot disagree with the detector).
         leak_sources: the requests those passphrases belong to (ids).
-        echoed: its own passphrase appears in its text.
+        echoed: its own passphrase is in its final text, as its finish event says (False before then).
         contamination: kinds reported against it by detectors (cross_request, corruption, numeric).
         attention_mass: latest share of its attention on other requests' keys (0..1) or None.
         color: palette index.

@@ -32,7 +32,7 @@ def _request_view(state: DashboardState, r: _Request) -> RequestView:
         id=r.id, status=r.status, slot=r.slot, cache_len=r.cache_len, capacity=state.capacity,
         prompt_tokens=r.prompt_tokens, generated_tokens=r.generated, max_new_tokens=r.max_new_tokens,
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
-        leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.passphrase and r.passphrase in r.text),
+        leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.echoed),
         contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
         blocks=r.blocks, text_focus=focus,
     )

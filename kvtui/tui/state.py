@@ -27,6 +27,7 @@ from kvtui.events import (
 from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
 from kvtui.summary import evidence_text, skipped_text
+from kvtui.tui.server_track import ServerTrack
 from kvtui.tui.snapshot import ContaminationView, LogLine
 
 HISTORY_WINDOW_S = 0.5  # width of one throughput-history bar (seconds of run clock)
@@ -53,7 +54,8 @@ class _Request:
     generated: int = 0
     ttft_s: float | None = None
     text: str = ""
-    leaked: dict = field(default_factory=dict)  # passphrase -> source request id (or None)
+    leaked: dict = field(default_factory=dict)  # passphrase -> source id, as the canary detector reported
+    echoed: bool | None = None  # its own passphrase in its final text, as its finish event says
     contamination: list = field(default_factory=list)  # kinds, in report order, unique
     attention_mass: float | None = None
     finished_order: int = -1
@@ -72,7 +74,6 @@ class DashboardState:
         self.t = 0.0
         self.active_faults: tuple[str, ...] = ()
         self.requests: dict[str, _Request] = {}
-        self.passphrases: dict[str, str] = {}  # passphrase -> owner id
         self.waiting: dict[str, None] = {}  # ids in arrival order (an ordered set)
         self.active: dict[str, None] = {}
         self.recent_finished: deque = deque(maxlen=MAX_TABLE_ROWS)  # ids, newest first
@@ -105,7 +106,7 @@ class DashboardState:
         self.summary: Summary | None = None
         self.latency_cache: dict = {}  # used by snapshot_build
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
-        self.server = None  # kvtui.target.view.ServerTrack for a run against a target server
+        self.server: ServerTrack | None = None  # for a run against a target server
         self.pace: float | None = None  # paced clock: modeled seconds per wall second (set by the live worker)
 
     # -- feeding -----------------------------------------------------------------------------
@@ -138,8 +139,6 @@ class DashboardState:
         self.kv = e.engine.get("kv") or "slots"
         self.block_size = int(e.engine.get("block_size") or 0)
         if e.target:
-            from kvtui.target.view import ServerTrack
-
             self.server = ServerTrack(e.target)
 
     def _arrive(self, e: Arrive) -> None:
@@ -151,8 +150,6 @@ class DashboardState:
         self.requests[r.id] = r
         if r.status == "waiting":
             self.waiting[r.id] = None
-        if r.passphrase:
-            self.passphrases[r.passphrase] = r.id
 
     def _request(self, rid: str) -> _Request:
         if rid not in self.requests:  # a step naming a request we never saw arrive (cut recording)
@@ -207,13 +204,8 @@ class DashboardState:
             self._add_text(r, entry.piece or "")
 
     def _add_text(self, r: _Request, piece: str) -> None:
-        if not piece:
-            return
+        """The text so far; whether it leaks is the canary detector's verdict (its contamination events)."""
         r.text += piece
-        for phrase, owner in self.passphrases.items():
-            if owner != r.id and phrase not in r.leaked and phrase in r.text[-(len(phrase) + len(piece)):]:
-                r.leaked[phrase] = owner
-                self.flagged[r.id] = None
 
     def _add_history(self, e: StepEvent) -> None:
         window = int(e.t // HISTORY_WINDOW_S)
@@ -264,16 +256,15 @@ class DashboardState:
             r.text = ""
             self._add_text(r, e.output_text)
         r.generated = e.completion_tokens if e.completion_tokens is not None else len(e.output_ids)
+        r.echoed = e.passphrase_echoed
 
     def _forget_old(self) -> None:
         """Keep memory bounded over long runs: past MAX_FINISHED_KEPT finished requests, the oldest
         finished ones leave the state (counts and findings stay)."""
         while len(self.finished_order) >= MAX_FINISHED_KEPT:
             rid = self.finished_order.popleft()
-            r = self.requests.pop(rid, None)
+            self.requests.pop(rid, None)
             self.flagged.pop(rid, None)
-            if r is not None and r.passphrase and self.passphrases.get(r.passphrase) == rid:
-                del self.passphrases[r.passphrase]
 
     def _fault(self, e: FaultSwitch) -> None:
         self.active_faults = tuple(sorted(e.active))
@@ -288,9 +279,8 @@ class DashboardState:
         self.flagged[r.id] = None
         if e.kind not in r.contamination:
             r.contamination.append(e.kind)
-        phrase = getattr(e.evidence, "leaked", None)
-        if phrase and phrase != r.passphrase:
-            r.leaked.setdefault(phrase, e.source or self.passphrases.get(phrase))
+        if e.detector == "canary":
+            r.leaked.setdefault(e.evidence.leaked, e.source)
         mass = getattr(e.evidence, "foreign_mass", None)
         if mass is not None:
             r.attention_mass = float(mass)

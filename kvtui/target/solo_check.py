@@ -35,11 +35,6 @@ from dataclasses import dataclass
 from kvtui.events import Contamination, ReferenceEvidence
 from kvtui.target.openai import StreamResult
 
-# Top-1 minus top-2 logprob (nats) under which a divergence counts as numeric. Batched-vs-solo flips
-# measured on llama-server (SmolLM2 Q4_1, CPU, -np 4) had gaps under 0.05; bfloat16 GPU servers flip
-# gaps up to a few tenths (kvtui's own bfloat16 tolerance is 0.5 logits), so the default is 0.5.
-DEFAULT_TOLERANCE = 0.5
-
 
 def uncached(body: dict, server_kind: str | None) -> dict:
     """A copy of a request body that the server answers without its prefix cache.

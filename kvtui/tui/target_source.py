@@ -2,7 +2,7 @@
 
 The worker thread runs the session's asyncio loop; every event goes through the same DashboardState as
 a local run (kvtui/tui/state.py), which keeps what the server exposes in a ServerTrack, and the slot
-map and stats panel draw that instead of engine internals (kvtui/target/panels.py). Snapshots go out
+map and stats panel draw that instead of engine internals (kvtui/tui/server_panels.py). Snapshots go out
 on events and at every poll of the server, at most the app's frame rate. There are no engine controls
 (faults, rate, bursts, steps); `space` holds new arrivals (requests in flight go on), `q` stops the run:
 in-flight requests are aborted and the summary is written.
@@ -22,13 +22,11 @@ if TYPE_CHECKING:
     from textual.app import App
     from textual.worker import Worker
 
-    from kvtui.target.session import TargetSession
-
 
 class TargetSource(Source):
-    """Runs one TargetSession made by `make_session(listener)`: at once in the caller's thread, or, with
-    `loading_text`, in the worker while the dashboard shows that text (loading the scenario model's
-    tokenizer and planning take seconds; the dashboard is up meanwhile). A failure to make it stays on
+    """Runs one TargetSession (kvtui/target/session.py) made by `make_session(listener)`: at once in the
+    caller's thread, or, with `loading_text`, in the worker while the dashboard shows that text (loading
+    the scenario model's tokenizer and planning take seconds; the dashboard is up meanwhile). A failure to make it stays on
     screen (q quits) and is kept in `setup_error` for the caller to report.
     """
 
@@ -39,7 +37,7 @@ class TargetSource(Source):
         super().__init__()
         self.state = DashboardState()
         self.make_session, self.loading_text = make_session, loading_text
-        self.session: TargetSession | None = None if loading_text else make_session(self._apply)
+        self.session = None if loading_text else make_session(self._apply)  # a TargetSession once made
         self.summary = None
         self.error: BaseException | None = None
         self.setup_error: Exception | None = None  # making the session failed (the run never started)
@@ -147,10 +145,10 @@ def run_target_dashboard(make_session, loading_text: str | None = None):
         Exception: what `make_session` raised, once the dashboard has closed.
     """
     from kvtui.tui.app import KvtuiApp
-    from kvtui.tui.launch import _run_app
+    from kvtui.tui.launch import run_app
 
     source = TargetSource(make_session, loading_text=loading_text)
-    _run_app(KvtuiApp(source), source)
+    run_app(KvtuiApp(source), source)
     summary = source.shutdown()
     if source.setup_error is not None:
         raise source.setup_error

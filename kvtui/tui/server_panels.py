@@ -1,5 +1,5 @@
 """The dashboard's engine panels for a target server: (Snapshot, width, height) -> a Rich renderable,
-drawn from the snapshot's ServerView (kvtui/target/view.py). A figure the server does not expose is
+drawn from the snapshot's ServerView (kvtui/tui/server_track.py). A figure the server does not expose is
 said in words, never drawn as 0."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvtui.tui.panels import bar, color, ms, sparkline
+from kvtui.tui.draw import bar, color, ms, sparkline
 
 NO_SLOTS = ("the server exposes no slot map: llama.cpp's /slots does (start it with --slots); "
             "vLLM, SGLang and TGI show none")

@@ -5,7 +5,8 @@ server does not show. For a target they show what the server exposes instead (Se
 llama.cpp's `/slots` for the slot map, `vllm:kv_cache_usage_perc` (or SGLang's `sglang:token_usage`) for
 KV usage, the server's running/waiting gauges, and prompt/generation tokens per second from its token
 counters, and its prefix cache: vLLM's `vllm:prefix_cache_queries` / `_hits` counters since the run's
-first sample, and the cached prompt tokens each response reported in its usage. Plain Python, no Textual: kvtui.tui's state holds a ServerTrack, its snapshots a ServerView.
+first sample, and the cached prompt tokens each response reported in its usage. Plain Python, no Textual: the dashboard's state
+(state.py) holds a ServerTrack, its snapshots a ServerView.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every field's name, type, default, bounds and description come from the models i
 RUNTIME_KNOBS. Only the introduction below is written by hand. tests/test_docs.py checks that
 docs/scenarios.md equals `render()`; after changing the schema, regenerate it with
 
-    python -m kvtui.scenario.reference --write
+    python -m kvtui.scenario.schema_docs --write
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import RUNTIME_KNOBS, TimelineEvent
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "scenarios.md"
-REGENERATE = "python -m kvtui.scenario.reference --write"
+REGENERATE = "python -m kvtui.scenario.schema_docs --write"
 
 INTRO = """\
 # Scenario format

@@ -1,5 +1,5 @@
 """The `--target` half of `kvtui run` and `kvtui audit`: option checks, the headless run, its printout
-and exit code. The CLI (kvtui/cli.py) hands over here when `--target` is given."""
+and exit code. kvtui/cli/run.py and kvtui/cli/audit.py hand over here when `--target` is given."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, out, say
+from kvtui.cli.finish import finish_headless, install_stop_handlers
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
@@ -34,7 +36,6 @@ def check_url(url: str) -> str:
     taken). Exits 2 with one line unless it is http(s)://HOST[:PORT][/PATH]."""
     import httpx
 
-    from kvtui.cli import fail
 
     try:
         parsed = httpx.URL(url)
@@ -48,7 +49,6 @@ def check_url(url: str) -> str:
 
 def refuse_engine_options(given: dict[str, object]) -> None:
     """Exit 2 naming the first engine-only option given with --target (a remote server's engine is its own)."""
-    from kvtui.cli import fail
 
     for flag, key in ENGINE_ONLY.items():
         if given.get(key):
@@ -60,7 +60,6 @@ def refuse_engine_options(given: dict[str, object]) -> None:
 
 def target_detectors(chosen: tuple[str, ...], explicit: bool) -> tuple[str, ...]:
     """The black-box detectors among `chosen`; a note for engine-only ones the user named."""
-    from kvtui.cli import say
 
     kept = tuple(d for d in chosen if d in TARGET_DETECTORS)
     dropped = [d for d in chosen if d not in TARGET_DETECTORS]
@@ -72,9 +71,8 @@ def target_detectors(chosen: tuple[str, ...], explicit: bool) -> tuple[str, ...]
 def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                detectors: tuple[str, ...], quiet: bool) -> None:
     """`kvtui run SCENARIO --target URL --headless`: run, print the summary and the contamination table,
-    exit as a local run does (kvtui.cli.finish_headless): 130/143 interrupted, 3 when the recording
+    exit as a local run does (kvtui.cli.finish.finish_headless): 130/143 interrupted, 3 when the recording
     stopped or no request could complete, else by the scenario's `expect` (0, 1); 2 for bad input."""
-    from kvtui.cli import fail, finish_headless, install_stop_handlers, out
     from kvtui.summary import print_contamination, print_summary
 
     session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
@@ -99,10 +97,9 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     checks (recording path, the server answering) exit 2 before the dashboard takes the terminal. The
     tokenizer (importing torch and transformers takes 5-15 s on 2 busy cores) is loaded and the requests
     planned with the dashboard up; a bad model is said there and exits 2 once it closes."""
-    from kvtui.cli import fail, say
-    from kvtui.target.dashboard import run_target_dashboard
     from kvtui.target.session import check_reachable, timeline_warnings
     from kvtui.tui.launch import check_writable
+    from kvtui.tui.target_source import run_target_dashboard
 
     name = model or spec.model
     try:
@@ -138,7 +135,6 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
 def _print_dashboard_result(summary, header, session: TargetSession, record: Path | None) -> None:
     """After the target dashboard closes: the summary, the contamination table, and the recording's
     fate (exit 3 when its writes failed)."""
-    from kvtui.cli import EXIT_RUNTIME, fail, out
     from kvtui.summary import print_contamination, print_summary
 
     if summary is not None:
@@ -153,7 +149,6 @@ def _print_dashboard_result(summary, header, session: TargetSession, record: Pat
 
 def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
     """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
-    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out, say
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.summary import print_contamination
     from kvtui.target.audit import run_target_audit
@@ -189,7 +184,6 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
                   cache_salt: str) -> None:
     """`kvtui audit SCENARIO --timing --target URL`: the three configurations, the table, the verdict;
     exit 1 when one tenant can tell another's prefix (kvtui/target/timing.py)."""
-    from kvtui.cli import EXIT_CONTAMINATION, err, fail, out, say
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.target.timing import CONFIG_TEXT, print_target_timing, run_target_timing, verdict
 
@@ -242,7 +236,6 @@ def new_target_session(spec, run: TargetRun, *, model: str | None, record: Path 
 def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,
                          detectors: tuple[str, ...], listeners=(), planned=None) -> TargetSession:
     """new_target_session, input errors as one line and exit 2, the scenario's warnings printed."""
-    from kvtui.cli import fail, say
     from kvtui.models import ModelLoadError
 
     try:
@@ -260,7 +253,6 @@ def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: st
 
 
 def _run(session: TargetSession, quiet: bool):
-    from kvtui.cli import err
 
     total = len(session.pending)
     if quiet or not err.is_terminal:

@@ -1,0 +1,61 @@
+"""`kvtui bench` and `kvtui calibrate`: measure kvtui beside its peers; fit the virtual clock's step costs
+to this machine."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtui.cli.console import err, out
+from kvtui.cli.inputs import load_model
+from kvtui.cli.options import DTYPE, ENGINE, MODEL
+from kvtui.config import DType
+
+BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
+                                                            "detectors")}, type=str)
+
+
+def bench(
+    part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
+                                                            "overhead, batch, knobs, peers, bf16, detectors.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer repeats and shapes: under 10 minutes on 2 cores.")]
+    = False,
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
+    Path("bench-results/bench.json"),
+    model: Annotated[str, typer.Option(help="Model to benchmark.")] = MODEL,
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores).", min=1)] = None,
+) -> None:
+    """Measure kvtui side by side with a bare transformers forward, transformers' generate and continuous
+    batching, and llama.cpp's server (when built): medians of repeats with min/max, JSON plus Markdown."""
+    import torch
+
+    from kvtui.bench import PARTS, run_suite
+
+    if threads:
+        torch.set_num_threads(threads)
+    parts = [p.value for p in part] if part else list(PARTS)
+    loaded = load_model(model, dtype, ENGINE.device)
+    run_suite(loaded, name=model, parts=parts, quick=quick, output=output, console=out)
+    out.print(f"figures written to {output} and {output.with_suffix('.md')}")
+
+
+def calibrate_cmd(
+    model: Annotated[str, typer.Option(help="Model to calibrate for.")] = MODEL,
+    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
+    device: Annotated[str, typer.Option(help="torch device.")] = ENGINE.device,
+) -> None:
+    """Fit the virtual clock's step-cost model to this machine (a few seconds of engine steps) and store
+    it for the model, dtype and device; virtual-clock runs of that model use it from then on."""
+    from kvtui.calibrate import calibrate
+
+    loaded = load_model(model, dtype, device)
+    data = calibrate(loaded, device=device, console=err)
+    c = data["coefficients"]
+    out.print(f"step seconds = {c['base_s']:.4f} + {c['per_row_s']:.2e} x rows + {c['per_token_s']:.2e} x tokens "
+              f"+ {c['per_key_s']:.2e} x keys  (R^2 {data['r2']:.3f}, {len(data['samples'])} shapes, "
+              f"{data['seconds']:.0f} s)")
+    out.print(f"stored in {data['file']}; `kvtui run --cost-model default` ignores it")

@@ -1,0 +1,118 @@
+"""The end of a headless run, local or --target: the stop signals, the last lines and the exit code."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_OK, EXIT_RUNTIME, err, out, say
+
+
+class StopSignal:
+    """The signal that stopped a headless run: `signum` (None while none came), its `name` and the exit
+    code a shell gives a process that signal ended, 128 + its number (130 SIGINT, 143 SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+
+def install_stop_handlers(session) -> StopSignal:
+    """Ctrl-C / SIGTERM: set `session.stop_requested` (the engine stops after its current step, a target
+    run stops sending and aborts what is in flight) and write the summary; a second one aborts.
+    Returns the StopSignal that says which signal came."""
+    stopped = StopSignal()
+
+    def stop(signum, frame):
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.stop_requested = True
+        stopped.signum = signum
+        err.print(f"\n[yellow]{signal.Signals(signum).name}: stopping; writing the summary[/]")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return stopped
+
+
+def finish_headless(spec, session, record: Path | None, stopped: StopSignal, expect_override: str | None = None,
+                    untested: str | None = None) -> None:
+    """The last lines and the exit code of a headless run (local or --target), first match wins:
+    interrupted by a signal (128 + its number: 130 SIGINT, 143 SIGTERM), the recording stopped (3), no
+    request completed (3: each was rejected, or none arrived; `untested` replaces the line that says so),
+    then the scenario's `expect` (0 or 1)."""
+    broken = session.recording_error
+    if record and not broken:
+        out.print(f"recording: {record}", markup=False, highlight=False)
+    if broken:
+        say("error", f"{broken}; the run went on without it (free space, or choose another --record path)")
+    if stopped.signum is not None:
+        summary = session.summary
+        left = summary.requests_not_submitted if summary is not None else 0
+        left = f"; {left} planned request{'s' if left != 1 else ''} not submitted" if left else ""
+        say("error", f"interrupted by {stopped.name}: the run stopped early{left}; the summary above covers what "
+                     f"ran (exit {stopped.exit_code})")
+        raise typer.Exit(stopped.exit_code)
+    if broken:
+        raise typer.Exit(EXIT_RUNTIME)
+    untested = nothing_completed(session.summary) if untested is None else untested
+    if untested:
+        say("error", untested)
+        raise typer.Exit(EXIT_RUNTIME)
+    code, reason = verdict(spec, session, expect_override=expect_override)
+    if code:
+        err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
+        raise typer.Exit(code)
+    if reason:
+        out.print(reason, markup=False, highlight=False)
+
+
+def nothing_completed(summary) -> str:
+    """Why a run tested nothing (no request completed: each was rejected, or none arrived), one line
+    with the rejections counted by code; "" when some request completed."""
+    from kvtui.summary import finish_counts
+
+    if summary is None or summary.requests_completed:
+        return ""
+    if not summary.requests_finished:
+        return "no request arrived, so nothing was tested; check max_requests, duration_s and the arrivals"
+    fix = ""
+    codes = summary.rejection_reasons or {}
+    if codes.get("too_long"):
+        fix = "; raise engine.max_len or lower output_tokens (or set engine.on_too_long: cap)"
+    elif codes.get("queue_full"):
+        fix = "; raise engine.max_waiting or lower the arrival rate"
+    if summary.rejections == summary.requests_finished:
+        counted = ", ".join(f"{k} {v}" for k, v in sorted(codes.items()))
+        return f"no request completed: all {summary.rejections} were rejected ({counted}), so nothing was tested{fix}"
+    return f"no request completed ({finish_counts(summary)}), so nothing was tested{fix}"
+
+
+def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
+    """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
+    expect = expect_override or spec.expect.contamination
+    found = [e for e in session.contamination if e.counts]
+    faults_seen = bool(session.fault_history)
+    if expect == "none" and found:
+        first = found[0]
+        return EXIT_CONTAMINATION, (f"unexpected contamination: {len(found)} events, first: {first.victim} <- "
+                                    f"{first.source or '?'} ({first.kind}, {first.detector}, step "
+                                    f"{first.step}); the scenario expects none")
+    if expect == "detected" and not found:
+        on = " (a fault was on)" if faults_seen else " but no fault was on"
+        if getattr(session, "options", None) is not None:  # a target server: its faults are not known here
+            on = ""
+        return EXIT_CONTAMINATION, f"expected contamination to be detected{on}, yet no detector fired"
+    if expect == "detected":
+        return EXIT_OK, f"contamination detected as expected: {len(found)} events"
+    return EXIT_OK, ""

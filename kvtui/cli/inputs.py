@@ -1,0 +1,93 @@
+"""Loading a command's inputs (scenario, model, tokenizer) and the checks before a run, each failure one
+line on stderr and exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from kvtui.cli.console import EXIT_BAD_INPUT, fail, say
+
+
+def load_scenario(path: Path):
+    """The scenario at `path`, its warnings printed; on errors one line each and exit 2."""
+    from kvtui.scenario import ScenarioError
+    from kvtui.scenario import load_scenario as read
+
+    try:
+        spec = read(path)
+    except ScenarioError as e:
+        for line in e.errors:
+            say("error", line)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    for line in spec.warnings:
+        say("warning", line)
+    return spec
+
+
+def load_model(name: str, dtype: str, device: str):
+    """The model `name` (kvtui.models.load_model, with progress); exit 2 with one line when it cannot load."""
+    from kvtui.models import ModelLoadError
+    from kvtui.models import load_model as load
+
+    try:
+        return load(name, dtype=dtype, device=device, progress=True)
+    except ModelLoadError as e:
+        fail(str(e))
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of model `name`; exit 2 with one line when it cannot load."""
+    from kvtui.models import ModelLoadError
+    from kvtui.models import load_tokenizer as load
+
+    try:
+        return load(name)
+    except ModelLoadError as e:
+        fail(str(e))
+
+
+def check_lengths(path: Path, spec, tokenizer) -> list:
+    """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when none
+    does (every one would be rejected, so the run would test nothing), a warning line when some do
+    not. Returns the planned requests."""
+    from kvtui.scenario import plan_requests
+    from kvtui.scenario.fit import fit_lines
+
+    planned = plan_requests(spec, tokenizer)
+    errors, warnings = fit_lines(spec, planned, str(path))
+    for line in warnings:
+        say("warning", line)
+    if errors:
+        fail(errors[0])
+    return planned
+
+
+def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tuple[str, ...] = (), *,
+                       layout: str | None = None, clear_faults: bool = False,
+                       prefix_caching: bool | None = None) -> None:
+    """Exit 2 with one line for a fault that could not act in this run (so it would never fire and an
+    `expect: detected` run would fail for nothing, an `expect: none` one pass for nothing): a --fault or
+    --isolation off one outside the engine's layout or KV mode, or the scenario's own once --layout or
+    --no-prefix-caching changed the engine. The line names what the fault needs."""
+    from kvtui.faults import FAULTS
+    from kvtui.scenario.fit import idle_faults
+
+    e = spec.engine
+    for name, where, why in idle_faults(spec, faults + off, layout, prefix_caching, scenario_faults=not clear_faults):
+        fault = FAULTS[name]
+        if e.kv not in fault.kv:
+            need = f"a scenario with engine.kv: {fault.kv[0]}"
+        elif "prefix_caching" in fault.needs and not e.prefix_caching:
+            need = "--prefix-caching (or engine.prefix_caching: true)"
+        else:
+            need = f"--layout {fault.layouts[0]}"
+        if where == "extra":
+            flag = f"--isolation off ({name})" if name in off and name not in faults else f"--fault {name}"
+            fail(f"{flag}: {why.removeprefix(f'fault {name} ')}, so it would never fire; use {need} "
+                 "(`kvtui faults` lists where each fault acts)")
+        changed = " and ".join(x for x in (f"--layout {layout}" if layout else "", "--no-prefix-caching"
+                                           if prefix_caching is False else "") if x) or "these options"
+        fail(f"{path}: {where}: {why} (with {changed}), so it would never fire; drop {changed}, or add "
+             "--clear-faults to run without the scenario's faults")

@@ -1,0 +1,44 @@
+"""`kvtui serve`'s options (ServeOptions), light to import: the command line reads its flags'
+defaults from here. The engine knobs' defaults are the engine's own (kvtui.config.EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtui.config import EngineConfig
+from kvtui.detect import DETECTOR_NAMES
+from kvtui.serve import DEFAULT_MAX_REQUEST_BYTES
+
+_ENGINE = EngineConfig()  # the engine knobs' defaults
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests), with its
+    defaults. `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest
+    request body taken (bytes; 413 past it)."""
+
+    model: str = "default"
+    dtype: str = "float32"
+    device: str = _ENGINE.device
+    host: str = "127.0.0.1"
+    port: int = 8000
+    faults: tuple[str, ...] = ()
+    record: str | Path | None = None
+    served_model_name: str | None = None
+    slots: int = _ENGINE.num_slots
+    max_len: int = _ENGINE.max_len
+    max_batch_size: int = _ENGINE.max_batch_size
+    max_tokens_per_step: int = _ENGINE.max_tokens_per_step
+    layout: str = _ENGINE.layout
+    kv: str = _ENGINE.kv
+    block_size: int = _ENGINE.block_size
+    prefix_caching: bool = _ENGINE.prefix_caching
+    max_waiting: int | None = _ENGINE.max_waiting
+    detectors: tuple[str, ...] = DETECTOR_NAMES
+    threads: int | None = None
+    progress: bool = False
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    extra: dict = field(default_factory=dict)  # more engine-section fields (tests)
