@@ -108,11 +108,18 @@ def check_whisper_files(folder: Path) -> None:
 # pre-norm layers, unscaled embeddings, no ALiBi, learned positions from zero.
 _EXPECTED_SCALARS = {"decoder/activation": 3, "decoder/pre_norm": 1, "decoder/scale_embeddings": 0,
                      "decoder/alibi": 0, "decoder/start_from_zero_embedding": 0}
-_IGNORED = {"decoder/alignment_heads", "decoder/alignment_layer", "decoder/num_heads", "encoder/num_heads"}
+# Read elsewhere (heads), or meaningless without ALiBi (ctranslate2 >= 4.x writes the last two).
+_IGNORED = {"decoder/alignment_heads", "decoder/alignment_layer", "decoder/num_heads", "encoder/num_heads",
+            "decoder/alibi_use_positive_positions", "decoder/scale_alibi"}
 
 
-def whisper_config_from_ct2(ct2: CT2Model) -> WhisperConfig:
+def whisper_config_from_ct2(ct2: CT2Model, *, eot: int = 50256, sot: int = 50257) -> WhisperConfig:
     """The WhisperConfig the CT2 variables' shapes describe (d_model, layers, heads, FFN, vocab, positions).
+
+    Args:
+        ct2: the parsed model.bin.
+        eot, sot: ids of <|endoftext|> (eos, pad) and <|startoftranscript|> (decoder start); the
+            defaults are English-only Whisper's.
 
     Raises:
         CT2FormatError: not a WhisperSpec file, or options this conversion does not handle.
@@ -136,7 +143,7 @@ def whisper_config_from_ct2(ct2: CT2Model) -> WhisperConfig:
         max_source_positions=int(ct2.get("encoder/position_encodings/encodings").shape[0]),
         max_target_positions=int(ct2.get("decoder/position_encodings/encodings").shape[0]),
         activation_function="gelu", scale_embedding=False, tie_word_embeddings=True,
-        pad_token_id=50256, bos_token_id=50257, eos_token_id=50256, decoder_start_token_id=50257,
+        pad_token_id=eot, bos_token_id=sot, eos_token_id=eot, decoder_start_token_id=sot,
         suppress_tokens=None, begin_suppress_tokens=None,  # generation settings: in the GenerationConfig
     )
 
@@ -260,21 +267,22 @@ def convert_ct2_whisper(folder: Path) -> tuple[WhisperForConditionalGeneration, 
     Raises:
         ModelLoadError: a file is unreadable or not the expected format.
     """
+    tokenizer = build_whisper_tokenizer(folder / "tokenizer.json")
     try:
         ct2 = read_ct2(folder / "model.bin")
         ct2_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        config = whisper_config_from_ct2(ct2)
+        config = whisper_config_from_ct2(ct2, eot=tokenizer.eos_token_id,
+                                         sot=tokenizer.convert_tokens_to_ids("<|startoftranscript|>"))
         suppress, begin = list(ct2_config["suppress_ids"]), list(ct2_config["suppress_ids_begin"])
         state = state_dict_from_ct2(ct2, config)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # CT2FormatError, json errors: ValueErrors
         raise ModelLoadError(f"cannot convert {folder / 'model.bin'} ({one_line(exc)}): reinstall it with: "
                              f"{WHISPER_REINSTALL_COMMAND}") from exc
-    tokenizer = build_whisper_tokenizer(folder / "tokenizer.json")
     with torch.device("meta"):
         model = WhisperForConditionalGeneration(config)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    missing = [n for n, p in model.state_dict().items() if p.is_meta]
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if missing:
         raise ModelLoadError(f"conversion of {folder / 'model.bin'} left {missing[0]} unset")
     model.generation_config = build_generation_config(tokenizer, suppress, begin, config.max_target_positions)
