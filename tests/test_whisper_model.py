@@ -20,6 +20,7 @@ from kvtui.detect.spoken import match_spoken
 from kvtui.models import ModelLoadError, check_model_available, load_model, load_tokenizer
 from kvtui.models import loader as loader_mod
 from kvtui.models import whisper as wh
+from kvtui.models.compat import NAMED_CONFIGS, IncompatibleModel, ModelShape, check_max_len, shape_from_config
 from kvtui.models.ct2 import CT2FormatError, read_ct2
 
 AUDIO = Path(__file__).resolve().parent.parent / "scenarios" / "audio"
@@ -84,6 +85,35 @@ def test_tiny_whisper_loads_and_generates_from_a_clip(tiny_whisper):
     out = lm.model.generate(features, max_new_tokens=8)
     assert out.shape[0] == 1 and 1 <= out.shape[1] <= 8
     assert int(out.max()) < 261
+
+
+def test_encoder_decoder_geometry_is_the_decoders():
+    """An encoder-decoder's KV cache is its decoder's: layers and heads from decoder_*, positions from
+    max_target_positions (the encoder's fields differ here on purpose)."""
+    from transformers import WhisperConfig
+
+    cfg = WhisperConfig(encoder_layers=3, decoder_layers=5, encoder_attention_heads=2, decoder_attention_heads=4,
+                        d_model=64, max_target_positions=100)
+    assert shape_from_config(cfg) == ModelShape(5, 4, 16, 100, "max_target_positions")
+    assert shape_from_config(cfg.to_dict()) == ModelShape(5, 4, 16, 100, "max_target_positions")
+    with pytest.raises(IncompatibleModel, match="max_len 101 exceeds the model's 100 learned positions"):
+        check_max_len(cfg, 101)
+
+
+def _self_attention_kv_shape(model) -> tuple[int, int]:
+    """(heads, head_dim) of the decoder's first self-attention cache layer after one forward."""
+    features = torch.zeros(1, model.config.num_mel_bins, 3000)
+    out = model(input_features=features, decoder_input_ids=torch.tensor([[model.config.decoder_start_token_id]]),
+                use_cache=True)
+    keys = out.past_key_values.self_attention_cache.layers[0].keys
+    return tuple(keys.shape[1::2])
+
+
+def test_named_geometry_matches_tiny_whisper(tiny_whisper):
+    named = shape_from_config(NAMED_CONFIGS["tiny-whisper"])
+    assert named == shape_from_config(tiny_whisper.model.config) == ModelShape(2, 4, 16, 64, "max_target_positions")
+    assert (tiny_whisper.num_layers, tiny_whisper.num_kv_heads, tiny_whisper.head_dim) == (2, 4, 16)
+    assert _self_attention_kv_shape(tiny_whisper.model) == (named.num_kv_heads, named.head_dim)
 
 
 def test_committed_clips_are_small_16k_mono():
@@ -222,6 +252,15 @@ def test_converted_parameters_match_the_ct2_variables(whisper_en):
     for layer in range(4):  # the k-bias slots ctranslate2 filled with zeros
         assert not ct2.get(f"encoder/layer_{layer}/self_attention/linear_0/bias")[d:2 * d].any()
         assert not ct2.get(f"decoder/layer_{layer}/attention/linear_1/bias")[:d].any()
+
+
+@pytest.mark.whisper
+def test_named_geometry_matches_whisper_tiny_en(whisper_en):
+    named = shape_from_config(NAMED_CONFIGS["whisper-tiny.en"])
+    assert named == shape_from_config(whisper_en.model.config) == ModelShape(4, 6, 64, 448, "max_target_positions")
+    assert (whisper_en.num_layers, whisper_en.num_kv_heads, whisper_en.head_dim) == (4, 6, 64)
+    assert _self_attention_kv_shape(whisper_en.model) == (6, 64)
+    assert whisper_en.kv_bytes_per_token() == 2 * 4 * 6 * 64 * 4
 
 
 @pytest.mark.whisper

@@ -54,11 +54,12 @@ class LoadedModel:
 
     @property
     def _text_config(self):
-        return self.model.config.get_text_config()
+        # the decoder's view of an encoder-decoder (Whisper: decoder_layers, decoder_attention_heads)
+        return self.model.config.get_text_config(decoder=True)
 
     @property
     def num_layers(self) -> int:
-        """Decoder layers (each has its own K/V cache)."""
+        """Decoder layers (each has its own self-attention K/V cache)."""
         return int(self._text_config.num_hidden_layers)
 
     @property
