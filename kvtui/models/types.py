@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -25,15 +26,20 @@ class LoadedModel:
     Attributes:
         model: in eval() mode, every parameter with requires_grad False, in `dtype`, on the
             requested device. Weights are shared read-only state: never modify them.
-        tokenizer: always has a chat template (ChatML for SmolLM2 and the tiny models) and a
-            pad token.
-        model_id: "SmolLM2-135M-Instruct", "tiny-llama", "tiny-gpt2", or the path given.
-        source_path: the GGUF file or model directory it came from (None for tiny models).
-        source_sha256: hex sha256 of the GGUF file when loaded from one, else None.
+        tokenizer: has a pad token; causal LMs' also a chat template (ChatML for SmolLM2 and the
+            tiny models). Whisper's has none: its decoder prompt is [<|startoftranscript|>,
+            <|notimestamps|>].
+        model_id: "SmolLM2-135M-Instruct", "tiny-llama", "tiny-gpt2", "whisper-tiny.en",
+            "tiny-whisper", or the path given.
+        source_path: the GGUF file, CTranslate2 model.bin or model directory it came from (None for
+            tiny models).
+        source_sha256: hex sha256 of the GGUF file or model.bin when loaded from one, else None.
         dtype: the parameters' dtype.
         eos_token_ids: token ids that end a generation (generation config, tokenizer eos, and
             `<|im_end|>` when the chat template uses it), without duplicates.
-        cache_path: the safetensors copy a GGUF was converted into, when one is in use.
+        cache_path: the safetensors copy a GGUF or model.bin was converted into, when one is in use.
+        feature_extractor: for Whisper models, the WhisperFeatureExtractor turning 16 kHz audio into
+            log-mel input features [batch, 80, 3000]; None for text models.
     """
 
     model: PreTrainedModel
@@ -44,14 +50,16 @@ class LoadedModel:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     cache_path: str | None = None
+    feature_extractor: Any = None
 
     @property
     def _text_config(self):
-        return self.model.config.get_text_config()
+        # the decoder's view of an encoder-decoder (Whisper: decoder_layers, decoder_attention_heads)
+        return self.model.config.get_text_config(decoder=True)
 
     @property
     def num_layers(self) -> int:
-        """Decoder layers (each has its own K/V cache)."""
+        """Decoder layers (each has its own self-attention K/V cache)."""
         return int(self._text_config.num_hidden_layers)
 
     @property
