@@ -607,9 +607,7 @@ class Session:
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
             contamination_by_fault=dict(self.fault_counts), stopped_early=cut_short,
             requests_not_submitted=len(self.pending))
-        self.emit(self.summary)
-        self.sink.close_recording()
-        return self.summary
+        return self.sink.finish(self.summary)
 
     def _note_unapplied_timeline(self) -> None:
         """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""

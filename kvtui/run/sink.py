@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvtui.events import Contamination, ReferenceStatus
+from kvtui.events import Contamination, ReferenceStatus, Summary
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
 
@@ -85,10 +85,13 @@ class RunSink:
         """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
         return self.recorder.describe_error() if self.recorder is not None else ""
 
-    def close_recording(self) -> None:
-        """Flush and close the recording (a failure is kept in `recording_error`)."""
+    def finish(self, summary: Summary) -> Summary:
+        """Emit the run's summary, its last line, then flush and close the recording (a failure is
+        kept in `recording_error`); returns `summary`."""
+        self.emit(summary)
         if self.recorder is not None:
             self.recorder.close()
+        return summary
 
     def abandon_recording(self) -> None:
         """The run never started: close the recording and remove it when nothing was written to it."""

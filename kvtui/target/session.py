@@ -440,9 +440,7 @@ class TargetSession:
             return self.summary
         self.summary = self.metrics.summary(t=self.now(), stopped_early=self.stop_requested,
                                             requests_not_submitted=len(self.pending))
-        self.emit(self.summary)
-        self.sink.close_recording()
-        return self.summary
+        return self.sink.finish(self.summary)
 
 
 async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:
