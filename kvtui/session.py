@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import platform
 import queue
 import threading
 import time
@@ -17,10 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-import torch
-import transformers
-
-import kvtui
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.detect.canary import CanaryDetector
 from kvtui.detect.engine_signals import EngineSignalDetector
@@ -29,7 +24,6 @@ from kvtui.detect.reference import PendingCheck, ReferenceDetector
 from kvtui.engine import Engine
 from kvtui.events import (
     PAGED_STEP_FIELDS,
-    Arrive,
     Contamination,
     EngineErrorEvidence,
     FaultSwitch,
@@ -39,7 +33,6 @@ from kvtui.events import (
     Header,
     Marker,
     ModelInfo,
-    ReferenceStatus,
     RunningEntry,
     StepEvent,
     Summary,
@@ -50,12 +43,13 @@ from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO, Metrics
 from kvtui.pacing import Pacer
 from kvtui.record import RecordingWriter
+from kvtui.run.build import arrive_event, finish_event, reference_status, run_header
+from kvtui.run.sink import Listener, RunSink
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
 MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
                    "all latencies and tokens/s in the summary")
 
-Listener = Callable[[object], None]
 MODELED_CLOCKS = ("virtual", "paced")  # clocks whose times are modeled (paced: virtual, held to the wall)
 MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (all go to the recording)
 TRIM_EVERY_STEPS = 256
@@ -160,7 +154,6 @@ class Session:
         self.pending = self._planned(planned)
         self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
         self._external_ready = threading.Event()
-        self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
         self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
         self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config)
@@ -168,18 +161,18 @@ class Session:
         self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
         self.timeline = list(scenario.timeline)
         self.fault_switches = fault_switches
-        self.recorder = RecordingWriter(record_path) if record_path else None
-        self.listeners = list(listeners)
+        self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.engine.now,
+                            record_path=record_path, listeners=listeners, keep=MAX_KEPT_REPORTS,
+                            on_finding=self._count_for_faults)
         self.stop_requested = False
         self.summary: Summary | None = None
-        self.contamination: list[Contamination] = []  # the first MAX_KEPT_REPORTS; counts are in metrics
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
         self.fault_counts: dict[str, int] = {}
         self.unapplied_timeline: list = []
         self._trails = _Trails()
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
         self._started()
-        self._watch_recording()
+        self.sink.watch_recording()  # first lines unwritable (e.g. /dev/full): refused here (OSError)
 
     def _planned(self, planned: list | None) -> list:
         """The requests to submit, in arrival order (none when serving)."""
@@ -239,56 +232,55 @@ class Session:
         for name in sorted(self.engine.faults):
             self.emit(FaultSwitch(t=0.0, name=name, on=True, source="config", active=tuple(sorted(self.engine.faults))))
 
-    def _watch_recording(self) -> None:
-        """A recording whose first lines cannot be written (e.g. /dev/full) is refused now (OSError); a
-        write that fails later stops the recording only, and listeners get a RecordingFailed event."""
-        if self.recorder is None:
-            return
-        if self.recorder.failed:
-            raise self.recorder.error
-        self.recorder.on_error = self._recording_failed
+    # -- what the sink holds (kvtui/run/sink.py) and what the run tells (kvtui.run.outcome.RunOutcome) ---
+    faults_known = True  # kvtui's own engine: fault_history is every fault that was on
 
-    def _recording_failed(self, recorder: RecordingWriter) -> None:
-        event = recorder.failed_event(self.engine.now())
-        for listener in self.listeners:
-            listener(event)
+    @property
+    def metrics(self) -> Metrics:
+        return self.sink.metrics
+
+    @property
+    def recorder(self) -> RecordingWriter | None:
+        return self.sink.recorder
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """Callables receiving every event; append to add one."""
+        return self.sink.listeners
+
+    @property
+    def contamination(self) -> list[Contamination]:
+        """The first MAX_KEPT_REPORTS contamination reports, joined (the metrics count them all)."""
+        return self.sink.contamination
 
     @property
     def recording_error(self) -> str:
         """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
-        return self.recorder.describe_error() if self.recorder is not None else ""
+        return self.sink.recording_error
 
     # -- events -------------------------------------------------------------------------------
     def header(self) -> Header:
         """The recording's first line: versions, scenario, model, engine config, clock."""
-        loaded, scenario = self.loaded, self.scenario
+        loaded, modeled = self.loaded, self.clock in MODELED_CLOCKS
         config = asdict(self.config)
         config["faults"] = sorted(config["faults"])
-        return Header(
-            kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
-            torch=torch.__version__, transformers=transformers.__version__, scenario=scenario.normalized(),
-            scenario_hash=scenario.content_hash(), seed=scenario.seed,
-            model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
-                            dtype=str(loaded.dtype).replace("torch.", "")),
+        return run_header(
+            self.scenario, model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
+                                           dtype=str(loaded.dtype).replace("torch.", "")),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if self.clock in MODELED_CLOCKS else (),
-            cost_model=self.cost_model[1] if self.clock in MODELED_CLOCKS else None)
+            modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None)
 
     def emit(self, event) -> None:
-        """Send one typed event to the recording, the metrics and every listener. A contamination
-        report first joins its victim's finding (kvtui/detect/findings.py)."""
-        if isinstance(event, Contamination):
-            event = self.metrics.findings.add(event)
-            if len(self.contamination) < MAX_KEPT_REPORTS:
-                self.contamination.append(event)
-            if event.counts:  # the faults on at the step the report is about (a reference check comes later)
-                for name in self._trails.faults_at(event.step, self.engine.faults):
-                    self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
-        if self.recorder is not None:
-            self.recorder.write(event)
-        self.metrics.add_event(event)
-        for listener in self.listeners:
-            listener(event)
+        """Send one typed event through the run's sink (kvtui/run/sink.py): a contamination report joins
+        its victim's finding, then the recording, the metrics and every listener."""
+        self.sink.emit(event)
+
+    def _count_for_faults(self, report: Contamination) -> None:
+        """A report that counts, counted for the faults on at the step it is about (a reference check
+        comes later than its step)."""
+        if report.counts:
+            for name in self._trails.faults_at(report.step, self.engine.faults):
+                self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
 
     # -- loop -----------------------------------------------------------------------------------
     @property
@@ -366,15 +358,14 @@ class Session:
             state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
                                        metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
         except Exception as e:
-            self.emit(Finish(t=self.engine.now(), request_id=p.request_id, finish_reason="error",
-                             detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
-                             arrival_s=p.arrival_s, finish_s=self.engine.now(), tenant=p.tenant))
+            self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
+                                   detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
+                                   arrival_s=p.arrival_s, finish_s=self.engine.now()))
             return
-        passphrase = p.metadata.get("passphrase")
+        arrive = arrive_event(p, max_new_tokens=state.sampling.max_new_tokens)  # the engine may cap it
         if self.canary is not None:
-            self.canary.on_arrive(p.request_id, passphrase)
-        self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
-                         max_new_tokens=state.sampling.max_new_tokens, passphrase=passphrase, tenant=p.tenant))
+            self.canary.on_arrive(p.request_id, arrive.passphrase)
+        self.emit(arrive)
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""
@@ -491,21 +482,16 @@ class Session:
     def _reference_status(self, pending: int | None = None) -> None:
         """A reference.status event with the detector's counts, unless they are those of the last one."""
         ref = self.reference
-        status = ReferenceStatus(t=self.engine.now(), checked=ref.checked, skipped=ref.skipped,
-                                 pending=ref.pending if pending is None else pending,
-                                 skipped_by_reason=dict(sorted(ref.skipped_by_reason.items())))
-        last = self.metrics.reference
-        if last is None or status.model_copy(update={"t": last.t}) != last:
-            self.emit(status)
+        self.sink.emit_reference_status(reference_status(
+            self.engine.now(), checked=ref.checked, skipped_by_reason=ref.skipped_by_reason,
+            pending=ref.pending if pending is None else pending))
 
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
-        passphrase = f.metadata.get("passphrase")
-        return Finish(t=f.finish_s, request_id=f.request_id, finish_reason=f.finish_reason, detail=f.detail,
-                      code=f.code or None, slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids,
-                      output_text=text, arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
-                      finish_s=f.finish_s, token_times_s=f.token_times_s, passphrase=passphrase,
-                      passphrase_echoed=(passphrase in text) if passphrase else None, tenant=f.tenant)
+        return finish_event(f, text=text, t=f.finish_s, finish_reason=f.finish_reason, detail=f.detail,
+                            code=f.code or None, slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids,
+                            arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
+                            finish_s=f.finish_s, token_times_s=f.token_times_s)
 
     # -- live controls (dashboard keys) ------------------------------------------------------
     def pause_clock(self) -> None:
@@ -621,10 +607,7 @@ class Session:
             t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
             contamination_by_fault=dict(self.fault_counts), stopped_early=cut_short,
             requests_not_submitted=len(self.pending))
-        self.emit(self.summary)
-        if self.recorder is not None:
-            self.recorder.close()
-        return self.summary
+        return self.sink.finish(self.summary)
 
     def _note_unapplied_timeline(self) -> None:
         """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""

@@ -172,7 +172,7 @@ def test_a_server_without_metrics_or_slots_gives_no_samples():
 
 # -- detectors -------------------------------------------------------------------------------------------
 def test_leaking_server_is_caught_by_canary_with_victim_and_source():
-    from kvtui.cli import verdict
+    from kvtui.run.outcome import verdict
 
     spec = scenario(4)
     fake = FakeOpenAI(leak=True, delay_s=0.01)
@@ -183,7 +183,7 @@ def test_leaking_server_is_caught_by_canary_with_victim_and_source():
     found = {(e.victim, e.source) for e in session.contamination if e.detector == "canary"}
     assert found == truth
     assert all(e.kind == "cross_request" for e in session.contamination)
-    assert verdict(spec, session)[0] == 1
+    assert verdict(spec, session).failed
 
 
 @pytest.mark.parametrize(("gap", "swap", "logprobs", "kind"), [
@@ -192,7 +192,7 @@ def test_leaking_server_is_caught_by_canary_with_victim_and_source():
     (0.01, False, True, "corruption"),  # close, but the load run's runner-up is not the solo run's token
     (2.0, True, False, "unknown")])  # no logprobs: nothing to judge by
 def test_reference_labels_a_load_dependent_answer(gap, swap, logprobs, kind):
-    from kvtui.cli import verdict
+    from kvtui.run.outcome import verdict
 
     spec = scenario(3)
     fake = FakeOpenAI(delay_s=0.02, vary_under_load=(2, gap, swap), logprobs=logprobs)
@@ -204,7 +204,17 @@ def test_reference_labels_a_load_dependent_answer(gap, swap, logprobs, kind):
     assert all(e.evidence.token_index == 2 for e in reports)
     assert all(len(e.evidence.suspects) == 2 for e in reports)  # the other two were in flight alongside
     assert session.summary.reference_checked == 3
-    assert verdict(spec, session)[0] == (1 if kind == "corruption" else 0)
+    assert verdict(spec, session).failed == (kind == "corruption")
+
+
+def test_arrive_and_finish_carry_each_requests_tenant_as_in_a_local_run():
+    spec = scenario(6, extra="tenants: {count: 3, assign: round_robin}")
+    planned = {p.request_id: p.tenant for p in plan_requests(spec, TOK)}
+    assert sorted(set(planned.values())) == ["t0", "t1", "t2"]
+    _, events = run(FakeOpenAI(), spec, detectors=("canary",))
+    arrive = {e.request_id: e.tenant for e in events if e.type == "request.arrive"}
+    finish = {e.request_id: e.tenant for e in events if isinstance(e, Finish)}
+    assert arrive == finish == planned
 
 
 def test_a_correct_server_passes_every_detector():

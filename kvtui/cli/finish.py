@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_OK, EXIT_RUNTIME, err, out, say
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, out, say
+from kvtui.run.outcome import verdict
 
 
 class StopSignal:
@@ -69,10 +70,10 @@ def finish_headless(spec, session, record: Path | None, stopped: StopSignal, exp
     if untested:
         say("error", untested)
         raise typer.Exit(EXIT_RUNTIME)
-    code, reason = verdict(spec, session, expect_override=expect_override)
-    if code:
+    failed, reason = verdict(spec, session, expect_override=expect_override)
+    if failed:
         err.print(f"[bold red]{escape(reason)}[/]", highlight=False)
-        raise typer.Exit(code)
+        raise typer.Exit(EXIT_CONTAMINATION)
     if reason:
         out.print(reason, markup=False, highlight=False)
 
@@ -96,23 +97,3 @@ def nothing_completed(summary) -> str:
         counted = ", ".join(f"{k} {v}" for k, v in sorted(codes.items()))
         return f"no request completed: all {summary.rejections} were rejected ({counted}), so nothing was tested{fix}"
     return f"no request completed ({finish_counts(summary)}), so nothing was tested{fix}"
-
-
-def verdict(spec, session, expect_override: str | None = None) -> tuple[int, str]:
-    """Exit code and a one-line reason from the scenario's `expect` and what the detectors found."""
-    expect = expect_override or spec.expect.contamination
-    found = [e for e in session.contamination if e.counts]
-    faults_seen = bool(session.fault_history)
-    if expect == "none" and found:
-        first = found[0]
-        return EXIT_CONTAMINATION, (f"unexpected contamination: {len(found)} events, first: {first.victim} <- "
-                                    f"{first.source or '?'} ({first.kind}, {first.detector}, step "
-                                    f"{first.step}); the scenario expects none")
-    if expect == "detected" and not found:
-        on = " (a fault was on)" if faults_seen else " but no fault was on"
-        if getattr(session, "options", None) is not None:  # a target server: its faults are not known here
-            on = ""
-        return EXIT_CONTAMINATION, f"expected contamination to be detected{on}, yet no detector fired"
-    if expect == "detected":
-        return EXIT_OK, f"contamination detected as expected: {len(found)} events"
-    return EXIT_OK, ""

@@ -17,7 +17,6 @@ run as checked only when the server did not say it took prompt tokens from its c
 from __future__ import annotations
 
 import asyncio
-import platform
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,21 +24,19 @@ from dataclasses import replace
 
 import httpx
 
-import kvtui
 from kvtui.detect import CanaryDetector
 from kvtui.events import (
-    Arrive,
     Contamination,
-    Finish,
     FirstToken,
     Header,
     Marker,
     ModelInfo,
-    ReferenceStatus,
     Summary,
 )
 from kvtui.metrics import SLO, Metrics
 from kvtui.record import RecordingWriter
+from kvtui.run.build import arrive_event, finish_event, reference_status, run_header
+from kvtui.run.sink import Listener, RunSink
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
 from kvtui.target.server_probe import ServerProbe
@@ -48,8 +45,6 @@ from kvtui.target.solo_check import reference_event, uncached
 TARGET_DETECTORS = ("reference", "canary")
 MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-Listener = Callable[[object], None]
 
 
 class TargetError(Exception):
@@ -95,13 +90,12 @@ class TargetSession:
         self.planned = {p.request_id: p for p in self.pending}
         self.api = options.api if options.api != "auto" else (
             "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
-        self.metrics = Metrics(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s))
         self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.recorder = RecordingWriter(record_path, on_error=self._recording_failed) if record_path else None
-        self.listeners = list(listeners)
+        self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
+                            listeners=listeners)
+        self.sink.watch_recording()  # nothing written yet: a failed write later stops the recording only
         self.warnings = timeline_warnings(scenario)
         self.timeline = [e for e in scenario.timeline if e.marker]
-        self.contamination: list[Contamination] = []
         self.fault_history: list = []  # a target's faults are its own: none known to the client
         self.results: dict[str, StreamResult] = {}
         self.in_flight: dict[str, str] = {}  # request id -> a text unique to it (slot attribution)
@@ -118,6 +112,32 @@ class TargetSession:
         self._clock = clock
         self._t0 = clock()
 
+    # -- what the sink holds (kvtui/run/sink.py) and what the run tells (kvtui.run.outcome.RunOutcome) ---
+    faults_known = False  # a target server's faults are its own: fault_history says nothing
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.sink.metrics
+
+    @property
+    def recorder(self) -> RecordingWriter | None:
+        return self.sink.recorder
+
+    @property
+    def listeners(self) -> list[Listener]:
+        """Callables receiving every event; append to add one."""
+        return self.sink.listeners
+
+    @property
+    def contamination(self) -> list[Contamination]:
+        """Every contamination report of the run, joined to its victim's finding."""
+        return self.sink.contamination
+
+    @property
+    def recording_error(self) -> str:
+        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
+        return self.sink.recording_error
+
     # -- events ----------------------------------------------------------------------------------
     def now(self) -> float:
         """Seconds since the run started (wall clock)."""
@@ -126,15 +146,9 @@ class TargetSession:
     def header(self) -> Header:
         """The recording's first line: scenario, the target, the served model and the client options."""
         if self._header is None:
-            import torch
-            import transformers
-
             o = self.options
-            self._header = Header(
-                kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
-                torch=torch.__version__, transformers=transformers.__version__,
-                scenario=self.scenario.normalized(), scenario_hash=self.scenario.content_hash(),
-                seed=self.scenario.seed, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="served"),
+            self._header = run_header(
+                self.scenario, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="served"),
                 engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
                         "timeout_s": o.timeout_s,
                         "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance},
@@ -142,27 +156,9 @@ class TargetSession:
         return self._header
 
     def emit(self, event) -> None:
-        """Send one typed event to the recording, the metrics and every listener. A contamination report
-        first joins its victim's finding (kvtui/detect/findings.py), as in a local run."""
-        if isinstance(event, Contamination):
-            event = self.metrics.findings.add(event)
-            self.contamination.append(event)
-        if self.recorder is not None:
-            self.recorder.write(event)
-        self.metrics.add_event(event)
-        for listener in self.listeners:
-            listener(event)
-
-    def _recording_failed(self, recorder: RecordingWriter) -> None:
-        """A write failed: the run goes on unrecorded; listeners get a RecordingFailed event."""
-        event = recorder.failed_event(self.now())
-        for listener in self.listeners:
-            listener(event)
-
-    @property
-    def recording_error(self) -> str:
-        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
-        return self.recorder.describe_error() if self.recorder is not None else ""
+        """Send one typed event through the run's sink (kvtui/run/sink.py), as in a local run: a
+        contamination report joins its victim's finding, then the recording, the metrics, every listener."""
+        self.sink.emit(event)
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
@@ -238,11 +234,10 @@ class TargetSession:
                 break
             at = self._round_start if p.round is not None else p.arrival_s + self.held_s
             p = replace(self.pending.pop(0), arrival_s=at)
-            passphrase = p.metadata.get("passphrase")
+            arrive = arrive_event(p)
             if self.canary is not None:
-                self.canary.on_arrive(p.request_id, passphrase)
-            self.emit(Arrive(t=p.arrival_s, request_id=p.request_id, prompt_len=len(p.prompt_ids),
-                             max_new_tokens=p.sampling.max_new_tokens, passphrase=passphrase))
+                self.canary.on_arrive(p.request_id, arrive.passphrase)
+            self.emit(arrive)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
         return tasks
 
@@ -328,17 +323,15 @@ class TargetSession:
         reason = r.finish_reason if r.finish_reason in FINISH_REASONS else "stop"
         detail = r.error or ("" if reason == r.finish_reason else f"server finish_reason {r.finish_reason!r}")
         end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
-        passphrase = p.metadata.get("passphrase")
         ids = tuple(t.id for t in r.tokens) if r.tokens and all(t.id is not None for t in r.tokens) else ()
         if self.canary is not None:
             for event in self.canary.on_finish(p.request_id, r.text, end, -1):
                 self.emit(event)
-        self.emit(Finish(
-            t=end, request_id=p.request_id, finish_reason=reason, detail=detail, prompt_ids=tuple(p.prompt_ids),
-            output_ids=ids, output_text=r.text, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s,
-            finish_s=end, token_times_s=tuple(r.chunk_times_s), passphrase=passphrase,
-            passphrase_echoed=(passphrase in r.text) if passphrase else None,
-            prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens, cached_tokens=r.cached_tokens))
+        self.emit(finish_event(
+            p, text=r.text, t=end, finish_reason=reason, detail=detail, prompt_ids=tuple(p.prompt_ids),
+            output_ids=ids, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s, finish_s=end,
+            token_times_s=tuple(r.chunk_times_s), prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens,
+            cached_tokens=r.cached_tokens))
 
     async def _poll(self, probe: ServerProbe, on_progress) -> None:
         """Sample the server's /metrics and /slots every poll interval until cancelled."""
@@ -391,17 +384,16 @@ class TargetSession:
         self.reference_checked += 1
         self.reference_uncached_verified += solo.cached_tokens == 0
         event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
-                                suspects=self._overlapping(rid))
+                                suspects=self.overlapping(rid))
         if event is not None:
             self.emit(event)
 
     def _reference_status(self, pending: int) -> None:
-        skips = {k: n for k, n in sorted(self.reference_skips.items()) if n}
-        self.emit(ReferenceStatus(t=self.now(), checked=self.reference_checked, skipped=sum(skips.values()),
-                                  pending=pending, skipped_by_reason=skips, cached=self.reference_cached,
-                                  uncached_verified=self.reference_uncached_verified))
+        self.sink.emit_reference_status(reference_status(
+            self.now(), checked=self.reference_checked, skipped_by_reason=self.reference_skips, pending=pending,
+            cached=self.reference_cached, uncached_verified=self.reference_uncached_verified))
 
-    def _overlapping(self, rid: str) -> tuple[str, ...]:
+    def overlapping(self, rid: str) -> tuple[str, ...]:
         """Requests whose send-to-end interval overlapped `rid`'s (the ones that could have reached it)."""
         me = self.results[rid]
         start, end = me.sent_s, me.end_s if me.end_s is not None else me.sent_s
@@ -411,11 +403,7 @@ class TargetSession:
     def abandon(self) -> None:
         """The run never started (the server could not be reached): close the recording and remove it
         when nothing was written to it."""
-        if self.recorder is not None:
-            self.recorder.close()
-            if self.recorder.path.exists() and self.recorder.path.stat().st_size == 0:
-                self.recorder.path.unlink()
-            self.recorder = None
+        self.sink.abandon_recording()
 
     def close(self) -> Summary:
         """Write the summary line and close the recording (once)."""
@@ -423,10 +411,7 @@ class TargetSession:
             return self.summary
         self.summary = self.metrics.summary(t=self.now(), stopped_early=self.stop_requested,
                                             requests_not_submitted=len(self.pending))
-        self.emit(self.summary)
-        if self.recorder is not None:
-            self.recorder.close()
-        return self.summary
+        return self.sink.finish(self.summary)
 
 
 async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:

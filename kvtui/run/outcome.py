@@ -1,0 +1,53 @@
+"""What a run tells when it is over, and the verdict the scenario's `expect` gives it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from kvtui.events import Contamination, Summary
+
+
+class RunOutcome(Protocol):
+    """What `verdict` (and the CLI's closing lines) read of a run, a local Session or a TargetSession.
+
+    Attributes:
+        contamination: the run's contamination reports, each joined to its victim's finding.
+        fault_history: (time in seconds, fault name, on) for every isolation fault switched during the
+            run, those on from the start at time 0.
+        faults_known: whether this run knows which faults were on (kvtui's own engine); a target
+            server's faults are its own, so a target run's history is empty and says nothing.
+        summary: the run's summary once it is closed, else None.
+    """
+
+    contamination: list[Contamination]
+    fault_history: list[tuple[float, str, bool]]
+    summary: Summary | None
+
+    @property
+    def faults_known(self) -> bool: ...
+
+
+class Verdict(NamedTuple):
+    """`failed`: the run contradicts the scenario's `expect` (the CLI exits 1); `reason`: one line
+    saying why, or what held ("" when there is nothing to say)."""
+
+    failed: bool
+    reason: str
+
+
+def verdict(spec, run: RunOutcome, expect_override: str | None = None) -> Verdict:
+    """The scenario's `expect.contamination` ("none" or "detected"; `expect_override` replaces it)
+    against what the run's detectors found (reports that count: not numeric)."""
+    expect = expect_override or spec.expect.contamination
+    found = [e for e in run.contamination if e.counts]
+    if expect == "none" and found:
+        first = found[0]
+        return Verdict(True, f"unexpected contamination: {len(found)} events, first: {first.victim} <- "
+                             f"{first.source or '?'} ({first.kind}, {first.detector}, step {first.step}); the "
+                             "scenario expects none")
+    if expect == "detected" and not found:
+        on = "" if not run.faults_known else " (a fault was on)" if run.fault_history else " but no fault was on"
+        return Verdict(True, f"expected contamination to be detected{on}, yet no detector fired")
+    if expect == "detected":
+        return Verdict(False, f"contamination detected as expected: {len(found)} events")
+    return Verdict(False, "")
