@@ -8,6 +8,7 @@ from pathlib import Path
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.batching import build_batch
+from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.paged import PagedCache
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import FAULT_NAMES, FaultName
@@ -53,6 +54,15 @@ def test_paged_admission_is_bounded_by_max_batch_size_after_reconfigure(tiny):
     assert [r.request_id for r in engine.scheduler.admit(0.0)] == ["a"]
     report = engine.step()
     assert (report.slots_used, report.num_slots, report.num_waiting) == (1, 1, 1)
+
+
+def test_both_caches_implement_every_verb_of_the_interface():
+    verbs = sorted(name for name, value in vars(KVCache).items() if callable(value) and not name.startswith("_"))
+    assert verbs == ["admit", "commit", "configure", "ensure", "expected_writers", "finish", "free_seats", "preempt",
+                     "rejection", "report_fields"]
+    missing = [f"{cls.__name__}.{verb}" for cls in (SlotCache, PagedCache) for verb in verbs
+               if not callable(getattr(cls, verb, None))]
+    assert missing == []
 
 
 def _functions(tree: ast.AST):
