@@ -38,10 +38,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvtui.config import EngineConfig
-    from kvtui.engine.batching import BatchTensors
     from kvtui.engine.kv_pool import KVPool, PagedKVPool
     from kvtui.engine.request import RequestState
-    from kvtui.engine.scheduler import ScheduledChunk
 
 
 class KVPlace(NamedTuple):
@@ -89,9 +87,10 @@ class KVCache(Protocol):
     def finish(self, request: RequestState) -> None:
         """The request is done (finished, aborted or rejected): free its KV, if it holds any."""
 
-    def expected_writers(self, batch: BatchTensors, chunks: tuple[ScheduledChunk, ...],
-                         own: list[int]) -> torch.Tensor | None:
-        """[R, K] writer serial each request's own key columns may hold, or None: its own serial only."""
+    def expected_writers(self, batch, chunks: tuple, own: list[int]) -> torch.Tensor | None:
+        """[R, K] writer serial each request's own key columns may hold, or None: its own serial only.
+        `batch`: the step's batching.BatchTensors; `chunks`: its scheduler.ScheduledChunk in segment order;
+        `own`: each chunk's request serial. (Not imported here: batching and the scheduler import this.)"""
 
     def report_fields(self, running: list[RequestState]) -> dict:
         """StepReport fields for the step just run: occupancy (slots_used, num_slots, slot_occupancy,
