@@ -25,11 +25,29 @@ dashboard and the docs all read this table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
-FaultName = Literal["shared_cache", "racy_threads", "no_request_mask", "unmasked_cache_padding",
-                    "shared_position_offset", "stale_slot", "causal_offset", "fp16_cache", "unsalted_prefix",
-                    "block_refcount", "shared_partial_block", "prefix_key_no_parent"]
+
+class FaultName(StrEnum):
+    """The fault names, typed: use these members at the code paths a fault changes (`FaultName.STALE_SLOT
+    in faults`). Each member is its string (`FaultName.STALE_SLOT == "stale_slot"`), so the names in
+    scenarios, recordings and `--fault` flags stay as they are."""
+
+    SHARED_CACHE = "shared_cache"
+    RACY_THREADS = "racy_threads"
+    NO_REQUEST_MASK = "no_request_mask"
+    UNMASKED_CACHE_PADDING = "unmasked_cache_padding"
+    SHARED_POSITION_OFFSET = "shared_position_offset"
+    STALE_SLOT = "stale_slot"
+    CAUSAL_OFFSET = "causal_offset"
+    FP16_CACHE = "fp16_cache"
+    UNSALTED_PREFIX = "unsalted_prefix"
+    BLOCK_REFCOUNT = "block_refcount"
+    SHARED_PARTIAL_BLOCK = "shared_partial_block"
+    PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
+
+
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
 ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
@@ -125,7 +143,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
-assert FAULT_NAMES == FaultName.__args__, "FaultName and FAULTS must list the same faults"
+assert FAULT_NAMES == tuple(FaultName), "FaultName and FAULTS must list the same faults, in the same order"
 
 # `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).
 DEFAULT_ISOLATION_OFF: tuple[str, ...] = ("stale_slot",)

@@ -69,7 +69,7 @@ def test_paged_batched_equals_solo(tiny, oracles, workload):
         assert len(outputs[i]) == params[i].max_new_tokens
         if params[i].greedy:
             assert outputs[i] == uncached_greedy(oracles[name], prompt, params[i].max_new_tokens)
-    manager = engine.blocks.manager
+    manager = engine.kv.manager
     assert manager.tables == {} and manager.num_free == manager.num_usable  # every block given back
     assert all(r.blocks_used <= r.num_blocks for r in reports)
 
@@ -93,7 +93,7 @@ def test_hits_evictions_and_preemptions_all_happen_and_outputs_stay_solo(tiny, o
     engine, outputs, reports = run_batched(loaded, prompts, params, arrivals, config)
     assert sum(r.prefix_cache_hits for r in reports) >= 32 * 3  # later requests reuse the 32-token prefix
     assert sum(r.num_preemptions for r in reports) >= 1
-    assert engine.blocks.manager.pool.evictions >= 1
+    assert engine.kv.manager.pool.evictions >= 1
     for i, prompt in enumerate(prompts):
         assert outputs[i] == uncached_greedy(oracles["tiny-llama"], prompt, 12)
         assert outputs[i] == solo(loaded, prompt, params[i])

@@ -56,8 +56,7 @@ def kvtui_steps(model, batch: int, context: int, steps: int) -> list[float]:
     engine = engine_for(model, prompts, steps + 2)
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     states = [engine.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
-    for state in engine.scheduler.admit(engine.pool.num_free):  # as if prefilled: caches "hold" context tokens
-        state.slot = engine.pool.allocate(state.request_id)
+    for state in engine.scheduler.admit(engine.now()):  # as if prefilled: caches "hold" context tokens
         state.cache_len = state.prefill_done = context
         state.generated_ids.append(7)
     times = [engine.step().wall_s for _ in range(steps)]

@@ -31,6 +31,7 @@ import torch
 
 from kvtui.engine.block_manager import NULL_BLOCK
 from kvtui.engine.scheduler import ScheduledChunk, StepPlan
+from kvtui.faults import FaultName
 
 PAD_OWNER = -1
 
@@ -42,17 +43,16 @@ class Segment:
     Attributes:
         row: its row of input_ids.
         q_start, num_tokens: its query columns q_start .. q_start + num_tokens - 1 (tokens).
-        slot: the KV slot its keys are read from and written to.
+        slot: the KV slot its keys are read from and written to; None with paged KV.
         start_pos, end_pos: positions of its fed tokens (cache_len before and after the step).
         key_start: the key column of its position 0 in the row (0 padded; its offset packed).
-        blocks: paged KV: the blocks holding its positions 0 .. end_pos - 1, in order (slot is then
-            -1); None with slots.
+        blocks: paged KV: the blocks holding its positions 0 .. end_pos - 1, in order; None with slots.
     """
 
     row: int
     q_start: int
     num_tokens: int
-    slot: int
+    slot: int | None
     start_pos: int
     end_pos: int
     key_start: int
@@ -186,9 +186,9 @@ class _Tables:
         n, end = chunk.num_tokens, chunk.end_pos
         cols = torch.arange(q0, q0 + n)
         positions = torch.arange(chunk.start_pos, end)
-        slot = 0 if "shared_cache" in faults else chunk.slot
+        slot = 0 if FaultName.SHARED_CACHE in faults else chunk.slot
         self.input_ids[row, cols] = torch.tensor(chunk.token_ids, dtype=torch.long)
-        shifted = "shared_position_offset" in faults
+        shifted = FaultName.SHARED_POSITION_OFFSET in faults
         self.position_ids[row, cols] = counter + torch.arange(n) if shifted else positions
         self.query_owner[row, cols] = index
         where, offset, blocks = self._addresses(chunk, slot)
@@ -196,7 +196,7 @@ class _Tables:
         self.key_pos[row, k0 : k0 + end] = offset
         self.key_owner[row, k0 : k0 + end] = index
         # a query at position p sees keys 0..p of its own request (causal_offset: 0..t, its index)
-        seen = torch.arange(n) if "causal_offset" in faults else positions
+        seen = torch.arange(n) if FaultName.CAUSAL_OFFSET in faults else positions
         self.allowed[row, q0 : q0 + n, k0 : k0 + end] = torch.arange(end)[None, :] <= seen[:, None]
         if blocks is None:
             written = ([slot] * n, positions.tolist())
@@ -207,7 +207,7 @@ class _Tables:
         if chunk.samples:
             for table, value in zip(self.samples, (row, q0 + n - 1, index)):
                 table.append(value)
-        self.segments.append(Segment(row, q0, n, slot if blocks is None else -1, chunk.start_pos, end, k0, blocks))
+        self.segments.append(Segment(row, q0, n, slot if blocks is None else None, chunk.start_pos, end, k0, blocks))
         self.key_padded += n * (self.allowed.shape[2] - end)
 
     def _addresses(self, chunk: ScheduledChunk, slot: int) -> tuple:
@@ -260,9 +260,9 @@ def build_padded(plan: StepPlan, *, padding_side: str = "right", pad_token_id: i
     for b, chunk in enumerate(chunks):
         offset = q_len - chunk.num_tokens if padding_side == "left" else 0
         tables.add(b, chunk, b, offset, 0, counter, faults)
-        if "unmasked_cache_padding" in faults:
+        if FaultName.UNMASKED_CACHE_PADDING in faults:
             tables.allowed[b, offset : offset + chunk.num_tokens, chunk.end_pos :] = True
-        if "fp16_cache" in faults:
+        if FaultName.FP16_CACHE in faults:
             pad_cols = [c for c in range(q_len) if not offset <= c < offset + chunk.num_tokens]
             tables.add_pad_writes(b, pad_cols, tables.segments[-1].slot, chunk.end_pos, max_len)
         if chunk.blocks is None:
@@ -283,7 +283,7 @@ def build_packed(plan: StepPlan, *, pad_token_id: int = 0, faults: frozenset = f
     q0 = k0 = 0
     for b, chunk in enumerate(chunks):
         tables.add(b, chunk, 0, q0, k0, counter, faults)
-        if "no_request_mask" in faults:  # plain causal over the concatenation: every earlier block is visible
+        if FaultName.NO_REQUEST_MASK in faults:  # plain causal over the concatenation: every earlier block is visible
             tables.allowed[0, q0 : q0 + chunk.num_tokens, :k0] = True
         q0 += chunk.num_tokens
         k0 += chunk.end_pos

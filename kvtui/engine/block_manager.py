@@ -37,6 +37,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtui.faults import FaultName
+
 NULL_BLOCK = 0
 NONE_KEY = hashlib.sha256(b"kvtui:prefix-cache:none").digest()  # parent of every first block
 
@@ -272,8 +274,8 @@ class BlockManager:
     # -- keys ---------------------------------------------------------------------------------------
     def _lookup_keys(self, token_ids: Sequence[int], salt: str | None) -> list[bytes]:
         """The keys lookups and registrations use (the faults that change keys act here)."""
-        return chain_keys(token_ids, self.block_size, salt, parent="prefix_key_no_parent" not in self.faults,
-                          salted="unsalted_prefix" not in self.faults)
+        return chain_keys(token_ids, self.block_size, salt, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
+                          salted=FaultName.UNSALTED_PREFIX not in self.faults)
 
     def lookup(self, token_ids: Sequence[int], salt: str | None) -> list[Reuse]:
         """The longest cached prefix of `token_ids` (no side effects): consecutive full blocks whose
@@ -286,14 +288,14 @@ class BlockManager:
             if (i + 1) * bs > cap or block_id is None:
                 break
             out.append(Reuse(i, block_id, bs, self.pool.blocks[block_id].origin, truth[i], salt_digest(salt)))
-        if "shared_partial_block" in self.faults and len(out) == len(keys) and len(token_ids) % bs:
+        if FaultName.SHARED_PARTIAL_BLOCK in self.faults and len(out) == len(keys) and len(token_ids) % bs:
             out += self._partial_hit(token_ids, salt, keys, truth, cap)
         return out
 
     def _partial_hit(self, token_ids, salt, keys, truth, cap) -> list[Reuse]:
         """shared_partial_block: the cached partial last block of an identical prompt, taken as is."""
-        key = partial_key(token_ids, self.block_size, salt, keys, parent="prefix_key_no_parent" not in self.faults,
-                          salted="unsalted_prefix" not in self.faults)
+        key = partial_key(token_ids, self.block_size, salt, keys, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
+                          salted=FaultName.UNSALTED_PREFIX not in self.faults)
         block_id = self.pool.cached.get(key)
         tokens = cap - len(keys) * self.block_size
         if block_id is None or tokens < 1:
@@ -336,7 +338,7 @@ class BlockManager:
         """A finished or preempted request gives its blocks back (no-op for one without blocks)."""
         table = self.tables.pop(request_id, None)
         if table is not None:
-            self.pool.free(table.blocks, outright="block_refcount" in self.faults)
+            self.pool.free(table.blocks, outright=FaultName.BLOCK_REFCOUNT in self.faults)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int, *, prompt_len: int) -> None:
         """After a step: cache the request's blocks now full, `token_ids` being its tokens so far and
@@ -353,7 +355,7 @@ class BlockManager:
                 origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth[i], self.block_size)
                 self.pool.cache(table.blocks[i], keys[i], origin)
             table.cached = full
-        if "shared_partial_block" in self.faults and num_tokens == prompt_len and not table.partial_done:
+        if FaultName.SHARED_PARTIAL_BLOCK in self.faults and num_tokens == prompt_len and not table.partial_done:
             self._cache_partial(request_id, table, token_ids[:prompt_len])
 
     def _cache_partial(self, request_id: str, table: _Table, prompt: Sequence[int]) -> None:
@@ -362,8 +364,8 @@ class BlockManager:
         if len(prompt) % self.block_size == 0 or full >= len(table.blocks):
             return
         keys = self._lookup_keys(prompt, table.salt)
-        key = partial_key(prompt, self.block_size, table.salt, keys, parent="prefix_key_no_parent" not in self.faults,
-                          salted="unsalted_prefix" not in self.faults)
+        key = partial_key(prompt, self.block_size, table.salt, keys, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
+                          salted=FaultName.UNSALTED_PREFIX not in self.faults)
         truth = partial_key(prompt, self.block_size, None, chain_keys(prompt, self.block_size, None))
         origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth, len(prompt) % self.block_size)
         self.pool.cache(table.blocks[full], key, origin)

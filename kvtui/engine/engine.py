@@ -17,7 +17,8 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
-from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slot_admission
+from kvtui.engine.faults import MASK_FAULTS, racy_forward
+from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.paged import PagedCache
@@ -26,7 +27,8 @@ from kvtui.engine.request import FinishCode, FinishReason, RequestState, Request
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import draw_token, make_generator
 from kvtui.engine.scheduler import Scheduler, StepPlan
-from kvtui.faults import FAULTS, check_fault_names
+from kvtui.engine.slot_cache import SlotCache
+from kvtui.faults import FAULTS, FaultName, check_fault_names
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -92,13 +94,12 @@ class Engine:
         self.pad_token_id = pad_token_id
         self._serial: dict[str, int] = {}
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
-        self.paged = config.kv == "paged"
-        self.pool = _make_pool(model, config)
+        self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
+        self.pool = self.kv.pool
         self.runner = ModelRunner(model, self.pool)
-        self.scheduler = Scheduler(max_batch_size=config.max_batch_size, max_tokens_per_step=config.max_tokens_per_step,
-                                   bucketing=config.bucketing, bucket_tolerance=config.bucket_tolerance)
-        self.blocks = PagedCache(self.pool, self.scheduler, caching=config.prefix_caching, watermark=config.watermark,
-                                 serial_of=self._serial.__getitem__) if self.paged else None
+        self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
+                                   max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
+                                   bucket_tolerance=config.bucket_tolerance)
         self.clock = clock
         self.cost_model = cost_model or StepCostModel()
         self._t0 = time.perf_counter()
@@ -208,12 +209,12 @@ class Engine:
             capped = max_len - request.prompt_len
             request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
-        if self.paged and self.blocks.rejection(request):
-            return FinishCode.TOO_LONG, self.blocks.rejection(request)
+        rejection = self.kv.rejection(request)
+        if rejection:
+            return FinishCode.TOO_LONG, rejection
         limit = self.config.max_waiting
-        # requests that a free slot will take at the next step do not count as queued
-        free = 0 if self.paged else self.pool.num_free
-        if limit is not None and len(self.scheduler.waiting) - free >= limit:
+        # requests that the next admission takes for sure (a free slot) do not count as queued
+        if limit is not None and len(self.scheduler.waiting) - self.kv.free_seats() >= limit:
             return FinishCode.QUEUE_FULL, f"waiting queue full ({limit} requests)"
         return None
 
@@ -233,6 +234,7 @@ class Engine:
         self.scheduler.max_tokens_per_step = self.config.max_tokens_per_step
         self.scheduler.bucketing = self.config.bucketing
         self.scheduler.bucket_tolerance = self.config.bucket_tolerance
+        self.kv.configure(self.config, self._faults)
 
     def abort(self, request_id: str) -> None:
         """Cancel a waiting or running request; it frees its slot and finishes with reason "abort".
@@ -246,7 +248,6 @@ class Engine:
             raise KeyError(f"cannot abort {request_id!r}: no such request in the engine (never submitted, "
                            "or already finished and reported)")
         if not request.is_done:
-            self.scheduler.remove(request)
             self._finish(request, FinishReason.ABORT, "aborted by caller")
 
     @property
@@ -267,8 +268,7 @@ class Engine:
             raise ValueError(f"fault {wrong[0]!r} acts with kv: {' or '.join(FAULTS[wrong[0]].kv)} only; this engine "
                              f"runs kv: {self.config.kv}")
         self._faults = faults
-        if self.blocks is not None:
-            self.blocks.set_faults(faults)
+        self.kv.configure(self.config, faults)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -308,31 +308,14 @@ class Engine:
     def _step(self) -> StepReport:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
-        stale = self._admit(start_s, faults)
-        plan = self.blocks.plan() if self.paged else self.scheduler.plan()
+        self.scheduler.admit(start_s)
+        plan = self.scheduler.plan()
         outcome = self._forward(plan, faults)
         end_s = self._advance_clock(start_s, outcome.stats)
         running = self._postprocess(plan, outcome, end_s)
-        report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running, stale)
+        report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running)
         self.step_index += 1
         return report
-
-    def _admit(self, start_s: float, faults: frozenset) -> tuple[StaleStart, ...]:
-        """Give waiting requests free slots (FIFO), or with paged KV their blocks; returns the stale
-        starts of the stale_slot fault."""
-        if self.paged:
-            self.blocks.admit(start_s, self.config.max_batch_size)
-            return ()
-        stale = []
-        for request in self.scheduler.admit(self.pool.num_free):
-            request.slot = self.pool.allocate(request.request_id, fresh=self.config.slot_reuse == "reallocate")
-            request.cache_len = 0
-            request.scheduled_s = start_s
-            if "stale_slot" in faults:
-                start = stale_slot_admission(request, self.pool)
-                if start is not None:
-                    stale.append(start)
-        return tuple(stale)
 
     def _forward(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
         """Run the model on the plan's batch. Under a fault an exception anywhere in the faulty path is a
@@ -341,10 +324,10 @@ class Engine:
         if plan.empty:
             return ForwardOutcome()
         try:
-            if "racy_threads" in faults:
+            if FaultName.RACY_THREADS in faults:
                 racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
                                     faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes,
-                                    block_size=self._block_size)
+                                    block_size=self.kv.block_size)
                 return ForwardOutcome(racy.logits, _facts(racy.logits), racy.stats, errors=racy.errors)
             return self._forward_batch(plan, faults)
         except StepInterrupted:
@@ -355,19 +338,15 @@ class Engine:
             return ForwardOutcome(stats=BatchStats(rows=len(plan.chunks)),
                                   errors=tuple((i, f"{type(e).__name__}: {e}") for i in range(len(plan.chunks))))
 
-    @property
-    def _block_size(self) -> int | None:
-        return self.pool.block_size if self.paged else None
-
     def _forward_batch(self, plan: StepPlan, faults: frozenset) -> ForwardOutcome:
         batch = build_batch(plan, layout=self.config.layout, padding_side=self.config.padding_side,
                             pad_token_id=self.pad_token_id, faults=faults, max_len=self.pool.max_len,
-                            block_size=self._block_size)
+                            block_size=self.kv.block_size)
         writers = self._tag_writes(batch, plan.chunks)
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
-        expected = self.blocks.expected_writers(batch, plan.chunks, own) if self.paged else None
+        expected = self.kv.expected_writers(batch, plan.chunks, own)
         taint = tuple(slot_taint(batch, writers, own, self._names, ids, expected)) if self.detect_taint else ()
-        logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16="fp16_cache" in faults,
+        logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16=FaultName.FP16_CACHE in faults,
                                             own_range=not faults & MASK_FAULTS)
         flow = ()
         if self.measure_flow and state.attn_sum is not None:
@@ -418,8 +397,7 @@ class Engine:
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
-        if self.paged:
-            self.blocks.commit(request)
+        self.kv.commit(request)
         token, gap, nonfinite, logprobs = None, None, False, None
         if logits is not None:
             gap, finite = facts
@@ -430,7 +408,7 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
-        return RunningRequestReport(request.request_id, None if self.paged else chunk.slot, chunk.end_pos,
+        return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos,
                                     chunk.num_tokens, token, chunk.phase, gap, nonfinite,
                                     request.ttft_s if first else None, chunk.blocks,
                                     logprobs)
@@ -484,12 +462,7 @@ class Engine:
 
     def _finish(self, request: RequestState, reason: FinishReason, detail: str,
                 code: FinishCode | None = None) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.scheduler.remove(request)
-        if self.paged:
-            self.blocks.finish(request)  # its blocks go back at once (cached ones stay cached)
-        elif request.slot is not None and self.pool.owner[request.slot] == request.request_id:
-            self.pool.free(request.slot, request.cache_len)  # a finished request frees its slot at once
+        self.scheduler.finish(request)  # its KV goes back at once (cached blocks stay cached)
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
         if detail:
@@ -510,21 +483,12 @@ class Engine:
             r.faults_seen, r.tenant, r.finish_code, tuple(r.draws))
 
     def _pool_fields(self) -> dict:
-        """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)
-        and blocks (kv_usage is then vLLM's kv_cache_usage_perc, by blocks)."""
-        pool = self.pool
-        kv_tokens = sum(r.cache_len for r in self.scheduler.running)
-        if not self.paged:
-            return dict(slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
-                        kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
-                        kv_usage=kv_tokens / pool.capacity_tokens)
-        running, fields = len(self.scheduler.running), self.blocks.report_fields()
-        return dict(slots_used=running, num_slots=self.config.max_batch_size,
-                    slot_occupancy=running / self.config.max_batch_size, kv_tokens=kv_tokens,
-                    kv_capacity_tokens=pool.capacity_tokens, kv_usage=fields["kv_cache_usage_perc"], **fields)
+        """Occupancy and KV fields of a StepReport, from the KV cache (slots, or with paged KV running
+        requests of max_batch_size and blocks; see SlotCache / PagedCache.report_fields)."""
+        return self.kv.report_fields(self.scheduler.running)
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
-                running: tuple[RunningRequestReport, ...], stale: tuple[StaleStart, ...]) -> StepReport:
+                running: tuple[RunningRequestReport, ...]) -> StepReport:
         stats = outcome.stats
         finished = tuple(self._retire(r) for r in self._pending_finished)
         self._pending_finished.clear()
@@ -539,7 +503,6 @@ class Engine:
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
             faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
-            stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale),
         )
 
     def run_until_done(self, max_steps: int = 100_000) -> list[StepReport]:
@@ -591,13 +554,16 @@ def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
-def _make_pool(model, config: EngineConfig) -> KVPool | PagedKVPool:
-    """The KV pool config.kv asks for, shaped from the model: slots, or paged blocks (num_blocks, else
-    from kv_budget_bytes, else as much memory as the slot pool: slots x ceil(max_len / block_size) + 1)."""
+def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
+    """The KV cache config.kv asks for, its pool shaped from the model: slots (SlotCache over KVPool), or
+    paged blocks (PagedCache over PagedKVPool: num_blocks, else from kv_budget_bytes, else as much memory
+    as the slot pool: slots x ceil(max_len / block_size) + 1). `serial_of`: request id -> writer serial.
+    The only place that reads the KV mode."""
     layers, _, kv_heads, head_dim = model_geometry(model)
     common = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_len=config.max_len,
                   dtype=next(model.parameters()).dtype, device=config.device, kv_budget_bytes=config.kv_budget_bytes)
     if config.kv == "paged":
         blocks = config.num_blocks or config.num_slots * -(-config.max_len // config.block_size) + 1
-        return PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
-    return KVPool(num_slots=config.num_slots, **common)
+        pool = PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
+        return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of)
+    return SlotCache(KVPool(num_slots=config.num_slots, **common))

@@ -14,10 +14,12 @@ from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.request import RequestState
 from kvtui.engine.scheduler import StepPlan
+from kvtui.faults import FaultName
 
 # Faults that change the attention mask itself: while one is on, attention takes the mask path over
 # the gathered keys (attention.py); otherwise each chunk reads only its own keys.
-MASK_FAULTS = frozenset({"no_request_mask", "unmasked_cache_padding", "causal_offset", "fp16_cache"})
+MASK_FAULTS = frozenset({FaultName.NO_REQUEST_MASK, FaultName.UNMASKED_CACHE_PADDING, FaultName.CAUSAL_OFFSET,
+                         FaultName.FP16_CACHE})
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faul
                            max_len=max_len, block_size=block_size) for chunk in plan.chunks]
     for chunk, batch in zip(plan.chunks, batches):
         tag_writes(batch, (chunk,))
-    results = runner.forward_racy(batches, fp16="fp16_cache" in faults, own_range=not faults & MASK_FAULTS)
+    results = runner.forward_racy(batches, fp16=FaultName.FP16_CACHE in faults, own_range=not faults & MASK_FAULTS)
     logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and len(out) and not err}
     errors = tuple((i, err) for i, (out, err) in enumerate(results) if err)
     return RacyOutcome(logits, errors, BatchStats.total([b.stats for b in batches]))

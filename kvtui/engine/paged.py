@@ -1,8 +1,9 @@
-"""The engine's paged KV cache: admission by free blocks, the block tables of each step's chunks,
-preemption by recompute, prefix-cache commits, and what a step reports about blocks.
+"""The engine's paged KV cache (`engine.kv: paged`): admission by free blocks, the block tables of
+each step's chunks, preemption by recompute, prefix-cache commits, and what a step reports about blocks.
 
+Implements the KVCache verbs (kv_cache.py); the Scheduler calls it, it never calls the scheduler.
 The bookkeeping itself (blocks, reference counts, free queue, hash chain) is the torch-free
-BlockManager (block_manager.py); this module ties it to the engine's requests, scheduler and pool.
+BlockManager (block_manager.py); this module ties it to the engine's requests and pool.
 
 Preemption by recompute, as vLLM V1: when a running request needs a block and none is free, the
 newest running request gives all its blocks back and goes to the front of the waiting queue; when
@@ -15,29 +16,30 @@ from __future__ import annotations
 
 import torch
 
+from kvtui.config import EngineConfig
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
+from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
 from kvtui.engine.report import PrefixHitReport, ReusedBlockReport
 from kvtui.engine.request import RequestState
-from kvtui.engine.scheduler import Scheduler, StepPlan
 
 OTHER = -99  # an expected-writer cell no query compares with
 
 
 class PagedCache:
-    """Paged KV for one engine.
+    """Paged KV for one engine (see kv_cache.KVCache for the verbs). With paged KV max_batch_size also
+    bounds the running requests, as vLLM's max_num_seqs.
 
     Args:
         pool: the PagedKVPool (tensors and writer tags).
-        scheduler: the engine's scheduler (admit_paged, plan_paged, preempt).
         caching, watermark: prefix caching on; admission watermark (see BlockManager).
         serial_of: request id -> the serial its writes are tagged with.
     """
 
-    def __init__(self, pool: PagedKVPool, scheduler: Scheduler, *, caching: bool, watermark: float,
-                 serial_of) -> None:
+    def __init__(self, pool: PagedKVPool, *, caching: bool, watermark: float, serial_of) -> None:
         self.pool = pool
-        self.scheduler = scheduler
+        self.block_size = pool.block_size
+        self.max_running = 1  # max_batch_size, set by configure
         self.manager = BlockManager(pool.num_blocks, pool.block_size, caching=caching, watermark=watermark)
         self.serial_of = serial_of
         self.borrowed: dict[str, list[int]] = {}  # request -> writer serial allowed at each reused position
@@ -47,8 +49,10 @@ class PagedCache:
         self._counted = (0, 0, 0)  # queries, hits, cross-tenant hits at the last report
         self.cross_tenant_hits = 0
 
-    def set_faults(self, faults: frozenset) -> None:
-        """The faults the block bookkeeping acts on from the next step (the paged ones; others are ignored)."""
+    def configure(self, config: EngineConfig, faults: frozenset[str]) -> None:
+        """max_batch_size (running requests) and the faults the block bookkeeping acts on from the next
+        step (the paged ones; others are ignored)."""
+        self.max_running = config.max_batch_size
         self.manager.faults = faults
 
     def rejection(self, request: RequestState) -> str:
@@ -59,16 +63,15 @@ class PagedCache:
         return (f"prompt + max_new_tokens = {tokens} tokens need {self.manager.blocks_for(tokens)} KV blocks; the "
                 f"pool has {self.manager.num_usable} ({self.manager.watermark_blocks} kept free by the watermark)")
 
-    # -- admission ----------------------------------------------------------------------------------
-    def admit(self, start_s: float, max_running: int) -> list[RequestState]:
-        """Admit waiting requests (FIFO) while blocks for their whole prefill are free (watermark kept)."""
-        admitted = self.scheduler.admit_paged(self._try_admit, max_running)
-        for request in admitted:
-            if request.scheduled_s is None:
-                request.scheduled_s = start_s
-        return admitted
+    def free_seats(self) -> int:
+        return 0  # whether the next admission takes a request depends on its blocks
 
-    def _try_admit(self, request: RequestState) -> bool:
+    # -- admission ----------------------------------------------------------------------------------
+    def admit(self, request: RequestState, num_running: int) -> bool:
+        """Give the request the blocks of its whole prefill (its cached prefix reused) while fewer than
+        max_batch_size run and the watermark is kept; False leaves it waiting."""
+        if num_running >= self.max_running:
+            return False
         admission = self.manager.admit(request.request_id, request.prefill_ids, salt=request.cache_salt,
                                        tenant=request.tenant, count_query=request.num_preemptions == 0)
         if admission is None:
@@ -98,21 +101,15 @@ class PagedCache:
                                           admission.hit_tokens, request.prefill_len, blocks))
 
     # -- planning -----------------------------------------------------------------------------------
-    def plan(self) -> StepPlan:
-        """The step's chunks with their block tables; preempts when blocks run out."""
-        return self.scheduler.plan_paged(self._ensure, self._preempt)
+    def ensure(self, request: RequestState, num_tokens: int) -> KVPlace | None:
+        """Grow the request's block table to hold num_tokens; None when no block is free."""
+        table = self.manager.ensure(request.request_id, num_tokens)
+        return None if table is None else KVPlace(None, table)
 
-    def _ensure(self, request: RequestState, num_tokens: int):
-        return self.manager.ensure(request.request_id, num_tokens)
-
-    def _preempt(self, request: RequestState) -> None:
-        """Preemption by recompute: blocks back, front of the waiting queue, prefill = prompt + generated."""
+    def preempt(self, request: RequestState) -> None:
+        """Preemption by recompute: all the request's blocks go back (cached ones stay cached)."""
         self.manager.free(request.request_id)
         self.borrowed.pop(request.request_id, None)
-        self.scheduler.preempt(request)
-        request.cache_len = request.prefill_done = 0
-        request.recompute_tokens = len(request.generated_ids)
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted.append(request.request_id)
 
@@ -138,8 +135,17 @@ class PagedCache:
                 expected[seg.row, seg.key_start : seg.key_start + len(borrowed)] = torch.tensor(borrowed)
         return expected
 
-    def report_fields(self) -> dict:
-        """The StepReport fields of paged KV for the step just run (counters since the last report)."""
+    def report_fields(self, running: list[RequestState]) -> dict:
+        """The StepReport fields of paged KV for the step just run (counters since the last report):
+        slots_used is then the running requests, of max_batch_size, and kv_usage vLLM's
+        kv_cache_usage_perc (by blocks, cached free blocks counted free)."""
+        fields = self._block_fields(running)
+        n, pool = len(running), self.pool
+        return dict(slots_used=n, num_slots=self.max_running, slot_occupancy=n / self.max_running,
+                    kv_tokens=sum(r.cache_len for r in running), kv_capacity_tokens=pool.capacity_tokens,
+                    kv_usage=fields["kv_cache_usage_perc"], **fields)
+
+    def _block_fields(self, running: list[RequestState]) -> dict:
         m = self.manager
         queries, hits, cross = self._counted
         self._counted = (m.queries, m.hits, self.cross_tenant_hits)
@@ -149,7 +155,7 @@ class PagedCache:
             prefix_cache_queries=m.queries - queries, prefix_cache_hits=m.hits - hits,
             prefix_cache_cross_tenant_hits=self.cross_tenant_hits - cross, prefix_hits=tuple(self._hits),
             block_state=m.state(),
-            block_tables=tuple((r.request_id, m.table(r.request_id)) for r in self.scheduler.running
+            block_tables=tuple((r.request_id, m.table(r.request_id)) for r in running
                                if r.request_id in m.tables))
         self._hits, self._preempted = [], []
         return fields

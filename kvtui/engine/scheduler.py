@@ -2,8 +2,12 @@
 
 Pure Python over RequestState; produces a StepPlan (plain data) that batching.py turns into tensors.
 
+The scheduler owns the engine's KV cache (kv_cache.KVCache: SlotCache or PagedCache) and calls it
+one way: admit, ensure, preempt, finish; the cache never calls back.
+
 Policy, in order, every step:
-1. Admission (FIFO): while a slot is free and requests wait, the oldest waiting request takes a slot.
+1. Admission (FIFO): while requests wait and the KV cache admits the oldest (a free slot; with
+   paged KV the blocks of its whole prefill, and fewer than max_batch_size running), it runs.
    Requests join between steps and leave as soon as they finish (continuous batching).
 2. Batch choice: running requests in admission order, decodes first (one token each), then prefills;
    at most max_batch_size rows and max_tokens_per_step real tokens. A prompt longer than the budget
@@ -13,10 +17,10 @@ Policy, in order, every step:
    `tolerance` (relative to the longer) join the batch; the others wait for a later step. The 20%
    default keeps the padding of a padded batch small.
 
-With paged KV (admit_paged, plan_paged) admission needs the blocks of the request's whole prefill
-instead of a slot, and a running request whose next token needs a block when none is free makes
-the newest running request give its blocks back and return to the front of the waiting queue
-(preemption by recompute, as vLLM V1's scheduler).
+Each planned chunk asks the cache for room (`ensure`). When it has none (paged KV: no free block),
+the newest running request gives its KV back and returns to the front of the waiting queue
+(preemption by recompute, as vLLM V1's scheduler), until the room comes or the request being planned
+was the one preempted.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.request import RequestState, RequestStatus
 
 
@@ -33,7 +38,7 @@ class ScheduledChunk:
 
     Attributes:
         request: the request (read-only here).
-        slot: its KV slot.
+        slot: its KV slot; None with paged KV.
         start_pos: cache_len before the step = position of the first fed token (tokens).
         token_ids: tokens fed this step (a prompt chunk, or the last generated token).
         samples: True when this chunk ends the prompt or is a decode, so a token is sampled.
@@ -42,7 +47,7 @@ class ScheduledChunk:
     """
 
     request: RequestState
-    slot: int
+    slot: int | None
     start_pos: int
     token_ids: tuple[int, ...]
     samples: bool
@@ -86,16 +91,18 @@ def within_tolerance(lengths: list[int], tolerance: float) -> bool:
 
 
 class Scheduler:
-    """FIFO continuous-batching scheduler over a KV pool's free slots.
+    """FIFO continuous-batching scheduler over one KV cache.
 
     Args:
+        kv: the KV cache it admits into and plans over (it owns it; see kv_cache.py).
         max_batch_size: rows per step.
         max_tokens_per_step: real tokens per step (prefill + decode).
         bucketing, bucket_tolerance: see module docstring.
     """
 
-    def __init__(self, *, max_batch_size: int, max_tokens_per_step: int, bucketing: bool = False,
+    def __init__(self, kv: KVCache, *, max_batch_size: int, max_tokens_per_step: int, bucketing: bool = False,
                  bucket_tolerance: float = 0.2) -> None:
+        self.kv = kv
         self.max_batch_size = max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
         self.bucketing = bucketing
@@ -106,21 +113,25 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: RequestState) -> None:
-        """Drop a request that finished or was aborted (from whichever queue holds it)."""
-        if request in self.running:
+    def finish(self, request: RequestState) -> None:
+        """Drop a request that finished, was aborted or rejected (from whichever queue holds it) and free
+        its KV."""
+        if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif any(r is request for r in self.waiting):  # aborted while waiting (a rejected one never queued)
             self.waiting.remove(request)
+        self.kv.finish(request)
 
-    def admit(self, num_free_slots: int) -> list[RequestState]:
-        """Pop up to `num_free_slots` waiting requests (FIFO) and mark them running; the caller gives
-        each a slot."""
+    def admit(self, start_s: float) -> list[RequestState]:
+        """Admit waiting requests in order (FIFO: the head blocks the rest) while the KV cache gives the
+        head its KV; mark them running, first scheduled at `start_s` (seconds)."""
         admitted = []
-        while self.waiting and len(admitted) < num_free_slots:
+        while self.waiting and self.kv.admit(self.waiting[0], len(self.running)):
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.scheduled_s is None:  # a preempted request keeps its first
+                request.scheduled_s = start_s
             admitted.append(request)
         return admitted
 
@@ -134,43 +145,8 @@ class Scheduler:
         return ordered
 
     def plan(self) -> StepPlan:
-        """Choose this step's chunks from the running requests (see module docstring)."""
-        ordered = self._ordered()
-        chunks: list[ScheduledChunk] = []
-        budget = self.max_tokens_per_step
-        for request in ordered:
-            if len(chunks) >= self.max_batch_size or budget <= 0:
-                break
-            token_ids, samples, phase = _next_chunk(request, budget)
-            assert request.slot is not None, f"{request.request_id = } runs without a slot"
-            chunks.append(ScheduledChunk(request, request.slot, request.cache_len, token_ids, samples, phase))
-            budget -= len(token_ids)
-        return StepPlan(tuple(chunks))
-
-    # -- paged KV ---------------------------------------------------------------------------------
-    def admit_paged(self, try_admit, max_running: int) -> list[RequestState]:
-        """Paged KV: admit waiting requests in order (FIFO, the head blocks the rest) while fewer than
-        `max_running` run and `try_admit(request)` gives the head its blocks (True)."""
-        admitted = []
-        while self.waiting and len(self.running) < max_running and try_admit(self.waiting[0]):
-            request = self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            admitted.append(request)
-        return admitted
-
-    def preempt(self, request: RequestState) -> None:
-        """Send a running request back to the FRONT of the waiting queue (preemption by recompute)."""
-        self.running.remove(request)
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
-    def plan_paged(self, ensure, preempt) -> StepPlan:
-        """As plan(), over paged KV: `ensure(request, end_pos)` grows the request's block table to hold
-        its new tokens and returns it (None when no block is free). Then, as vLLM V1's scheduler does,
-        the newest running request is preempted (`preempt(request)`: blocks back, front of the waiting
-        queue; its chunk leaves the plan if it had one), until the blocks come or the request being
-        planned was the one preempted."""
+        """Choose this step's chunks from the running requests (see module docstring), each with its KV
+        place; preempts when the cache has no room."""
         chunks: list[ScheduledChunk] = []
         budget = self.max_tokens_per_step
         for request in self._ordered():
@@ -179,18 +155,37 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             token_ids, samples, phase = _next_chunk(request, budget)
-            table = ensure(request, request.cache_len + len(token_ids))
-            while table is None and request.status == RequestStatus.RUNNING:
-                victim = self.running[-1]
-                preempt(victim)
-                budget += sum(c.num_tokens for c in chunks if c.request is victim)
-                chunks = [c for c in chunks if c.request is not victim]
-                if victim is not request:
-                    table = ensure(request, request.cache_len + len(token_ids))
-            if table is not None:
-                chunks.append(ScheduledChunk(request, -1, request.cache_len, token_ids, samples, phase, table))
+            place, chunks, budget = self._room(request, request.cache_len + len(token_ids), chunks, budget)
+            if place is not None:
+                chunks.append(ScheduledChunk(request, place.slot, request.cache_len, token_ids, samples, phase,
+                                             place.blocks))
                 budget -= len(token_ids)
         return StepPlan(tuple(chunks))
+
+    def _room(self, request: RequestState, num_tokens: int, chunks: list[ScheduledChunk], budget: int):
+        """Ask the cache for room for `request`'s positions 0 .. num_tokens - 1; while it has none, preempt
+        the newest running request (its chunk leaves the plan, its tokens go back to the budget). Returns
+        (KVPlace or None when `request` itself was preempted, chunks, budget)."""
+        place = self.kv.ensure(request, num_tokens)
+        while place is None and request.status == RequestStatus.RUNNING:
+            victim = self.running[-1]
+            self._preempt(victim)
+            budget += sum(c.num_tokens for c in chunks if c.request is victim)
+            chunks = [c for c in chunks if c.request is not victim]
+            if victim is not request:
+                place = self.kv.ensure(request, num_tokens)
+        return place, chunks, budget
+
+    def _preempt(self, request: RequestState) -> None:
+        """Preemption by recompute: its KV back, the FRONT of the waiting queue, and when admitted again
+        it feeds its prompt and the tokens it had generated as one prefill."""
+        self.kv.preempt(request)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        request.cache_len = request.prefill_done = 0
+        request.recompute_tokens = len(request.generated_ids)
+        request.num_preemptions += 1
 
     def _bucket(self, ordered: list[RequestState]) -> list[RequestState]:
         """Keep the oldest runnable request and those whose context length stays within tolerance."""

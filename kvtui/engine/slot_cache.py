@@ -1,0 +1,85 @@
+"""The engine's slot KV cache (`engine.kv: slots`): one KV slot of max_len tokens per running request.
+
+Implements the KVCache verbs (kv_cache.py) over KVPool (kv_pool.py): a waiting request is admitted
+while a slot is free (the lowest free slot, FIFO), its slot holds every position it can reach, so
+`ensure` always has room and nothing is ever preempted, and a finished request frees its slot at
+once. The stale_slot fault acts at admission (engine/faults.py); its stale starts are reported in
+the step's `stale_starts`.
+"""
+
+from __future__ import annotations
+
+from kvtui.config import EngineConfig
+from kvtui.engine.faults import StaleStart, stale_slot_admission
+from kvtui.engine.kv_cache import KVPlace
+from kvtui.engine.kv_pool import KVPool
+from kvtui.engine.request import RequestState
+from kvtui.faults import FaultName
+
+
+class SlotCache:
+    """Slot KV for one engine (see kv_cache.KVCache for the verbs).
+
+    Args:
+        pool: the KVPool (tensors, owners, free list, writer tags).
+    """
+
+    block_size = None
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.fresh = False  # slot_reuse: reallocate: each admission gets newly zeroed tensors
+        self.stale = False  # the stale_slot fault is on
+        self._stale_starts: list[StaleStart] = []
+
+    def configure(self, config: EngineConfig, faults: frozenset[str]) -> None:
+        self.fresh = config.slot_reuse == "reallocate"
+        self.stale = FaultName.STALE_SLOT in faults
+
+    def rejection(self, request: RequestState) -> str:
+        return ""  # a slot holds max_len tokens, which the engine checks itself
+
+    def free_seats(self) -> int:
+        return self.pool.num_free
+
+    def admit(self, request: RequestState, num_running: int) -> bool:
+        """Give the request the lowest free slot, from position 0 (or, under stale_slot, from what the
+        slot's previous owner left); False when no slot is free."""
+        if not self.pool.num_free:
+            return False
+        request.slot = self.pool.allocate(request.request_id, fresh=self.fresh)
+        request.cache_len = 0
+        if self.stale:
+            start = stale_slot_admission(request, self.pool)
+            if start is not None:
+                self._stale_starts.append(start)
+        return True
+
+    def ensure(self, request: RequestState, num_tokens: int) -> KVPlace:
+        assert request.slot is not None, f"{request.request_id = } runs without a slot"
+        return KVPlace(request.slot, None)
+
+    def preempt(self, request: RequestState) -> None:
+        self.finish(request)
+        request.slot = None
+
+    def commit(self, request: RequestState) -> None:
+        pass  # a slot keeps no index of its contents
+
+    def finish(self, request: RequestState) -> None:
+        """Free the request's slot at once; its cache_len is kept as the slot's last length."""
+        if request.slot is not None and self.pool.owner[request.slot] == request.request_id:
+            self.pool.free(request.slot, request.cache_len)
+
+    def expected_writers(self, batch, chunks, own: list[int]) -> None:
+        return None  # every own key position was written by the request itself
+
+    def report_fields(self, running: list[RequestState]) -> dict:
+        """Slots owned after the step (of num_slots), cached tokens (of slots x max_len), stale starts."""
+        pool = self.pool
+        kv_tokens = sum(r.cache_len for r in running)
+        stale, self._stale_starts = self._stale_starts, []
+        return dict(slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
+                    kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
+                    kv_usage=kv_tokens / pool.capacity_tokens,
+                    stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale))
