@@ -1,9 +1,11 @@
-"""Engine configuration: one frozen dataclass, validated when it is built."""
+"""Engine configuration: one frozen dataclass, validated when it is built, and the one table of its
+numeric knobs' bounds (KNOB_BOUNDS) and of the knobs a running engine may change (RUNTIME_FIELDS).
+The scenario schema, the timeline, `kvtui serve`'s flags and Engine.reconfigure read them from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Literal, get_args
 
 Layout = Literal["padded", "packed"]
 PaddingSide = Literal["right", "left"]
@@ -12,6 +14,63 @@ TooLong = Literal["reject", "cap"]
 Clock = Literal["virtual", "paced", "wall"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVMode = Literal["slots", "paged"]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values one numeric EngineConfig field takes: `low` to `high`, both included unless `low_open`.
+
+    `high` is a limit of the engine itself when `engine_high` (EngineConfig refuses a value past it);
+    otherwise it only caps what a scenario file or command line may ask for, and EngineConfig checks
+    `low` alone. Units are the field's (tokens, requests, bytes, a share).
+    """
+
+    type: type
+    low: int | float
+    high: int | float
+    low_open: bool = False
+    engine_high: bool = False
+
+    def pydantic(self) -> dict[str, int | float]:
+        """The bound as pydantic Field keywords: {"ge" or "gt": low, "le": high}."""
+        return {"gt" if self.low_open else "ge": self.low, "le": self.high}
+
+    def problem(self, name: str, value: int | float) -> str | None:
+        """EngineConfig's message for `value` of field `name` out of range (None: in range)."""
+        if self.engine_high:
+            if self.low <= value <= self.high:
+                return None
+            span = f"{self.low}..{self.high}" if self.type is int else f"[{self.low}, {self.high}]"
+            return f"self.{name} = {value!r} must be in {span}"
+        if (value > self.low) if self.low_open else (value >= self.low):
+            return None
+        return f"self.{name} = {value!r} must be {'>' if self.low_open else '>='} {self.low}"
+
+
+# EngineConfig field -> its bounds: the one place each is written.
+KNOB_BOUNDS: dict[str, Bound] = {
+    "num_slots": Bound(int, 1, 4096),
+    "max_len": Bound(int, 2, 1_000_000),
+    "kv_budget_bytes": Bound(int, 0, 2**50, low_open=True),
+    "max_batch_size": Bound(int, 1, 4096),
+    "max_tokens_per_step": Bound(int, 1, 1_000_000),
+    "bucket_tolerance": Bound(float, 0, 10, engine_high=True),
+    "max_waiting": Bound(int, 0, 10**9),
+    "block_size": Bound(int, 1, 64, engine_high=True),
+    "num_blocks": Bound(int, 2, 10_000_000),
+    "watermark": Bound(float, 0, 0.5, engine_high=True),
+}
+
+# EngineConfig field -> the values it takes, for the fields that take one of a few names.
+KNOB_CHOICES: dict[str, tuple[str, ...]] = {
+    "layout": get_args(Layout), "padding_side": get_args(PaddingSide), "slot_reuse": get_args(SlotReuse),
+    "on_too_long": get_args(TooLong), "kv": get_args(KVMode),
+}
+
+# EngineConfig fields a running engine may change between steps (the timeline's engine knobs); the
+# others size or place the KV pool, or are switched otherwise (faults: Engine.set_faults).
+RUNTIME_FIELDS = frozenset({"max_batch_size", "max_tokens_per_step", "layout", "padding_side", "bucketing",
+                            "bucket_tolerance", "slot_reuse", "on_too_long", "max_waiting"})
 
 
 @dataclass(frozen=True)
@@ -70,26 +129,38 @@ class EngineConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.num_slots >= 1, f"{self.num_slots = } must be >= 1"),
-            (self.max_len >= 2, f"{self.max_len = } must be >= 2"),
-            (self.kv_budget_bytes is None or self.kv_budget_bytes > 0, f"{self.kv_budget_bytes = } must be > 0"),
-            (self.max_batch_size >= 1, f"{self.max_batch_size = } must be >= 1"),
-            (self.max_tokens_per_step >= 1, f"{self.max_tokens_per_step = } must be >= 1"),
-            (self.layout in ("padded", "packed"), f"{self.layout = } must be 'padded' or 'packed'"),
-            (self.padding_side in ("right", "left"), f"{self.padding_side = } must be 'right' or 'left'"),
-            (0.0 <= self.bucket_tolerance <= 10.0, f"{self.bucket_tolerance = } must be in [0, 10]"),
-            (self.slot_reuse in ("reuse", "reallocate"), f"{self.slot_reuse = } must be 'reuse' or 'reallocate'"),
-            (self.on_too_long in ("reject", "cap"), f"{self.on_too_long = } must be 'reject' or 'cap'"),
-            (self.max_waiting is None or self.max_waiting >= 0, f"{self.max_waiting = } must be >= 0"),
-            (isinstance(self.faults, frozenset), f"faults must be a frozenset of fault names, got {self.faults!r}"),
-            (self.kv in ("slots", "paged"), f"{self.kv = } must be 'slots' or 'paged'"),
-            (1 <= self.block_size <= 64, f"{self.block_size = } must be in 1..64"),
-            (self.num_blocks is None or self.num_blocks >= 2, f"{self.num_blocks = } must be >= 2"),
-            (0.0 <= self.watermark <= 0.5, f"{self.watermark = } must be in [0, 0.5]"),
-            (self.kv == "paged" or not self.prefix_caching, "prefix_caching needs kv = 'paged'"),
-            (self.kv == "paged" or self.num_blocks is None, "num_blocks needs kv = 'paged'"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for f in fields(self):  # in field order: the first bad field is the one named
+            problem = _field_problem(f.name, getattr(self, f.name), f.default)
+            if problem is not None:
+                raise ValueError(problem)
+        if self.kv != "paged" and self.prefix_caching:
+            raise ValueError("prefix_caching needs kv = 'paged'")
+        if self.kv != "paged" and self.num_blocks is not None:
+            raise ValueError("num_blocks needs kv = 'paged'")
+
+    def reconfigured(self, **changes) -> EngineConfig:
+        """This config with `changes` (field -> value) made to fields a running engine may change
+        (RUNTIME_FIELDS), as Engine.reconfigure does between steps.
+
+        Raises:
+            ValueError: another field (what sizes or places the KV pool: num_slots, max_len, kv,
+                block_size, ...; faults change through Engine.set_faults), or a bad value.
+            TypeError: a name that is no EngineConfig field.
+        """
+        fixed = sorted(set(changes) & {f.name for f in fields(self)} - RUNTIME_FIELDS)
+        if fixed:
+            also = "; use set_faults" if fixed[0] == "faults" else ""
+            raise ValueError(f"{fixed[0]} cannot change during a run{also}")
+        return replace(self, **changes)
+
+
+def _field_problem(name: str, value, default) -> str | None:
+    """Why `value` is no value of EngineConfig field `name` (KNOB_BOUNDS, KNOB_CHOICES), or None.
+    None passes for the fields whose default is None."""
+    if name == "faults" and not isinstance(value, frozenset):
+        return f"faults must be a frozenset of fault names, got {value!r}"
+    if name in KNOB_CHOICES and value not in KNOB_CHOICES[name]:
+        return f"self.{name} = {value!r} must be {' or '.join(map(repr, KNOB_CHOICES[name]))}"
+    if name in KNOB_BOUNDS and not (value is None and default is None):
+        return KNOB_BOUNDS[name].problem(name, value)
+    return None

@@ -10,8 +10,13 @@ import typer
 
 from kvtui.cli.console import EXIT_RUNTIME, fail, out, say
 from kvtui.cli.options import DETECTORS_HELP, SERVE, FaultChoice, fault_names, parse_detectors
-from kvtui.config import DType, KVMode, Layout
+from kvtui.config import KNOB_BOUNDS, DType, KVMode, Layout
 from kvtui.serve import API_KEY_ENV
+
+# The engine knobs' bounds are the engine's (kvtui.config.KNOB_BOUNDS). max_len, max_tokens_per_step and
+# max_waiting take only the lower bound here: the scenario built from the flags refuses a value past the top.
+_B = KNOB_BOUNDS
+_SLOTS, _BATCH, _BLOCK = _B["num_slots"], _B["max_batch_size"], _B["block_size"]
 
 
 def serve(
@@ -27,23 +32,23 @@ def serve(
     record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name clients "
                                                              "send and see (default: the model's id).")] = None,
-    slots: Annotated[int, typer.Option(help="KV slots: requests running at once.", min=1, max=4096)] = SERVE.slots,
-    max_len: Annotated[int, typer.Option(help="Tokens per request: prompt + completion.", min=2)] = SERVE.max_len,
-    max_batch_size: Annotated[int, typer.Option(help="Most requests in one step.", min=1, max=4096)] = SERVE.max_batch_size,
+    slots: Annotated[int, typer.Option(help="KV slots: requests running at once.", min=_SLOTS.low, max=_SLOTS.high)] = SERVE.slots,
+    max_len: Annotated[int, typer.Option(help="Tokens per request: prompt + completion.", min=_B["max_len"].low)] = SERVE.max_len,
+    max_batch_size: Annotated[int, typer.Option(help="Most requests in one step.", min=_BATCH.low, max=_BATCH.high)] = SERVE.max_batch_size,
     max_tokens_per_step: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill past it).",
-                                                     min=1)] = SERVE.max_tokens_per_step,
+                                                     min=_B["max_tokens_per_step"].low)] = SERVE.max_tokens_per_step,
     max_waiting: Annotated[Optional[int], typer.Option(help="Most requests queued for a slot; more get 429 "
-                                                       "(default: no limit).", min=0)] = SERVE.max_waiting,
+                                                       "(default: no limit).", min=_B["max_waiting"].low)] = SERVE.max_waiting,
     layout: Annotated[Layout, typer.Option(help="Batch layout.")] = SERVE.layout,
     kv: Annotated[KVMode, typer.Option("--kv", help="KV memory: slots (one region of --max-len per request) or "
                                        "paged (blocks through per-request block tables, as vLLM).")] = SERVE.kv,
-    block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=64, help="With --kv paged: tokens "
+    block_size: Annotated[Optional[int], typer.Option("--block-size", min=_BLOCK.low, max=_BLOCK.high, help="With --kv paged: tokens "
                                                       f"per KV block (default {SERVE.block_size}).")] = None,
     prefix_caching: Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching", help="With --kv paged: "
                                                  "reuse cached blocks of earlier prompts' prefixes; a request's "
                                                  "`cache_salt` keys its blocks, so only requests with the same "
                                                  "salt share them.")] = SERVE.prefix_caching,
-    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = "reference,canary,attention_flow,slot_taint",
+    detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ",".join(SERVE.detectors),
     threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (default: all cores but "
                                                    "one).", min=1)] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = SERVE.device,

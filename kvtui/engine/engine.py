@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -219,17 +219,16 @@ class Engine:
         return None
 
     def reconfigure(self, **changes) -> None:
-        """Change engine knobs between steps (timeline, dashboard): max_batch_size, max_tokens_per_step,
-        layout, padding_side, bucketing, bucket_tolerance, slot_reuse, on_too_long, max_waiting.
+        """Change engine knobs between steps (timeline, dashboard): the EngineConfig fields in
+        kvtui.config.RUNTIME_FIELDS (max_batch_size, max_tokens_per_step, layout, padding_side,
+        bucketing, bucket_tolerance, slot_reuse, on_too_long, max_waiting).
 
         Raises:
-            ValueError: a field the pool fixes (num_slots, max_len, kv_budget_bytes, device) or a bad value.
+            ValueError: another EngineConfig field (the pool's size and place: num_slots, max_len, kv,
+                block_size, ...; faults change through set_faults) or a bad value.
+            TypeError: a name that is no EngineConfig field.
         """
-        fixed = {"num_slots", "max_len", "kv_budget_bytes", "device", "kv", "block_size", "num_blocks",
-                 "prefix_caching", "watermark"} & set(changes)
-        if fixed:
-            raise ValueError(f"{sorted(fixed)[0]} cannot change during a run")
-        self.config = replace(self.config, **changes)
+        self.config = self.config.reconfigured(**changes)
         self.scheduler.max_batch_size = self.config.max_batch_size
         self.scheduler.max_tokens_per_step = self.config.max_tokens_per_step
         self.scheduler.bucketing = self.config.bucketing

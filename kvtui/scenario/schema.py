@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
-from kvtui.config import EngineConfig
+from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, TooLong
 from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
@@ -44,7 +44,7 @@ from kvtui.scenario.errors import Problem, did_you_mean, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
 from kvtui.scenario.tenants import Tenants
-from kvtui.scenario.timeline import TimelineEvent
+from kvtui.scenario.timeline import TimelineEvent, bounded
 from kvtui.scenario.trace import resolve
 
 MODEL_NAMES = ("default", "tiny-llama", "tiny-gpt2")
@@ -58,7 +58,7 @@ class Bucketing(Strict):
     is short for `{enabled: true}`."""
 
     enabled: bool = Field(_D.bucketing, description="turn bucketing on")
-    tolerance: Annotated[float, Field(ge=0, le=10)] = Field(
+    tolerance: bounded("bucket_tolerance") = Field(
         _D.bucket_tolerance, description="largest relative length spread in a batch: 0.2 = the longest is at most "
                                           "20% longer than the shortest")
 
@@ -69,43 +69,43 @@ class EngineSection(Strict):
     named models, a folder's config.json, a .gguf's metadata) validation checks that, and that max_len
     stays within a learned position table (GPT-2's n_positions)."""
 
-    slots: Annotated[int, Field(ge=1, le=4096)] | None = Field(
+    slots: bounded("num_slots") | None = Field(
         None, description="KV slots, the most requests running at once; null with kv_budget_bytes",
         json_schema_extra={"x-default": f"{_D.num_slots} (null with kv_budget_bytes)"})
-    max_len: Annotated[int, Field(ge=2, le=1_000_000)] = Field(
+    max_len: bounded("max_len") = Field(
         _D.max_len, description="tokens one slot holds: prompt + generated tokens of one request")
-    kv_budget_bytes: Annotated[int, Field(gt=0, le=2**50)] | None = Field(
+    kv_budget_bytes: bounded("kv_budget_bytes") | None = Field(
         None, description="size the pool in bytes instead of slots: slots = budget / bytes per slot (2 x layers x "
                           "KV heads x max_len x head size x bytes per value)")
-    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = Field(
+    max_batch_size: bounded("max_batch_size") = Field(
         _D.max_batch_size, description="most requests in one step (rows of the padded layout)")
-    max_tokens_per_step: Annotated[int, Field(ge=1, le=1_000_000)] = Field(
+    max_tokens_per_step: bounded("max_tokens_per_step") = Field(
         _D.max_tokens_per_step, description="token budget of one step, prefill + decode, pads excluded; a longer "
                                             "prompt is fed in chunks over several steps (chunked prefill)")
-    layout: Literal["padded", "packed"] = Field(
+    layout: Layout = Field(
         _D.layout, description="`padded`: one row per request, padded to the longest; `packed`: all tokens in "
                                "one row with a block-diagonal causal mask")
-    padding_side: Literal["right", "left"] = Field(_D.padding_side, description="padded layout only")
+    padding_side: PaddingSide = Field(_D.padding_side, description="padded layout only")
     bucketing: Annotated[Bucketing, pydantic.BeforeValidator(
         lambda v: {"enabled": v} if isinstance(v, bool) else v)] = Field(
         Bucketing(), description="length bucketing (see Bucketing), or true / false")
-    slot_reuse: Literal["reuse", "reallocate"] = Field(
+    slot_reuse: SlotReuse = Field(
         _D.slot_reuse, description="`reuse` the preallocated slots, or give each admitted request a freshly "
                                    "allocated (zeroed) slot")
-    on_too_long: Literal["reject", "cap"] = Field(
+    on_too_long: TooLong = Field(
         _D.on_too_long, description="a request whose prompt + max new tokens exceed max_len is rejected, or "
                                     "its max new tokens lowered to fit; a prompt that alone does not fit is "
                                     "always rejected")
-    max_waiting: Annotated[int, Field(ge=0, le=10**9)] | None = Field(
+    max_waiting: bounded("max_waiting") | None = Field(
         _D.max_waiting, description="most requests queued for a slot; later arrivals are rejected; null = no limit")
     faults: Annotated[list[Literal[FAULT_NAMES]], Field(max_length=len(FAULT_NAMES))] = Field(
         [], description="isolation faults on from the start (docs/faults.md)")
-    kv: Literal["slots", "paged"] = Field(
+    kv: KVMode = Field(
         _D.kv, description="`slots`: one region of max_len tokens per running request; `paged`: blocks of "
                            "block_size tokens reached through per-request block tables, as vLLM does (then "
                            "max_batch_size also bounds the requests running at once)")
-    block_size: Annotated[int, Field(ge=1, le=64)] = Field(_D.block_size, description="tokens per KV block (paged)")
-    num_blocks: Annotated[int, Field(ge=2, le=10_000_000)] | None = Field(
+    block_size: bounded("block_size") = Field(_D.block_size, description="tokens per KV block (paged)")
+    num_blocks: bounded("num_blocks") | None = Field(
         None, description="KV blocks, the null block 0 included (paged); null: from kv_budget_bytes (budget / "
                           "bytes per block), else slots x ceil(max_len / block_size) + 1, the slot pool's memory; "
                           "must hold one request of max_len")
@@ -113,7 +113,7 @@ class EngineSection(Strict):
         _D.prefix_caching, description="reuse the cached full blocks of a request's longest cached prompt prefix "
                                        "(paged only); a block's key chains its parent's key, its tokens and the "
                                        "tenant's cache_salt")
-    watermark: Annotated[float, Field(ge=0, le=0.5)] = Field(
+    watermark: bounded("watermark") = Field(
         _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
 
     @pydantic.model_validator(mode="before")

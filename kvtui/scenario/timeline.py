@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field, TypeAdapter
 
+from kvtui.config import KNOB_BOUNDS, Layout, PaddingSide, SlotReuse, TooLong
 from kvtui.scenario.base import FAULT_NAMES, MAX_RATE, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, describe, did_you_mean, short
 
@@ -25,19 +26,26 @@ def _adapter(tp: Any) -> TypeAdapter:
     return TypeAdapter(tp, config=_strict)
 
 
+def bounded(engine_field: str) -> Any:
+    """The pydantic type of EngineConfig field `engine_field`: its type within its bounds, read from
+    kvtui.config.KNOB_BOUNDS (the scenario's engine section and the timeline both use it)."""
+    bound = KNOB_BOUNDS[engine_field]
+    return Annotated[bound.type, Field(**bound.pydantic())]
+
+
 # knob -> (EngineConfig field or None for arrival/fault knobs, value validator)
 RUNTIME_KNOBS: dict[str, tuple[str | None, TypeAdapter]] = {
     "arrivals.rate_per_s": (None, _adapter(Annotated[float, Field(ge=0, le=MAX_RATE)])),
     "arrivals.burstiness": (None, _adapter(Annotated[float, Field(gt=0, le=1000)])),
-    "engine.max_batch_size": ("max_batch_size", _adapter(Annotated[int, Field(ge=1, le=4096)])),
-    "engine.max_tokens_per_step": ("max_tokens_per_step", _adapter(Annotated[int, Field(ge=1, le=1_000_000)])),
-    "engine.layout": ("layout", _adapter(Literal["padded", "packed"])),
-    "engine.padding_side": ("padding_side", _adapter(Literal["right", "left"])),
+    "engine.max_batch_size": ("max_batch_size", _adapter(bounded("max_batch_size"))),
+    "engine.max_tokens_per_step": ("max_tokens_per_step", _adapter(bounded("max_tokens_per_step"))),
+    "engine.layout": ("layout", _adapter(Layout)),
+    "engine.padding_side": ("padding_side", _adapter(PaddingSide)),
     "engine.bucketing.enabled": ("bucketing", _adapter(bool)),
-    "engine.bucketing.tolerance": ("bucket_tolerance", _adapter(Annotated[float, Field(ge=0, le=10)])),
-    "engine.slot_reuse": ("slot_reuse", _adapter(Literal["reuse", "reallocate"])),
-    "engine.on_too_long": ("on_too_long", _adapter(Literal["reject", "cap"])),
-    "engine.max_waiting": ("max_waiting", _adapter(Annotated[int, Field(ge=0, le=10**9)] | None)),
+    "engine.bucketing.tolerance": ("bucket_tolerance", _adapter(bounded("bucket_tolerance"))),
+    "engine.slot_reuse": ("slot_reuse", _adapter(SlotReuse)),
+    "engine.on_too_long": ("on_too_long", _adapter(TooLong)),
+    "engine.max_waiting": ("max_waiting", _adapter(bounded("max_waiting") | None)),
     "fault": (None, _adapter(Literal[FAULT_NAMES])),
     "on": (None, _adapter(bool)),
 }

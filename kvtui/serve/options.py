@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtui.config import EngineConfig
-from kvtui.detect import DETECTOR_NAMES
 from kvtui.serve import DEFAULT_MAX_REQUEST_BYTES
 
 _ENGINE = EngineConfig()  # the engine knobs' defaults
+# The detectors a server runs by default, the default of `kvtui serve --detectors`. prefix_provenance is
+# not among them: name it in --detectors to check prefix-cache hits (--kv paged --prefix-caching).
+SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class ServeOptions:
     block_size: int = _ENGINE.block_size
     prefix_caching: bool = _ENGINE.prefix_caching
     max_waiting: int | None = _ENGINE.max_waiting
-    detectors: tuple[str, ...] = DETECTOR_NAMES
+    detectors: tuple[str, ...] = SERVE_DETECTORS
     threads: int | None = None
     progress: bool = False
     api_key: str | None = None
