@@ -30,11 +30,20 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvtui.engine import Engine, SamplingParams
-from kvtui.scenario.plan import derive_seed
-from kvtui.scenario.prompts import random_ids
-from kvtui.scenario.tenants import TenantPlan, Tenants
+from kvtui.config import EngineConfig
+
+# The engine (torch) and the scenario package are imported where an experiment runs: the command line
+# imports this module at start-up for the defaults below, and stays quick.
+if TYPE_CHECKING:
+    from kvtui.engine import Engine
+    from kvtui.scenario.tenants import TenantPlan
+
+DEFAULT_PROBES = 16  # probes of each class (matching / not), `kvtui audit --timing --probes`
+# tokens per probe block against a server that publishes no block size (llama.cpp reuses any prefix),
+# `kvtui audit --timing --target --block-size`
+DEFAULT_TARGET_BLOCK_SIZE = 64
 
 
 def roc_auc(positives: list[float], negatives: list[float]) -> float:
@@ -82,6 +91,9 @@ class Probes:
 def make_probes(tokenizer, seed: int, *, count: int, block_size: int, public_blocks: int = 2,
                 secret_blocks: int = 2, question_tokens: int = 7) -> Probes:
     """The victims' prompts and the attacker's probes (see the module docstring), fixed by `seed`."""
+    from kvtui.scenario.plan import derive_seed
+    from kvtui.scenario.prompts import random_ids
+
     rng = random.Random(derive_seed(seed, "timing_audit"))
     public = random_ids(rng, public_blocks * block_size, tokenizer)
     secrets = [random_ids(rng, secret_blocks * block_size, tokenizer) for _ in range(count)]
@@ -106,6 +118,8 @@ class _Prober:
 
     def send(self, tenant: str, prompt: list[int]) -> tuple[float, float, int]:
         """(virtual TTFT s, wall TTFT s, cross-tenant hit tokens) of one request run alone."""
+        from kvtui.engine import SamplingParams
+
         self.count += 1
         start = time.perf_counter()
         state = self.engine.submit(f"{tenant}{self.count:04d}", prompt, SamplingParams(max_new_tokens=1),
@@ -125,6 +139,8 @@ class _Prober:
 
 def _engine(spec, loaded, probes: Probes, faults, block_size: int) -> Engine:
     """The scenario's engine as paged KV with prefix caching, big enough that no cached block is evicted."""
+    from kvtui.engine import Engine
+
     prompts = probes.victims + [probes.warmup] + [p for _, p in probes.probes]
     blocks = sum(-(-(len(p) + 1) // block_size) for p in prompts) + 2 * -(-spec.engine.max_len // block_size) + 1
     config = spec.engine_config(kv="paged", prefix_caching=True, num_blocks=blocks, kv_budget_bytes=None,
@@ -133,8 +149,12 @@ def _engine(spec, loaded, probes: Probes, faults, block_size: int) -> Engine:
     return Engine(loaded.model, config, clock="virtual", pad_token_id=loaded.tokenizer.pad_token_id or 0)
 
 
-def measure(spec, loaded, probes: Probes, *, salts: str, faults=(), block_size: int = 16) -> list[TimingRow]:
+def measure(spec, loaded, probes: Probes, *, salts: str, faults=(),
+            block_size: int = EngineConfig.block_size) -> list[TimingRow]:
     """Run the experiment once with `salts` ("per_tenant" or "none"); a row per clock."""
+    from kvtui.scenario.plan import derive_seed
+    from kvtui.scenario.tenants import TenantPlan, Tenants
+
     prober = _Prober(_engine(spec, loaded, probes, faults, block_size),
                      TenantPlan(Tenants(count=2, cache_salt=salts), spec.seed, derive_seed))
     for prompt in probes.victims:
@@ -160,7 +180,7 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def run_timing_audit(spec, loaded, *, faults=(), probes: int = 16, console=None) -> list[TimingRow]:
+def run_timing_audit(spec, loaded, *, faults=(), probes: int = DEFAULT_PROBES, console=None) -> list[TimingRow]:
     """The experiment with per-tenant salts and without salts (see the module docstring)."""
     block_size = spec.engine.block_size
     probe_set = make_probes(loaded.tokenizer, spec.seed, count=probes, block_size=block_size)

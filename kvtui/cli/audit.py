@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvtui.audit_timing import DEFAULT_PROBES, DEFAULT_TARGET_BLOCK_SIZE
 from kvtui.cli.console import EXIT_CONTAMINATION, err, fail, out
 from kvtui.cli.inputs import check_lengths, load_model, load_scenario, refuse_idle_faults
 from kvtui.cli.options import (
@@ -35,10 +36,10 @@ def audit(
                                          "KV): how well TTFT tells apart probes whose prefix another tenant has "
                                          "cached, with and without per-tenant salts.")] = False,
     probes: Annotated[int, typer.Option(help="--timing: probes of each class (matching / not).", min=2,
-                                        max=1000)] = 16,
+                                        max=1000)] = DEFAULT_PROBES,
     block_size: Annotated[Optional[int], typer.Option("--block-size", min=1, max=4096, help="--timing --target: "
                                                       "tokens per probe block when the server publishes no block "
-                                                      "size (vLLM does, in vllm:cache_config_info); default 64.",
+                                                      f"size (vLLM does, in vllm:cache_config_info); default {DEFAULT_TARGET_BLOCK_SIZE}.",
                                                       rich_help_panel=TARGET_PANEL)] = None,
     cache_salt: Annotated[SaltMode, typer.Option("--cache-salt", help="--timing --target: per_tenant: kvtui gives "
                                                  "each tenant its own cache_salt (does the server honour it?); "

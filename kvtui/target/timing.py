@@ -11,7 +11,7 @@ non-matching one's), 1.0 telling every guess apart, 0.5 chance.
 Probes are sized to the server's KV block (prefix caches reuse whole blocks): vLLM publishes it in
 the labels of `vllm:cache_config_info` (`block_size`, with `enable_prefix_caching`), as `kvtui serve`
 does; for a server that does not (llama.cpp, whose prompt cache reuses any prefix), `--block-size`,
-else DEFAULT_BLOCK_SIZE tokens. Prompts are sent as token ids to the completions API, so the blocks
+else DEFAULT_TARGET_BLOCK_SIZE tokens. Prompts are sent as token ids to the completions API, so the blocks
 fall where they are meant to.
 
 Three configurations, each with fresh prompts (nothing one leaves in the cache helps another):
@@ -43,12 +43,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvtui.audit_timing import make_probes, roc_auc
+from kvtui.audit_timing import DEFAULT_PROBES, DEFAULT_TARGET_BLOCK_SIZE, make_probes, roc_auc
 from kvtui.target.openai import COMPLETIONS_PATH, stream_request
 from kvtui.target.server_probe import parse_info
 from kvtui.target.session import TargetError
 
-DEFAULT_BLOCK_SIZE = 64  # tokens; a server that publishes no block size (llama.cpp reuses any prefix)
 AUC_LIMIT = 0.9
 CONFIGS = ("different", "same", "none")
 CONFIG_TEXT = {"different": "different salts", "same": "same salt (control)", "none": "no salt"}
@@ -114,7 +113,7 @@ def verdict(rows: list[TargetTimingRow], cache_salt: str) -> TimingVerdict:
 
 async def server_cache(client: httpx.AsyncClient, block_size: int | None) -> ServerCache:
     """The block size to size probes to: `block_size` when given, else vLLM's `vllm:cache_config_info`
-    labels on /metrics, else DEFAULT_BLOCK_SIZE."""
+    labels on /metrics, else DEFAULT_TARGET_BLOCK_SIZE."""
     info: dict[str, str] = {}
     try:
         response = await client.get("/metrics", timeout=10.0)
@@ -129,7 +128,7 @@ async def server_cache(client: httpx.AsyncClient, block_size: int | None) -> Ser
     published = info.get("block_size", "")
     if published.isdigit() and int(published) > 0:
         return ServerCache(int(published), "vllm:cache_config_info", caching)
-    return ServerCache(DEFAULT_BLOCK_SIZE, "default: the server publishes none", caching)
+    return ServerCache(DEFAULT_TARGET_BLOCK_SIZE, "default: the server publishes none", caching)
 
 
 class _Prober:
@@ -206,7 +205,7 @@ async def _audit(options, tokenizer, *, probes: int, block_size: int | None, say
         return cache, rows
 
 
-def run_target_timing(options, tokenizer, *, probes: int = 16, block_size: int | None = None,
+def run_target_timing(options, tokenizer, *, probes: int = DEFAULT_PROBES, block_size: int | None = None,
                       console=None) -> tuple[ServerCache, list[TargetTimingRow]]:
     """The three configurations against the server in `options` (a TargetOptions: url, served_model,
     timeout_s, transport); returns what the server said of its cache and one row per configuration.
