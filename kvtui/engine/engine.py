@@ -1,4 +1,4 @@
-"""Engine: submit requests, step the batch, get a StepReport. schedule -> run -> postprocess.
+"""Engine: submit requests, step the batch, get a StepEvent. schedule -> run -> postprocess.
 
 Clocks: with clock="wall" timestamps are measured seconds since the engine started. With
 clock="virtual" time advances only by a modeled step duration (StepCostModel), so a given
@@ -21,7 +21,7 @@ from kvtui.engine.faults import MASK_FAULTS, StaleStart, racy_forward, stale_slo
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.paged import PagedCache
-from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
+from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import draw_token, make_generator
@@ -156,7 +156,7 @@ class Engine:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
-        StepReport's `finished`, never raised, so one request's bad input never reaches the batch.
+        StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
         Raises:
@@ -282,7 +282,7 @@ class Engine:
         return len(self.scheduler.running)
 
     # -- stepping -----------------------------------------------------------------------------
-    def step(self) -> StepReport:
+    def step(self) -> StepEvent:
         """One engine step: admit waiting requests into free slots, plan the batch, run one forward,
         sample and retire finished requests, report (schedule -> run -> postprocess). While the clock is
         paused, the step runs with it going (and it stops again after)."""
@@ -305,7 +305,7 @@ class Engine:
         abort them before stepping again."""
         self.runner.cache.interrupt.set()
 
-    def _step(self) -> StepReport:
+    def _step(self) -> StepEvent:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
         stale = self._admit(start_s, faults)
@@ -401,7 +401,7 @@ class Engine:
                                                                    stats.key_cells)
         return self.now()
 
-    def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningRequestReport, ...]:
+    def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
         running = []
@@ -412,7 +412,7 @@ class Engine:
                 running.append(self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s))
         return tuple(running)
 
-    def _advance(self, chunk, logits, facts, end_s: float) -> RunningRequestReport:
+    def _advance(self, chunk, logits, facts, end_s: float) -> RunningEntry:
         request = chunk.request
         request.faults_seen = request.faults_seen | self._faults
         request.cache_len = chunk.end_pos
@@ -430,10 +430,10 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
-        return RunningRequestReport(request.request_id, None if self.paged else chunk.slot, chunk.end_pos,
-                                    chunk.num_tokens, token, chunk.phase, gap, nonfinite,
-                                    request.ttft_s if first else None, chunk.blocks,
-                                    logprobs)
+        return RunningEntry(request_id=request.request_id, slot=None if self.paged else chunk.slot,
+                            cache_len=chunk.end_pos, query_tokens=chunk.num_tokens, token_id=token, phase=chunk.phase,
+                            top2_gap=gap, nonfinite=nonfinite, ttft_s=request.ttft_s if first else None,
+                            blocks=chunk.blocks, logprobs=logprobs)
 
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
@@ -510,26 +510,25 @@ class Engine:
             r.faults_seen, r.tenant, r.finish_code, tuple(r.draws))
 
     def _pool_fields(self) -> dict:
-        """Occupancy fields of a StepReport: slots, or with paged KV running requests (of max_batch_size)
-        and blocks (kv_usage is then vLLM's kv_cache_usage_perc, by blocks)."""
+        """Occupancy fields of a StepEvent: running requests (of max_batch_size), and slots, or with paged
+        KV blocks (kv_usage is then vLLM's kv_cache_usage_perc, by blocks)."""
         pool = self.pool
         kv_tokens = sum(r.cache_len for r in self.scheduler.running)
+        common = dict(num_running=len(self.scheduler.running), max_batch_size=self.config.max_batch_size,
+                      kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens)
         if not self.paged:
-            return dict(slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
-                        kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
+            return dict(common, slots_used=pool.num_used, num_slots=pool.num_slots,
                         kv_usage=kv_tokens / pool.capacity_tokens)
-        running, fields = len(self.scheduler.running), self.blocks.report_fields()
-        return dict(slots_used=running, num_slots=self.config.max_batch_size,
-                    slot_occupancy=running / self.config.max_batch_size, kv_tokens=kv_tokens,
-                    kv_capacity_tokens=pool.capacity_tokens, kv_usage=fields["kv_cache_usage_perc"], **fields)
+        fields = self.blocks.report_fields()
+        return dict(common, kv_usage=fields["kv_cache_usage_perc"], **fields)
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
-                running: tuple[RunningRequestReport, ...], stale: tuple[StaleStart, ...]) -> StepReport:
+                running: tuple[RunningEntry, ...], stale: tuple[StaleStart, ...]) -> StepEvent:
         stats = outcome.stats
         finished = tuple(self._retire(r) for r in self._pending_finished)
         self._pending_finished.clear()
-        return StepReport(
-            step=self.step_index, start_s=start_s, end_s=self.now(), wall_s=wall_s, layout=self.config.layout,
+        return StepEvent(
+            step=self.step_index, start_s=start_s, t=self.now(), wall_s=wall_s, layout=self.config.layout,
             rows=stats.rows, prefill_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "prefill"),
             decode_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "decode"),
             query_positions=stats.query_positions, padded_positions=stats.padded_positions,
@@ -542,7 +541,7 @@ class Engine:
             stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale),
         )
 
-    def run_until_done(self, max_steps: int = 100_000) -> list[StepReport]:
+    def run_until_done(self, max_steps: int = 100_000) -> list[StepEvent]:
         """Step until no request is left (tests and solo runs). Raises RuntimeError past max_steps."""
         reports = []
         while self.has_unfinished():

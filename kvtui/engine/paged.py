@@ -17,7 +17,7 @@ import torch
 
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
 from kvtui.engine.kv_pool import PagedKVPool
-from kvtui.engine.report import PrefixHitReport, ReusedBlockReport
+from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
 from kvtui.engine.scheduler import Scheduler, StepPlan
 
@@ -42,7 +42,7 @@ class PagedCache:
         self.serial_of = serial_of
         self.borrowed: dict[str, list[int]] = {}  # request -> writer serial allowed at each reused position
         self.num_preemptions = 0
-        self._hits: list[PrefixHitReport] = []
+        self._hits: list[PrefixHitEntry] = []
         self._preempted: list[str] = []
         self._counted = (0, 0, 0)  # queries, hits, cross-tenant hits at the last report
         self.cross_tenant_hits = 0
@@ -90,12 +90,14 @@ class PagedCache:
         return out
 
     def _note_hit(self, request: RequestState, admission: Admission) -> None:
-        blocks = tuple(ReusedBlockReport(r.index, r.block_id, r.tokens, r.origin.writer, r.origin.tenant,
-                                         r.origin.salt, r.origin.true_key.hex()[:16], r.reader_key.hex()[:16])
+        blocks = tuple(ReusedBlockEntry(index=r.index, block=r.block_id, tokens=r.tokens, writer=r.origin.writer,
+                                        writer_tenant=r.origin.tenant, writer_salt=r.origin.salt,
+                                        writer_key=r.origin.true_key.hex()[:16], reader_key=r.reader_key.hex()[:16])
                        for r in admission.reused)
         self.cross_tenant_hits += sum(r.tokens for r in admission.reused if r.origin.tenant != request.tenant)
-        self._hits.append(PrefixHitReport(request.request_id, request.tenant, salt_digest(request.cache_salt),
-                                          admission.hit_tokens, request.prefill_len, blocks))
+        self._hits.append(PrefixHitEntry(request_id=request.request_id, tenant=request.tenant,
+                                         salt=salt_digest(request.cache_salt), hit_tokens=admission.hit_tokens,
+                                         query_tokens=request.prefill_len, blocks=blocks))
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -139,7 +141,7 @@ class PagedCache:
         return expected
 
     def report_fields(self) -> dict:
-        """The StepReport fields of paged KV for the step just run (counters since the last report)."""
+        """The StepEvent fields of paged KV for the step just run (counters since the last report)."""
         m = self.manager
         queries, hits, cross = self._counted
         self._counted = (m.queries, m.hits, self.cross_tenant_hits)
