@@ -47,7 +47,7 @@ def _note(event, neighbours: dict[str, set[str]], outputs: dict[str, list[int]])
     if isinstance(event, Finish):
         outputs[event.request_id] = list(event.output_ids)
     elif isinstance(event, StepEvent):
-        ids = [r.id for r in event.running]
+        ids = [r.request_id for r in event.running]
         for rid in ids:
             neighbours.setdefault(rid, set()).update(i for i in ids if i != rid)
 

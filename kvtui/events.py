@@ -4,9 +4,10 @@ Every producer (session, detectors, audit) builds these, every consumer (recorde
 dashboard's state, replay) reads them, and a recording is these models serialized one per line
 (JSON Lines). Times (`t` and every `*_s` field) are seconds on the run's clock; token counts are tokens.
 
-Wire format: version 2. It adds to version 1 only optional fields, so a version-1 recording reads
-with these same models (`parse_event`), and `kvtui replay` plays both. recordings/README.md lists
-every field of every type.
+Wire format: version 3. Version 2 added to version 1 only optional fields; version 3 renamed the
+`step` fields to the engine's own names (one step type, StepEvent, made by the engine and recorded as
+it is). `parse_event` reads all three: a version-1 or -2 step line is mapped onto StepEvent on read,
+so `kvtui replay` plays every version. recordings/README.md lists every field of every type.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from kvtui.faults import ContaminationKind
 
 FORMAT = "kvtui-recording"
 UNCOUNTED_KINDS = ("numeric", "unknown")  # contamination kinds that are reported but never counted
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class _Frozen(BaseModel):
@@ -132,22 +133,73 @@ class Finish(_Frozen):
 
 
 # -- steps --------------------------------------------------------------------------------------------
+# One type per step, made by the engine (`Engine.step()` returns a StepEvent) and recorded as it is: the
+# session only adds each sampled token's text (`piece`). Fields marked `exclude=True` stay in memory
+# (they hold engine objects or facts recorded by other events) and are not written to a recording.
 class RunningEntry(_Frozen):
-    """One request's part in a step."""
+    """One request that took part in a step.
 
-    id: str
-    slot: int | None  # None with paged KV
+    Attributes:
+        request_id, slot: who and where (slot None with paged KV).
+        cache_len: tokens in its cache after the step (tokens).
+        query_tokens: tokens it fed this step (a prompt chunk, or 1 when decoding).
+        token_id: the token sampled this step, or None while a chunked prefill is unfinished.
+        phase: "prefill" or "decode".
+        piece: the sampled token's text (the session decodes it, so replays need no tokenizer).
+        blocks: (v2, paged KV) its block table.
+        logprobs: (v2) when the request asked for them (SamplingParams.logprobs), (token id, logprob) pairs:
+            the sampled token first, then the k most likely tokens in descending order; natural logs of
+            log_softmax over the float32 logits. None otherwise.
+    In memory only (not recorded):
+        top2_gap: top-1 minus top-2 logit of the sampled position (None without a sample); a small gap
+            marks a near tie that numerical batch variance may flip.
+        nonfinite: the logits held NaN or inf.
+        ttft_s: time to first token (seconds) when this step sampled its first token, else None (recorded
+            as a request.first_token event).
+    """
+
+    request_id: str
+    slot: int | None
     cache_len: int
-    q: int  # tokens fed this step
-    token: int | None  # token sampled this step, None during an unfinished chunked prefill
+    query_tokens: int
+    token_id: int | None
     phase: Literal["prefill", "decode"]
-    piece: str | None = None  # the sampled token's text
-    blocks: tuple[int, ...] | None = None  # (v2, paged KV) its block table
-    # (v2) when the request asked for them: (token id, logprob) of the sampled token, then the top k
+    piece: str | None = None
+    blocks: tuple[int, ...] | None = None
     logprobs: tuple[tuple[int, float], ...] | None = None
+    top2_gap: float | None = Field(default=None, exclude=True)
+    nonfinite: bool = Field(default=False, exclude=True)
+    ttft_s: float | None = Field(default=None, exclude=True)
 
 
 class TaintEntry(_Frozen):
+    """A request whose mask let it read cache positions it does not own (slot_taint).
+
+    Attributes:
+        request_id: the victim.
+        sources: request ids whose keys it could read ("<unwritten>" / "<pad>" for never-written or pad
+            positions), most positions first.
+        positions: number of (query, key) cells affected.
+        examples: up to 5 (slot, position, owner) of the keys read; paged KV: (block, offset, owner).
+    """
+
+    request_id: str
+    sources: tuple[str, ...]
+    positions: int
+    examples: tuple[tuple[int, int, str], ...]
+
+
+class NonfiniteEntry(_Frozen):
+    """A request whose logits were not finite, and who wrote the non-finite K/V it was allowed to read.
+
+    Attributes:
+        request_id: the request with non-finite logits.
+        sources: writers of the non-finite positions it could read (its own id when it wrote them itself;
+            "<unwritten>" / "<pad>" as in TaintEntry), most positions first.
+        positions: how many such positions.
+        examples: up to 5 (slot, position, writer).
+    """
+
     request_id: str
     sources: tuple[str, ...]
     positions: int
@@ -155,6 +207,16 @@ class TaintEntry(_Frozen):
 
 
 class FlowEntry(_Frozen):
+    """Attention mass a request's queries put on keys written by others (attention_flow).
+
+    Attributes:
+        request_id: the victim.
+        foreign_mass: max over its query positions of the mean (over layers and heads) attention
+            probability on keys written by other requests, in [0, 1].
+        pad_mass: the same for never-written or pad keys.
+        top_source: the request whose keys got the most mass, or None.
+    """
+
     request_id: str
     foreign_mass: float
     pad_mass: float
@@ -162,7 +224,16 @@ class FlowEntry(_Frozen):
 
 
 class ReusedBlockEntry(_Frozen):
-    """One block a prefix-cache hit reused (see kvtui/engine/report.py ReusedBlockReport)."""
+    """One block a prefix-cache hit handed to a request, and where its contents came from.
+
+    Attributes:
+        index: its place in the reader's block table; block: the block id; tokens: tokens reused.
+        writer, writer_tenant, writer_salt: the request that computed the block, its tenant, a digest of
+            its cache_salt (None: no salt).
+        writer_key, reader_key: content keys (hex: tokens chained to the whole prefix, no salt, no fault)
+            of the block's contents and of what the reader would have computed there. A sound reuse has
+            equal keys and the reader's own salt.
+    """
 
     index: int
     block: int
@@ -175,7 +246,13 @@ class ReusedBlockEntry(_Frozen):
 
 
 class PrefixHitEntry(_Frozen):
-    """A request admitted with part of its prefill from the prefix cache (paged KV)."""
+    """A request admitted with part of its prompt from the prefix cache (paged KV, prefix caching).
+
+    Attributes:
+        request_id, tenant, salt: the reader, its tenant, the digest of its cache_salt.
+        hit_tokens: tokens taken from the cache; query_tokens: tokens it looked up (its prefill).
+        blocks: the reused blocks.
+    """
 
     request_id: str
     tenant: str | None
@@ -186,10 +263,50 @@ class PrefixHitEntry(_Frozen):
 
 
 class StepEvent(_Frozen):
-    """One engine step (the engine's StepReport; see kvtui/engine/report.py for each field)."""
+    """What one `Engine.step()` did: the engine's report and the recorded `step` line, one type.
+
+    Attributes:
+        t: engine clock at the end of the step; start_s: at its start (seconds; modeled on the virtual
+            clock, measured on the wall clock). wall_s: measured wall time of the step (seconds).
+        step: step index (0-based).
+        layout: "padded" or "packed".
+        rows: rows of the model input (requests in padded layout, 1 in packed, 0 when idle).
+        prefill_tokens, decode_tokens: real tokens fed (tokens).
+        query_positions: positions computed on the query side, pads included (rows x query length).
+        padded_positions: query positions that were padding (tokens).
+        padding_ratio: padded_positions / query_positions (query side; 0 when idle).
+        key_positions, key_padded_positions, key_padding_ratio: the same on the key side (mask cells per
+            query row that hold no key of the row's own request).
+        num_running: requests running after the step; max_batch_size: the most that may (EngineConfig).
+        slots_used, num_slots: (slot KV only; None and not recorded with paged KV) slots owned after the
+            step and slots in the pool.
+        kv_tokens, kv_capacity_tokens, kv_usage: cached tokens after the step, pool capacity, share (with
+            paged KV, kv_usage is kv_cache_usage_perc, by blocks).
+        running: RunningEntry per request in the step.
+        num_waiting: requests queued after the step.
+        faults: isolation faults active in the step.
+        taint: TaintEntry per request that could read cache positions it does not own (slot_taint on).
+        flow: FlowEntry per request (attention_flow on).
+        errors: (request_id, error text) for requests whose forward raised under a fault.
+        stale_starts: (request_id, slot, previous owner, tokens kept) for slots reused stale.
+        kv: "slots" or "paged". The rest is paged KV only (None or empty, and not recorded, with slots):
+        num_blocks, blocks_used: usable blocks (the null block excluded) and those in use.
+        kv_cache_usage_perc: blocks_used / num_blocks (vLLM's metric; cached free blocks are free).
+        num_preemptions: requests preempted this step (preempted: their ids).
+        prefix_cache_queries, prefix_cache_hits: tokens looked up / found in the prefix cache this step;
+        prefix_cache_cross_tenant_hits: of the hits, tokens of blocks another tenant computed.
+        prefix_hits: PrefixHitEntry per request admitted with a cache hit this step.
+        block_state: one character per block (BlockManager.state: `_` null, `.` free, `c` cached free,
+            digits: reference count); block_tables: (request id, block table) per running request.
+    In memory only (not recorded):
+        finished: kvtui.engine.FinishedRequestReport per request that left during the step (the session
+            records each as a request.finish event); the engine forgets them once the step is out.
+        nonfinite: NonfiniteEntry per request whose logits were not finite (slot_taint or attention_flow
+            on); recorded as the contamination events the detectors make of them.
+    """
 
     type: Literal["step"] = "step"
-    t: float  # end of the step
+    t: float
     step: int
     start_s: float
     wall_s: float
@@ -203,9 +320,10 @@ class StepEvent(_Frozen):
     key_positions: int
     key_padded_positions: int
     key_padding_ratio: float
-    slots_used: int
-    num_slots: int
-    slot_occupancy: float
+    num_running: int
+    max_batch_size: int
+    slots_used: int | None = None
+    num_slots: int | None = None
     kv_tokens: int
     kv_capacity_tokens: int
     kv_usage: float
@@ -216,7 +334,6 @@ class StepEvent(_Frozen):
     flow: tuple[FlowEntry, ...] = ()
     errors: tuple[tuple[str, str], ...] = ()
     stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
-    foreign_attention: dict[str, float] | None = None
     # (v2, paged KV only; absent with slots)
     kv: Literal["slots", "paged"] = "slots"
     num_blocks: int | None = None
@@ -230,12 +347,61 @@ class StepEvent(_Frozen):
     prefix_hits: tuple[PrefixHitEntry, ...] = ()
     block_state: str | None = None
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # in memory only
+    finished: tuple[Any, ...] = Field(default=(), exclude=True)
+    nonfinite: tuple[NonfiniteEntry, ...] = Field(default=(), exclude=True)
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens fed this step (prefill + decode)."""
+        return self.prefill_tokens + self.decode_tokens
+
+    @property
+    def occupancy(self) -> float:
+        """Share of the batch in use after the step: slots_used / num_slots with slots, num_running /
+        max_batch_size with paged KV (0..1)."""
+        if self.num_slots is not None:
+            return self.slots_used / self.num_slots if self.num_slots else 0.0
+        return self.num_running / self.max_batch_size if self.max_batch_size else 0.0
+
+    def to_json(self) -> str:
+        """One line of the recording, without the fields of the other KV mode."""
+        return self.model_dump_json(by_alias=True, exclude=self._other_mode())
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json", by_alias=True, exclude=self._other_mode())
+
+    def _other_mode(self) -> set[str]:
+        return set(PAGED_STEP_FIELDS if self.kv == "slots" else SLOT_STEP_FIELDS)
 
 
-# StepEvent fields that only paged KV fills (dropped from a slots run's step events)
+# StepEvent fields that only paged KV fills (not recorded for a slots run), and those only slots fill
 PAGED_STEP_FIELDS = ("kv", "num_blocks", "blocks_used", "kv_cache_usage_perc", "num_preemptions", "preempted",
                      "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cross_tenant_hits", "prefix_hits",
                      "block_state", "block_tables")
+SLOT_STEP_FIELDS = ("slots_used", "num_slots")
+
+
+def _step_v2(data: dict, engine: dict | None) -> dict:
+    """A version-1 or -2 `step` line in this version's names: running entries' `id`, `q`, `token` become
+    `request_id`, `query_tokens`, `token_id`; `slots_used` / `num_slots` meant running requests and
+    max_batch_size under paged KV (`num_running`, `max_batch_size` now), slots with slot KV (kept, and
+    `num_running` taken from `slots_used`: each running request owns one slot); `slot_occupancy` and
+    `foreign_attention` (flow's foreign_mass, rounded) are derived, no longer stored. `engine`: the
+    header's engine config, for max_batch_size of a slot run."""
+    data = dict(data)
+    used, total = data.pop("slots_used", 0), data.pop("num_slots", 0)
+    data.pop("slot_occupancy", None)
+    data.pop("foreign_attention", None)
+    if data.get("kv", "slots") == "paged":
+        data.update(num_running=used, max_batch_size=total)
+    else:
+        data.update(num_running=used, max_batch_size=int((engine or {}).get("max_batch_size") or total),
+                    slots_used=used, num_slots=total)
+    data["running"] = [{"request_id": r["id"], "query_tokens": r["q"], "token_id": r["token"],
+                        **{k: v for k, v in r.items() if k not in ("id", "q", "token")}}
+                       for r in data.get("running", ())]
+    return data
 
 
 # -- contamination ------------------------------------------------------------------------------------
@@ -531,12 +697,17 @@ EVENT_TYPES: dict[str, type[_Frozen]] = {
               ReferenceStatus, ServerSample, Summary)}
 
 
-def parse_event(data: dict) -> _Frozen:
+def parse_event(data: dict, version: int = VERSION, engine: dict | None = None) -> _Frozen:
     """A recorded line (already JSON-decoded) as its typed event; the header too.
 
+    Args:
+        version: the recording's format version (its header's); a `step` line of version 1 or 2 is
+            mapped onto this version's names first. engine: the header's engine config (for that mapping).
     Raises:
         pydantic.ValidationError: the line does not match its type (or names no known type).
     """
     if isinstance(data, dict) and data.get("type") == "header":
         return Header.model_validate(data)
+    if version < 3 and isinstance(data, dict) and data.get("type") == "step":
+        data = _step_v2(data, engine)
     return _EVENT.validate_python(data)

@@ -213,7 +213,7 @@ class Metrics:
             self.busy_steps += 1
             self.padding_sum += e.padding_ratio
             self.key_padding_sum += e.key_padding_ratio
-        self.peak_slot_occupancy = max(self.peak_slot_occupancy, e.slot_occupancy)
+        self.peak_slot_occupancy = max(self.peak_slot_occupancy, e.occupancy)
         self.peak_kv_usage = max(self.peak_kv_usage, e.kv_usage)
         self.peak_waiting = max(self.peak_waiting, e.num_waiting)
         self.last = e

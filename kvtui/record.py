@@ -4,8 +4,9 @@ Line 1 is a header (format, version, kvtui/torch/transformers versions, scenario
 seed, model id and file hash, engine config, clock, which figures are measured and which modeled).
 Then events, each with "type" and "t" (seconds on the run's clock): request.arrive, step,
 request.first_token, request.finish, contamination, fault, timeline, marker. The last line is a
-summary. A killed run's file reads back up to its last whole line. Version 2 is written; version 1
-files read with the same types. recordings/README.md documents every field.
+summary. A killed run's file reads back up to its last whole line. Version 3 is written; version 1
+and 2 files read with the same types (their step lines mapped onto today's names, see
+kvtui.events.parse_event). recordings/README.md documents every field.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def _lock(fd: int) -> None:
 
 
 def read_recording(path: str | Path) -> tuple[Header, list, Summary | None, bool]:
-    """Read a recording (version 1 or 2): (header, typed events, summary or None, truncated).
+    """Read a recording (version 1, 2 or 3): (header, typed events, summary or None, truncated).
 
     A last line cut mid-write (killed run) is dropped and `truncated` is True.
 
@@ -196,7 +197,7 @@ def read_recording(path: str | Path) -> tuple[Header, list, Summary | None, bool
             header = _header(path, data)
             continue
         try:
-            event = parse_event(data)
+            event = parse_event(data, *((header.version, header.engine) if header else ()))
         except pydantic.ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])

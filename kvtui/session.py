@@ -23,20 +23,16 @@ from kvtui.detect.provenance import ProvenanceDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
 from kvtui.engine import Engine
 from kvtui.events import (
-    PAGED_STEP_FIELDS,
     Contamination,
     EngineErrorEvidence,
     FaultSwitch,
     Finish,
     FirstToken,
-    FlowEntry,
     Header,
     Marker,
     ModelInfo,
-    RunningEntry,
     StepEvent,
     Summary,
-    TaintEntry,
     TimelineApplied,
 )
 from kvtui.faults import check_fault_names
@@ -400,30 +396,23 @@ class Session:
         """A submission from outside (serve) or a planned arrival that is due: the engine has work."""
         return self._external_ready.is_set() or bool(self.pending and self.pending[0].arrival_s <= self.engine.now())
 
-    def _emit_step(self, report) -> list[tuple[str, str]]:
+    def _emit_step(self, report: StepEvent) -> list[tuple[str, str]]:
         """Emit the step event (each new token's text included, so replays need no tokenizer), stale
         starts and first tokens; returns (request id, new text) per sampled token."""
-        running, pieces = [], []
-        for r in report.running:
-            piece = None
-            if r.new_token_id is not None:
-                piece = self.tokenizer.decode([r.new_token_id], skip_special_tokens=True)
-                pieces.append((r.request_id, piece))
-            running.append(RunningEntry(id=r.request_id, slot=r.slot, cache_len=r.cache_len, q=r.query_tokens,
-                                        token=r.new_token_id, phase=r.phase, piece=piece, blocks=r.blocks,
-                                        logprobs=r.logprobs))
-        self.emit(_step_event(report, tuple(running)))
+        pieces = [(r.request_id, self.tokenizer.decode([r.token_id], skip_special_tokens=True))
+                  for r in report.running if r.token_id is not None]
+        self.emit(_with_pieces(report, dict(pieces)))
         for request_id, slot, previous, kept in report.stale_starts:
-            self.emit(Marker(t=report.end_s, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
+            self.emit(Marker(t=report.t, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
                                                   f"{previous} kept (stale_slot)"))
         for r in report.running:
             if r.ttft_s is not None:
-                self.emit(FirstToken(t=report.end_s, request_id=r.request_id, ttft_s=r.ttft_s))
+                self.emit(FirstToken(t=report.t, request_id=r.request_id, ttft_s=r.ttft_s))
         return pieces
 
     def _detect(self, report, pieces: list[tuple[str, str]]) -> None:
         """The step's in-engine signals (errors, slot_taint, attention_flow) and canary text checks."""
-        t = report.end_s
+        t = report.t
         for request_id, text in report.errors:
             self.emit(Contamination(t=t, step=report.step, detector="engine", kind="corruption", victim=request_id,
                                     evidence=EngineErrorEvidence(error=text)))
@@ -441,7 +430,7 @@ class Session:
         for f in report.finished:
             finish = self._finish_event(f)
             if self.canary is not None and f.finish_reason != "rejected":
-                for event in self.canary.on_finish(f.request_id, finish.output_text, report.end_s, report.step):
+                for event in self.canary.on_finish(f.request_id, finish.output_text, report.t, report.step):
                     self.emit(event)
             self.emit(finish)
             steps, cobatched, earlier = self._trails.pop(f.request_id)
@@ -651,7 +640,7 @@ class _Trails:
                 owners = self.slot_owners.setdefault(r.slot, deque(maxlen=4))
                 self.earlier[r.request_id] = tuple(owners)
                 owners.append(r.request_id)
-            if r.new_token_id is not None:
+            if r.token_id is not None:
                 self.steps.setdefault(r.request_id, []).append(report.step)
                 self.cobatched.setdefault(r.request_id, []).append(tuple(i for i in ids if i != r.request_id))
 
@@ -660,16 +649,11 @@ class _Trails:
                 self.earlier.pop(request_id, ()))
 
 
-def _step_event(report, running: tuple[RunningEntry, ...]) -> StepEvent:
-    """The `step` event for a StepReport (finished requests get their own request.finish events)."""
-    data = asdict(report)
-    for key in ("finished", "running", "taint", "flow", "nonfinite", "end_s") + (PAGED_STEP_FIELDS if report.kv == "slots"
-                                                                                 else ()):
-        data.pop(key)
-    return StepEvent(
-        **data, t=report.end_s, running=running,
-        taint=tuple(TaintEntry(request_id=r.request_id, sources=r.sources, positions=r.positions,
-                               examples=r.examples) for r in report.taint),
-        flow=tuple(FlowEntry(request_id=f.request_id, foreign_mass=f.foreign_mass, pad_mass=f.pad_mass,
-                             top_source=f.top_source) for f in report.flow),
-        foreign_attention={f.request_id: round(f.foreign_mass, 6) for f in report.flow} or None)
+def _with_pieces(report: StepEvent, pieces: dict[str, str]) -> StepEvent:
+    """The engine's step with each sampled token's text (`piece`, by request id) filled in: the event the
+    session records (its finished requests get their own request.finish events)."""
+    if not pieces:
+        return report
+    running = tuple(r.model_copy(update={"piece": pieces[r.request_id]}) if r.request_id in pieces else r
+                    for r in report.running)
+    return report.model_copy(update={"running": running})

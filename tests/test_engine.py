@@ -23,11 +23,11 @@ def test_first_step_report_counts(tiny):
     assert r.padding_ratio == pytest.approx(0.2)
     # key side: a's 3 queries see 3 of 5 key columns (2 cache pads each)
     assert (r.key_positions, r.key_padded_positions) == (8 * 5, 3 * 2)
-    assert (r.slots_used, r.num_slots, r.slot_occupancy) == (2, 2, 1.0)
+    assert (r.num_running, r.slots_used, r.num_slots, r.occupancy) == (2, 2, 2, 1.0)
     assert (r.kv_tokens, r.kv_capacity_tokens) == (8, 128)
     assert [(x.request_id, x.slot, x.cache_len, x.phase) for x in r.running] == [("a", 0, 3, "prefill"),
                                                                                  ("b", 1, 5, "prefill")]
-    assert all(x.new_token_id is not None for x in r.running)
+    assert all(x.token_id is not None for x in r.running)
     r2 = engine.step()
     assert (r2.prefill_tokens, r2.decode_tokens, r2.padded_positions) == (0, 2, 0)
     assert [x.cache_len for x in r2.running] == [4, 6]
@@ -40,7 +40,7 @@ def test_chunked_prefill_within_token_budget(tiny):
     long = engine.submit("long", prompt, SamplingParams(max_new_tokens=5))
     reports = engine.run_until_done()
     assert [r.prefill_tokens for r in reports[:4]] == [16, 16, 16, 2]
-    assert [r.running[0].new_token_id is None for r in reports[:4]] == [True, True, True, False]
+    assert [r.running[0].token_id is None for r in reports[:4]] == [True, True, True, False]
     assert long.generated_ids == solo(loaded, prompt, SamplingParams(max_new_tokens=5))
 
 

@@ -53,7 +53,8 @@ def test_paged_admission_is_bounded_by_max_batch_size_after_reconfigure(tiny):
     engine.reconfigure(max_batch_size=1)
     assert [r.request_id for r in engine.scheduler.admit(0.0)] == ["a"]
     report = engine.step()
-    assert (report.slots_used, report.num_slots, report.num_waiting) == (1, 1, 1)
+    assert (report.num_running, report.max_batch_size, report.num_waiting) == (1, 1, 1)
+    assert (report.slots_used, report.num_slots) == (None, None)  # no slots under paged KV
 
 
 def test_both_caches_implement_every_verb_of_the_interface():

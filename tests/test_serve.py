@@ -134,7 +134,7 @@ def test_a_stream_delivers_each_token_while_the_request_runs(tiny_server):
 
     def hold_after_three(event):  # a session listener (engine thread), after the bridge's: the token went out
         if isinstance(event, StepEvent):
-            tokens.extend(r.token for r in event.running if r.token is not None)
+            tokens.extend(r.token_id for r in event.running if r.token_id is not None)
             if len(tokens) == 3:
                 held.set()
                 release.wait(WAIT_S)

@@ -10,8 +10,7 @@ import pytest
 from rich.console import Console
 
 from kvtui.detect import CanaryDetector, EngineSignalDetector
-from kvtui.engine.observe import FlowReport, TaintReport
-from kvtui.events import parse_event
+from kvtui.events import FlowEntry, TaintEntry, parse_event
 from kvtui.faults import DEFAULT_ISOLATION_OFF, FAULTS, isolation_fault_set
 from kvtui.metrics import Metrics
 from kvtui.tui import panels
@@ -40,14 +39,14 @@ def first_token(rid, t):
 
 def step(n, t, running=(), prefill=0, decode=0, rows=None, padding=0.0, kv=0.0, waiting=0, slots=2, **extra):
     """running: (id, slot, cache_len, token, piece) tuples; phase from token is None / not."""
-    run = [{"id": i, "slot": s, "cache_len": c, "q": 1, "token": tok, "phase": "decode" if n else "prefill",
-            "piece": piece} for i, s, c, tok, piece in running]
+    run = [{"request_id": i, "slot": s, "cache_len": c, "query_tokens": 1, "token_id": tok,
+            "phase": "decode" if n else "prefill", "piece": piece} for i, s, c, tok, piece in running]
     return parse_event({
         "type": "step", "step": n, "start_s": max(t - 0.01, 0.0), "t": t, "wall_s": 0.01, "layout": "padded",
         "rows": len(run) if rows is None else rows, "prefill_tokens": prefill, "decode_tokens": decode,
         "query_positions": prefill + decode, "padded_positions": 0, "key_positions": 0, "key_padded_positions": 0,
-        "padding_ratio": padding, "key_padding_ratio": padding / 2, "slots_used": len(run), "num_slots": slots,
-        "slot_occupancy": len(run) / slots, "kv_tokens": 0, "kv_capacity_tokens": 128, "kv_usage": kv,
+        "padding_ratio": padding, "key_padding_ratio": padding / 2, "num_running": len(run), "max_batch_size": slots,
+        "slots_used": len(run), "num_slots": slots, "kv_tokens": 0, "kv_capacity_tokens": 128, "kv_usage": kv,
         "num_waiting": waiting, "running": run, **extra})
 
 
@@ -212,7 +211,7 @@ def test_finish_text_replaces_pieces():
 
 # -- contamination: reports made by the real detectors ------------------------------------------------
 class _Report:
-    """The StepReport fields EngineSignalDetector reads."""
+    """The StepEvent fields EngineSignalDetector reads."""
 
     def __init__(self, step, taint=(), flow=(), nonfinite=()):
         self.step, self.taint, self.flow, self.nonfinite = step, taint, flow, nonfinite
@@ -226,8 +225,8 @@ def detector_reports():
     canary.on_arrive("r2", P2)
     leak = canary.on_piece("r2", f"it is {P1}", 1.0, 7)
     signals = EngineSignalDetector().on_step(_Report(
-        8, taint=(TaintReport("r2", ("r1",), 12, ((0, 3, "r1"),)),),
-        flow=(FlowReport("r2", 0.73, 0.0, "r1"),)), 1.1)
+        8, taint=(TaintEntry(request_id="r2", sources=("r1",), positions=12, examples=((0, 3, "r1"),)),),
+        flow=(FlowEntry(request_id="r2", foreign_mass=0.73, pad_mass=0.0, top_source="r1"),)), 1.1)
     return leak + signals
 
 
@@ -246,15 +245,18 @@ def test_contamination_events_counts_victims_and_evidence():
                                                            "attention on foreign keys 0.730"]
 
 
-def test_foreign_attention_in_step_events_feeds_the_meter():
+def test_attention_flow_in_step_events_feeds_the_meter():
+    flow = [{"request_id": "r1", "foreign_mass": 0.0, "pad_mass": 0.0, "top_source": None},
+            {"request_id": "r2", "foreign_mass": 0.61, "pad_mass": 0.0, "top_source": "r1"}]
     s = feed(header(), arrive("r1"), arrive("r2"),
-             step(0, 0.1, [("r1", 0, 8, 1, "a"), ("r2", 1, 8, 1, "b")], foreign_attention={"r1": 0.0, "r2": 0.61}))
+             step(0, 0.1, [("r1", 0, 8, 1, "a"), ("r2", 1, 8, 1, "b")], flow=flow))
     masses = {r.id: r.attention_mass for r in snap_of(s).requests}
     assert masses == {"r1": 0.0, "r2": 0.61}
 
 
 def test_contamination_for_an_unknown_victim_creates_a_row():
-    (report,) = EngineSignalDetector().on_step(_Report(3, taint=(TaintReport("ghost", ("<unwritten>",), 10, ()),)), 0.5)
+    (report,) = EngineSignalDetector().on_step(_Report(3, taint=(TaintEntry(request_id="ghost", sources=("<unwritten>",), positions=10,
+                                                                       examples=()),)), 0.5)
     s = feed(header(), report)
     assert [r.id for r in snap_of(s).requests] == ["ghost"]
     assert (report.kind, report.source, snap_of(s).contamination[0].evidence) == ("corruption", None, "10 cells")

@@ -1,9 +1,9 @@
-"""slot_taint and attention_flow: turn the engine's per-step TaintReport / FlowReport / NonfiniteRead
+"""slot_taint and attention_flow: turn the engine's per-step TaintEntry / FlowEntry / NonfiniteEntry
 into events, once per (detector, victim, source) so a leak that lasts many steps is one event with its
 first step.
 
 Non-finite values do not blind them: when a request's logits are not finite, the engine names the
-writers of the NaN/inf K/V the request was allowed to read (NonfiniteRead). Another request's
+writers of the NaN/inf K/V the request was allowed to read (NonfiniteEntry). Another request's
 positions make it a `cross_request` event naming that request, from both detectors; its own or
 never-written positions make it `corruption`. A NaN attention mass is never compared with the
 threshold: the non-finite report stands for it.
@@ -19,7 +19,7 @@ FLOW_THRESHOLD = 1e-6  # attention mass on foreign keys; exactly 0.0 with isolat
 
 
 class EngineSignalDetector:
-    """Reads StepReport.taint, .flow and .nonfinite (the engine computes them when switched on)."""
+    """Reads StepEvent.taint, .flow and .nonfinite (the engine computes them when switched on)."""
 
     def __init__(self, *, taint: bool = True, flow: bool = True) -> None:
         self.taint = taint
@@ -28,7 +28,7 @@ class EngineSignalDetector:
         self._seen: set[tuple] = set()
 
     def on_step(self, report, t: float) -> list[Contamination]:
-        """Events for a StepReport's taint, flow and non-finite entries."""
+        """Events for a StepEvent's taint, flow and non-finite entries."""
         self.kv = getattr(report, "kv", "slots")  # paged KV: examples are (block, offset, writer)
         events = []
         if self.taint:

@@ -17,7 +17,7 @@ from kvtui.events import Contamination, ProvenanceEvidence
 
 
 class ProvenanceDetector:
-    """Reads StepReport.prefix_hits (paged KV with prefix caching)."""
+    """Reads StepEvent.prefix_hits (paged KV with prefix caching)."""
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, str]] = set()

@@ -6,10 +6,10 @@ Only runner.py calls the model; everything else is plain data or small tensor bu
 
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.engine import Engine, StepCostModel
-from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
+from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 
 __all__ = [
-    "Engine", "StepCostModel", "StepInterrupted", "StepReport", "RunningRequestReport", "FinishedRequestReport",
+    "Engine", "StepCostModel", "StepInterrupted", "StepEvent", "RunningEntry", "FinishedRequestReport",
     "RequestState", "RequestStatus", "FinishReason", "FinishCode", "SamplingParams",
 ]

@@ -1,4 +1,4 @@
-"""Engine: submit requests, step the batch, get a StepReport. schedule -> run -> postprocess.
+"""Engine: submit requests, step the batch, get a StepEvent. schedule -> run -> postprocess.
 
 Clocks: with clock="wall" timestamps are measured seconds since the engine started. With
 clock="virtual" time advances only by a modeled step duration (StepCostModel), so a given
@@ -22,7 +22,7 @@ from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.paged import PagedCache
-from kvtui.engine.report import FinishedRequestReport, RunningRequestReport, StepReport
+from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import draw_token, make_generator
@@ -157,7 +157,7 @@ class Engine:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
-        StepReport's `finished`, never raised, so one request's bad input never reaches the batch.
+        StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
         Raises:
@@ -281,7 +281,7 @@ class Engine:
         return len(self.scheduler.running)
 
     # -- stepping -----------------------------------------------------------------------------
-    def step(self) -> StepReport:
+    def step(self) -> StepEvent:
         """One engine step: admit waiting requests into free slots, plan the batch, run one forward,
         sample and retire finished requests, report (schedule -> run -> postprocess). While the clock is
         paused, the step runs with it going (and it stops again after)."""
@@ -304,7 +304,7 @@ class Engine:
         abort them before stepping again."""
         self.runner.cache.interrupt.set()
 
-    def _step(self) -> StepReport:
+    def _step(self) -> StepEvent:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
         self.scheduler.admit(start_s)
@@ -379,7 +379,7 @@ class Engine:
                                                                    stats.key_cells)
         return self.now()
 
-    def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningRequestReport, ...]:
+    def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
         running = []
@@ -390,7 +390,7 @@ class Engine:
                 running.append(self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s))
         return tuple(running)
 
-    def _advance(self, chunk, logits, facts, end_s: float) -> RunningRequestReport:
+    def _advance(self, chunk, logits, facts, end_s: float) -> RunningEntry:
         request = chunk.request
         request.faults_seen = request.faults_seen | self._faults
         request.cache_len = chunk.end_pos
@@ -407,10 +407,10 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
-        return RunningRequestReport(request.request_id, chunk.slot, chunk.end_pos,
-                                    chunk.num_tokens, token, chunk.phase, gap, nonfinite,
-                                    request.ttft_s if first else None, chunk.blocks,
-                                    logprobs)
+        return RunningEntry(request_id=request.request_id, slot=chunk.slot,
+                            cache_len=chunk.end_pos, query_tokens=chunk.num_tokens, token_id=token, phase=chunk.phase,
+                            top2_gap=gap, nonfinite=nonfinite, ttft_s=request.ttft_s if first else None,
+                            blocks=chunk.blocks, logprobs=logprobs)
 
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
@@ -482,17 +482,19 @@ class Engine:
             r.faults_seen, r.tenant, r.finish_code, tuple(r.draws))
 
     def _pool_fields(self) -> dict:
-        """Occupancy and KV fields of a StepReport, from the KV cache (slots, or with paged KV running
-        requests of max_batch_size and blocks; see SlotCache / PagedCache.report_fields)."""
-        return self.kv.report_fields(self.scheduler.running)
+        """Occupancy and KV fields of a StepEvent: running requests (of max_batch_size), and from the KV
+        cache slots, or with paged KV blocks (see SlotCache / PagedCache.report_fields)."""
+        running = self.scheduler.running
+        return dict(num_running=len(running), max_batch_size=self.config.max_batch_size,
+                    **self.kv.report_fields(running))
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
-                running: tuple[RunningRequestReport, ...]) -> StepReport:
+                running: tuple[RunningEntry, ...]) -> StepEvent:
         stats = outcome.stats
         finished = tuple(self._retire(r) for r in self._pending_finished)
         self._pending_finished.clear()
-        return StepReport(
-            step=self.step_index, start_s=start_s, end_s=self.now(), wall_s=wall_s, layout=self.config.layout,
+        return StepEvent(
+            step=self.step_index, start_s=start_s, t=self.now(), wall_s=wall_s, layout=self.config.layout,
             rows=stats.rows, prefill_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "prefill"),
             decode_tokens=sum(c.num_tokens for c in plan.chunks if c.phase == "decode"),
             query_positions=stats.query_positions, padded_positions=stats.padded_positions,
@@ -504,7 +506,7 @@ class Engine:
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
         )
 
-    def run_until_done(self, max_steps: int = 100_000) -> list[StepReport]:
+    def run_until_done(self, max_steps: int = 100_000) -> list[StepEvent]:
         """Step until no request is left (tests and solo runs). Raises RuntimeError past max_steps."""
         reports = []
         while self.has_unfinished():

@@ -21,7 +21,7 @@ The verbs, in the order of a request's life (units: tokens unless stated):
 | commit(request) | Engine, after the forward | note the tokens written (prefix caching) |
 | finish(request) | Scheduler.finish | free the request's KV |
 | expected_writers(batch, chunks, own) | Engine, isolation check | [R, K] writer serials allowed, or None |
-| report_fields(running) | Engine, step report | the StepReport's occupancy and KV fields |
+| report_fields(running) | Engine, step report | the StepEvent's KV fields |
 
 Admission is FIFO: the scheduler stops at the first request `admit` refuses. `ensure` returning None
 means no room this step; the scheduler then preempts the newest running request and asks again
@@ -93,5 +93,6 @@ class KVCache(Protocol):
         `own`: each chunk's request serial. (Not imported here: batching and the scheduler import this.)"""
 
     def report_fields(self, running: list[RequestState]) -> dict:
-        """StepReport fields for the step just run: occupancy (slots_used, num_slots, slot_occupancy,
-        kv_tokens, kv_capacity_tokens, kv_usage) and the cache's own (counters since the last report)."""
+        """StepEvent fields for the step just run: kv_tokens, kv_capacity_tokens, kv_usage, and the cache's
+        own (slots_used, num_slots and stale_starts for slots; blocks and prefix-cache counters since the
+        last report for paged KV). num_running and max_batch_size are the engine's."""

@@ -8,72 +8,17 @@ step, these functions compare the tags of the keys it could see (slot_taint) or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvtui.engine.batching import PAD_OWNER, BatchTensors
+from kvtui.events import FlowEntry, NonfiniteEntry, TaintEntry
 
 UNWRITTEN = -1
 PAD_WRITTEN = -2
 
 
-@dataclass(frozen=True)
-class TaintReport:
-    """A request whose mask let it read cache positions it does not own.
-
-    Attributes:
-        request_id: the victim.
-        sources: request ids whose keys it could read ("<unwritten>" / "<pad>" for never-written or
-            pad positions), most positions first.
-        positions: number of (query, key) cells affected.
-        examples: up to 5 (slot, position, owner) of the keys read; paged KV: (block, offset, owner).
-    """
-
-    request_id: str
-    sources: tuple[str, ...]
-    positions: int
-    examples: tuple[tuple[int, int, str], ...]
-
-
-@dataclass(frozen=True)
-class FlowReport:
-    """Attention mass a request's queries put on keys written by others.
-
-    Attributes:
-        request_id: the victim.
-        foreign_mass: max over its query positions of the mean (over layers and heads) attention
-            probability on keys written by other requests, in [0, 1].
-        pad_mass: the same for never-written or pad keys.
-        top_source: the request whose keys got the most mass, or None.
-    """
-
-    request_id: str
-    foreign_mass: float
-    pad_mass: float
-    top_source: str | None
-
-
-@dataclass(frozen=True)
-class NonfiniteRead:
-    """A request whose logits were not finite, and who wrote the non-finite K/V it was allowed to read.
-
-    Attributes:
-        request_id: the request with non-finite logits.
-        sources: writers of the non-finite positions it could read (its own id when it wrote them
-            itself; "<unwritten>" / "<pad>" as in TaintReport), most positions first.
-        positions: how many such positions.
-        examples: up to 5 (slot, position, writer).
-    """
-
-    request_id: str
-    sources: tuple[str, ...]
-    positions: int
-    examples: tuple[tuple[int, int, str], ...]
-
-
 def nonfinite_reads(batch: BatchTensors, pool, writers: torch.Tensor, chunks: list[int], names: dict[int, str],
-                    request_ids: list[str]) -> list[NonfiniteRead]:
+                    request_ids: list[str]) -> list[NonfiniteEntry]:
     """For each chunk index in `chunks` (those whose logits were not finite): the keys its queries were
     allowed to read whose K or V holds NaN or inf in any layer, and who wrote them.
 
@@ -98,7 +43,8 @@ def nonfinite_reads(batch: BatchTensors, pool, writers: torch.Tensor, chunks: li
         sources = tuple(_name(int(counts[0][i]), names) for i in order)
         examples = tuple((int(slots[bad][j]), int(positions[bad][j]), _name(int(serials[j]), names))
                          for j in range(min(5, int(bad.sum()))))
-        reports.append(NonfiniteRead(request_ids[index], sources, int(bad.sum()), examples))
+        reports.append(NonfiniteEntry(request_id=request_ids[index], sources=sources, positions=int(bad.sum()),
+                                      examples=examples))
     return reports
 
 
@@ -127,7 +73,7 @@ def _expected(batch: BatchTensors, q_owner: torch.Tensor, query_serial: torch.Te
 
 
 def slot_taint(batch: BatchTensors, writers: torch.Tensor, own: list[int], names: dict[int, str],
-               request_ids: list[str], expected: torch.Tensor | None = None) -> list[TaintReport]:
+               request_ids: list[str], expected: torch.Tensor | None = None) -> list[TaintEntry]:
     """Requests whose allowed (unmasked) keys include positions written by someone else.
 
     Args:
@@ -162,14 +108,14 @@ def slot_taint(batch: BatchTensors, writers: torch.Tensor, own: list[int], names
                 examples.append((*key, _name(int(writers[rr, kk]), names)))
             if len(examples) == 5:
                 break
-        reports.append(TaintReport(request_id, sources, count, tuple(examples)))
+        reports.append(TaintEntry(request_id=request_id, sources=sources, positions=count, examples=tuple(examples)))
     return reports
 
 
 def attention_flow(batch: BatchTensors, attn_sum: torch.Tensor, terms: int, writers: torch.Tensor, own: list[int],
                    names: dict[int, str], request_ids: list[str],
-                   expected: torch.Tensor | None = None) -> list[FlowReport]:
-    """Per request, the attention mass on keys written by others (see FlowReport).
+                   expected: torch.Tensor | None = None) -> list[FlowEntry]:
+    """Per request, the attention mass on keys written by others (see kvtui.events.FlowEntry).
 
     Args:
         attn_sum: [R, Q, K] attention probabilities summed over `terms` (layers x heads).
@@ -196,5 +142,6 @@ def attention_flow(batch: BatchTensors, attn_sum: torch.Tensor, terms: int, writ
             for serial in torch.unique(w[foreign]).tolist():
                 by_writer[serial] = float((p * (w == serial)).sum())
             top = _name(max(by_writer, key=by_writer.get), names)
-        reports.append(FlowReport(request_id, float(foreign_mass.max()), float(pad_mass.max()), top))
+        reports.append(FlowEntry(request_id=request_id, foreign_mass=float(foreign_mass.max()),
+                                 pad_mass=float(pad_mass.max()), top_source=top))
     return reports

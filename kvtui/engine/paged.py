@@ -20,7 +20,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
-from kvtui.engine.report import PrefixHitReport, ReusedBlockReport
+from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
 
 OTHER = -99  # an expected-writer cell no query compares with
@@ -44,7 +44,7 @@ class PagedCache:
         self.serial_of = serial_of
         self.borrowed: dict[str, list[int]] = {}  # request -> writer serial allowed at each reused position
         self.num_preemptions = 0
-        self._hits: list[PrefixHitReport] = []
+        self._hits: list[PrefixHitEntry] = []
         self._preempted: list[str] = []
         self._counted = (0, 0, 0)  # queries, hits, cross-tenant hits at the last report
         self.cross_tenant_hits = 0
@@ -93,12 +93,14 @@ class PagedCache:
         return out
 
     def _note_hit(self, request: RequestState, admission: Admission) -> None:
-        blocks = tuple(ReusedBlockReport(r.index, r.block_id, r.tokens, r.origin.writer, r.origin.tenant,
-                                         r.origin.salt, r.origin.true_key.hex()[:16], r.reader_key.hex()[:16])
+        blocks = tuple(ReusedBlockEntry(index=r.index, block=r.block_id, tokens=r.tokens, writer=r.origin.writer,
+                                        writer_tenant=r.origin.tenant, writer_salt=r.origin.salt,
+                                        writer_key=r.origin.true_key.hex()[:16], reader_key=r.reader_key.hex()[:16])
                        for r in admission.reused)
         self.cross_tenant_hits += sum(r.tokens for r in admission.reused if r.origin.tenant != request.tenant)
-        self._hits.append(PrefixHitReport(request.request_id, request.tenant, salt_digest(request.cache_salt),
-                                          admission.hit_tokens, request.prefill_len, blocks))
+        self._hits.append(PrefixHitEntry(request_id=request.request_id, tenant=request.tenant,
+                                         salt=salt_digest(request.cache_salt), hit_tokens=admission.hit_tokens,
+                                         query_tokens=request.prefill_len, blocks=blocks))
 
     # -- planning -----------------------------------------------------------------------------------
     def ensure(self, request: RequestState, num_tokens: int) -> KVPlace | None:
@@ -136,13 +138,11 @@ class PagedCache:
         return expected
 
     def report_fields(self, running: list[RequestState]) -> dict:
-        """The StepReport fields of paged KV for the step just run (counters since the last report):
-        slots_used is then the running requests, of max_batch_size, and kv_usage vLLM's
-        kv_cache_usage_perc (by blocks, cached free blocks counted free)."""
+        """The StepEvent fields of paged KV for the step just run (counters since the last report):
+        cached tokens (of the pool's capacity) and blocks; kv_usage is vLLM's kv_cache_usage_perc (by
+        blocks, cached free blocks counted free)."""
         fields = self._block_fields(running)
-        n, pool = len(running), self.pool
-        return dict(slots_used=n, num_slots=self.max_running, slot_occupancy=n / self.max_running,
-                    kv_tokens=sum(r.cache_len for r in running), kv_capacity_tokens=pool.capacity_tokens,
+        return dict(kv_tokens=sum(r.cache_len for r in running), kv_capacity_tokens=self.pool.capacity_tokens,
                     kv_usage=fields["kv_cache_usage_perc"], **fields)
 
     def _block_fields(self, running: list[RequestState]) -> dict:

@@ -79,7 +79,6 @@ class SlotCache:
         pool = self.pool
         kv_tokens = sum(r.cache_len for r in running)
         stale, self._stale_starts = self._stale_starts, []
-        return dict(slots_used=pool.num_used, num_slots=pool.num_slots, slot_occupancy=pool.num_used / pool.num_slots,
-                    kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
+        return dict(slots_used=pool.num_used, num_slots=pool.num_slots, kv_tokens=kv_tokens, kv_capacity_tokens=pool.capacity_tokens,
                     kv_usage=kv_tokens / pool.capacity_tokens,
                     stale_starts=tuple((s.request_id, s.slot, s.previous, s.kept) for s in stale))

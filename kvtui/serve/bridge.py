@@ -120,9 +120,9 @@ class EngineBridge:
                 if stream is not None and not stream.cached_tokens:
                     stream.cached_tokens = hit.hit_tokens
             for r in event.running:
-                stream = self.streams.get(r.id) if r.token is not None else None
+                stream = self.streams.get(r.request_id) if r.token_id is not None else None
                 if stream is not None:
-                    stream.put(TokenOut(r.token, r.logprobs))
+                    stream.put(TokenOut(r.token_id, r.logprobs))
         elif isinstance(event, Finish):
             with self._lock:
                 stream = self.streams.pop(event.request_id, None)

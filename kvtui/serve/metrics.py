@@ -88,11 +88,11 @@ class ServeMetrics:
     def on_event(self, event) -> None:
         """Fold one session event into the metrics (engine thread)."""
         if isinstance(event, StepEvent):
-            self.running.set(event.slots_used)
+            self.running.set(event.num_running)
             self.waiting.set(event.num_waiting)
             self.kv_usage.set(event.kv_usage)
             self.prompt_tokens.inc(event.prefill_tokens)
-            self.generation_tokens.inc(sum(1 for r in event.running if r.token is not None))
+            self.generation_tokens.inc(sum(1 for r in event.running if r.token_id is not None))
             self.prefix_queries.inc(event.prefix_cache_queries or 0)
             self.prefix_hits.inc(event.prefix_cache_hits or 0)
         elif isinstance(event, FirstToken):

@@ -135,7 +135,7 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         prefill_history=tuple(state.prefill_history), decode_history=tuple(state.decode_history),
         padding_ratio=last.padding_ratio if last else 0.0, key_padding_ratio=last.key_padding_ratio if last else 0.0,
         padding_history=tuple(state.padding_history),
-        kv_usage=last.kv_usage if last else 0.0, slot_occupancy=last.slot_occupancy if last else 0.0,
+        kv_usage=last.kv_usage if last else 0.0, slot_occupancy=last.occupancy if last else 0.0,
         kv_history=tuple(state.kv_history),
         ttft=_latency(state, "ttft"), tpot=_latency(state, "tpot"),
         contamination=tuple(state.contamination),

@@ -20,6 +20,7 @@ from kvtui.events import (
     Header,
     Marker,
     RecordingFailed,
+    RunningEntry,
     StepEvent,
     Summary,
     TimelineApplied,
@@ -159,16 +160,17 @@ class DashboardState:
     def _step(self, e: StepEvent) -> None:
         self.step = e.step
         self.last_step = e
-        self.num_slots = e.num_slots
+        if e.num_slots is not None:  # slot KV (paged KV has no slots: its block map is drawn instead)
+            self.num_slots = e.num_slots
         if self.capacity == 0 and self.num_slots:
             self.capacity = e.kv_capacity_tokens // self.num_slots
         if e.kv == "paged":
             self._blocks(e)
         for entry in e.running:
             self._running(entry)
-        for rid, mass in (e.foreign_attention or {}).items():
-            if rid in self.requests:
-                self.requests[rid].attention_mass = float(mass)
+        for f in e.flow:
+            if f.request_id in self.requests:
+                self.requests[f.request_id].attention_mass = f.foreign_mass
         self._add_history(e)
 
     def _blocks(self, e: StepEvent) -> None:
@@ -183,8 +185,8 @@ class DashboardState:
             self.waiting[rid] = None
             self.note("marker", f"{rid} preempted: blocks given back, recomputed later", e.t)
 
-    def _running(self, entry) -> None:
-        r = self._request(entry.id)
+    def _running(self, entry: RunningEntry) -> None:
+        r = self._request(entry.request_id)
         slot = entry.slot
         r.status, r.slot, r.cache_len = entry.phase, slot, entry.cache_len
         self.waiting.pop(r.id, None)
@@ -199,7 +201,7 @@ class DashboardState:
             self.slot_owner[slot] = r.id
         if slot is not None:
             self.slot_cache[slot] = entry.cache_len
-        if entry.token is not None:
+        if entry.token_id is not None:
             r.generated += 1
             self._add_text(r, entry.piece or "")
 
