@@ -159,6 +159,21 @@ def test_the_row_shows_the_canary_detectors_verdicts_and_matches_nothing_itself(
     assert [bool(canary_reports(t)) for t in LEAK_TEXTS] == [True, True, False, True, False, False]
 
 
+def test_the_row_highlights_what_the_canary_matched_a_fragment_in_lower_case_included():
+    """A leak the canary found as a lower-case fragment ("velvet-orchid" of VELVET-ORCHID-42) is what the
+    row shows and highlights as a leak: the row's text window holds it though the full passphrase is not
+    in the text, and exactly those characters carry the leak style."""
+    text = "Sure. " + "x" * 120 + " it said velvet-orchid once, then stopped."
+    s = feed(header(), arrive("r1", passphrase=P1), arrive("r2", passphrase=P2), arrive("r3", passphrase=P3))
+    reports = canary_reports(text)
+    feed(*reports, finish("r2", 9.0, 1, text=text, passphrase=P2, echoed=False), state=s)
+    r2 = next(r for r in snap_of(s).requests if r.id == "r2")
+    assert [e.evidence.matched for e in reports] == ["VELVET-ORCHID"] and r2.matched == ("VELVET-ORCHID",)
+    shown = panels._answer(r2, 40)
+    leak = [shown.plain[span.start:span.end] for span in shown.spans if span.style == panels.LEAK_STYLE]
+    assert leak == ["velvet-orchid"], shown.plain
+
+
 def canary_reports(text):
     canary = CanaryDetector()
     for rid, phrase in (("r1", P1), ("r2", P2), ("r3", P3)):

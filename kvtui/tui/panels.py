@@ -193,7 +193,7 @@ def window(text: str, phrase: str | None, width: int) -> str:
     characters before it), else its end; "…" marks text left out on either side."""
     if len(text) <= width:
         return text
-    at = text.find(phrase) if phrase else -1
+    at = text.upper().find(phrase.upper()) if phrase else -1
     if at < 0:
         return "…" + text[-(width - 1):] if width > 1 else text[-width:]
     before = min(at, PHRASE_CONTEXT, max(width - len(phrase) - 2, 0))
@@ -209,16 +209,15 @@ def _answer(r: RequestView, width: int) -> Text:
     """The row's text in `width` cells: the part around the passphrase it holds (another request's,
     highlighted as a leak, else its own in green), else the end of what it generated so far."""
     focus = clean(r.text_focus)
-    phrase = next((p for p in r.leaked if p in focus), None) or (r.passphrase if r.passphrase and
-                                                                 r.passphrase in focus else None)
+    held = [p for p in (*r.matched, r.passphrase) if p and p.upper() in focus.upper()]
+    phrase = held[0] if held else None
     shown = window(focus if phrase else clean(r.text_tail), phrase, max(width, 1))
     text = Text(shown)
-    for phrase in r.leaked:
-        for m in re.finditer(re.escape(phrase), shown):
-            text.stylize(LEAK_STYLE, m.start(), m.end())
-    if r.passphrase:
-        for m in re.finditer(re.escape(r.passphrase), shown):
-            text.stylize("bold green", m.start(), m.end())
+    # highlighted where the canary matched (ignoring case, as it matches): a leak, else the row's own
+    for phrases, style in ((r.matched, LEAK_STYLE), ((r.passphrase,) if r.passphrase else (), "bold green")):
+        for p in phrases:
+            for m in re.finditer(re.escape(p), shown, re.IGNORECASE):
+                text.stylize(style, m.start(), m.end())
     return text
 
 
@@ -286,7 +285,7 @@ def stats(snap: Snapshot, width: int, height: int) -> Text:
         ("decode", f"{snap.decode_rate:8.0f} tok/s ", sparkline(snap.decode_history, spark_w, top), "#59a14f"),
         ("padding", f"{snap.padding_ratio:7.1%} q {snap.key_padding_ratio:4.0%} k ",
          sparkline(snap.padding_history, spark_w, max(max(snap.padding_history, default=0.0), 0.05)), "#b07aa1"),
-        ("KV usage", f"{snap.kv_usage:7.1%}  {'seqs ' if snap.kv == 'paged' else 'slots'} {snap.slot_occupancy:4.0%} ",
+        ("KV usage", f"{snap.kv_usage:7.1%}  {'seqs ' if snap.kv == 'paged' else 'slots'} {snap.occupancy:4.0%} ",
          sparkline(snap.kv_history, spark_w, max(max(snap.kv_history, default=0.0), 0.05)), "#4e79a7"),
     ]
     text = Text()

@@ -89,6 +89,8 @@ class RequestView:
         leaked: passphrases of OTHER requests the canary detector found in its text (its contamination
             events: the dashboard does no matching of its own, so it cannot disagree with the detector).
         leak_sources: the requests those passphrases belong to (ids).
+        matched: the text the canary matched for each leak, as its evidence says (the passphrase or a
+            fragment of it, matched ignoring case): what the row highlights.
         echoed: its own passphrase is in its final text, as its finish event says (False before then).
         contamination: kinds reported against it by detectors (cross_request, corruption, numeric).
         attention_mass: latest share of its attention on other requests' keys (0..1) or None.
@@ -116,6 +118,7 @@ class RequestView:
     tenant: str | None = None
     blocks: int = 0
     text_focus: str = ""
+    matched: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -168,7 +171,8 @@ class Snapshot:
         prefill_rate, decode_rate: tokens/s over the last second of run clock.
         prefill_history, decode_history: tokens/s per HISTORY_WINDOW_S window, oldest first.
         padding_ratio, key_padding_ratio: last step's (0..1); padding_history: per step.
-        kv_usage, slot_occupancy: last step's (0..1); kv_history: per step.
+        kv_usage, occupancy: last step's (0..1; occupancy is slots owned of num_slots, or with paged KV
+            running requests of max_batch_size); kv_history: per step.
         ttft, tpot: latency percentiles (seconds).
         contamination: latest detector reports, oldest first; by_detector, by_kind: counts.
         log: latest event-log lines, oldest first.
@@ -207,7 +211,7 @@ class Snapshot:
     key_padding_ratio: float
     padding_history: tuple[float, ...]
     kv_usage: float
-    slot_occupancy: float
+    occupancy: float
     kv_history: tuple[float, ...]
     ttft: Latency
     tpot: Latency

@@ -17,7 +17,8 @@ def _one_line(text: str) -> str:
 def text_focus(text: str, phrases) -> str:
     """The part of `text` that matters: TAIL_CHARS characters from FOCUS_BEFORE before the earliest of
     `phrases` it holds, "…" where text was left out; "" when it holds none of them."""
-    found = [i for i in (text.find(p) for p in phrases if p) if i >= 0]
+    upper = text.upper()  # found as the canary finds them: ignoring case
+    found = [i for i in (upper.find(p.upper()) for p in phrases if p) if i >= 0]
     if not found:
         return ""
     start = max(min(found) - FOCUS_BEFORE, 0)
@@ -27,14 +28,14 @@ def text_focus(text: str, phrases) -> str:
 
 def _request_view(state: DashboardState, r: _Request) -> RequestView:
     tail = _one_line(r.text[-TAIL_CHARS:])
-    focus = text_focus(r.text, tuple(r.leaked)) or text_focus(r.text, (r.passphrase,))
+    focus = text_focus(r.text, tuple(r.matched)) or text_focus(r.text, (r.passphrase,))
     return RequestView(
         id=r.id, status=r.status, slot=r.slot, cache_len=r.cache_len, capacity=state.capacity,
         prompt_tokens=r.prompt_tokens, generated_tokens=r.generated, max_new_tokens=r.max_new_tokens,
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
         leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.echoed),
         contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
-        blocks=r.blocks, text_focus=focus,
+        blocks=r.blocks, text_focus=focus, matched=tuple(r.matched),
     )
 
 
@@ -135,7 +136,7 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         prefill_history=tuple(state.prefill_history), decode_history=tuple(state.decode_history),
         padding_ratio=last.padding_ratio if last else 0.0, key_padding_ratio=last.key_padding_ratio if last else 0.0,
         padding_history=tuple(state.padding_history),
-        kv_usage=last.kv_usage if last else 0.0, slot_occupancy=last.occupancy if last else 0.0,
+        kv_usage=last.kv_usage if last else 0.0, occupancy=last.occupancy if last else 0.0,
         kv_history=tuple(state.kv_history),
         ttft=_latency(state, "ttft"), tpot=_latency(state, "tpot"),
         contamination=tuple(state.contamination),

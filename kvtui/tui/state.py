@@ -56,6 +56,7 @@ class _Request:
     ttft_s: float | None = None
     text: str = ""
     leaked: dict = field(default_factory=dict)  # passphrase -> source id, as the canary detector reported
+    matched: list = field(default_factory=list)  # the text the canary matched for each leak (its evidence)
     echoed: bool | None = None  # its own passphrase in its final text, as its finish event says
     contamination: list = field(default_factory=list)  # kinds, in report order, unique
     attention_mass: float | None = None
@@ -283,6 +284,7 @@ class DashboardState:
             r.contamination.append(e.kind)
         if e.detector == "canary":
             r.leaked.setdefault(e.evidence.leaked, e.source)
+            r.matched.append(e.evidence.matched)
         mass = getattr(e.evidence, "foreign_mass", None)
         if mass is not None:
             r.attention_mass = float(mass)
