@@ -41,7 +41,7 @@ def _baseline(loaded, layout, faults=()):
         if isinstance(e, Finish):
             outputs[e.request_id] = list(e.output_ids)
         elif isinstance(e, StepEvent):
-            ids = [r.id for r in e.running]
+            ids = [r.request_id for r in e.running]
             for rid in ids:
                 neighbours.setdefault(rid, set()).update(i for i in ids if i != rid)
 

@@ -291,6 +291,25 @@ def test_a_recording_that_cannot_take_its_header_is_refused_before_any_request()
     assert fake.requests == [] and [e.type for e in seen] == ["header"]  # no request sent, no RecordingFailed
 
 
+def test_a_stop_after_every_request_finished_skips_the_references_but_is_not_stopped_early():
+    """One closing rule for both kinds of run (kvtui.run.base.RunBase): stopped early means a stop left
+    requests unsent or cut off in flight, as in a local run; the references it skipped count as `stopped`."""
+    fake = FakeOpenAI()
+    session = TargetSession(scenario(4), TOK, TargetOptions(url="http://fake", transport=fake.transport()))
+    finished: list = []
+
+    def stop_at_the_last_finish(event) -> None:
+        if isinstance(event, Finish):
+            finished.append(event)
+            session.stop_requested = len(finished) == 4
+
+    session.listeners.append(stop_at_the_last_finish)
+    summary = session.run()
+    assert summary.finish_reasons == {"stop": 4} and summary.requests_not_submitted == 0
+    assert summary.reference_skipped_by_reason == {"stopped": 4} and summary.reference_checked == 0
+    assert summary.stopped_early is False
+
+
 def test_cli_run_target_refuses_a_recording_that_cannot_take_its_first_line(tmp_path):
     fake = FakeOpenAI()
     with FakeHTTPServer(fake) as url:
