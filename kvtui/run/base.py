@@ -59,13 +59,9 @@ class RunBase:
         write stops the recording only.
 
         Raises:
-            OSError: the header could not be written (e.g. /dev/full); the recording is closed."""
+            OSError: the header could not be written (e.g. /dev/full; the writer has closed the file)."""
         self.emit(header)
-        try:
-            self.sink.watch_recording()
-        except OSError:
-            self.recorder.close()
-            raise
+        self.sink.watch_recording()
 
     def _reference_counts(self) -> dict:
         """The reference.status fields of kvtui.run.build.reference_status but the time: checked,
