@@ -12,6 +12,7 @@ so `kvtui replay` plays every version. recordings/README.md lists every field of
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -558,12 +559,22 @@ class RecordingFailed(_Frozen):
     error: str
 
 
-# Why a completed request was left without a reference check (ReferenceStatus.skipped_by_reason), in words.
+class SkipReason(StrEnum):
+    """Why a completed request was left without a reference check (the keys of
+    ReferenceStatus.skipped_by_reason; a member equals its string value, as recorded)."""
+
+    STOPPED = "stopped"
+    QUEUE_FULL = "queue_full"
+    SAMPLED = "sampled"
+    ERROR = "error"
+
+
+# each SkipReason in words
 SKIP_REASONS = {
-    "stopped": "the run was stopped before they were checked",
-    "queue_full": "the oldest were dropped when more were waiting than the queue holds",
-    "sampled": "sampled answers (temperature > 0) from a server have no reference",
-    "error": "their request (the batched or the solo one) failed",
+    SkipReason.STOPPED: "the run was stopped before they were checked",
+    SkipReason.QUEUE_FULL: "the oldest were dropped when more were waiting than the queue holds",
+    SkipReason.SAMPLED: "sampled answers (temperature > 0) from a server have no reference",
+    SkipReason.ERROR: "their request (the batched or the solo one) failed",
 }
 
 

@@ -36,10 +36,10 @@ from kvtui.events import (
     TimelineApplied,
 )
 from kvtui.faults import check_fault_names
-from kvtui.metrics import SLO, Metrics
+from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
-from kvtui.record import RecordingWriter
-from kvtui.run.build import arrive_event, finish_event, reference_status, run_header
+from kvtui.run.base import RunBase
+from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.sink import Listener, RunSink
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
@@ -103,7 +103,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                    cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)
 
 
-class Session:
+class Session(RunBase):
     """One run of a scenario on a loaded model.
 
     Args:
@@ -129,7 +129,7 @@ class Session:
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
-        OSError: the recording cannot be created, its first lines cannot be written, or another
+        OSError: the recording cannot be created, its header cannot be written, or another
             writer holds it (errno EAGAIN). A write that fails later only stops the recording
             (`recording_error` says why; listeners get a RecordingFailed event).
     """
@@ -168,7 +168,6 @@ class Session:
         self._trails = _Trails()
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
         self._started()
-        self.sink.watch_recording()  # first lines unwritable (e.g. /dev/full): refused here (OSError)
 
     def _planned(self, planned: list | None) -> list:
         """The requests to submit, in arrival order (none when serving)."""
@@ -224,35 +223,12 @@ class Session:
         return tuple(detectors)
 
     def _started(self) -> None:
-        self.emit(self.header())
+        self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): refused here (OSError)
         for name in sorted(self.engine.faults):
             self.emit(FaultSwitch(t=0.0, name=name, on=True, source="config", active=tuple(sorted(self.engine.faults))))
 
-    # -- what the sink holds (kvtui/run/sink.py) and what the run tells (kvtui.run.outcome.RunOutcome) ---
+    # -- what the run tells (kvtui.run.outcome.RunOutcome; the sink's properties: kvtui.run.base.RunBase) --
     faults_known = True  # kvtui's own engine: fault_history is every fault that was on
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.sink.metrics
-
-    @property
-    def recorder(self) -> RecordingWriter | None:
-        return self.sink.recorder
-
-    @property
-    def listeners(self) -> list[Listener]:
-        """Callables receiving every event; append to add one."""
-        return self.sink.listeners
-
-    @property
-    def contamination(self) -> list[Contamination]:
-        """The first MAX_KEPT_REPORTS contamination reports, joined (the metrics count them all)."""
-        return self.sink.contamination
-
-    @property
-    def recording_error(self) -> str:
-        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
-        return self.sink.recording_error
 
     # -- events -------------------------------------------------------------------------------
     def header(self) -> Header:
@@ -266,10 +242,9 @@ class Session:
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
             modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None)
 
-    def emit(self, event) -> None:
-        """Send one typed event through the run's sink (kvtui/run/sink.py): a contamination report joins
-        its victim's finding, then the recording, the metrics and every listener."""
-        self.sink.emit(event)
+    def now(self) -> float:
+        """Seconds on the engine's clock."""
+        return self.engine.now()
 
     def _count_for_faults(self, report: Contamination) -> None:
         """A report that counts, counted for the faults on at the step it is about (a reference check
@@ -468,12 +443,9 @@ class Session:
         if progress is None or ref.checked == start:
             self._reference_status()
 
-    def _reference_status(self, pending: int | None = None) -> None:
-        """A reference.status event with the detector's counts, unless they are those of the last one."""
+    def _reference_counts(self) -> dict:
         ref = self.reference
-        self.sink.emit_reference_status(reference_status(
-            self.engine.now(), checked=ref.checked, skipped_by_reason=ref.skipped_by_reason,
-            pending=ref.pending if pending is None else pending))
+        return {"checked": ref.checked, "skipped_by_reason": ref.skipped_by_reason, "pending": ref.pending}
 
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
@@ -578,7 +550,7 @@ class Session:
         them, counted in the summary), write the summary line, close the recording."""
         if self.summary is not None:
             return self.summary
-        cut_short = self.stop_requested and bool(self.pending or self.engine.has_unfinished())
+        work_left = bool(self.pending or self.engine.has_unfinished())
         for request_id, state in list(self.engine.requests.items()):
             if not state.is_done:
                 self.engine.abort(request_id)
@@ -592,11 +564,9 @@ class Session:
                 self.reference.skip_pending()
                 self._reference_status()
         self._note_unapplied_timeline()
-        self.summary = self.metrics.summary(
-            t=self.engine.now(), faults_active_at_end=tuple(sorted(self.engine.faults)),
-            contamination_by_fault=dict(self.fault_counts), stopped_early=cut_short,
-            requests_not_submitted=len(self.pending))
-        return self.sink.finish(self.summary)
+        return self._close_run(work_left=work_left, requests_not_submitted=len(self.pending),
+                               faults_active_at_end=tuple(sorted(self.engine.faults)),
+                               contamination_by_fault=dict(self.fault_counts))
 
     def _note_unapplied_timeline(self) -> None:
         """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""

@@ -9,7 +9,9 @@ labels. The llama-server checks need scripts/build-llama-server.sh (skipped othe
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import subprocess
 import sys
@@ -274,6 +276,49 @@ def test_cli_target_bad_input_is_one_line_exit_2(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_recording_that_cannot_take_its_header_is_refused_before_any_request():
+    """As a local run (tests/test_run_outcomes.py): the header is written, then the recording is watched,
+    so an unwritable first line raises OSError instead of only stopping the recording."""
+    fake = FakeOpenAI()
+    seen: list = []
+    session = TargetSession(scenario(4), TOK, TargetOptions(url="http://fake", transport=fake.transport()),
+                            listeners=(seen.append,), record_path="/dev/full")
+    with pytest.raises(OSError) as caught:
+        session.run()
+    assert caught.value.errno == errno.ENOSPC
+    assert fake.requests == [] and [e.type for e in seen] == ["header"]  # no request sent, no RecordingFailed
+
+
+def test_a_stop_after_every_request_finished_skips_the_references_but_is_not_stopped_early():
+    """One closing rule for both kinds of run (kvtui.run.base.RunBase): stopped early means a stop left
+    requests unsent or cut off in flight, as in a local run; the references it skipped count as `stopped`."""
+    fake = FakeOpenAI()
+    session = TargetSession(scenario(4), TOK, TargetOptions(url="http://fake", transport=fake.transport()))
+    finished: list = []
+
+    def stop_at_the_last_finish(event) -> None:
+        if isinstance(event, Finish):
+            finished.append(event)
+            session.stop_requested = len(finished) == 4
+
+    session.listeners.append(stop_at_the_last_finish)
+    summary = session.run()
+    assert summary.finish_reasons == {"stop": 4} and summary.requests_not_submitted == 0
+    assert summary.reference_skipped_by_reason == {"stopped": 4} and summary.reference_checked == 0
+    assert summary.stopped_early is False
+
+
+def test_cli_run_target_refuses_a_recording_that_cannot_take_its_first_line(tmp_path):
+    fake = FakeOpenAI()
+    with FakeHTTPServer(fake) as url:
+        out = subprocess.run(KVTUI + ["run", str(write_scenario(tmp_path)), "--target", url, "--headless",
+                                      "--record", "/dev/full"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert [line for line in out.stderr.splitlines() if line.strip()] == [
+        "error: /dev/full: cannot write the recording (No space left on device); choose another --record path"]
+    assert fake.requests == [] and os.path.exists("/dev/full")
 
 
 # -- noninterference -------------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
     except TargetError as e:
         session.abandon()
         fail(str(e))
+    except OSError as e:  # the header could not be written: refused before any request, as a local run
+        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out, recording=record)
     untested = None

@@ -40,7 +40,7 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine
 from kvtui.engine.sampling import Draw
-from kvtui.events import Contamination, ReferenceEvidence
+from kvtui.events import Contamination, ReferenceEvidence, SkipReason
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch.bfloat16: 0.5}
 
@@ -192,7 +192,7 @@ class ReferenceDetector:
         self._resume: tuple | None = None  # (items, engine, states) of a clean run a stop interrupted
         self._interrupted = 0  # how many checks that run was for (they wait at the queue's front)
         self.checked = 0
-        self.skipped_by_reason: Counter = Counter()  # reason (kvtui.events.SKIP_REASONS) -> requests left unchecked
+        self.skipped_by_reason: Counter = Counter()  # SkipReason -> requests left unchecked
 
     @property
     def pending(self) -> int:
@@ -209,14 +209,14 @@ class ReferenceDetector:
             return
         if len(self.queue) >= self.max_queue:
             self.queue.popleft()
-            self.skipped_by_reason["queue_full"] += 1
+            self.skipped_by_reason[SkipReason.QUEUE_FULL] += 1
         self.queue.append(check)
 
     def skip_pending(self) -> int:
         """Give up the waiting checks (a stop); returns how many, counted as skipped for `stopped`."""
         n = len(self.queue)
         if n:
-            self.skipped_by_reason["stopped"] += n
+            self.skipped_by_reason[SkipReason.STOPPED] += n
         self.queue.clear()
         return n
 

@@ -3,6 +3,8 @@
 A local run (kvtui/session.py: kvtui's own engine) and a target run (kvtui/target/session.py: a remote
 OpenAI-compatible server) differ in how requests are answered, not in what a run is made of:
 
+- `base.RunBase`: the half of a session both kinds share over the sink (its properties, `emit`, the
+  header then the watched recording, reference.status, the one closing path);
 - `sink.RunSink`: where every event goes (the findings join, the recording, the metrics, listeners);
 - `build`: the Header, Arrive, Finish and ReferenceStatus events, filled the same way for both;
 - `outcome.RunOutcome`: what a finished run tells (its findings, fault history, whether its faults are

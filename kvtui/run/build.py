@@ -56,8 +56,9 @@ def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) 
 
 def reference_status(t: float, *, checked: int, skipped_by_reason: Mapping[str, int], pending: int,
                      cached: int | None = None, uncached_verified: int | None = None) -> ReferenceStatus:
-    """A reference.status event: requests checked, left unchecked by reason (kvtui.events.SKIP_REASONS;
-    reasons counted 0 are left out), still waiting; `cached`/`uncached_verified` for a target run."""
-    skips = {reason: n for reason, n in sorted(skipped_by_reason.items()) if n}
+    """A reference.status event: requests checked, left unchecked by reason (kvtui.events.SkipReason,
+    recorded as its string; reasons counted 0 are left out), still waiting; `cached`/`uncached_verified`
+    for a target run."""
+    skips = {str(reason): n for reason, n in sorted(skipped_by_reason.items()) if n}
     return ReferenceStatus(t=t, checked=checked, skipped=sum(skips.values()), pending=pending,
                            skipped_by_reason=skips, cached=cached, uncached_verified=uncached_verified)

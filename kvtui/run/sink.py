@@ -97,6 +97,6 @@ class RunSink:
         """The run never started: close the recording and remove it when nothing was written to it."""
         if self.recorder is not None:
             self.recorder.close()
-            if self.recorder.path.exists() and self.recorder.path.stat().st_size == 0:
+            if self.recorder.path.is_file() and self.recorder.path.stat().st_size == 0:  # never /dev/full
                 self.recorder.path.unlink()
             self.recorder = None

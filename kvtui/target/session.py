@@ -26,16 +26,16 @@ import httpx
 
 from kvtui.detect import CanaryDetector
 from kvtui.events import (
-    Contamination,
     FirstToken,
     Header,
     Marker,
     ModelInfo,
+    SkipReason,
     Summary,
 )
-from kvtui.metrics import SLO, Metrics
-from kvtui.record import RecordingWriter
-from kvtui.run.build import arrive_event, finish_event, reference_status, run_header
+from kvtui.metrics import SLO
+from kvtui.run.base import RunBase
+from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.sink import Listener, RunSink
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
@@ -55,7 +55,7 @@ class TargetError(Exception):
 SERVER_KINDS = {"llamacpp": "llama.cpp", "vllm": "vLLM", "sglang": "SGLang", "kvtui": "kvtui"}
 
 
-class TargetSession:
+class TargetSession(RunBase):
     """One run of a scenario against a target server.
 
     Args:
@@ -93,7 +93,6 @@ class TargetSession:
         self.canary = CanaryDetector() if "canary" in self.detectors else None
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
                             listeners=listeners)
-        self.sink.watch_recording()  # nothing written yet: a failed write later stops the recording only
         self.warnings = timeline_warnings(scenario)
         self.timeline = [e for e in scenario.timeline if e.marker]
         self.fault_history: list = []  # a target's faults are its own: none known to the client
@@ -107,36 +106,13 @@ class TargetSession:
         self.summary: Summary | None = None
         self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
-        self.reference_skips: Counter = Counter()  # why requests were left unchecked (kvtui.events.SKIP_REASONS)
+        self.reference_skips: Counter = Counter()  # SkipReason -> requests left unchecked
         self._header: Header | None = None
         self._clock = clock
         self._t0 = clock()
 
-    # -- what the sink holds (kvtui/run/sink.py) and what the run tells (kvtui.run.outcome.RunOutcome) ---
+    # -- what the run tells (kvtui.run.outcome.RunOutcome; the sink's properties: kvtui.run.base.RunBase) --
     faults_known = False  # a target server's faults are its own: fault_history says nothing
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.sink.metrics
-
-    @property
-    def recorder(self) -> RecordingWriter | None:
-        return self.sink.recorder
-
-    @property
-    def listeners(self) -> list[Listener]:
-        """Callables receiving every event; append to add one."""
-        return self.sink.listeners
-
-    @property
-    def contamination(self) -> list[Contamination]:
-        """Every contamination report of the run, joined to its victim's finding."""
-        return self.sink.contamination
-
-    @property
-    def recording_error(self) -> str:
-        """One line naming the recording, where it stopped and why; "" when it is whole (or none)."""
-        return self.sink.recording_error
 
     # -- events ----------------------------------------------------------------------------------
     def now(self) -> float:
@@ -155,11 +131,6 @@ class TargetSession:
                 clock="wall", detectors=self.detectors, measured=MEASURED, target=o.url)
         return self._header
 
-    def emit(self, event) -> None:
-        """Send one typed event through the run's sink (kvtui/run/sink.py), as in a local run: a
-        contamination report joins its victim's finding, then the recording, the metrics, every listener."""
-        self.sink.emit(event)
-
     # -- the run -----------------------------------------------------------------------------------
     def run(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
         """Drive the whole scenario, then the reference checks; returns the summary (also written last).
@@ -176,7 +147,7 @@ class TargetSession:
                                      timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
             await self._resolve_model(client)
             self._t0 = self._clock()
-            self.emit(self.header())
+            self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             probe = ServerProbe(client, self.in_flight)
             await self._sample(probe)  # before the first request: the server's counters at the start
             poller = asyncio.create_task(self._poll(probe, on_progress))
@@ -187,7 +158,7 @@ class TargetSession:
                 if "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
                 elif "reference" in self.detectors:
-                    self.reference_skips["stopped"] += sum(r.finish_reason in ("stop", "length")
+                    self.reference_skips[SkipReason.STOPPED] += sum(r.finish_reason in ("stop", "length")
                                                            for r in self.results.values())
                     self._reference_status(pending=0)
             finally:
@@ -198,19 +169,6 @@ class TargetSession:
             if sample is not None:
                 self.emit(sample)
         return self.close()
-
-    def check_reachable(self) -> None:
-        """Ask the server for /v1/models once (and take the served model's name from it).
-
-        Raises:
-            TargetError: the server cannot be reached.
-        """
-        async def ask() -> None:
-            async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"),
-                                         transport=self.options.transport) as client:
-                await self._resolve_model(client)
-
-        asyncio.run(ask())
 
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
         """Check the server answers; take the served model's name from /v1/models unless given."""
@@ -354,13 +312,13 @@ class TargetSession:
         # sampled (temperature > 0) answers are not compared; failed or aborted requests have no answer to
         # compare and are neither checked nor skipped (the summary counts them as failed)
         completed = sum(1 for _, r in ordered if r.finish_reason in ("stop", "length"))
-        self.reference_skips["sampled"] += completed - len(greedy)
+        self.reference_skips[SkipReason.SAMPLED] += completed - len(greedy)
         self._reference_status(pending=len(greedy))
         if greedy:
             self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
         for k, (rid, batched) in enumerate(greedy):
             if self.stop_requested:
-                self.reference_skips["stopped"] += 1
+                self.reference_skips[SkipReason.STOPPED] += 1
             else:
                 await self._reference_one(client, rid, batched)
             self._reference_status(pending=len(greedy) - k - 1)
@@ -372,7 +330,7 @@ class TargetSession:
         solo = await stream_request(client, path, uncached(body, self.server_kind), timeout_s=self.options.timeout_s,
                                     clock=self.now)
         if solo.finish_reason == "error":
-            self.reference_skips["error"] += 1
+            self.reference_skips[SkipReason.ERROR] += 1
             self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))
             return
         if solo.cached_tokens:
@@ -388,10 +346,9 @@ class TargetSession:
         if event is not None:
             self.emit(event)
 
-    def _reference_status(self, pending: int) -> None:
-        self.sink.emit_reference_status(reference_status(
-            self.now(), checked=self.reference_checked, skipped_by_reason=self.reference_skips, pending=pending,
-            cached=self.reference_cached, uncached_verified=self.reference_uncached_verified))
+    def _reference_counts(self) -> dict:
+        return {"checked": self.reference_checked, "skipped_by_reason": self.reference_skips, "pending": 0,
+                "cached": self.reference_cached, "uncached_verified": self.reference_uncached_verified}
 
     def overlapping(self, rid: str) -> tuple[str, ...]:
         """Requests whose send-to-end interval overlapped `rid`'s (the ones that could have reached it)."""
@@ -407,11 +364,8 @@ class TargetSession:
 
     def close(self) -> Summary:
         """Write the summary line and close the recording (once)."""
-        if self.summary is not None:
-            return self.summary
-        self.summary = self.metrics.summary(t=self.now(), stopped_early=self.stop_requested,
-                                            requests_not_submitted=len(self.pending))
-        return self.sink.finish(self.summary)
+        aborted = any(r.finish_reason == "abort" for r in self.results.values())
+        return self._close_run(work_left=bool(self.pending) or aborted, requests_not_submitted=len(self.pending))
 
 
 async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:
