@@ -494,3 +494,16 @@ def screen_text_of_summary(summary) -> str:
     console = Console(width=200, record=True, file=open("/dev/null", "w"))
     print_summary(summary, Header(), console)
     return console.export_text()
+
+
+def test_a_dashboard_recording_path_that_is_not_a_regular_file_is_refused_before_the_terminal_is_taken(tmp_path):
+    """/dev/full takes the open and fails at the first line, /dev/null would lose the recording: both are
+    refused up front (the CLI turns it into one line and exit 2); a new file's check leaves no file."""
+    from kvtui.tui.launch import check_writable
+
+    for device in ("/dev/full", "/dev/null"):
+        with pytest.raises(OSError, match="not a regular file"):
+            check_writable(Path(device))
+    fresh = tmp_path / "sub" / "run.jsonl"
+    check_writable(fresh)
+    assert not fresh.exists() and fresh.parent.is_dir()

@@ -31,3 +31,8 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """Print one line to stderr and exit with `code` (2 bad input, 3 runtime error)."""
     say("error", message)
     raise typer.Exit(code)
+
+
+def fail_unwritable(record, e: OSError) -> None:
+    """The one line (exit 2) for a --record path the recording cannot be written to."""
+    fail(f"{record}: cannot write the recording ({e.strerror or e}); choose another --record path")

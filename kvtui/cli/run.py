@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_RUNTIME, err, fail, out, say
+from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import finish_headless, install_stop_handlers
 from kvtui.cli.inputs import check_lengths, load_model, load_scenario, load_tokenizer, refuse_idle_faults
 from kvtui.cli.options import (
@@ -153,7 +153,7 @@ def _session(spec, path: Path, loaded, **options):
     try:
         return build_session(spec, loaded, **options)
     except OSError as e:
-        fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(options.get('record'), e)
     except ValueError as e:
         fail(f"{path}: {e}")
 
@@ -198,7 +198,7 @@ def _dashboard(scenario: Path, **options) -> None:
     except (ModelLoadError, RecordingError, ValueError) as e:
         fail(str(e))
     except OSError as e:
-        fail(f"{options.get('record')}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(options.get('record'), e)
     except Exception as e:  # a bug or a runtime failure: one line, the recording kept
         fail(f"runtime error: {type(e).__name__}: {e}", EXIT_RUNTIME)
     if summary is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, out, say
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import finish_headless, install_stop_handlers
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
@@ -83,7 +83,7 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
         session.abandon()
         fail(str(e))
     except OSError as e:  # the header could not be written: refused before any request, as a local run
-        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(record, e)
     print_summary(summary, session.header(), out)
     print_contamination(session.contamination, out, recording=record)
     untested = None
@@ -109,7 +109,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
             check_writable(record)
         check_reachable(target_options(run))
     except OSError as e:
-        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(record, e)
     except TargetError as e:
         fail(str(e))
     for line in timeline_warnings(spec):
@@ -122,7 +122,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
         summary, header, session = run_target_dashboard(
             make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…")
     except OSError as e:
-        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(record, e)
     except ValueError as e:
         fail(f"{scenario_path}: {e}")
     except Exception as e:
@@ -246,7 +246,7 @@ def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: st
     except ModelLoadError as e:
         fail(str(e))
     except OSError as e:
-        fail(f"{record}: cannot write the recording ({e.strerror}); choose another --record path")
+        fail_unwritable(record, e)
     except ValueError as e:
         fail(f"{scenario_path}: {e}")
     for line in session.warnings:

@@ -7,6 +7,7 @@ the terminal, so errors reach the caller as ordinary exceptions and the terminal
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
@@ -99,7 +100,12 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
 
 
 def check_writable(path: Path) -> None:
-    """Raise OSError now (before the terminal is taken) when a recording cannot be created at `path`."""
+    """Raise OSError now (before the terminal is taken) when a recording cannot be created at `path`:
+    its folder cannot be made, the file cannot be opened for appending, or it exists and is not a
+    regular file (a device such as /dev/full takes the open and fails at the first line, and a
+    recording written to /dev/null would be lost)."""
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     existed = path.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8"):
