@@ -173,3 +173,14 @@ def test_named_geometry_matches_the_default_model(smollm2):
     assert shape_from_config(NAMED_CONFIGS["default"]) == shape_from_config(smollm2.model.config)
     assert shape_from_config(gguf_config(Path(smollm2.source_path))) == shape_from_config(NAMED_CONFIGS["default"])
     assert smollm2.model.config.max_position_embeddings == NAMED_CONFIGS["default"]["max_position_embeddings"]
+
+
+def test_an_encoder_decoder_model_is_refused_in_one_line_before_the_run(tmp_path: Path):
+    """Whisper loads (its oracle tests need it) but the engine has no encoder path yet: a run with it
+    gets one line and exit 2, not an AttributeError from inside the first step (exit 3)."""
+    (tmp_path / "s.yaml").write_text("max_requests: 2\nengine:\n  max_len: 48\nprompts:\n  kind: synthetic\n"
+                                     "  prompt_tokens: 8\n")
+    result = CliRunner().invoke(app, ["run", str(tmp_path / "s.yaml"), "--headless", "--model", "tiny-whisper"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert "an encoder-decoder model (whisper): the engine runs decoder-only models so far" in line, line
