@@ -96,7 +96,7 @@ class Engine:
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
