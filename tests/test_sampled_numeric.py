@@ -226,11 +226,15 @@ def test_smollm2_bf16_sampled_run_with_isolation_intact_reports_only_numeric(smo
 @pytest.mark.smollm
 @pytest.mark.parametrize("fault", ["shared_position_offset", "causal_offset"])
 def test_smollm2_reference_only_faults_are_still_caught_when_sampled_in_bf16(smollm2_bf16, fault):
-    """Faults only the reference detector sees, their library scenario sampled at temperature 0.8 in bfloat16."""
+    """Faults only the reference detector sees, their library scenario sampled at temperature 0.8 in bfloat16,
+    with 8 requests. In bfloat16 a request whose first divergence lies within the dtype's tolerance is
+    labelled numeric (the detector compares up to the first divergence only), so which of a few requests
+    are caught depends on rounding: with the library's 4 requests causal_offset was caught in 2 on
+    transformers' modules and in 0 on the fused forward; with 8, in 6 of 8 on the fused forward."""
     from kvtui.scenario import load_scenario
 
     spec = load_scenario(f"scenarios/faults/{fault}.yaml")
-    spec = spec.model_copy(update={"dtype": "bfloat16",
+    spec = spec.model_copy(update={"dtype": "bfloat16", "max_requests": 8,
                                    "sampling": spec.sampling.model_copy(update={"temperature": 0.8})})
     counted = [e for e in reports(smollm2_bf16, spec) if e.counts]
     assert counted and all(e.detector == "reference" and e.evidence.draw_u is not None for e in counted)
