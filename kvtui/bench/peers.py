@@ -26,6 +26,7 @@ and how many outputs equal the solo run's (tokens in process, text over HTTP; th
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import statistics
@@ -264,7 +265,7 @@ class KvtuiServe:
 
         import httpx
 
-        env = {**__import__("os").environ, "OMP_NUM_THREADS": str(self.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         code = "import sys; from kvtui.cli import main; sys.argv[0] = 'kvtui'; main()"
         self.process = subprocess.Popen([sys.executable, "-c", code, *self.args], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
@@ -296,8 +297,6 @@ class KvtuiServe:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) used so far by process `pid` and all its descendants (Linux /proc)."""
-    import os
-
     children: dict[int, list[int]] = {}
     times: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
@@ -389,9 +388,12 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
     systems = {"kvtui engine": (lambda: run_kvtui(loaded.model, work), "tokens")}
     pids = []
-    for detectors, label in ((None, "kvtui serve, default detectors"), ("none", "kvtui serve --detectors none")):
+    serves = [(None, threads, "kvtui serve, default detectors"), ("none", threads, "kvtui serve --detectors none")]
+    if (os.cpu_count() or 1) >= 2 * threads:  # does a second thread pay, the reference checks included?
+        serves.append((None, 2 * threads, f"kvtui serve, default detectors, {threads_label(2 * threads)}"))
+    for detectors, n, label in serves:
         console.print(f"  peers: starting {label}")
-        server = servers.enter_context(KvtuiServe(name, threads=threads, detectors=detectors, max_len=max_len))
+        server = servers.enter_context(KvtuiServe(name, threads=n, detectors=detectors, max_len=max_len))
         pids.append(server.process.pid)
         systems[label] = (lambda url=server.url: _stream_all(url, work, {}), "text")
     if find_llama_server() is not None and default_model:  # it serves the default GGUF
@@ -437,6 +439,10 @@ def _targets(results: dict, threads: int) -> list[dict]:
                     {"what": "kvtui serve --detectors none / vLLM CPU", "ratio": bare / vllm["tokens_per_s"], "goal": 1.0},
                     {"what": "kvtui serve (default detectors) / vLLM CPU", "ratio": serve / vllm["tokens_per_s"],
                      "goal": 0.85}]
+    doubled = results.get(f"kvtui serve, default detectors, {threads_label(2 * threads)}")
+    if doubled is not None:
+        targets.append({"what": f"kvtui serve (default detectors), {threads_label(2 * threads)} / {threads_label(threads)}",
+                        "ratio": doubled["tokens_per_s"] / serve, "goal": 1.0})
     if llama is not None:
         targets.append({"what": "kvtui engine / llama-server (Q4_1)", "ratio": engine / llama["tokens_per_s"],
                         "goal": 1.2})
