@@ -206,8 +206,9 @@ def test_an_interrupt_stops_the_step_in_progress_at_the_next_layer(tiny):
                 engine.interrupt()  # a stop arrives while layer 0 runs
             return out
         layer.update = update
-    head = engine.runner.head
-    engine.runner.head = lambda hidden: ran.append("head") or head(hidden)
+    assert engine.runner.forward_path == "fused"
+    fused = engine.runner.fused
+    fused.logits = lambda hidden: ran.append("head") or type(fused).logits(fused, hidden)
     try:
         engine.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=4))
         with pytest.raises(StepInterrupted, match="layer 1"):
@@ -215,7 +216,7 @@ def test_an_interrupt_stops_the_step_in_progress_at_the_next_layer(tiny):
     finally:
         for layer in layers:
             del layer.update
-        engine.runner.head = head
+        del fused.logits
     assert ran == [0, 1]  # layer 1 began, its attention never ran, nor did the rest of the model (the head)
     engine.abort("a")
     assert [(f.request_id, f.finish_reason) for f in engine.step().finished] == [("a", "abort")]

@@ -6,7 +6,8 @@ What changes against `LlamaModel.forward` with the "kvtui" attention (and nothin
     up from one over [hidden, 2 I]; the model's own q/k/v/gate/up/o/down `nn.Linear` weights become
     views into these fused tensors, so no weight is held twice and `model.generate` on the same
     instance still runs (on the same numbers).
-  - every weight is stored input-major ([in, out] contiguous, i.e. the `nn.Linear` weight [out, in] is
+  - every weight is stored input-major (a tied LM head, which shares the embedding's rows, as an
+    input-major copy: 113 MB for SmolLM2 in float32) ([in, out] contiguous, i.e. the `nn.Linear` weight [out, in] is
     a transposed view). On this project's CPUs (MKL sgemm, one thread) `x @ W` with W [in, out]
     contiguous is 1.3-2.3x faster than `F.linear(x, W_out_in)` at 8-64 rows, where decode steps live
     (measured: 576 x 1536 at 8 rows 445 -> 226 us; docs/performance.md); at 16 rows and more the
@@ -124,6 +125,15 @@ class FusedLlama:
         self.rotary = body.rotary_emb
         self.final_norm, self.final_eps = body.norm.weight, body.norm.variance_epsilon
         self.layers = [_Layer(layer, i) for i, layer in enumerate(body.layers[: model.config.num_hidden_layers])]
+        head = model.get_output_embeddings()
+        if head.weight is self.embed.weight:  # tied: the embedding keeps its rows, the head gets its own copy
+            self.head, self.head_bias = head.weight.detach().t().contiguous(), None  # [hidden, V]
+        else:
+            self.head, self.head_bias = _fuse([head])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states [S, hidden]: logits [S, V] in the model dtype."""
+        return _mm(hidden, self.head, self.head_bias)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, state,
                  attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -98,7 +98,8 @@ class ModelRunner:
                 use_cache=True,
             ).last_hidden_state
         hidden = hidden[batch.sample_row, batch.sample_col]  # [S, hidden]
-        return self.head(hidden).float().cpu()
+        logits = self.head(hidden) if self.fused is None else self.fused.logits(hidden)
+        return logits.float().cpu()
 
     @torch.inference_mode()
     def forward(self, batch: BatchTensors, *, measure_flow: bool = False, fp16: bool = False,
