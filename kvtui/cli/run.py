@@ -117,6 +117,10 @@ def run(
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager)
     if not headless:
+        from kvtui.models.hardware import bf16_note
+
+        if note := bf16_note(dtype or spec.dtype, device):
+            say("note", note)
         check_lengths(scenario, spec, load_tokenizer(model or spec.model))
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return
