@@ -228,6 +228,9 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
                        ("vllm:e2e_request_latency_seconds", "histogram")):
         assert f"# TYPE {name} {kind}" in text
     assert 'model_name="tiny-llama"' in text and "_created" not in text
+    # the engine thread's step time, and the part of it spent off the CPU (GIL waits, preemption)
+    stepped, waited = grew("kvtui:engine_step_seconds_total"), grew("kvtui:engine_step_wait_seconds_total")
+    assert stepped > 0 and 0 <= waited <= stepped
 
 
 # -- errors ---------------------------------------------------------------------------------------------

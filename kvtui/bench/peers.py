@@ -70,15 +70,18 @@ class Outcome:
     tokens: list = field(default_factory=list)
     first: list[float] = field(default_factory=list)
     last: list[float] = field(default_factory=list)
+    step_s: float = 0.0  # the engine's steps, wall seconds (in-process kvtui only)
+    step_wait_s: float = 0.0  # of which its thread was off the CPU (preempted: no event loop here)
 
     def figures(self, work: Workload, reference: list | None) -> dict:
         ttft = [f - a for f, a in zip(self.first, work.arrivals)]
         e2e = [e - a for e, a in zip(self.last, work.arrivals)]
         makespan = max(self.last) - min(work.arrivals)
         same = None if reference is None else sum(a == b for a, b in zip(self.tokens, reference))
+        wait = {"engine_wait_share": self.step_wait_s / self.step_s} if self.step_s else {}
         return {"tokens_per_s": sum(work.outputs) / makespan, "ttft_p50_s": percentile(ttft, 50),
                 "ttft_p95_s": percentile(ttft, 95), "e2e_p50_s": percentile(e2e, 50), "e2e_p95_s": percentile(e2e, 95),
-                "equal_to_solo": same, "requests": len(work.prompts)}
+                "equal_to_solo": same, "requests": len(work.prompts), **wait}
 
 
 def _wait_until(t0: float, t: float) -> None:
@@ -122,7 +125,10 @@ def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed",
             states[i] = engine.submit(f"r{i}", work.prompts[i], SamplingParams(max_new_tokens=work.outputs[i],
                                                                                ignore_eos=True), arrival_s=work.arrivals[i])
         if engine.has_unfinished():
+            wall, cpu = time.perf_counter(), time.thread_time()
             engine.step()
+            out.step_s += time.perf_counter() - wall
+            out.step_wait_s += max(0.0, time.perf_counter() - wall - (time.thread_time() - cpu))
         elif order:
             time.sleep(max(0.0, min(work.arrivals[order[0]] - engine.now(), 0.05)))
     for i, state in states.items():
@@ -366,9 +372,9 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
                 console.print(f"  peers: round {r + 1}/{rounds}: {label}")
                 per_round[label].append(call().figures(work, solo_text if reference == "text" else solo.tokens))
                 wait_idle(pids)
-        itl = {label: mean_itl(url) for label, (_, _, url) in systems.items() if url is not None}
+        scraped = {label: server_metrics(url) for label, (_, _, url) in systems.items() if url is not None}
     for label, figures in per_round.items():
-        results[label] = {**_merge_rounds(figures), "mean_itl_s": itl.get(label)}
+        results[label] = {**_merge_rounds(figures), **scraped.get(label, {})}
     return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
             "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
             "targets": _targets(results, threads)}
@@ -420,22 +426,27 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
     return systems, pids
 
 
-def mean_itl(url: str) -> float | None:
-    """A server's mean inter-token latency so far (seconds): vLLM's `vllm:inter_token_latency_seconds`
-    histogram on /metrics (kvtui serve exports the same), sum over count; None when absent. With every
-    request decoding together, it is the server's decode step time."""
+def server_metrics(url: str) -> dict:
+    """From a server's /metrics (vLLM's names; kvtui serve exports the same and its own): mean_itl_s, the
+    mean inter-token latency so far (seconds; with every request decoding together, the decode step
+    time), and engine_wait_share, the part of kvtui's engine-thread step time spent off the CPU (GIL waits,
+    preemption; kvtui serve only). A figure the server does not export is None."""
     import httpx
 
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
-    totals = {"_sum": 0.0, "_count": 0.0}
+        return {"mean_itl_s": None, "engine_wait_share": None}
+    names = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+             "kvtui:engine_step_seconds_total", "kvtui:engine_step_wait_seconds_total")
+    totals = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
-        for suffix in totals:
-            if line.startswith(f"vllm:inter_token_latency_seconds{suffix}"):
-                totals[suffix] += float(line.rsplit(" ", 1)[1])
-    return totals["_sum"] / totals["_count"] if totals["_count"] else None
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    count, step = totals[names[1]], totals[names[2]]
+    return {"mean_itl_s": totals[names[0]] / count if count else None,
+            "engine_wait_share": totals[names[3]] / step if step else None}
 
 
 def _merge_rounds(rounds: list[dict]) -> dict:
@@ -444,6 +455,8 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     middle = sorted(rounds, key=lambda f: f["tokens_per_s"])[len(rounds) // 2]
     return {**middle, "tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
             "tokens_per_s_max": max(rates), "rounds": len(rounds),
+            **({"engine_wait_share": statistics.median(f["engine_wait_share"] for f in rounds)}
+               if all("engine_wait_share" in f for f in rounds) else {}),
             "equal_to_solo": min(f["equal_to_solo"] for f in rounds)}
 
 
@@ -482,6 +495,11 @@ def markdown(result: dict) -> list[str]:
         lines.append(f"| {label} | {f['tokens_per_s']:.1f}{spread} | {kvtui / f['tokens_per_s']:.2f} | "
                      f"{f['ttft_p50_s']:.2f} / {f['ttft_p95_s']:.2f} | {f['e2e_p50_s']:.2f} / {f['e2e_p95_s']:.2f} | "
                      f"{itl} | {same} |")
+    waits = [(label, f["engine_wait_share"]) for label, f in systems.items() if f.get("engine_wait_share") is not None]
+    if waits:
+        lines += ["", "The engine thread off the CPU during its steps (in kvtui serve: waits for the GIL the HTTP "
+                      "event loop holds, and preemption; in process: preemption alone): "
+                      + "; ".join(f"{label} {share:.1%}" for label, share in waits)]
     if result.get("targets"):
         lines += ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
         lines += [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: {'met' if t['ratio'] >= t['goal'] else 'not met'})"

@@ -81,6 +81,11 @@ class ServeMetrics:
         self.contamination = Counter("kvtui:contamination_events", "Contamination events reported by kvtui's "
                                      "detectors (kind numeric is a near tie, not contamination).",
                                      ("model_name", "kind", "detector"), registry=self.registry)
+        self.engine_step = counter("kvtui:engine_step_seconds", "Wall seconds the engine thread spent in steps "
+                                   "(scheduling, the forward, sampling, detectors, events), idle waits excluded.")
+        self.engine_wait = counter("kvtui:engine_step_wait_seconds", "Of kvtui:engine_step_seconds, the part the "
+                                   "engine thread was off the CPU: waiting for the GIL (the HTTP event loop) or "
+                                   "preempted by other processes (wall minus the thread's CPU time).")
         self.recording_errors = Counter("kvtui:recording_errors", "Recordings (--record) stopped by a failed write "
                                         "(disk full, I/O error); serving went on.", ("model_name",),
                                         registry=self.registry).labels(model_name)
@@ -104,6 +109,11 @@ class ServeMetrics:
             self.contamination.labels(self.model_name, event.kind, event.detector).inc()
         elif isinstance(event, RecordingFailed):
             self.recording_errors.inc()
+
+    def on_engine_step(self, wall_s: float, cpu_s: float) -> None:
+        """One pass of the engine thread that ran a step: its wall and thread CPU seconds."""
+        self.engine_step.inc(wall_s)
+        self.engine_wait.inc(max(0.0, wall_s - cpu_s))
 
     def _finish(self, e: Finish) -> None:
         if e.finish_reason == "rejected":

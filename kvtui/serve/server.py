@@ -194,7 +194,7 @@ class ServeServer:
 
         try:
             while not self._stop.is_set():
-                session.step_once()
+                self._timed_step(session)
         except StepInterrupted:  # stop() cut the step in progress short: a stop, not an error
             pass
         except BaseException as e:  # a bug: say it, stop serving, still write the summary
@@ -205,6 +205,15 @@ class ServeServer:
             session.stop_requested = True
             self.summary = session.close()
             self._stop.set()
+
+    def _timed_step(self, session) -> None:
+        """session.step_once(), its wall and thread CPU time counted when it ran an engine step (not when
+        it idled or ran reference checks): kvtui:engine_step_wait_seconds says how long the engine thread
+        waited for the GIL or the CPU."""
+        before, wall, cpu = session.engine.step_index, time.perf_counter(), time.thread_time()
+        session.step_once()
+        if session.engine.step_index != before:
+            self.metrics.on_engine_step(time.perf_counter() - wall, time.thread_time() - cpu)
 
     @property
     def engine_stopped(self) -> bool:
