@@ -83,6 +83,7 @@ class Arrive(_Frozen):
     max_new_tokens: int
     passphrase: str | None = None
     tenant: str | None = None  # (v2)
+    parent: str | None = None  # parallel sampling (n > 1): the submitted request this sequence is one of
 
 
 class FirstToken(_Frozen):

@@ -20,6 +20,7 @@ dashboard and the docs all read this table.
 | block_refcount | paged blocks: a finished request's blocks are freed outright while others still hold them |
 | shared_partial_block | paged prefix cache: a prompt's partial last block is shared without copy-on-write |
 | prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
+| cow_missing | paged blocks: a forked sequence (n > 1) writes into the partial block it shares in place |
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class FaultName(StrEnum):
     BLOCK_REFCOUNT = "block_refcount"
     SHARED_PARTIAL_BLOCK = "shared_partial_block"
     PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
+    COW_MISSING = "cow_missing"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -140,6 +142,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "context: the answer drifts",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",)),
+    Fault("cow_missing", "parallel sampling (n > 1) without copy-on-write: forked sequences write into the block "
+          "they share",
+          "block_manager: ensure writes into the partial last prompt block a fork still shares, in place",
+          "the n answers of one request overwrite each other's newest K/V: each sequence reads a sibling's "
+          "tokens at its own positions and drifts from its solo run",
+          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

@@ -333,10 +333,13 @@ class Session(RunBase):
                                    detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
                                    arrival_s=p.arrival_s, finish_s=self.engine.now()))
             return
-        arrive = arrive_event(p, max_new_tokens=state.sampling.max_new_tokens)  # the engine may cap it
-        if self.canary is not None:
-            self.canary.on_arrive(p.request_id, arrive.passphrase)
-        self.emit(arrive)
+        for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
+            sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
+            arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
+                                  parent=p.request_id if sequence is not p else None)
+            if self.canary is not None:
+                self.canary.on_arrive(request_id, arrive.passphrase)
+            self.emit(arrive)
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""

@@ -47,6 +47,9 @@ class FinishCode(str, enum.Enum):
     INTERNAL_ERROR = "internal_error"
 
 
+MAX_N = 16  # sequences one request may fork into (parallel sampling)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request picks its next token.
@@ -64,8 +67,12 @@ class SamplingParams:
     temperature, top-k or top-p, as vLLM's default): None = off (nothing computed), 0 = the sampled
     token's only, k = also the k most likely tokens at each step (OpenAI's `top_logprobs`).
 
+    Parallel sampling (`n`, vLLM's and OpenAI's name): the engine runs `n` sequences of the prompt,
+    prefilled once and forked (see Engine.submit); sequence i draws with its own generator seeded
+    `seed + i` (vLLM's rule for a seeded request), so each equals a solo run of its own seed.
+
     Raises:
-        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], or logprobs < 0.
+        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], logprobs < 0, or n outside 1..MAX_N.
     """
 
     temperature: float = 0.0
@@ -77,6 +84,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # -- parallel sampling ----------------------------------------------------------------------
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -89,6 +98,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens = }")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs = }")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in 1..{MAX_N}, got {self.n = }")
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +137,8 @@ class RequestState:
             preemption by recompute (its KV was given back); 0 otherwise.
         num_preemptions: times it was preempted; prefix_hit_tokens: tokens its last admission took
             from the prefix cache.
+        parent_id: parallel sampling (n > 1): the id the caller submitted; this sequence is its child
+            `index` (request_id `f"{index}_{parent_id}"`, as vLLM names them). None for n = 1.
     """
 
     request_id: str
@@ -155,6 +168,8 @@ class RequestState:
     recompute_tokens: int = 0
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
+    parent_id: str | None = None
+    index: int = 0
 
     @property
     def prompt_len(self) -> int:

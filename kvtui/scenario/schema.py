@@ -15,7 +15,8 @@ Fields (defaults in brackets; seconds and tokens as named):
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
   output_tokens [32]: a length distribution (lengths.py): max new tokens per request
-  sampling [greedy]: temperature [0], top_k [0], top_p [1], ignore_eos [false], stop [[]]
+  sampling [greedy]: temperature [0], top_k [0], top_p [1], ignore_eos [false], stop [[]],
+      n [1], n_fraction [1]: parallel sampling
   slo: ttft_s, tpot_s [null: no limit], for goodput
   timeline [[]]: [{at_s, set: {knob: value}, marker}], see timeline.py
   expect: contamination [none|detected]
@@ -195,6 +196,12 @@ class SamplingSection(Strict):
     include_stop_str_in_output: bool = Field(
         False, description="keep the stop string in the returned text (vLLM's option); by default it is cut, "
                            "as in the OpenAI API")
+    # -- parallel sampling ----------------------------------------------------------------------
+    n: Annotated[int, Field(ge=1, le=16)] = Field(
+        1, description="sequences per request (parallel sampling, vLLM's and OpenAI's `n`): the prompt is "
+                       "prefilled once and forked; sequence i of request R is `i_R` and samples with seed + i")
+    n_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        1.0, description="share of the requests that sample `n` sequences (drawn by the seed); the rest sample one")
 
 
 class SLO(Strict):
@@ -269,7 +276,16 @@ class Scenario(Strict):
         self._check_fits()
         self._check_stop()
         self._check_timeline()
+        self._check_forks()
         return self
+
+    def _check_forks(self) -> None:
+        """cow_missing acts on forked sequences only: a scenario without parallel sampling never fires it."""
+        named = set(self.engine.faults) | {(e.set or {}).get("fault") for e in self.timeline}
+        if "cow_missing" in named and (self.sampling.n == 1 or self.sampling.n_fraction == 0):
+            raise Problem("fault cow_missing acts on the sequences of a request with n > 1 (parallel sampling); this "
+                          "scenario has none, so it would never fire", "set sampling.n: 2 or more (and n_fraction "
+                          "above 0), or drop cow_missing", ("sampling", "n"))
 
     def _check_model(self) -> None:
         m = self.model
