@@ -278,7 +278,7 @@ class Session(RunBase):
                 return
             if not isinstance(item, str):
                 self._submit(item)
-            elif item in self.engine.requests:
+            elif any(i in self.engine.requests for i in self.engine.sequence_ids(item)):  # n > 1: its sequences
                 self.engine.abort(item)
 
     def step_once(self) -> bool:

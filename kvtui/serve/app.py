@@ -209,8 +209,9 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
         first = await _next(stream, listener)
         _check_admitted(first)
         if body.stream:
-            text = TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
-            events = _stream(ctx, stream, first, formatter, text, include_usage=body.include_usage())
+            texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
+                     for _ in range(sampling.n)]
+            events = _stream(ctx, stream, first, formatter, texts, include_usage=body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream",
                                      background=BackgroundTask(ctx.bridge.abort, request_id))
         return JSONResponse(await _whole(stream, first, formatter, listener))
@@ -268,41 +269,57 @@ def engine_error(finish: Finish) -> ApiError:
 
 
 async def _whole(stream: RequestStream, item, formatter: Formatter, listener: asyncio.Future) -> dict:
-    entries = []
-    while isinstance(item, TokenOut):
-        if item.logprobs:
-            entries.append(item.logprobs)
+    """The whole response: every choice's text once its sequence finished (n of them for n > 1)."""
+    entries: list[list] = [[] for _ in range(stream.n)]
+    done: dict[int, Finish] = {}
+    while True:
+        if isinstance(item, TokenOut):
+            if item.logprobs:
+                entries[item.index].append(item.logprobs)
+        elif isinstance(item, Closed):
+            raise ApiError(503, "the server stopped before the request finished", code="unavailable")
+        elif item.finish_reason == "error":
+            raise engine_error(item)
+        else:
+            done[stream.index_of(item.request_id)] = item
+            if len(done) == stream.n:
+                break
         item = await _next(stream, listener)
-    if isinstance(item, Closed):
-        raise ApiError(503, "the server stopped before the request finished", code="unavailable")
-    if item.finish_reason == "error":
-        raise engine_error(item)
-    return formatter.whole(item.output_text, entries, item.finish_reason, len(item.prompt_ids), len(item.output_ids),
-                           stream.cached_tokens)
+    finished = [done[i] for i in range(stream.n)]
+    return formatter.whole([(f.output_text, entries[i], f.finish_reason) for i, f in enumerate(finished)],
+                           len(finished[0].prompt_ids), sum(len(f.output_ids) for f in finished), stream.cached_tokens)
 
 
-async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, text: TextStream, *,
+async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, texts: list[TextStream], *,
                   include_usage: bool):
-    """The server-sent events of a streamed response; a client that goes away aborts the request."""
-    finished = False
+    """The server-sent events of a streamed response, each chunk with its choice's index; a client that
+    goes away aborts the request."""
+    finished, done = False, {}
     try:
         if formatter.chat:
-            yield sse(formatter.role_chunk())
+            for index in range(stream.n):
+                yield sse(formatter.role_chunk(index))
         while True:
             if isinstance(item, TokenOut):
-                delta, entries = text.add(item.token_id), [item.logprobs] if item.logprobs else []
+                delta, entries = texts[item.index].add(item.token_id), [item.logprobs] if item.logprobs else []
                 if delta or entries:
-                    yield sse(formatter.chunk(delta, entries))
-            else:
+                    yield sse(formatter.chunk(delta, entries, index=item.index))
+            elif isinstance(item, Finish) and item.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
                 finished = True
-                done = item if isinstance(item, Finish) else None
-                if done is not None and done.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
-                    yield sse(engine_error(done).body())
-                    break
-                rest = text.finish(done.output_text) if done else ""
-                yield sse(formatter.chunk(rest, [], done.finish_reason if done else "abort"))
-                if include_usage and done:
-                    yield sse(formatter.usage_chunk(len(done.prompt_ids), len(done.output_ids), stream.cached_tokens))
+                yield sse(engine_error(item).body())
+                break
+            elif isinstance(item, Finish):
+                index = stream.index_of(item.request_id)
+                done[index] = item
+                yield sse(formatter.chunk(texts[index].finish(item.output_text), [], item.finish_reason, index=index))
+            else:  # Closed: every choice still open ends as aborted
+                for index in sorted(set(range(stream.n)) - set(done)):
+                    yield sse(formatter.chunk("", [], "abort", index=index))
+            if isinstance(item, Closed) or len(done) == stream.n:
+                finished = True
+                if include_usage and len(done) == stream.n:
+                    yield sse(formatter.usage_chunk(len(done[0].prompt_ids), sum(len(f.output_ids) for f in done.values()),
+                                                    stream.cached_tokens))
                 break
             item = await stream.queue.get()
         yield sse("[DONE]")

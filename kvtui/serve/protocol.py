@@ -2,8 +2,9 @@
 
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
-parameters the engine cannot honour (n > 1, penalties, logit_bias, echo, suffix, tools) are refused
-with 400 rather than silently ignored. Ranges as OpenAI's API reference states them: `temperature`
+parameters the engine cannot honour (penalties, logit_bias, echo, suffix, tools) are refused
+with 400 rather than silently ignored. `n` (1 to 16) asks for n choices, sampled as n sequences of one
+prefill (parallel sampling; choice i samples with seed + i, as vLLM seeds a request's children). Ranges as OpenAI's API reference states them: `temperature`
 a finite number in [0, 2], `top_p` in (0, 1]. A string anywhere in the body that holds a lone UTF-16
 surrogate (JSON `"\ud800"` with no pair) is refused with 400: it is not Unicode text, and no
 tokenizer or JSON encoder takes it.
@@ -143,8 +144,7 @@ class SamplingFields(_Open):
 
     def check_common(self) -> None:
         """Raises ApiError (400) for parameters the engine cannot honour."""
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n}: kvtui serve returns one choice per request; use n=1", param="n")
+        self.check_n()
         for name in self.UNSUPPORTED:
             value = getattr(self, name)
             if value:  # 0, None and {} mean "off"
@@ -153,6 +153,14 @@ class SamplingFields(_Open):
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if any(s == "" for s in self.stop_list()):
             raise ApiError(400, "stop strings must not be empty", param="stop")
+
+    # -- parallel sampling ----------------------------------------------------------------------
+    def check_n(self) -> None:
+        """Raises ApiError (400) for an `n` outside 1..MAX_N (the choices one request may ask for)."""
+        from kvtui.engine.request import MAX_N
+
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n={self.n}: n must be between 1 and {MAX_N} (choices per request)", param="n")
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -243,7 +251,7 @@ def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endp
         temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0), seed=seed % 2**63, max_new_tokens=limit, stop=body.stop_list(),
         ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=_logprobs(body))
+        logprobs=_logprobs(body), n=body.n)
 
 
 def _logprobs(body: SamplingFields) -> int | None:
