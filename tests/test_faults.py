@@ -57,6 +57,11 @@ prompts: {{kind: system_prompt, count: 2, system_tokens: 32, instruction_tokens:
 }
 
 
+# Faults that act on a kind of request the default load lacks: its sampling line instead (stale_bitmask:
+# half the requests constrained to digits, so plain rows follow constrained ones in the bitmask buffer).
+SAMPLING_LOADS = {"stale_bitmask": 'sampling: {ignore_eos: true, structured: {regex: "[0-9]{1,30}", fraction: 0.5}}'}
+
+
 def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", drop_faults=False):
     """The truth-table scenario; a paged-KV fault gets its own load (PAGED_LOADS), drop_faults=True the
     same load with the fault off."""
@@ -67,17 +72,19 @@ def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", 
         return parse_scenario(f"name: truth-table\nmodel: tiny-llama\ndtype: {dtype}\n{body}{defaults}\n{extra}")
     # paged: 9 usable blocks of 16 tokens, so blocks change hands (and stale contents sit past a row's end)
     pool = "kv: paged, block_size: 16, num_blocks: 10" if kv == "paged" else "slots: 3"
+    sampling = next((SAMPLING_LOADS[n] for n in faults if n in SAMPLING_LOADS), "sampling: {ignore_eos: true}")
+    listed = [] if drop_faults else list(faults)
     return parse_scenario(f"""
 name: truth-table
 seed: 3
 max_requests: 6
 model: tiny-llama
 dtype: {dtype}
-engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{", ".join(faults)}]}}
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{", ".join(listed)}]}}
 arrivals: {{process: constant, rate_per_s: 50.0}}
 prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 3, max: 30}}}}
 output_tokens: 8
-sampling: {{ignore_eos: true}}
+{sampling}
 {extra}
 """)
 

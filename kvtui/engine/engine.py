@@ -18,6 +18,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
+from kvtui.engine.grammar import GrammarStage
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
@@ -75,7 +76,9 @@ class Engine:
         model: transformers causal LM (eval mode; its dtype is the KV pool dtype).
         config: EngineConfig.
         eos_token_ids: tokens that end a request (finish reason "stop") unless ignore_eos.
-        tokenizer: optional, needed only for stop strings.
+        tokenizer: optional, needed for stop strings and structured output.
+        grammar_tokenizer: the tokenizer structured output compiles grammars with, when it should not
+            also check stop strings (default: tokenizer).
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
 
     Raises:
@@ -84,7 +87,8 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
-                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0) -> None:
+                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0,
+                 grammar_tokenizer=None) -> None:
         if clock not in ("wall", "virtual"):
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
@@ -111,6 +115,7 @@ class Engine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._pending_finished: list[RequestState] = []
         self.families = Families()  # parallel sampling (n > 1)
+        self.grammar = GrammarStage(grammar_tokenizer or tokenizer, self.vocab_size)
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
         self.record_draws = True  # reference detector: keep each sampled token's Draw (about 1 KB a token)
@@ -207,14 +212,23 @@ class Engine:
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
         self._generators[request_id] = make_generator(request.sampling)
-        if not queue:
-            return request
-        problem = self._prompt_problem(request) or self._admission_problem(request)
-        if problem:
+        problem = None if not queue else self._prompt_problem(request) or self._admission_problem(request)
+        problem = problem or self._grammar_problem(request)
+        if problem and queue:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
-            return request
-        self.scheduler.add(request)
-        return request
+        elif queue:
+            self.scheduler.add(request)
+        return request  # a held sibling whose grammar fails is rejected with its lead (_release_forks)
+
+    def _grammar_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """Give a constrained request its grammar matcher; (code, detail) when its grammar does not compile."""
+        if request.sampling.structured is None:
+            return None
+        try:
+            self.grammar.add(request.request_id, request.sampling.structured)
+        except ValueError as e:
+            return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
+        return None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
@@ -420,6 +434,8 @@ class Engine:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
         running = []
+        self.grammar.apply([(i, c.request.request_id) for i, c in enumerate(plan.chunks) if i in outcome.logits],
+                           outcome.logits, self._faults)  # structured output: one per-row stage
         for index, chunk in enumerate(plan.chunks):
             if index in failed:
                 self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
@@ -496,6 +512,8 @@ class Engine:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
         request.generated_ids.append(token)
         try:
+            if request.sampling.structured is not None:
+                self.grammar.accept(request.request_id, token)
             reason = self._stop_reason(request, token)
         except Exception:
             request.generated_ids.pop()
@@ -514,6 +532,8 @@ class Engine:
         params = request.sampling
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
+        if params.structured is not None and self.grammar.terminated(request.request_id):
+            return FinishReason.STOP  # its grammar is complete
         if params.stop and self.tokenizer is not None and self._stop_string(request):
             return FinishReason.STOP
         if len(request.generated_ids) >= params.max_new_tokens:
@@ -544,6 +564,7 @@ class Engine:
         request.finish_code = code.value if code else ""
         request.finish_s = self.now()
         self._generators.pop(request.request_id, None)
+        self.grammar.drop(request.request_id)
         self._pending_finished.append(request)
         if request.request_id in self.families.pending:
             self._release_forks(request)

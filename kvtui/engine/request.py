@@ -45,9 +45,44 @@ class FinishCode(str, enum.Enum):
     OUT_OF_VOCABULARY = "out_of_vocabulary"
     QUEUE_FULL = "queue_full"
     INTERNAL_ERROR = "internal_error"
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # its grammar (schema, regex, choices) did not compile
 
 
 MAX_N = 16  # sequences one request may fork into (parallel sampling)
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, named as vLLM's StructuredOutputsParams: exactly one of
+    `json` (a JSON schema, as JSON text), `regex`, `choice` (the output is one of these strings),
+    `grammar` (EBNF in xgrammar's GBNF dialect) or `json_object` (any JSON object). Enforced token by
+    token with a grammar matcher and a bitmask on the request's logits (kvtui/engine/grammar.py).
+
+    Raises:
+        ValueError: none or more than one of them set, or an empty choice list.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs: choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass(frozen=True)
@@ -71,6 +106,10 @@ class SamplingParams:
     prefilled once and forked (see Engine.submit); sequence i draws with its own generator seeded
     `seed + i` (vLLM's rule for a seeded request), so each equals a solo run of its own seed.
 
+    `structured` (StructuredOutputs) constrains the output to a JSON schema, a regex, a choice list or a
+    grammar: each step the request's logits outside what its grammar allows next are masked to -inf,
+    and it stops (reason "stop") once its grammar is complete.
+
     Raises:
         ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], logprobs < 0, or n outside 1..MAX_N.
     """
@@ -86,6 +125,8 @@ class SamplingParams:
     logprobs: int | None = None
     # -- parallel sampling ----------------------------------------------------------------------
     n: int = 1
+    # -- structured output (kvtui/engine/grammar.py) ----------------------------------------------
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
