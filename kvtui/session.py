@@ -383,6 +383,9 @@ class Session(RunBase):
         for request_id, slot, previous, kept in report.stale_starts:
             self.emit(Marker(t=report.t, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
                                                   f"{previous} kept (stale_slot)"))
+        for request_id, previous, row in report.stale_masks:
+            self.emit(Marker(t=report.t, text=f"{request_id} sampled through bitmask row {row} as {previous}'s "
+                                                  "grammar left it (stale_bitmask)"))
         for r in report.running:
             if r.ttft_s is not None:
                 self.emit(FirstToken(t=report.t, request_id=r.request_id, ttft_s=r.ttft_s))

@@ -238,6 +238,45 @@ def test_n_choices_each_equal_their_seeded_solo_run_streamed_or_whole(tiny_serve
     assert tiny_server.bridge.in_flight() == 0
 
 
+def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_server, oracle_tiny):
+    """response_format (json_schema, json_object), structured_outputs and guided_* each constrain the
+    answer: it equals transformers' generate with xgrammar's own logits processor (separate instance)."""
+    xgr = pytest.importorskip("xgrammar", reason="pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi")
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    c, tok = client(tiny_server), oracle_tiny.tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=oracle_tiny.model.get_input_embeddings().num_embeddings)
+    compiler = xgr.GrammarCompiler(info)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              compiler.compile_json_schema(json.dumps(schema, sort_keys=True))),
+             ({"response_format": {"type": "json_object"}}, compiler.compile_builtin_json_grammar()),
+             ({"structured_outputs": {"regex": "[0-9]{2,5}"}}, compiler.compile_regex("[0-9]{2,5}")),
+             ({"guided_regex": "(ab|cd)+x"}, compiler.compile_regex("(ab|cd)+x")),
+             ({"guided_choice": ["left", "right"]}, compiler.compile_grammar('root ::= "left" | "right"'))]
+    prompt = "Answer:"
+    ids = tok.encode(prompt)
+    for extra, grammar in cases:
+        with torch.inference_mode():
+            out = oracle_tiny.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                             logits_processor=[LogitsProcessor(grammar)],
+                                             eos_token_id=list(oracle_tiny.eos_token_ids), pad_token_id=0)
+        want = out[0, len(ids):].tolist()
+        answer = c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True), extra
+        assert answer.choices[0].finish_reason == ("stop" if want[-1] in oracle_tiny.eos_token_ids else "length")
+    choice = c.chat.completions.create(model="tiny-llama", messages=user_chat("pick"), max_tokens=8, temperature=0.7,
+                                       seed=3, n=2, extra_body={"guided_choice": ["left", "right"]})
+    assert {ch.message.content for ch in choice.choices} <= {"left", "right"}
+    for body, param in [({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
+                        ({"guided_regex": "a", "guided_choice": ["b"], "prompt": "x"}, "guided_choice"),
+                        ({"response_format": {"type": "xml"}, "prompt": "x"}, "response_format"),
+                        ({"structured_outputs": {"json": "not json"}, "prompt": "x"}, "structured_outputs.json")]:
+        response = httpx.post(f"{tiny_server.url}/v1/completions", json=body)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param, response.json()
+
+
 # -- metrics --------------------------------------------------------------------------------------------
 def test_metrics_parse_and_count_the_requests(tiny_server):
     c = client(tiny_server)

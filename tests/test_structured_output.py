@@ -41,14 +41,17 @@ def engine(loaded, kv="slots", layout="padded", **kw):
                   eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, clock="virtual")
 
 
-def run(eng, submissions):
-    """(step, id, prompt, params) -> {id: finished report}."""
+def run(eng, submissions, reports=None):
+    """(step, id, prompt, params) -> {id: finished report}; each step's report appended to `reports`."""
     pending, finished, steps = sorted(submissions, key=lambda s: s[0]), {}, 0
     while pending or eng.has_unfinished():
         while pending and pending[0][0] <= steps:
             _, request_id, prompt, params = pending.pop(0)
             eng.submit(request_id, prompt, params)
-        finished.update({f.request_id: f for f in eng.step().finished})
+        report = eng.step()
+        if reports is not None:
+            reports.append(report)
+        finished.update({f.request_id: f for f in report.finished})
         steps += 1
         assert steps < 2000
     return finished
@@ -169,10 +172,10 @@ def test_stale_bitmask_restricts_a_plain_request_to_the_previous_rows_grammar(ti
             (0, "digits", ps[1], SamplingParams(max_new_tokens=3, structured=digits)),
             (5, "plain", ps[2], SamplingParams(max_new_tokens=10, ignore_eos=True))]
     clean = run(engine(loaded, layout=layout), subs)
-    eng = engine(loaded, layout=layout, faults=frozenset({"stale_bitmask"}))
-    faulty = run(eng, subs)
-    stale = {(s.victim, s.source) for s in eng.grammar.take_stale()}
-    assert stale == {("plain", "digits")}
+    eng, reports = engine(loaded, layout=layout, faults=frozenset({"stale_bitmask"})), []
+    faulty = run(eng, subs, reports)
+    stale = {(victim, source) for r in reports for victim, source, _ in r.stale_masks}
+    assert stale == {("plain", "digits")}  # the step names victim and source
     assert list(clean["plain"].output_ids) == solo(loaded, ps[2], subs[2][3])
     text = loaded.tokenizer.decode(faulty["plain"].output_ids, skip_special_tokens=True)
     assert faulty["plain"].output_ids != clean["plain"].output_ids and text.isdigit(), text

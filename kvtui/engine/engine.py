@@ -602,6 +602,7 @@ class Engine:
             key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions), **self._pool_fields(),
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
             faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
+            stale_masks=tuple(dict.fromkeys((s.victim, s.source, s.row) for s in self.grammar.take_stale())),
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
         )
 

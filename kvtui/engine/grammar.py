@@ -26,7 +26,6 @@ import torch
 from kvtui.engine.request import StructuredOutputs
 from kvtui.faults import FaultName
 
-
 INSTALL = "pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2"  # --no-deps: no triton (CPU)
 
 

@@ -50,7 +50,8 @@ ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
                  "too_long": (400, "context_length_exceeded", "max_tokens"),
                  "empty": (400, "empty_prompt", "prompt"),
                  "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
-                 "internal_error": (500, "internal_error", None)}
+                 "internal_error": (500, "internal_error", None),
+                 "invalid_structured_output": (400, "invalid_structured_output", None)}
 
 
 @dataclass
@@ -207,7 +208,12 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
     listener = asyncio.ensure_future(_wait_disconnect(request))
     try:
         first = await _next(stream, listener)
-        _check_admitted(first)
+        try:
+            _check_admitted(first)
+        except ApiError as e:
+            if e.code == "invalid_structured_output":  # name the field the grammar came in
+                e.param = body.structured_param()
+            raise
         if body.stream:
             texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
                      for _ in range(sampling.n)]
