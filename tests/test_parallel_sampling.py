@@ -189,3 +189,37 @@ def test_scenario_n_and_n_fraction_plan_and_cow_missing_needs_forks():
     assert set(ns) == {1, 4} and 10 <= ns.count(4) <= 30
     with pytest.raises(ScenarioError, match="cow_missing acts on the sequences of a request with n > 1"):
         parse_scenario("max_requests: 2\nmodel: tiny-llama\nengine: {kv: paged, faults: [cow_missing]}")
+
+
+@st.composite
+def mixed_sessions(draw):
+    """Random scenarios mixing parallel sampling and structured output, slots or paged KV."""
+    kv = draw(st.sampled_from(["slots", "paged"]))
+    pool = (f"kv: paged, block_size: {draw(st.sampled_from([4, 16]))}, prefix_caching: "
+            f"{str(draw(st.booleans())).lower()}" if kv == "paged" else f"slots: {draw(st.integers(1, 4))}")
+    structured = draw(st.sampled_from(["", ', structured: {regex: "[a-z]{1,12}", fraction: 0.5}',
+                                       ', structured: {choice: [alpha, beta], fraction: 0.7}']))
+    return parse_scenario(f"""
+seed: {draw(st.integers(0, 10_000))}
+max_requests: {draw(st.integers(1, 6))}
+model: tiny-llama
+engine: {{{pool}, max_len: 96, layout: {draw(st.sampled_from(["padded", "packed"]))},
+          max_batch_size: {draw(st.integers(1, 8))}}}
+arrivals: {{process: poisson, rate_per_s: {draw(st.sampled_from([2.0, 50.0]))}}}
+prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 1, max: 30}}}}
+output_tokens: {draw(st.integers(1, 10))}
+sampling: {{temperature: {draw(st.sampled_from([0.0, 0.9]))}, n: {draw(st.integers(1, 3))},
+           n_fraction: 0.6{structured}}}
+""")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_sessions())
+def test_random_sessions_mixing_n_and_structured_output_have_no_findings(tiny, spec):
+    pytest.importorskip("xgrammar")
+    from kvtui.session import Session
+
+    session = Session(spec, tiny["tiny-llama"], clock="virtual")
+    session.run()
+    assert [e for e in session.contamination if e.kind in ("cross_request", "cross_tenant", "corruption")] == []
+    assert session.summary.finish_reasons.get("rejected", 0) == 0 and session.reference.checked > 0
