@@ -115,6 +115,8 @@ RUN = {f"r{i:03d}" for i in range(6)}
 
 @pytest.mark.parametrize("name,layout,kv", CASES)
 def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source(tiny, name, layout, kv):
+    if name == "stale_bitmask":
+        pytest.importorskip("xgrammar", reason="structured output: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi")
     fault = FAULTS[name]
     spec = scenario(layout, faults=[name], kv=kv)
     arrivals = []
