@@ -223,3 +223,15 @@ def test_random_sessions_mixing_n_and_structured_output_have_no_findings(tiny, s
     session.run()
     assert [e for e in session.contamination if e.kind in ("cross_request", "cross_tenant", "corruption")] == []
     assert session.summary.finish_reasons.get("rejected", 0) == 0 and session.reference.checked > 0
+
+
+@pytest.mark.smollm
+def test_smollm2_paged_parallel_sampling_equals_solo_per_sequence(smollm2):
+    ids = smollm2.tokenizer.encode("Write one line about the sea.")
+    params = SamplingParams(temperature=0.8, seed=21, max_new_tokens=12, ignore_eos=True, n=3)
+    cfg = EngineConfig(kv="paged", block_size=16, max_len=128, max_batch_size=4)
+    engine, out, _, _ = run(smollm2, [(0, "s", ids, params), (1, "other", ids[:5], SamplingParams(max_new_tokens=6))],
+                            cfg)
+    for i in range(3):
+        assert out[f"{i}_s"] == solo(smollm2, ids, child_sampling(params, i)), i
+    assert engine.kv.manager.copies == (2 if len(ids) % 16 else 0)

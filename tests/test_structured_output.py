@@ -180,3 +180,23 @@ def test_stale_bitmask_restricts_a_plain_request_to_the_previous_rows_grammar(ti
     text = loaded.tokenizer.decode(faulty["plain"].output_ids, skip_special_tokens=True)
     assert faulty["plain"].output_ids != clean["plain"].output_ids and text.isdigit(), text
     assert faulty["letters"].output_ids == clean["letters"].output_ids  # constrained rows are filled afresh
+
+
+@pytest.mark.smollm
+def test_smollm2_json_schema_answer_equals_transformers_generate_with_xgrammar(smollm2):
+    from kvtui.scenario.prompts import chat_ids, user_chat
+
+    schema = json.dumps({"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}},
+                         "required": ["colour"], "additionalProperties": False})
+    spec = StructuredOutputs(json=schema)
+    ids = chat_ids(smollm2.tokenizer, user_chat("Name a colour, as JSON."))
+    plain = chat_ids(smollm2.tokenizer, user_chat("Say hello."))
+    finished = run(engine(smollm2), [(0, "json", ids, SamplingParams(max_new_tokens=40, structured=spec)),
+                                     (0, "plain", plain, SamplingParams(max_new_tokens=8))])
+    oracle = oracle_model("default", "eager")
+    assert list(finished["json"].output_ids) == hf_generate(oracle, ids, 40, smollm2.eos_token_ids,
+                                                            compiled(smollm2, spec))
+    assert finished["json"].finish_reason == "stop"
+    answer = json.loads(smollm2.tokenizer.decode(finished["json"].output_ids, skip_special_tokens=True))
+    assert set(answer) == {"colour"} and isinstance(answer["colour"], str)
+    assert list(finished["plain"].output_ids) == hf_generate(oracle, plain, 8, smollm2.eos_token_ids)
