@@ -275,6 +275,8 @@ def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_ser
         response = httpx.post(f"{tiny_server.url}/v1/completions", json=body)
         assert response.status_code == 400, body
         assert response.json()["error"]["param"] == param, response.json()
+    bad = httpx.post(f"{tiny_server.url}/v1/completions", json={"guided_regex": "(", "prompt": "x"}).json()["error"]
+    assert bad["code"] == "invalid_structured_output" and "regex does not compile" in bad["message"]
 
 
 # -- metrics --------------------------------------------------------------------------------------------

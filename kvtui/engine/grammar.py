@@ -18,6 +18,7 @@ xgrammar is imported on first use: runs without structured output never load it.
 from __future__ import annotations
 
 import json
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class GrammarStage:
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lock = threading.Lock()  # compile() may run in a server's worker thread beside the engine's
         self._compiler = None
         self._compiled: dict[StructuredOutputs, object] = {}
         self.matchers: dict[str, object] = {}
@@ -74,16 +76,19 @@ class GrammarStage:
         self.stale: deque[StaleRow] = deque(maxlen=256)  # stale_bitmask: rows used stale, the latest kept
         self.rejected_tokens = 0  # tokens a matcher refused (only a fault can make one)
 
-    def _compile(self, spec: StructuredOutputs):
-        """The compiled grammar of `spec` (cached). Raises ValueError with the library's reason."""
+    def compile(self, spec: StructuredOutputs):
+        """The compiled grammar of `spec`, cached (any thread: a server compiles a new grammar in a worker
+        thread before submitting, so the engine's step never waits for it; SmolLM2's vocabulary takes
+        about a second a JSON schema on 2 cores). Raises ValueError with the library's reason."""
         if spec in self._compiled:
             return self._compiled[spec]
         if self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer; this engine has none")
         xgr = _xgr()
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
             compiled = self._compile_kind(spec)
         except (RuntimeError, ValueError, TypeError) as e:
@@ -105,7 +110,7 @@ class GrammarStage:
 
     def add(self, request_id: str, spec: StructuredOutputs) -> None:
         """Give a constrained request its own matcher. Raises ValueError when its grammar does not compile."""
-        self.matchers[request_id] = _xgr().GrammarMatcher(self._compile(spec))
+        self.matchers[request_id] = _xgr().GrammarMatcher(self.compile(spec))
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)

@@ -129,6 +129,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
         prompt = body.single_prompt()
         text = prompt if isinstance(prompt, str) else None
         ids = await state.off_loop(encode_text, ctx.tokenizer, prompt) if text is not None else list(prompt)
+        await state.off_loop(_precompile, ctx, body)
         return await _serve(ctx, request, body, ids, text, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -137,6 +138,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
         body.check()
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
+        await state.off_loop(_precompile, ctx, body)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return await _serve(ctx, request, body, ids, last_user, chat=True)
 
@@ -163,6 +165,21 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+def _precompile(ctx: ServeContext, body) -> None:
+    """Structured output: compile the request's grammar here (a tokenizing thread), not in the engine's
+    step. Raises ApiError 400 naming the field when it does not compile, 503 while no session runs."""
+    spec = body.structured()
+    if spec is None:
+        return
+    try:
+        ctx.bridge.precompile(spec)
+    except ValueError as e:
+        raise ApiError(400, f"structured output: {e}", param=body.structured_param(),
+                       code="invalid_structured_output") from None
+    except NotAccepting:
+        raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
 
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:

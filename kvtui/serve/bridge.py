@@ -117,6 +117,19 @@ class EngineBridge:
             self.session.submit_external(planned)
         return stream
 
+    def precompile(self, spec) -> None:
+        """Compile a structured-output grammar (kvtui.engine.request.StructuredOutputs) into the engine's
+        cache from the calling thread (a tokenizing worker), so the engine's step does not wait for it.
+
+        Raises:
+            ValueError: the grammar does not compile (the library's reason).
+            NotAccepting: no session (loading or stopping).
+        """
+        session = self.session
+        if session is None:
+            raise NotAccepting()
+        session.engine.grammar.compile(spec)
+
     def abort(self, request_id: str) -> None:
         """Abort a request whose client went away (any thread; nothing if it already finished)."""
         with self._lock:
