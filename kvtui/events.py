@@ -83,6 +83,7 @@ class Arrive(_Frozen):
     max_new_tokens: int
     passphrase: str | None = None
     tenant: str | None = None  # (v2)
+    parent: str | None = None  # parallel sampling (n > 1): the submitted request this sequence is one of
 
 
 class FirstToken(_Frozen):
@@ -290,6 +291,8 @@ class StepEvent(_Frozen):
         flow: FlowEntry per request (attention_flow on).
         errors: (request_id, error text) for requests whose forward raised under a fault.
         stale_starts: (request_id, slot, previous owner, tokens kept) for slots reused stale.
+        stale_masks: (request_id, previous owner, bitmask row) for plain requests that sampled through a
+            structured-output bitmask row another request's grammar filled (the stale_bitmask fault).
         kv: "slots" or "paged". The rest is paged KV only (None or empty, and not recorded, with slots):
         num_blocks, blocks_used: usable blocks (the null block excluded) and those in use.
         kv_cache_usage_perc: blocks_used / num_blocks (vLLM's metric; cached free blocks are free).
@@ -335,6 +338,7 @@ class StepEvent(_Frozen):
     flow: tuple[FlowEntry, ...] = ()
     errors: tuple[tuple[str, str], ...] = ()
     stale_starts: tuple[tuple[str, int, str | None, int], ...] = ()
+    stale_masks: tuple[tuple[str, str, int], ...] = ()
     # (v2, paged KV only; absent with slots)
     kv: Literal["slots", "paged"] = "slots"
     num_blocks: int | None = None

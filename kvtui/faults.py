@@ -20,6 +20,8 @@ dashboard and the docs all read this table.
 | block_refcount | paged blocks: a finished request's blocks are freed outright while others still hold them |
 | shared_partial_block | paged prefix cache: a prompt's partial last block is shared without copy-on-write |
 | prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
+| cow_missing | paged blocks: a forked sequence (n > 1) writes into the partial block it shares in place |
+| stale_bitmask | structured output: a plain row's bitmask row is not reset, so the last grammar there restricts it |
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class FaultName(StrEnum):
     BLOCK_REFCOUNT = "block_refcount"
     SHARED_PARTIAL_BLOCK = "shared_partial_block"
     PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
+    COW_MISSING = "cow_missing"
+    STALE_BITMASK = "stale_bitmask"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -140,6 +144,18 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "context: the answer drifts",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",)),
+    Fault("cow_missing", "parallel sampling (n > 1) without copy-on-write: forked sequences write into the block "
+          "they share",
+          "block_manager: ensure writes into the partial last prompt block a fork still shares, in place",
+          "the n answers of one request overwrite each other's newest K/V: each sequence reads a sibling's "
+          "tokens at its own positions and drifts from its solo run",
+          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",)),
+    Fault("stale_bitmask", "structured output's bitmask row is not reset for a plain request: it keeps the last "
+          "grammar that used the row",
+          "engine/grammar.py: GrammarStage.apply leaves a plain row's bitmask row as its previous owner filled it",
+          "a plain request that shares a step with a constrained one is restricted to what another request's "
+          "grammar allowed: its answer turns into digits, JSON or one of the other's choices",
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

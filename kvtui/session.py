@@ -282,7 +282,7 @@ class Session(RunBase):
                 return
             if not isinstance(item, str):
                 self._submit(item)
-            elif item in self.engine.requests:
+            elif any(i in self.engine.requests for i in self.engine.sequence_ids(item)):  # n > 1: its sequences
                 self.engine.abort(item)
 
     def step_once(self) -> bool:
@@ -337,10 +337,13 @@ class Session(RunBase):
                                    detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
                                    arrival_s=p.arrival_s, finish_s=self.engine.now()))
             return
-        arrive = arrive_event(p, max_new_tokens=state.sampling.max_new_tokens)  # the engine may cap it
-        if self.canary is not None:
-            self.canary.on_arrive(p.request_id, arrive.passphrase)
-        self.emit(arrive)
+        for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
+            sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
+            arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
+                                  parent=p.request_id if sequence is not p else None)
+            if self.canary is not None:
+                self.canary.on_arrive(request_id, arrive.passphrase)
+            self.emit(arrive)
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""
@@ -384,6 +387,9 @@ class Session(RunBase):
         for request_id, slot, previous, kept in report.stale_starts:
             self.emit(Marker(t=report.t, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
                                                   f"{previous} kept (stale_slot)"))
+        for request_id, previous, row in report.stale_masks:
+            self.emit(Marker(t=report.t, text=f"{request_id} sampled through bitmask row {row} as {previous}'s "
+                                                  "grammar left it (stale_bitmask)"))
         for r in report.running:
             if r.ttft_s is not None:
                 self.emit(FirstToken(t=report.t, request_id=r.request_id, ttft_s=r.ttft_s))

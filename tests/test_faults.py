@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtui.events import Finish, Marker
+from kvtui.events import Arrive, Finish, Marker
 from kvtui.faults import FAULTS
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
@@ -17,8 +17,9 @@ ONE_PROMPT = Path(__file__).parent / "data" / "one_prompt.txt"
 
 # Loads that make each paged-KV fault act (prefix caching on): shared system prompts across two tenants
 # (unsalted_prefix), a tight pool under shared prefixes and mixed output lengths (block_refcount), the
-# same prompt sampled several times (shared_partial_block), two system prompts followed by a common
-# block-aligned instruction block (prefix_key_no_parent).
+# same prompt sampled several times (shared_partial_block), the same prompt sampled as n = 3 forked
+# sequences each (cow_missing), two system prompts followed by a common block-aligned instruction block
+# (prefix_key_no_parent).
 PAGED_LOADS = {
     "unsalted_prefix": """seed: 0
 max_requests: 8
@@ -40,6 +41,13 @@ arrivals: {{{{process: constant, rate_per_s: 10.0}}}}
 prompts: {{{{kind: file, path: {ONE_PROMPT}}}}}
 output_tokens: 16
 sampling: {{{{temperature: 1.0, ignore_eos: true}}}}""",
+    "cow_missing": f"""seed: 0
+max_requests: 3
+engine: {{{{kv: paged, block_size: 16, max_len: 256, prefix_caching: true, layout: {{layout}}, faults: [{{faults}}]}}}}
+arrivals: {{{{process: constant, rate_per_s: 10.0}}}}
+prompts: {{{{kind: file, path: {ONE_PROMPT}}}}}
+output_tokens: 16
+sampling: {{{{temperature: 1.0, ignore_eos: true, n: 3}}}}""",
     "prefix_key_no_parent": """seed: 0
 max_requests: 8
 engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
@@ -47,6 +55,11 @@ arrivals: {{process: constant, rate_per_s: 5.0}}
 prompts: {{kind: system_prompt, count: 2, system_tokens: 32, instruction_tokens: 16,
            user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
 }
+
+
+# Faults that act on a kind of request the default load lacks: its sampling line instead (stale_bitmask:
+# half the requests constrained to digits, so plain rows follow constrained ones in the bitmask buffer).
+SAMPLING_LOADS = {"stale_bitmask": 'sampling: {ignore_eos: true, structured: {regex: "[0-9]{1,30}", fraction: 0.5}}'}
 
 
 def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", drop_faults=False):
@@ -59,17 +72,19 @@ def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", 
         return parse_scenario(f"name: truth-table\nmodel: tiny-llama\ndtype: {dtype}\n{body}{defaults}\n{extra}")
     # paged: 9 usable blocks of 16 tokens, so blocks change hands (and stale contents sit past a row's end)
     pool = "kv: paged, block_size: 16, num_blocks: 10" if kv == "paged" else "slots: 3"
+    sampling = next((SAMPLING_LOADS[n] for n in faults if n in SAMPLING_LOADS), "sampling: {ignore_eos: true}")
+    listed = [] if drop_faults else list(faults)
     return parse_scenario(f"""
 name: truth-table
 seed: 3
 max_requests: 6
 model: tiny-llama
 dtype: {dtype}
-engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{", ".join(faults)}]}}
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{", ".join(listed)}]}}
 arrivals: {{process: constant, rate_per_s: 50.0}}
 prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 3, max: 30}}}}
 output_tokens: 8
-sampling: {{ignore_eos: true}}
+{sampling}
 {extra}
 """)
 
@@ -100,10 +115,13 @@ RUN = {f"r{i:03d}" for i in range(6)}
 
 @pytest.mark.parametrize("name,layout,kv", CASES)
 def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source(tiny, name, layout, kv):
+    if name == "stale_bitmask":
+        pytest.importorskip("xgrammar", reason="structured output: pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi")
     fault = FAULTS[name]
     spec = scenario(layout, faults=[name], kv=kv)
-    session = run(tiny, spec)
-    ran = {f"r{i:03d}" for i in range(spec.max_requests)}
+    arrivals = []
+    session = run(tiny, spec, listeners=(lambda e: arrivals.append(e.request_id) if isinstance(e, Arrive) else None,))
+    ran = set(arrivals)  # r000, ...; with n > 1 each request's sequences 0_r000, 1_r000, ...
     reports = [e for e in session.contamination if e.counts]
     assert set(fault.caught_by) - TEXT_DETECTORS <= {e.detector for e in reports}, session.contamination
     assert session.summary.findings_by_kind.get(fault.kind, 0) >= 1, session.summary.findings_by_kind

@@ -59,7 +59,7 @@ def test_paged_admission_is_bounded_by_max_batch_size_after_reconfigure(tiny):
 
 def test_both_caches_implement_every_verb_of_the_interface():
     verbs = sorted(name for name, value in vars(KVCache).items() if callable(value) and not name.startswith("_"))
-    assert verbs == ["admit", "commit", "configure", "ensure", "expected_writers", "finish", "free_seats", "preempt",
+    assert verbs == ["admit", "commit", "configure", "ensure", "expected_writers", "finish", "fork", "free_seats", "preempt",
                      "rejection", "report_fields"]
     missing = [f"{cls.__name__}.{verb}" for cls in (SlotCache, PagedCache) for verb in verbs
                if not callable(getattr(cls, verb, None))]

@@ -396,3 +396,27 @@ def test_an_interrupted_run_writes_its_summary_says_so_and_exits_128_plus_the_si
     assert f"error: interrupted by {name}: the run stopped early; {last['requests_not_submitted']} planned requests " \
            f"not submitted; the summary above covers what ran (exit {code})" in err
     assert "after the run's end" not in err and "no detector fired" not in err and "Traceback" not in err
+
+
+def test_a_fault_that_finds_no_request_of_its_kind_is_refused_naming_what_the_scenario_needs(tmp_path):
+    """cow_missing acts on forked sequences (sampling.n > 1), stale_bitmask on structured output: a run
+    without such requests would test nothing."""
+    plain = write(tmp_path, SMALL, "plain.yaml")
+    result = invoke("validate", str(plain), "--fault", "stale_bitmask")
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        "error: --fault stale_bitmask: acts on structured output's bitmask rows (sampling.structured), and this "
+        "scenario has no constrained request, so it would never fire; use a scenario with sampling.structured "
+        "(`kvtui faults` lists where each fault acts)"]
+    paged = write(tmp_path, SMALL.replace("engine: {slots: 3, max_len: 256}", "engine: {kv: paged, max_len: 256}"),
+                  "paged.yaml")
+    result = invoke("validate", str(paged), "--fault", "cow_missing")
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        "error: --fault cow_missing: acts on the sequences of a request with n > 1 (sampling.n), and this scenario "
+        "has none, so it would never fire; use a scenario with sampling.n of 2 or more (`kvtui faults` lists where "
+        "each fault acts)"]
+    in_scenario = write(tmp_path, SMALL.replace("engine: {slots: 3, max_len: 256}",
+                                                "engine: {slots: 3, max_len: 256, faults: [stale_bitmask]}"), "in.yaml")
+    result = invoke("validate", str(in_scenario))
+    assert result.exit_code == 2 and "fault stale_bitmask acts on the bitmask rows of structured output" in result.stderr
+    assert invoke("validate", "scenarios/faults/cow_missing.yaml").exit_code == 0
+    assert invoke("validate", "scenarios/faults/stale_bitmask.yaml").exit_code == 0

@@ -199,6 +199,86 @@ def test_seeded_sampling_repeats_and_logprobs_have_the_openai_shapes(tiny_server
     assert c.completions.create(model="tiny-llama", prompt="abc", max_tokens=2).choices[0].logprobs is None
 
 
+def test_n_choices_each_equal_their_seeded_solo_run_streamed_or_whole(tiny_server, oracle_tiny):
+    """n = 3: three choices, index 0..2, choice i sampled with seed + i (vLLM's seeding of a request's
+    children), each equal to a solo engine run on a separate model instance; usage sums the choices."""
+    from helpers import solo
+
+    from kvtui.engine import SamplingParams
+
+    c, tok = client(tiny_server), oracle_tiny.tokenizer
+    prompt = "Once upon"
+    ids = tok.encode(prompt)
+    want = [tok.decode(solo(oracle_tiny, ids, SamplingParams(temperature=0.9, seed=11 + i, max_new_tokens=10,
+                                                              ignore_eos=True)), skip_special_tokens=True)
+            for i in range(3)]
+    assert len(set(want)) == 3
+    kwargs = dict(model="tiny-llama", prompt=prompt, max_tokens=10, temperature=0.9, seed=11, n=3,
+                  extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kwargs)
+    assert [(ch.index, ch.text, ch.finish_reason) for ch in whole.choices] == [(i, want[i], "length") for i in range(3)]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 30)
+    chunks = list(c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    by_index = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
+                for i in range(3)}
+    assert by_index == dict(enumerate(want))
+    assert {ch.choices[0].index for ch in chunks if ch.choices} == {0, 1, 2}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+    chat = [{"role": "user", "content": "Say something."}]
+    _, greedy = greedy_text(oracle_tiny, chat_ids(tok, chat), 8)
+    stream = list(c.chat.completions.create(model="tiny-llama", messages=chat, max_tokens=8, temperature=0, n=2,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    roles = [ch.choices[0].index for ch in stream if ch.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1]
+    for i in (0, 1):
+        mine = [ch.choices[0] for ch in stream if ch.choices[0].index == i]
+        assert "".join(ch.delta.content or "" for ch in mine) == greedy  # greedy: n copies of the one answer
+        assert mine[-1].finish_reason == "length"
+    assert tiny_server.bridge.in_flight() == 0
+
+
+def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_server, oracle_tiny):
+    """response_format (json_schema, json_object), structured_outputs and guided_* each constrain the
+    answer: it equals transformers' generate with xgrammar's own logits processor (separate instance)."""
+    xgr = pytest.importorskip("xgrammar", reason="pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi")
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    c, tok = client(tiny_server), oracle_tiny.tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=oracle_tiny.model.get_input_embeddings().num_embeddings)
+    compiler = xgr.GrammarCompiler(info)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              compiler.compile_json_schema(json.dumps(schema, sort_keys=True))),
+             ({"response_format": {"type": "json_object"}}, compiler.compile_builtin_json_grammar()),
+             ({"structured_outputs": {"regex": "[0-9]{2,5}"}}, compiler.compile_regex("[0-9]{2,5}")),
+             ({"guided_regex": "(ab|cd)+x"}, compiler.compile_regex("(ab|cd)+x")),
+             ({"guided_choice": ["left", "right"]}, compiler.compile_grammar('root ::= "left" | "right"'))]
+    prompt = "Answer:"
+    ids = tok.encode(prompt)
+    for extra, grammar in cases:
+        with torch.inference_mode():
+            out = oracle_tiny.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                             logits_processor=[LogitsProcessor(grammar)],
+                                             eos_token_id=list(oracle_tiny.eos_token_ids), pad_token_id=0)
+        want = out[0, len(ids):].tolist()
+        answer = c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=24, temperature=0, extra_body=extra)
+        assert answer.choices[0].text == tok.decode(want, skip_special_tokens=True), extra
+        assert answer.choices[0].finish_reason == ("stop" if want[-1] in oracle_tiny.eos_token_ids else "length")
+    choice = c.chat.completions.create(model="tiny-llama", messages=user_chat("pick"), max_tokens=8, temperature=0.7,
+                                       seed=3, n=2, extra_body={"guided_choice": ["left", "right"]})
+    assert {ch.message.content for ch in choice.choices} <= {"left", "right"}
+    for body, param in [({"guided_regex": "(", "prompt": "x"}, "guided_regex"),
+                        ({"guided_regex": "a", "guided_choice": ["b"], "prompt": "x"}, "guided_choice"),
+                        ({"response_format": {"type": "xml"}, "prompt": "x"}, "response_format"),
+                        ({"structured_outputs": {"json": "not json"}, "prompt": "x"}, "structured_outputs.json")]:
+        response = httpx.post(f"{tiny_server.url}/v1/completions", json=body)
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param, response.json()
+    bad = httpx.post(f"{tiny_server.url}/v1/completions", json={"guided_regex": "(", "prompt": "x"}).json()["error"]
+    assert bad["code"] == "invalid_structured_output" and "regex does not compile" in bad["message"]
+
+
 # -- metrics --------------------------------------------------------------------------------------------
 def test_metrics_parse_and_count_the_requests(tiny_server):
     c = client(tiny_server)
@@ -235,7 +315,8 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
 
 # -- errors ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, body, status, param, code", [
-    ("completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("completions", {"prompt": "x", "n": 17}, 400, "n", None),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n", None),
     ("completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),  # FastAPI's 422, as 400
     ("completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
     ("completions", {}, 400, "prompt", None),
@@ -263,7 +344,7 @@ def test_errors_are_openai_shaped(tiny_server, path, body, status, param, code):
 def test_the_openai_client_raises_its_own_errors(tiny_server):
     c = client(tiny_server)
     with pytest.raises(openai.BadRequestError) as caught:
-        c.completions.create(model="tiny-llama", prompt="x", n=2)
+        c.completions.create(model="tiny-llama", prompt="x", n=17)
     assert caught.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="nope", prompt="x")

@@ -68,6 +68,11 @@ def check_lengths(path: Path, spec, tokenizer) -> list:
     return planned
 
 
+# faults that need a kind of request (kvtui.scenario.fit._request_misfit): what a scenario must have
+REQUEST_NEEDS = {"cow_missing": "a scenario with sampling.n of 2 or more",
+                 "stale_bitmask": "a scenario with sampling.structured"}
+
+
 def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tuple[str, ...] = (), *,
                        layout: str | None = None, clear_faults: bool = False,
                        prefix_caching: bool | None = None) -> None:
@@ -85,6 +90,8 @@ def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tupl
             need = f"a scenario with engine.kv: {fault.kv[0]}"
         elif "prefix_caching" in fault.needs and not e.prefix_caching:
             need = "--prefix-caching (or engine.prefix_caching: true)"
+        elif name in REQUEST_NEEDS and "acts on" in why:
+            need = REQUEST_NEEDS[name]
         else:
             need = f"--layout {fault.layouts[0]}"
         if where == "extra":

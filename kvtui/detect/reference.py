@@ -299,7 +299,8 @@ class ReferenceDetector:
                          faults=faults, max_waiting=None, on_too_long="reject")
         if not faults:  # the clean reference: a slot pool (a paged run's blocks and prefix cache are what is checked)
             config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
-        return Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer))
+        return Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
+                      grammar_tokenizer=self.tokenizer)  # structured output: the same grammar, no stop strings
 
     def _clean_engine(self, max_len: int) -> Engine:
         engine = self._clean

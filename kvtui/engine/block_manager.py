@@ -35,7 +35,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtui.faults import FaultName
 
@@ -215,6 +215,7 @@ class _Table:
     tenant: str | None
     cached: int = 0  # leading blocks already in the cache map (reused or committed)
     partial_done: bool = False
+    cow: set[int] = field(default_factory=set)  # indices of blocks shared by a fork: copied before a write
 
 
 class BlockManager:
@@ -241,6 +242,8 @@ class BlockManager:
         self.faults: frozenset[str] = frozenset()
         self.tables: dict[str, _Table] = {}
         self.queries = self.hits = 0
+        self.copies = 0  # copy-on-write block copies made
+        self._copies: list[tuple[int, int]] = []  # (source, destination) block copies the pool must make
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -323,16 +326,59 @@ class BlockManager:
             self.hits += hit
         return Admission(hit, tuple(reused))
 
-    def ensure(self, request_id: str, num_tokens: int) -> tuple[int, ...] | None:
+    def ensure(self, request_id: str, num_tokens: int, *, write_from: int | None = None) -> tuple[int, ...] | None:
         """The request's block table, grown to hold `num_tokens` tokens; None when not enough blocks
-        are free (the caller preempts someone and tries again)."""
+        are free (the caller preempts someone and tries again). `write_from`: the first position this
+        step writes; a block there that a fork still shares is first replaced by a copy (copy-on-write:
+        take_copies() lists the copies the KV tensors must make), unless the cow_missing fault is on."""
         table = self.tables[request_id]
-        need = self.blocks_for(num_tokens) - len(table.blocks)
-        if need > self.pool.num_free:
+        need = max(self.blocks_for(num_tokens) - len(table.blocks), 0)
+        shared = self._shared_at(table, write_from)
+        if need + (shared is not None) > self.pool.num_free:
             return None
+        if shared is not None:
+            self._copy_on_write(table, shared)
         if need > 0:
             table.blocks += self.pool.allocate(need)
         return tuple(table.blocks)
+
+    def _shared_at(self, table: _Table, position: int | None) -> int | None:
+        """The table index of the block holding `position` when a fork still shares it (else None)."""
+        if position is None or FaultName.COW_MISSING in self.faults:
+            return None
+        index = position // self.block_size
+        if index not in table.cow or index >= len(table.blocks):
+            return None
+        if self.pool.blocks[table.blocks[index]].ref_cnt <= 1:  # the siblings copied theirs: it is ours alone
+            table.cow.discard(index)
+            return None
+        return index
+
+    def _copy_on_write(self, table: _Table, index: int) -> None:
+        old, (new,) = table.blocks[index], self.pool.allocate(1)
+        table.blocks[index] = new
+        self.pool.free([old])  # the siblings still hold it
+        table.cow.discard(index)
+        self._copies.append((old, new))
+        self.copies += 1
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies ensure() decided since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Parallel sampling: `child_id` gets `parent_id`'s block table, every block shared (reference
+        count + 1); the partial last block, the only one either will write into, is marked for
+        copy-on-write in both tables."""
+        parent = self.tables[parent_id]
+        self.pool.touch(parent.blocks)
+        child = _Table(list(parent.blocks), parent.salt, parent.tenant, cached=parent.cached, partial_done=True)
+        self.tables[child_id] = child
+        if parent.blocks:
+            last = len(parent.blocks) - 1
+            parent.cow.add(last)
+            child.cow.add(last)
 
     def free(self, request_id: str) -> None:
         """A finished or preempted request gives its blocks back (no-op for one without blocks)."""

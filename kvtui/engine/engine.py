@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,10 +18,12 @@ from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
-from kvtui.engine.kv_cache import KVCache
+from kvtui.engine.grammar import GrammarStage
+from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.paged import PagedCache
+from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.runner import ModelRunner, model_geometry
@@ -74,7 +76,9 @@ class Engine:
         model: transformers causal LM (eval mode; its dtype is the KV pool dtype).
         config: EngineConfig.
         eos_token_ids: tokens that end a request (finish reason "stop") unless ignore_eos.
-        tokenizer: optional, needed only for stop strings.
+        tokenizer: optional, needed for stop strings and structured output.
+        grammar_tokenizer: the tokenizer structured output compiles grammars with, when it should not
+            also check stop strings (default: tokenizer).
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
 
     Raises:
@@ -83,7 +87,8 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
-                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0) -> None:
+                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0,
+                 grammar_tokenizer=None) -> None:
         if clock not in ("wall", "virtual"):
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
@@ -109,6 +114,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._pending_finished: list[RequestState] = []
+        self.families = Families()  # parallel sampling (n > 1)
+        self.grammar = GrammarStage(grammar_tokenizer or tokenizer, self.vocab_size)
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
         self.record_draws = True  # reference detector: keep each sampled token's Draw (about 1 KB a token)
@@ -160,28 +167,68 @@ class Engine:
         StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
 
+        With sampling.n > 1 the request runs as n sequences `f"{i}_{request_id}"` (kvtui.engine.parallel):
+        sequence 0 prefills the prompt and the others fork from it when its prefill samples; each
+        draws with seed + i and is reported as a request of its own. `sequence_ids(request_id)` names
+        them, `abort(request_id)` aborts them all. Returns sequence 0's state (the request's for n = 1).
+
         Raises:
-            ValueError: request_id already used.
+            ValueError: request_id (or one of its sequence ids) already used.
         """
+        sampling = sampling or SamplingParams()
+        kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
+                  cache_salt=cache_salt)
+        if sampling.n == 1:
+            return self._submit_one(request_id, prompt_ids, sampling, **kw)
+        ids = [child_id(request_id, i) for i in range(sampling.n)]
+        if request_id in self.families.members or any(i in self.requests for i in ids):
+            raise ValueError(f"duplicate {request_id = }")
+        lead = self._submit_one(ids[0], prompt_ids, child_sampling(sampling, 0), parent_id=request_id, **kw)
+        siblings = [self._submit_one(i, prompt_ids, replace(lead.sampling, seed=sampling.seed + k), parent_id=request_id,
+                                     index=k, queue=False, **kw) for k, i in enumerate(ids[1:], start=1)]
+        self.families.add(request_id, lead, siblings)
+        if lead.is_done:  # rejected: every sequence shares the reason
+            self._release_forks(lead)
+        return lead
+
+    def sequence_ids(self, request_id: str) -> tuple[str, ...]:
+        """The ids a submitted request runs under: its n sequences' for n > 1 (until they are reported
+        finished), else (request_id,)."""
+        return self.families.ids(request_id)
+
+    def _submit_one(self, request_id: str, prompt_ids, sampling: SamplingParams, *, arrival_s: float,
+                    metadata, tenant, cache_salt, parent_id: str | None = None, index: int = 0,
+                    queue: bool = True) -> RequestState:
+        """Register one sequence; check it and queue it (queue=False: a sibling held to fork later)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id = }")
-        sampling = sampling or SamplingParams()
         request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
-                               arrival_s=self.now() if arrival_s is None else arrival_s, metadata=dict(metadata or {}),
-                               tenant=tenant, cache_salt=cache_salt)
+                               arrival_s=arrival_s, metadata=dict(metadata or {}), tenant=tenant,
+                               cache_salt=cache_salt, parent_id=parent_id, index=index)
         self.requests[request_id] = request
         self._serial[request_id] = self._next_serial
         self._names[self._next_serial] = request_id
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        problem = self._prompt_problem(request) or self._admission_problem(request)
-        if problem:
-            self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
-            return request
         self._generators[request_id] = make_generator(request.sampling)
-        self.scheduler.add(request)
-        return request
+        problem = None if not queue else self._prompt_problem(request) or self._admission_problem(request)
+        problem = problem or self._grammar_problem(request)
+        if problem and queue:
+            self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
+        elif queue:
+            self.scheduler.add(request)
+        return request  # a held sibling whose grammar fails is rejected with its lead (_release_forks)
+
+    def _grammar_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """Give a constrained request its grammar matcher; (code, detail) when its grammar does not compile."""
+        if request.sampling.structured is None:
+            return None
+        try:
+            self.grammar.add(request.request_id, request.sampling.structured)
+        except ValueError as e:
+            return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
+        return None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
@@ -242,6 +289,10 @@ class Engine:
         Raises:
             KeyError: no such request in the engine (never submitted, or finished and reported).
         """
+        if request_id in self.families.members:  # parallel sampling: every sequence
+            for sequence_id in self.families.ids(request_id):
+                self.abort(sequence_id)
+            return
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"cannot abort {request_id!r}: no such request in the engine (never submitted, "
@@ -383,20 +434,33 @@ class Engine:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
         running = []
+        self.grammar.apply([(i, c.request.request_id) for i, c in enumerate(plan.chunks) if i in outcome.logits],
+                           outcome.logits, self._faults)  # structured output: one per-row stage
         for index, chunk in enumerate(plan.chunks):
             if index in failed:
                 self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
             else:
-                running.append(self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s))
+                running += self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s)
         return tuple(running)
 
-    def _advance(self, chunk, logits, facts, end_s: float) -> RunningEntry:
+    def _advance(self, chunk, logits, facts, end_s: float) -> list[RunningEntry]:
+        """Note the chunk's tokens as written; where it samples, fork the request's waiting siblings
+        (parallel sampling) from its prefill first, then sample it and them from the same logits."""
         request = chunk.request
         request.faults_seen = request.faults_seen | self._faults
         request.cache_len = chunk.end_pos
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
         self.kv.commit(request)
+        forked = self._fork(request) if logits is not None else []
+        entries = [self._entry(request, KVPlace(chunk.slot, chunk.blocks), chunk.num_tokens, chunk.phase, logits,
+                               facts, end_s)]
+        return entries + [self._entry(s, place, 0, "prefill", logits, facts, end_s) for s, place in forked]
+
+    def _entry(self, request: RequestState, place: KVPlace, query_tokens: int, phase: str, logits, facts,
+               end_s: float) -> RunningEntry:
+        """Sample `request`'s token from `logits` [V] (None: nothing to sample) and report its share."""
+        cache_len = request.cache_len
         token, gap, nonfinite, logprobs = None, None, False, None
         if logits is not None:
             gap, finite = facts
@@ -407,10 +471,37 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
-        return RunningEntry(request_id=request.request_id, slot=chunk.slot,
-                            cache_len=chunk.end_pos, query_tokens=chunk.num_tokens, token_id=token, phase=chunk.phase,
-                            top2_gap=gap, nonfinite=nonfinite, ttft_s=request.ttft_s if first else None,
-                            blocks=chunk.blocks, logprobs=logprobs)
+        return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=cache_len,
+                            query_tokens=query_tokens, token_id=token, phase=phase, top2_gap=gap, nonfinite=nonfinite,
+                            ttft_s=request.ttft_s if first else None, blocks=place.blocks, logprobs=logprobs)
+
+    def _fork(self, lead: RequestState) -> list[tuple[RequestState, KVPlace]]:
+        """Parallel sampling: the lead's prefill is done; each waiting sibling takes a copy of its KV
+        (kv.fork) and runs from there. A sibling the KV cache has no room for queues at the front and
+        prefills the prompt itself (its tokens are the same either way)."""
+        forked, queued = [], []
+        for sibling in self.families.pending.pop(lead.request_id, ()):
+            place = self.kv.fork(lead, sibling, len(self.scheduler.running))
+            if place is None:
+                queued.append(sibling)
+                continue
+            sibling.cache_len, sibling.prefill_done = lead.cache_len, sibling.prompt_len
+            sibling.scheduled_s, sibling.faults_seen = lead.scheduled_s, lead.faults_seen
+            self.scheduler.fork(sibling)
+            forked.append((sibling, place))
+        self.scheduler.requeue(queued)
+        return forked
+
+    def _release_forks(self, lead: RequestState) -> None:
+        """The lead ended before its prefill sampled: a rejected lead's siblings share its rejection;
+        otherwise they queue at the front and prefill the prompt themselves."""
+        siblings = self.families.pending.pop(lead.request_id, [])
+        if lead.finish_reason != FinishReason.REJECTED:
+            self.scheduler.requeue(siblings)
+            return
+        code = FinishCode(lead.finish_code) if lead.finish_code else None
+        for sibling in siblings:
+            self._finish(sibling, FinishReason.REJECTED, lead.finish_detail, code)
 
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
@@ -421,6 +512,8 @@ class Engine:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
         request.generated_ids.append(token)
         try:
+            if request.sampling.structured is not None:
+                self.grammar.accept(request.request_id, token)
             reason = self._stop_reason(request, token)
         except Exception:
             request.generated_ids.pop()
@@ -439,6 +532,8 @@ class Engine:
         params = request.sampling
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
+        if params.structured is not None and self.grammar.terminated(request.request_id):
+            return FinishReason.STOP  # its grammar is complete
         if params.stop and self.tokenizer is not None and self._stop_string(request):
             return FinishReason.STOP
         if len(request.generated_ids) >= params.max_new_tokens:
@@ -469,12 +564,16 @@ class Engine:
         request.finish_code = code.value if code else ""
         request.finish_s = self.now()
         self._generators.pop(request.request_id, None)
+        self.grammar.drop(request.request_id)
         self._pending_finished.append(request)
+        if request.request_id in self.families.pending:
+            self._release_forks(request)
 
     def _retire(self, r: RequestState) -> FinishedRequestReport:
         """The finished report of `r`; the engine forgets `r` (bounded memory over long runs)."""
         self.requests.pop(r.request_id, None)
         self._serial.pop(r.request_id, None)
+        self.families.retire(r)
         return FinishedRequestReport(
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
@@ -503,6 +602,7 @@ class Engine:
             key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions), **self._pool_fields(),
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
             faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
+            stale_masks=tuple(dict.fromkeys((s.victim, s.source, s.row) for s in self.grammar.take_stale())),
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
         )
 
@@ -567,4 +667,4 @@ def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
         blocks = config.num_blocks or config.num_slots * -(-config.max_len // config.block_size) + 1
         pool = PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
         return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of)
-    return SlotCache(KVPool(num_slots=config.num_slots, **common))
+    return SlotCache(KVPool(num_slots=config.num_slots, **common), serial_of=serial_of)

@@ -18,6 +18,7 @@ The verbs, in the order of a request's life (units: tokens unless stated):
 | admit(request, num_running) | Scheduler.admit | give the request its KV now (True), or False: it waits |
 | ensure(request, num_tokens) | Scheduler.plan | room for positions 0 .. num_tokens - 1: a KVPlace, or None |
 | preempt(request) | Scheduler.plan | take the request's KV back (preemption by recompute) |
+| fork(lead, child, num_running) | Engine, after the forward | parallel sampling: the child gets the lead's prompt KV (a copy, or shared blocks with copy-on-write), or None: no room |
 | commit(request) | Engine, after the forward | note the tokens written (prefix caching) |
 | finish(request) | Scheduler.finish | free the request's KV |
 | expected_writers(batch, chunks, own) | Engine, isolation check | [R, K] writer serials allowed, or None |
@@ -80,6 +81,12 @@ class KVCache(Protocol):
 
     def preempt(self, request: RequestState) -> None:
         """Take the request's KV back; the scheduler sends it to the front of the waiting queue."""
+
+    def fork(self, lead: RequestState, child: RequestState, num_running: int) -> KVPlace | None:
+        """Parallel sampling: give `child` the KV of `lead`'s positions 0 .. lead.cache_len - 1, which
+        the step just finished writing; its KVPlace, or None when there is no room (it then queues and
+        prefills itself). Slots: a copy into the child's own slot; paged KV: the lead's blocks shared by
+        reference count, the partial last one copied on the first write into it (copy-on-write)."""
 
     def commit(self, request: RequestState) -> None:
         """After the forward: the request's cache_len tokens are written."""

@@ -151,6 +151,14 @@ class KVPool:
             self.last_len[slot] = 0
         return slot
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy positions 0 .. length - 1 of slot `src` (K, V of every layer, and their writer tags)
+        into slot `dst` (parallel sampling: a forked sequence's own copy of the prompt's KV)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[dst, :, :length] = keys[src, :, :length]
+            values[dst, :, :length] = values[src, :, :length]
+        self.writer[dst, :length] = self.writer[src, :length]
+
     def free(self, slot: int, cache_len: int = 0) -> None:
         """Return `slot` to the free list. Its contents stay; the next owner starts at cache_len 0.
         `cache_len` (tokens) is what the owner left, kept in last_len.
@@ -235,3 +243,11 @@ class PagedKVPool:
     def capacity_tokens(self) -> int:
         """Tokens the usable blocks hold (the null block excluded)."""
         return (self.num_blocks - 1) * self.block_size
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` (K, V of every layer, and its writer tags) into block `dst`: copy-on-write of
+        a block forked sequences share."""
+        for keys, values in zip(self.keys, self.values):
+            keys[dst] = keys[src]
+            values[dst] = values[src]
+        self.writer[dst] = self.writer[src]

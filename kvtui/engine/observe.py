@@ -56,6 +56,22 @@ def _name(serial: int, names: dict[int, str]) -> str:
     return names.get(serial, f"#{serial}")
 
 
+OTHER = -99  # an expected-writer cell no query compares with (another request's key column)
+
+
+def expected_writers(batch: BatchTensors, own: list[int], borrowed: list[list[int]]) -> torch.Tensor:
+    """[R, K] the writer serial each request's own key columns may hold (for slot_taint and
+    attention_flow): `borrowed[i]` for the first positions of chunk i (KV it did not compute itself: a
+    prefix-cache hit, or the prompt of a forked sequence), its own serial `own[i]` after them."""
+    expected = torch.full(batch.key_owner.shape, OTHER, dtype=torch.long)
+    for index, seg in enumerate(batch.segments):
+        expected[seg.row, seg.key_start : seg.key_start + seg.end_pos] = own[index]
+        taken = borrowed[index][: seg.end_pos]
+        if taken:
+            expected[seg.row, seg.key_start : seg.key_start + len(taken)] = torch.tensor(taken)
+    return expected
+
+
 def key_writers(writer: torch.Tensor, batch: BatchTensors) -> torch.Tensor:
     """[R, K] serial of the request that wrote each gathered key (pool tags [S, L] -> batch keys)."""
     return writer[batch.key_slot.cpu(), batch.key_pos.cpu()]

@@ -20,10 +20,9 @@ from kvtui.config import EngineConfig
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
+from kvtui.engine.observe import expected_writers
 from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
-
-OTHER = -99  # an expected-writer cell no query compares with
 
 
 class PagedCache:
@@ -104,9 +103,23 @@ class PagedCache:
 
     # -- planning -----------------------------------------------------------------------------------
     def ensure(self, request: RequestState, num_tokens: int) -> KVPlace | None:
-        """Grow the request's block table to hold num_tokens; None when no block is free."""
-        table = self.manager.ensure(request.request_id, num_tokens)
+        """Grow the request's block table to hold num_tokens, first copying a block shared with a forked
+        sibling that this step writes into (copy-on-write); None when no block is free."""
+        table = self.manager.ensure(request.request_id, num_tokens, write_from=request.cache_len)
+        for src, dst in self.manager.take_copies():
+            self.pool.copy_block(src, dst)
         return None if table is None else KVPlace(None, table)
+
+    def fork(self, lead: RequestState, child: RequestState, num_running: int) -> KVPlace | None:
+        """Parallel sampling: `child` shares every block of `lead` (reference count + 1); the partial last
+        block is copied when either first writes into it (copy-on-write, in `ensure`). None while
+        max_batch_size requests run."""
+        if num_running >= self.max_running:
+            return None
+        self.manager.fork(lead.request_id, child.request_id)
+        taken = self.borrowed.get(lead.request_id, [])[: lead.cache_len]
+        self.borrowed[child.request_id] = taken + [self.serial_of(lead.request_id)] * (lead.cache_len - len(taken))
+        return KVPlace(None, self.manager.table(child.request_id))
 
     def preempt(self, request: RequestState) -> None:
         """Preemption by recompute: all the request's blocks go back (cached ones stay cached)."""
@@ -127,15 +140,9 @@ class PagedCache:
 
     def expected_writers(self, batch, chunks, own: list[int]) -> torch.Tensor:
         """[R, K] the writer serial each of a request's own key columns may hold (for slot_taint and
-        attention_flow): the recorded writer at positions reused from the prefix cache, its own
-        serial elsewhere."""
-        expected = torch.full(batch.key_owner.shape, OTHER, dtype=torch.long)
-        for index, seg in enumerate(batch.segments):
-            expected[seg.row, seg.key_start : seg.key_start + seg.end_pos] = own[index]
-            borrowed = self.borrowed.get(chunks[index].request.request_id, [])[: seg.end_pos]
-            if borrowed:
-                expected[seg.row, seg.key_start : seg.key_start + len(borrowed)] = torch.tensor(borrowed)
-        return expected
+        attention_flow): the recorded writer at positions reused from the prefix cache or forked from
+        its lead (parallel sampling), its own serial elsewhere."""
+        return expected_writers(batch, own, [self.borrowed.get(c.request.request_id, []) for c in chunks])
 
     def report_fields(self, running: list[RequestState]) -> dict:
         """The StepEvent fields of paged KV for the step just run (counters since the last report):

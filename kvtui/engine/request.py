@@ -45,6 +45,44 @@ class FinishCode(str, enum.Enum):
     OUT_OF_VOCABULARY = "out_of_vocabulary"
     QUEUE_FULL = "queue_full"
     INTERNAL_ERROR = "internal_error"
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # its grammar (schema, regex, choices) did not compile
+
+
+MAX_N = 16  # sequences one request may fork into (parallel sampling)
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, named as vLLM's StructuredOutputsParams: exactly one of
+    `json` (a JSON schema, as JSON text), `regex`, `choice` (the output is one of these strings),
+    `grammar` (EBNF in xgrammar's GBNF dialect) or `json_object` (any JSON object). Enforced token by
+    token with a grammar matcher and a bitmask on the request's logits (kvtui/engine/grammar.py).
+
+    Raises:
+        ValueError: none or more than one of them set, or an empty choice list.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured outputs: choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass(frozen=True)
@@ -64,8 +102,16 @@ class SamplingParams:
     temperature, top-k or top-p, as vLLM's default): None = off (nothing computed), 0 = the sampled
     token's only, k = also the k most likely tokens at each step (OpenAI's `top_logprobs`).
 
+    Parallel sampling (`n`, vLLM's and OpenAI's name): the engine runs `n` sequences of the prompt,
+    prefilled once and forked (see Engine.submit); sequence i draws with its own generator seeded
+    `seed + i` (vLLM's rule for a seeded request), so each equals a solo run of its own seed.
+
+    `structured` (StructuredOutputs) constrains the output to a JSON schema, a regex, a choice list or a
+    grammar: each step the request's logits outside what its grammar allows next are masked to -inf,
+    and it stops (reason "stop") once its grammar is complete.
+
     Raises:
-        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], or logprobs < 0.
+        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], logprobs < 0, or n outside 1..MAX_N.
     """
 
     temperature: float = 0.0
@@ -77,6 +123,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # -- parallel sampling ----------------------------------------------------------------------
+    n: int = 1
+    # -- structured output (kvtui/engine/grammar.py) ----------------------------------------------
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -89,6 +139,8 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens = }")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs = }")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in 1..{MAX_N}, got {self.n = }")
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +178,8 @@ class RequestState:
             preemption by recompute (its KV was given back); 0 otherwise.
         num_preemptions: times it was preempted; prefix_hit_tokens: tokens its last admission took
             from the prefix cache.
+        parent_id: parallel sampling (n > 1): the id the caller submitted; this sequence is its child
+            `index` (request_id `f"{index}_{parent_id}"`, as vLLM names them). None for n = 1.
     """
 
     request_id: str
@@ -155,6 +209,8 @@ class RequestState:
     recompute_tokens: int = 0
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0
+    parent_id: str | None = None
+    index: int = 0
 
     @property
     def prompt_len(self) -> int:

@@ -113,6 +113,18 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         self.waiting.append(request)
 
+    def fork(self, request: RequestState) -> None:
+        """Parallel sampling: a sibling forked from its lead's prefill (its KV already given by
+        kv.fork) runs from this step on, as the newest running request."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def requeue(self, requests: list[RequestState]) -> None:
+        """Siblings that could not fork (no room, or their lead ended first) wait at the front of the
+        queue, in order, and prefill the prompt themselves."""
+        for request in reversed(requests):
+            self.waiting.appendleft(request)
+
     def finish(self, request: RequestState) -> None:
         """Drop a request that finished, was aborted or rejected (from whichever queue holds it) and free
         its KV."""

@@ -9,10 +9,13 @@ the step's `stale_starts`.
 
 from __future__ import annotations
 
+import torch
+
 from kvtui.config import EngineConfig
 from kvtui.engine.faults import StaleStart, stale_slot_admission
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import KVPool
+from kvtui.engine.observe import expected_writers
 from kvtui.engine.request import RequestState
 from kvtui.faults import FaultName
 
@@ -22,12 +25,15 @@ class SlotCache:
 
     Args:
         pool: the KVPool (tensors, owners, free list, writer tags).
+        serial_of: request id -> the serial its writes are tagged with.
     """
 
     block_size = None
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, *, serial_of) -> None:
         self.pool = pool
+        self.serial_of = serial_of
+        self.borrowed: dict[str, list[int]] = {}  # forked sequence -> writer serial allowed at its prompt positions
         self.fresh = False  # slot_reuse: reallocate: each admission gets newly zeroed tensors
         self.stale = False  # the stale_slot fault is on
         self._stale_starts: list[StaleStart] = []
@@ -63,16 +69,32 @@ class SlotCache:
         self.finish(request)
         request.slot = None
 
+    def fork(self, lead: RequestState, child: RequestState, num_running: int) -> KVPlace | None:
+        """Parallel sampling: `child` takes the lowest free slot and a copy of `lead`'s positions
+        0 .. lead.cache_len - 1 (K/V and writer tags); None when no slot is free."""
+        if not self.pool.num_free:
+            return None
+        child.slot = self.pool.allocate(child.request_id, fresh=self.fresh)
+        self.pool.copy_prefix(lead.slot, child.slot, lead.cache_len)
+        self.borrowed[child.request_id] = [self.serial_of(lead.request_id)] * lead.cache_len
+        return KVPlace(child.slot, None)
+
     def commit(self, request: RequestState) -> None:
         pass  # a slot keeps no index of its contents
 
     def finish(self, request: RequestState) -> None:
         """Free the request's slot at once; its cache_len is kept as the slot's last length."""
+        self.borrowed.pop(request.request_id, None)
         if request.slot is not None and self.pool.owner[request.slot] == request.request_id:
             self.pool.free(request.slot, request.cache_len)
 
-    def expected_writers(self, batch, chunks, own: list[int]) -> None:
-        return None  # every own key position was written by the request itself
+    def expected_writers(self, batch, chunks, own: list[int]) -> torch.Tensor | None:
+        """None (every own key position was written by the request itself) unless a forked sequence
+        is in the batch: its prompt positions were written by its lead (then [R, K], see
+        observe.expected_writers)."""
+        if not any(c.request.request_id in self.borrowed for c in chunks):
+            return None
+        return expected_writers(batch, own, [self.borrowed.get(c.request.request_id, []) for c in chunks])
 
     def report_fields(self, running: list[RequestState]) -> dict:
         """Slots owned after the step (of num_slots), cached tokens (of slots x max_len), stale starts."""

@@ -29,15 +29,16 @@ def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detector
         detectors=tuple(detectors), measured=measured, modeled=modeled, cost_model=cost_model, target=target)
 
 
-def arrive_event(planned, *, max_new_tokens: int | None = None) -> Arrive:
+def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None) -> Arrive:
     """The request.arrive event of a planned request (kvtui.scenario.PlannedRequest) at its arrival_s.
 
     Args:
         max_new_tokens: the limit the request runs under when it is not the plan's (a local engine
-            may cap it, `on_too_long: cap`); None: the plan's."""
+            may cap it, `on_too_long: cap`); None: the plan's.
+        parent: parallel sampling (n > 1): the planned request this sequence is one of."""
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant)
+                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent)
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

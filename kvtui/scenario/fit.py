@@ -128,7 +128,8 @@ def idle_faults(scenario, faults=(), layout: str | None = None, prefix_caching: 
     e = scenario.engine
     layout = layout or e.layout
     caching = e.prefix_caching if prefix_caching is None else prefix_caching
-    found = [(name, "extra", why) for name in faults if (why := fault_misfit(name, layout, e.kv, caching))]
+    found = [(name, "extra", why) for name in faults
+             if (why := fault_misfit(name, layout, e.kv, caching) or _request_misfit(name, scenario))]
     if not scenario_faults:
         return found
     found += [(name, "engine.faults", why) for name in e.faults if (why := fault_misfit(name, layout, e.kv, caching))]
@@ -140,3 +141,15 @@ def idle_faults(scenario, faults=(), layout: str | None = None, prefix_caching: 
             if why:
                 found.append((name, f"timeline.{i}.set.fault", why))
     return found
+
+
+def _request_misfit(name: str, scenario) -> str:
+    """Why fault `name` finds no request of its kind in the scenario ("" when it does): cow_missing acts on
+    forked sequences (sampling.n > 1), stale_bitmask on structured output's bitmask rows."""
+    s = scenario.sampling
+    if name == "cow_missing" and (s.n == 1 or s.n_fraction == 0):
+        return "fault cow_missing acts on the sequences of a request with n > 1 (sampling.n), and this scenario has none"
+    if name == "stale_bitmask" and (s.structured is None or s.structured.fraction == 0):
+        return "fault stale_bitmask acts on structured output's bitmask rows (sampling.structured), and this " \
+               "scenario has no constrained request"
+    return ""

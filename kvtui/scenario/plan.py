@@ -177,12 +177,17 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
     tenants = TenantPlan(scenario.tenants, seed, derive_seed)
     out_rng = random.Random(derive_seed(seed, "output_tokens"))
     s = scenario.sampling
-    planned: list[tuple[Arrival, list[int], dict, int, str | None]] = []
+    n_rng = random.Random(derive_seed(seed, "parallel_sampling"))  # its own stream: n leaves the rest of the plan alone
+    structured_rng = random.Random(derive_seed(seed, "structured_output"))  # so does structured output
+    spec = s.structured.spec() if s.structured is not None else None
+    planned: list[tuple[Arrival, list[int], dict, int, str | None, tuple]] = []
     for index, arrival in enumerate(planned_arrivals(scenario, limit=limit)):
         ids, meta = maker.make(arrival)
         drawn = scenario.output_tokens.sample(out_rng)
         tenant = arrival.tenant or tenants.name(meta.get("session", index))
-        planned.append((arrival, ids, meta, arrival.output_tokens or drawn, tenant))
+        n = s.n if s.n > 1 and n_rng.random() < s.n_fraction else 1
+        constrained = spec if spec is not None and structured_rng.random() < s.structured.fraction else None
+        planned.append((arrival, ids, meta, arrival.output_tokens or drawn, tenant, (n, constrained)))
     width = max(3, len(str(len(planned) - 1)))
     return [
         PlannedRequest(
@@ -192,8 +197,8 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
             sampling=SamplingParams(
                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
                 max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-                include_stop_str_in_output=s.include_stop_str_in_output),
+                include_stop_str_in_output=s.include_stop_str_in_output, n=extra[0], structured=extra[1]),
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
         )
-        for i, (arrival, ids, meta, n_out, tenant) in enumerate(planned)
+        for i, (arrival, ids, meta, n_out, tenant, extra) in enumerate(planned)
     ]

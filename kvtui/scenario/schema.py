@@ -15,7 +15,9 @@ Fields (defaults in brackets; seconds and tokens as named):
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
   output_tokens [32]: a length distribution (lengths.py): max new tokens per request
-  sampling [greedy]: temperature [0], top_k [0], top_p [1], ignore_eos [false], stop [[]]
+  sampling [greedy]: temperature [0], top_k [0], top_p [1], ignore_eos [false], stop [[]],
+      n [1], n_fraction [1]: parallel sampling, structured [null]: {fraction, json_schema | json_object |
+      regex | choice | grammar}
   slo: ttft_s, tpot_s [null: no limit], for goodput
   timeline [[]]: [{at_s, set: {knob: value}, marker}], see timeline.py
   expect: contamination [none|detected]
@@ -180,6 +182,42 @@ def check_fault_fits(name: str, engine: EngineSection, where: tuple, layout: str
                       "never fire and the run would test nothing", fix, where)
 
 
+class StructuredSection(Strict):
+    """Structured output for a share of the requests, as vLLM's `structured_outputs` names it: exactly
+    one of `json_schema` (vLLM's `json`), `json_object`, `regex`, `choice` or `grammar` (EBNF, xgrammar's GBNF).
+    Each constrained request samples only what its grammar allows next (an xgrammar matcher and a
+    per-row token bitmask) and stops once its grammar is complete. A grammar that does not compile
+    rejects each such request at submit (`invalid_structured_output`)."""
+
+    fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        1.0, description="share of the requests that are constrained (drawn by the seed); the rest are plain")
+    json_schema: dict[str, Any] | None = Field(
+        None, description="a JSON schema the output follows (vLLM's `structured_outputs.json`)")
+    json_object: bool = Field(False, description="true: the output is any JSON object")
+    regex: Annotated[str, Field(min_length=1)] | None = Field(None, description="a regular expression the output matches")
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)] | None = Field(
+        None, description="the output is exactly one of these strings")
+    grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="an EBNF grammar (xgrammar's GBNF dialect, rule `root`) the output follows")
+
+    @pydantic.model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise Problem(f"needs exactly one of json_schema, json_object, regex, choice, grammar; got "
+                          f"{', '.join(given) or 'none'}", "keep one, e.g. `structured: {regex: \"[0-9]+\"}`", ())
+        return self
+
+    def spec(self):
+        """The engine's StructuredOutputs (kvtui.engine.request) for a constrained request."""
+        from kvtui.engine.request import StructuredOutputs
+
+        schema = json.dumps(self.json_schema, sort_keys=True) if self.json_schema is not None else None
+        return StructuredOutputs(json=schema, regex=self.regex, choice=tuple(self.choice) if self.choice else None,
+                                 grammar=self.grammar, json_object=self.json_object)
+
+
 class SamplingSection(Strict):
     """How every request picks its tokens. Temperature 0 is greedy (argmax). Otherwise each request
     samples with its own generator, seeded from the scenario seed and its index, so its draws do not
@@ -195,6 +233,15 @@ class SamplingSection(Strict):
     include_stop_str_in_output: bool = Field(
         False, description="keep the stop string in the returned text (vLLM's option); by default it is cut, "
                            "as in the OpenAI API")
+    # -- parallel sampling ----------------------------------------------------------------------
+    n: Annotated[int, Field(ge=1, le=16)] = Field(
+        1, description="sequences per request (parallel sampling, vLLM's and OpenAI's `n`): the prompt is "
+                       "prefilled once and forked; sequence i of request R is `i_R` and samples with seed + i")
+    n_fraction: Annotated[float, Field(ge=0, le=1)] = Field(
+        1.0, description="share of the requests that sample `n` sequences (drawn by the seed); the rest sample one")
+    # -- structured output ----------------------------------------------------------------------
+    structured: StructuredSection | None = Field(
+        None, description="structured output for a share of the requests (see sampling.structured); null = none")
 
 
 class SLO(Strict):
@@ -269,7 +316,21 @@ class Scenario(Strict):
         self._check_fits()
         self._check_stop()
         self._check_timeline()
+        self._check_forks()
         return self
+
+    def _check_forks(self) -> None:
+        """cow_missing acts on forked sequences only: a scenario without parallel sampling never fires it."""
+        named = set(self.engine.faults) | {(e.set or {}).get("fault") for e in self.timeline}
+        structured = self.sampling.structured
+        if "stale_bitmask" in named and (structured is None or structured.fraction == 0):
+            raise Problem("fault stale_bitmask acts on the bitmask rows of structured output; this scenario has no "
+                          "constrained request, so it would never fire", "add sampling.structured (e.g. "
+                          "`{regex: \"[0-9]+\", fraction: 0.5}`), or drop stale_bitmask", ("sampling", "structured"))
+        if "cow_missing" in named and (self.sampling.n == 1 or self.sampling.n_fraction == 0):
+            raise Problem("fault cow_missing acts on the sequences of a request with n > 1 (parallel sampling); this "
+                          "scenario has none, so it would never fire", "set sampling.n: 2 or more (and n_fraction "
+                          "above 0), or drop cow_missing", ("sampling", "n"))
 
     def _check_model(self) -> None:
         m = self.model

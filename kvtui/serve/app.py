@@ -50,7 +50,8 @@ ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
                  "too_long": (400, "context_length_exceeded", "max_tokens"),
                  "empty": (400, "empty_prompt", "prompt"),
                  "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
-                 "internal_error": (500, "internal_error", None)}
+                 "internal_error": (500, "internal_error", None),
+                 "invalid_structured_output": (400, "invalid_structured_output", None)}
 
 
 @dataclass
@@ -128,6 +129,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
         prompt = body.single_prompt()
         text = prompt if isinstance(prompt, str) else None
         ids = await state.off_loop(encode_text, ctx.tokenizer, prompt) if text is not None else list(prompt)
+        await state.off_loop(_precompile, ctx, body)
         return await _serve(ctx, request, body, ids, text, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -136,6 +138,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
         body.check()
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
+        await state.off_loop(_precompile, ctx, body)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return await _serve(ctx, request, body, ids, last_user, chat=True)
 
@@ -162,6 +165,21 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+def _precompile(ctx: ServeContext, body) -> None:
+    """Structured output: compile the request's grammar here (a tokenizing thread), not in the engine's
+    step. Raises ApiError 400 naming the field when it does not compile, 503 while no session runs."""
+    spec = body.structured()
+    if spec is None:
+        return
+    try:
+        ctx.bridge.precompile(spec)
+    except ValueError as e:
+        raise ApiError(400, f"structured output: {e}", param=body.structured_param(),
+                       code="invalid_structured_output") from None
+    except NotAccepting:
+        raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
 
 
 def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -207,10 +225,16 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
     listener = asyncio.ensure_future(_wait_disconnect(request))
     try:
         first = await _next(stream, listener)
-        _check_admitted(first)
+        try:
+            _check_admitted(first)
+        except ApiError as e:
+            if e.code == "invalid_structured_output":  # name the field the grammar came in
+                e.param = body.structured_param()
+            raise
         if body.stream:
-            text = TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
-            events = _stream(ctx, stream, first, formatter, text, include_usage=body.include_usage())
+            texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
+                     for _ in range(sampling.n)]
+            events = _stream(ctx, stream, first, formatter, texts, include_usage=body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream",
                                      background=BackgroundTask(ctx.bridge.abort, request_id))
         return JSONResponse(await _whole(stream, first, formatter, listener))
@@ -268,41 +292,57 @@ def engine_error(finish: Finish) -> ApiError:
 
 
 async def _whole(stream: RequestStream, item, formatter: Formatter, listener: asyncio.Future) -> dict:
-    entries = []
-    while isinstance(item, TokenOut):
-        if item.logprobs:
-            entries.append(item.logprobs)
+    """The whole response: every choice's text once its sequence finished (n of them for n > 1)."""
+    entries: list[list] = [[] for _ in range(stream.n)]
+    done: dict[int, Finish] = {}
+    while True:
+        if isinstance(item, TokenOut):
+            if item.logprobs:
+                entries[item.index].append(item.logprobs)
+        elif isinstance(item, Closed):
+            raise ApiError(503, "the server stopped before the request finished", code="unavailable")
+        elif item.finish_reason == "error":
+            raise engine_error(item)
+        else:
+            done[stream.index_of(item.request_id)] = item
+            if len(done) == stream.n:
+                break
         item = await _next(stream, listener)
-    if isinstance(item, Closed):
-        raise ApiError(503, "the server stopped before the request finished", code="unavailable")
-    if item.finish_reason == "error":
-        raise engine_error(item)
-    return formatter.whole(item.output_text, entries, item.finish_reason, len(item.prompt_ids), len(item.output_ids),
-                           stream.cached_tokens)
+    finished = [done[i] for i in range(stream.n)]
+    return formatter.whole([(f.output_text, entries[i], f.finish_reason) for i, f in enumerate(finished)],
+                           len(finished[0].prompt_ids), sum(len(f.output_ids) for f in finished), stream.cached_tokens)
 
 
-async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, text: TextStream, *,
+async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, texts: list[TextStream], *,
                   include_usage: bool):
-    """The server-sent events of a streamed response; a client that goes away aborts the request."""
-    finished = False
+    """The server-sent events of a streamed response, each chunk with its choice's index; a client that
+    goes away aborts the request."""
+    finished, done = False, {}
     try:
         if formatter.chat:
-            yield sse(formatter.role_chunk())
+            for index in range(stream.n):
+                yield sse(formatter.role_chunk(index))
         while True:
             if isinstance(item, TokenOut):
-                delta, entries = text.add(item.token_id), [item.logprobs] if item.logprobs else []
+                delta, entries = texts[item.index].add(item.token_id), [item.logprobs] if item.logprobs else []
                 if delta or entries:
-                    yield sse(formatter.chunk(delta, entries))
-            else:
+                    yield sse(formatter.chunk(delta, entries, index=item.index))
+            elif isinstance(item, Finish) and item.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
                 finished = True
-                done = item if isinstance(item, Finish) else None
-                if done is not None and done.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
-                    yield sse(engine_error(done).body())
-                    break
-                rest = text.finish(done.output_text) if done else ""
-                yield sse(formatter.chunk(rest, [], done.finish_reason if done else "abort"))
-                if include_usage and done:
-                    yield sse(formatter.usage_chunk(len(done.prompt_ids), len(done.output_ids), stream.cached_tokens))
+                yield sse(engine_error(item).body())
+                break
+            elif isinstance(item, Finish):
+                index = stream.index_of(item.request_id)
+                done[index] = item
+                yield sse(formatter.chunk(texts[index].finish(item.output_text), [], item.finish_reason, index=index))
+            else:  # Closed: every choice still open ends as aborted
+                for index in sorted(set(range(stream.n)) - set(done)):
+                    yield sse(formatter.chunk("", [], "abort", index=index))
+            if isinstance(item, Closed) or len(done) == stream.n:
+                finished = True
+                if include_usage and len(done) == stream.n:
+                    yield sse(formatter.usage_chunk(len(done[0].prompt_ids), sum(len(f.output_ids) for f in done.values()),
+                                                    stream.cached_tokens))
                 break
             item = await stream.queue.get()
         yield sse("[DONE]")

@@ -7,6 +7,10 @@ events in the engine thread and hands each request's news to the handler's async
 `Finish` event, or `Closed` when the session closed before the request ever reached the engine. A
 request admitted with part of its prompt from the prefix cache (paged KV) has the hit's tokens set on
 its stream (`cached_tokens`) before its first token is queued.
+
+Parallel sampling (`n > 1`): the engine runs the request as n sequences `f"{i}_{request_id}"`; the
+bridge routes all of them to the request's one stream, each TokenOut with its sequence's `index`, each
+sequence's own Finish (`RequestStream.index_of` tells its index), and the stream is done after n.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class TokenOut:
 
     token_id: int
     logprobs: tuple[tuple[int, float], ...] | None = None
+    index: int = 0  # parallel sampling: the choice (sequence) it belongs to
 
 
 @dataclass(frozen=True)
@@ -35,11 +40,20 @@ class Closed:
 class RequestStream:
     """One request's inbox, read by its handler on the event loop `loop`."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1) -> None:
+        from kvtui.engine.parallel import child_id
+
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cached_tokens: int | None = None  # prompt tokens from the prefix cache; None: no prefix cache
+        self.n = n
+        # the engine ids of its sequences -> choice index (n > 1: vLLM's child ids f"{i}_{request_id}")
+        self.indices = {request_id: 0} if n == 1 else {child_id(request_id, i): i for i in range(n)}
+
+    def index_of(self, request_id: str) -> int:
+        """The choice index of one of its sequences' engine ids."""
+        return self.indices[request_id]
 
     def put(self, item) -> None:
         """From any thread: queue `item` for the handler."""
@@ -89,11 +103,12 @@ class EngineBridge:
         """
         from kvtui.scenario import PlannedRequest
 
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop(), n=sampling.n)
         with self._lock:
             if not self.accepting or self.session is None:
                 raise NotAccepting()
-            self.streams[request_id] = stream
+            for sequence_id in stream.indices:
+                self.streams[sequence_id] = stream
             if self.session.config.kv == "paged" and self.session.config.prefix_caching:
                 stream.cached_tokens = 0
             planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
@@ -102,15 +117,29 @@ class EngineBridge:
             self.session.submit_external(planned)
         return stream
 
+    def precompile(self, spec) -> None:
+        """Compile a structured-output grammar (kvtui.engine.request.StructuredOutputs) into the engine's
+        cache from the calling thread (a tokenizing worker), so the engine's step does not wait for it.
+
+        Raises:
+            ValueError: the grammar does not compile (the library's reason).
+            NotAccepting: no session (loading or stopping).
+        """
+        session = self.session
+        if session is None:
+            raise NotAccepting()
+        session.engine.grammar.compile(spec)
+
     def abort(self, request_id: str) -> None:
         """Abort a request whose client went away (any thread; nothing if it already finished)."""
         with self._lock:
-            if request_id in self.streams and self.session is not None:
+            stream = next((s for s in self.streams.values() if s.request_id == request_id), None)
+            if stream is not None and self.session is not None:
                 self.session.abort_external(request_id)
 
     def in_flight(self) -> int:
-        """Requests submitted and not yet finished."""
-        return len(self.streams)
+        """Requests submitted and not yet finished (one per request, whatever its n)."""
+        return len({id(s) for s in self.streams.values()})
 
     def on_event(self, event) -> None:
         """Session listener (engine thread): route tokens and finishes to their handlers."""
@@ -122,7 +151,7 @@ class EngineBridge:
             for r in event.running:
                 stream = self.streams.get(r.request_id) if r.token_id is not None else None
                 if stream is not None:
-                    stream.put(TokenOut(r.token_id, r.logprobs))
+                    stream.put(TokenOut(r.token_id, r.logprobs, stream.index_of(r.request_id)))
         elif isinstance(event, Finish):
             with self._lock:
                 stream = self.streams.pop(event.request_id, None)
@@ -131,5 +160,5 @@ class EngineBridge:
         elif isinstance(event, Summary):  # the session closed: whatever it never took is answered now
             with self._lock:
                 left, self.streams, self.accepting = self.streams, {}, False
-            for stream in left.values():
+            for stream in {id(s): s for s in left.values()}.values():
                 stream.put(Closed())

@@ -2,8 +2,9 @@
 
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
-parameters the engine cannot honour (n > 1, penalties, logit_bias, echo, suffix, tools) are refused
-with 400 rather than silently ignored. Ranges as OpenAI's API reference states them: `temperature`
+parameters the engine cannot honour (penalties, logit_bias, echo, suffix, tools) are refused
+with 400 rather than silently ignored. `n` (1 to 16) asks for n choices, sampled as n sequences of one
+prefill (parallel sampling; choice i samples with seed + i, as vLLM seeds a request's children). Ranges as OpenAI's API reference states them: `temperature`
 a finite number in [0, 2], `top_p` in (0, 1]. A string anywhere in the body that holds a lone UTF-16
 surrogate (JSON `"\ud800"` with no pair) is refused with 400: it is not Unicode text, and no
 tokenizer or JSON encoder takes it.
@@ -11,6 +12,7 @@ tokenizer or JSON encoder takes it.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from typing import Annotated, Any, ClassVar, Literal
@@ -129,6 +131,13 @@ class SamplingFields(_Open):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # -- structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* ------
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
 
@@ -143,8 +152,7 @@ class SamplingFields(_Open):
 
     def check_common(self) -> None:
         """Raises ApiError (400) for parameters the engine cannot honour."""
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n}: kvtui serve returns one choice per request; use n=1", param="n")
+        self.check_n()
         for name in self.UNSUPPORTED:
             value = getattr(self, name)
             if value:  # 0, None and {} mean "off"
@@ -153,6 +161,46 @@ class SamplingFields(_Open):
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if any(s == "" for s in self.stop_list()):
             raise ApiError(400, "stop strings must not be empty", param="stop")
+
+    # -- parallel sampling ----------------------------------------------------------------------
+    def check_n(self) -> None:
+        """Raises ApiError (400) for an `n` outside 1..MAX_N (the choices one request may ask for)."""
+        from kvtui.engine.request import MAX_N
+
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n={self.n}: n must be between 1 and {MAX_N} (choices per request)", param="n")
+
+    # -- structured output ----------------------------------------------------------------------
+    GUIDED: ClassVar[tuple[str, ...]] = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+    def structured_param(self) -> str | None:
+        """The field the request's constraint came in (for errors), or None without one."""
+        given = [n for n in ("response_format", "structured_outputs", *self.GUIDED) if _constrains(n, getattr(self, n))]
+        return given[0] if given else None
+
+    def structured(self):
+        """The request's StructuredOutputs (kvtui.engine.request), or None: from OpenAI's `response_format`
+        (`json_schema` with `json_schema.schema`, or `json_object`; `text` is no constraint), vLLM's
+        `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) or its older `guided_json`,
+        `guided_regex`, `guided_choice`, `guided_grammar`.
+
+        Raises:
+            ApiError: 400 for more than one constraint, an unknown response_format type, or a malformed one.
+        """
+        from kvtui.engine.request import StructuredOutputs
+
+        param = self.structured_param()
+        if param is None:
+            return None
+        others = [n for n in ("response_format", "structured_outputs", *self.GUIDED)
+                  if n != param and _constrains(n, getattr(self, n))]
+        if others:
+            raise ApiError(400, f"{param} and {others[0]} both constrain the output: send one", param=others[0])
+        fields = _structured_fields(param, getattr(self, param))
+        try:
+            return StructuredOutputs(**fields)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -200,7 +248,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("tools",)
 
@@ -208,9 +255,6 @@ class ChatCompletionRequest(SamplingFields):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ApiError(400, f"response_format {kind!r} is not supported; use text", param="response_format")
 
     def chat(self) -> list[dict]:
         """Messages as the chat template takes them: [{"role", "content"}]."""
@@ -243,10 +287,76 @@ def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endp
         temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0), seed=seed % 2**63, max_new_tokens=limit, stop=body.stop_list(),
         ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=_logprobs(body))
+        logprobs=_logprobs(body), n=body.n, structured=body.structured())
 
 
 def _logprobs(body: SamplingFields) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+# -- structured output ------------------------------------------------------------------------------
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _constrains(name: str, value) -> bool:
+    """Whether field `name` holding `value` asks for a constraint (a `text` response_format does not)."""
+    if value is None:
+        return False
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type", "text") == "text")
+    return True
+
+
+def _structured_fields(param: str, value) -> dict:
+    """StructuredOutputs' fields from the request field `param`. Raises ApiError 400 for a malformed one."""
+    if param == "response_format":
+        return _response_format(value)
+    if param == "structured_outputs":
+        unknown = sorted(set(value) - set(STRUCTURED_KEYS) - {"disable_any_whitespace", "disable_fallback"})
+        if unknown:
+            raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported; use one of "
+                           f"{', '.join(STRUCTURED_KEYS)}", param="structured_outputs")
+        value = {k: v for k, v in value.items() if k in STRUCTURED_KEYS and v not in (None, False)}
+        if len(value) != 1:
+            raise ApiError(400, f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}",
+                           param="structured_outputs")
+        (key, spec), = value.items()
+        return _one(key, spec, f"structured_outputs.{key}")
+    return _one(param.removeprefix("guided_"), value, param)
+
+
+def _one(key: str, spec, param: str) -> dict:
+    if key == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError:
+                raise ApiError(400, f"{param} must be a JSON schema (an object, or its JSON text)", param=param) from None
+        if not isinstance(spec, dict):
+            raise ApiError(400, f"{param} must be a JSON schema (an object)", param=param)
+        return {"json": json.dumps(spec, sort_keys=True)}
+    if key == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+            raise ApiError(400, f"{param} must be a list of non-empty strings", param=param)
+        return {"choice": tuple(spec)}
+    if key == "json_object":
+        return {"json_object": True}
+    if not isinstance(spec, str) or not spec:
+        raise ApiError(400, f"{param} must be a non-empty string", param=param)
+    return {key: spec}
+
+
+def _response_format(value) -> dict:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                           param="response_format")
+        return {"json": json.dumps(schema, sort_keys=True)}
+    raise ApiError(400, f"response_format {kind!r} is not supported; use text, json_object or json_schema",
+                   param="response_format")

@@ -7,7 +7,8 @@ log-probabilities in each endpoint's shape.
   where each top_logprobs dict holds the k most likely tokens and the sampled one (as vLLM).
 
 Token strings are each token decoded alone, special tokens kept (as vLLM); `bytes` is that string's
-UTF-8 encoding. Every logprob is a natural log.
+UTF-8 encoding. Every logprob is a natural log. With `n > 1` a response holds n choices, `index` 0 ..
+n - 1 (each stream chunk carries its choice's index), and `usage.completion_tokens` sums them all.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Formatter:
     def __init__(self, *, chat: bool, request_id: str, model: str, tokenizer, top_k: int | None) -> None:
         self.chat, self.id, self.model, self.tokenizer, self.top_k = chat, request_id, model, tokenizer, top_k
         self.created = int(time.time())
-        self._offset = 0  # completions' text_offset: characters of token text so far
+        self._offset: dict[int, int] = {}  # completions' text_offset per choice: characters of token text so far
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -56,8 +57,8 @@ class Formatter:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def logprobs(self, entries: list[Entry]) -> dict | None:
-        """The `logprobs` object for `entries` (None when log-probabilities are off)."""
+    def logprobs(self, entries: list[Entry], index: int = 0) -> dict | None:
+        """The `logprobs` object for `entries` of choice `index` (None when log-probabilities are off)."""
         if self.top_k is None:
             return None
         if self.chat:
@@ -68,8 +69,8 @@ class Formatter:
             out["tokens"].append(text)
             out["token_logprobs"].append(logprob)
             out["top_logprobs"].append({self._token(t): lp for t, lp in [*top, (token_id, logprob)]})
-            out["text_offset"].append(self._offset)
-            self._offset += len(text)
+            out["text_offset"].append(self._offset.get(index, 0))
+            self._offset[index] = self._offset.get(index, 0) + len(text)
         return out
 
     def _chat_entry(self, entry: Entry) -> dict:
@@ -81,33 +82,37 @@ class Formatter:
 
         return {**spelled(token_id, logprob), "top_logprobs": [spelled(t, lp) for t, lp in top]}
 
-    def _choice(self, text: str, entries: list[Entry], finish_reason: str | None, *, chunk: bool) -> dict:
-        choice: dict = {"index": 0}
+    def _choice(self, text: str, entries: list[Entry], finish_reason: str | None, *, chunk: bool,
+                index: int = 0) -> dict:
+        choice: dict = {"index": index}
         if self.chat:
             choice["delta" if chunk else "message"] = {"content": text} if chunk else {"role": "assistant",
                                                                                      "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = self.logprobs(entries)
+        choice["logprobs"] = self.logprobs(entries, index)
         choice["finish_reason"] = finish_reason
         return choice
 
-    def chunk(self, text: str, entries: list[Entry], finish_reason: str | None = None) -> dict:
-        """A stream chunk carrying `text` (the new text), its tokens' log-probabilities and, on the last
-        chunk, the finish reason."""
-        return {**self._head(True), "choices": [self._choice(text, entries, finish_reason, chunk=True)]}
+    def chunk(self, text: str, entries: list[Entry], finish_reason: str | None = None, index: int = 0) -> dict:
+        """A stream chunk of choice `index` carrying `text` (the new text), its tokens' log-probabilities
+        and, on the choice's last chunk, the finish reason."""
+        return {**self._head(True), "choices": [self._choice(text, entries, finish_reason, chunk=True, index=index)]}
 
-    def role_chunk(self) -> dict:
-        """A chat stream's first chunk: the assistant role, empty content."""
-        return {**self._head(True), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role_chunk(self, index: int = 0) -> dict:
+        """A chat stream's first chunk of choice `index`: the assistant role, empty content."""
+        return {**self._head(True), "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         """The stream's last chunk with `stream_options.include_usage`: no choices, the usage."""
         return {**self._head(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
-    def whole(self, text: str, entries: list[Entry], finish_reason: str, prompt_tokens: int,
-              completion_tokens: int, cached_tokens: int | None = None) -> dict:
-        """A non-streamed response."""
-        return {**self._head(False), "choices": [self._choice(text, entries, finish_reason, chunk=False)],
+    def whole(self, choices: list[tuple[str, list[Entry], str]], prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int | None = None) -> dict:
+        """A non-streamed response: `choices` holds (text, log-probability entries, finish reason) per
+        choice, in index order; `completion_tokens` is all choices' tokens together."""
+        return {**self._head(False),
+                "choices": [self._choice(text, entries, reason, chunk=False, index=i)
+                            for i, (text, entries, reason) in enumerate(choices)],
                 "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
