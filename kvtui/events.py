@@ -157,6 +157,8 @@ class RunningEntry(_Frozen):
         nonfinite: the logits held NaN or inf.
         ttft_s: time to first token (seconds) when this step sampled its first token, else None (recorded
             as a request.first_token event).
+        sampled_with: the request whose per-row sampling state picked the token (its own unless a
+            fault moved the row arrays: row_state_misalign); None without a sample.
     """
 
     request_id: str
@@ -171,6 +173,7 @@ class RunningEntry(_Frozen):
     top2_gap: float | None = Field(default=None, exclude=True)
     nonfinite: bool = Field(default=False, exclude=True)
     ttft_s: float | None = Field(default=None, exclude=True)
+    sampled_with: str | None = Field(default=None, exclude=True)
 
 
 class TaintEntry(_Frozen):

@@ -20,6 +20,9 @@ dashboard and the docs all read this table.
 | block_refcount | paged blocks: a finished request's blocks are freed outright while others still hold them |
 | shared_partial_block | paged prefix cache: a prompt's partial last block is shared without copy-on-write |
 | prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
+| row_state_misalign | sampling rows: the per-row sampler/penalty/bias arrays are not moved when a row leaves |
+| shared_rng | sampling: one generator for all requests, reseeded by each request's seed when it joins |
+| penalty_shared_history | sampling: penalties count every row's tokens, not the request's own |
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class FaultName(StrEnum):
     BLOCK_REFCOUNT = "block_refcount"
     SHARED_PARTIAL_BLOCK = "shared_partial_block"
     PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
+    # -- per-row sampling state (engine/row_state.py) --
+    ROW_STATE_MISALIGN = "row_state_misalign"
+    SHARED_RNG = "shared_rng"
+    PENALTY_SHARED_HISTORY = "penalty_shared_history"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -140,6 +147,20 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "context: the answer drifts",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",)),
+    # -- per-row sampling state: they act on requests with penalties, bias, bans or sampling --
+    Fault("row_state_misalign", "per-row sampling state not moved when a row leaves: a row uses its neighbour's",
+          "row_state: on a departure the ids move up but the state arrays are cut at the end",
+          "a request gets another's penalties, bias, banned words, temperature or generator: banned words "
+          "appear, a plain request avoids words it never banned, a seeded answer changes",
+          ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES),
+    Fault("shared_rng", "one generator for all requests: a seeded request's draws depend on its neighbours",
+          "row_state: every sampled row draws from one generator, reseeded when a request joins",
+          "the same seed gives a different answer under load than alone",
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+    Fault("penalty_shared_history", "penalties count the whole batch's tokens, not the request's own",
+          "row_state: repetition, frequency and presence penalties read every row's prompt and output",
+          "a penalized request avoids words its neighbours used: its answer drifts under load",
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

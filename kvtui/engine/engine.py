@@ -24,8 +24,9 @@ from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfi
 from kvtui.engine.paged import PagedCache
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
+from kvtui.engine.row_state import RowState, RowTable
 from kvtui.engine.runner import ModelRunner, model_geometry
-from kvtui.engine.sampling import draw_token, make_generator
+from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import FAULTS, FaultName, check_fault_names
@@ -107,7 +108,9 @@ class Engine:
         self._virtual_now = 0.0
         self.step_index = 0
         self.requests: dict[str, RequestState] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._row_states: dict[str, RowState] = {}  # each request's sampling state (engine/row_state.py)
+        self.rows = RowTable()  # the running requests' row states, in row order
+        self.stop_mask_ids = self.eos_token_ids  # what min_tokens masks (a reference engine without EOS sets it)
         self._pending_finished: list[RequestState] = []
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
@@ -179,7 +182,7 @@ class Engine:
         if problem:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
-        self._generators[request_id] = make_generator(request.sampling)
+        self._row_states[request_id] = RowState.of(request, self.stop_mask_ids)
         self.scheduler.add(request)
         return request
 
@@ -193,6 +196,10 @@ class Engine:
         if bad is not None:
             return FinishCode.OUT_OF_VOCABULARY, (f"Token id {bad} is out of vocabulary: the model has "
                                                   f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
+        bad = next((t for t, _ in request.sampling.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return FinishCode.INVALID_LOGIT_BIAS, (f"logit_bias token id {bad} is out of vocabulary: the model has "
+                                                   f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
         max_len = self.pool.max_len
         if request.prompt_len >= max_len:
             return FinishCode.TOO_LONG, f"prompt of {request.prompt_len} tokens does not fit max_len={max_len}"
@@ -207,7 +214,8 @@ class Engine:
                 return FinishCode.TOO_LONG, (f"prompt {request.prompt_len} + max_new_tokens "
                                              f"{request.sampling.max_new_tokens} > max_len={max_len}")
             capped = max_len - request.prompt_len
-            request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
+            request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped,
+                                                 "min_tokens": min(request.sampling.min_tokens, capped)})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
         rejection = self.kv.rejection(request)
         if rejection:
@@ -382,6 +390,9 @@ class Engine:
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
+        self.rows.sync([r.request_id for r in self.scheduler.running], self._row_states,
+                       misalign=FaultName.ROW_STATE_MISALIGN in self._faults,
+                       shared_rng=FaultName.SHARED_RNG in self._faults)
         running = []
         for index, chunk in enumerate(plan.chunks):
             if index in failed:
@@ -397,12 +408,12 @@ class Engine:
         if chunk.phase == "prefill":
             request.prefill_done += chunk.num_tokens
         self.kv.commit(request)
-        token, gap, nonfinite, logprobs = None, None, False, None
+        token, gap, nonfinite, logprobs, owner = None, None, False, None, None
         if logits is not None:
             gap, finite = facts
             nonfinite = not finite
             try:
-                token, logprobs = self._sample(request, logits, gap, end_s)
+                token, logprobs, owner = self._sample(request, logits, gap, end_s)
             except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
@@ -410,12 +421,18 @@ class Engine:
         return RunningEntry(request_id=request.request_id, slot=chunk.slot,
                             cache_len=chunk.end_pos, query_tokens=chunk.num_tokens, token_id=token, phase=chunk.phase,
                             top2_gap=gap, nonfinite=nonfinite, ttft_s=request.ttft_s if first else None,
-                            blocks=chunk.blocks, logprobs=logprobs)
+                            blocks=chunk.blocks, logprobs=logprobs, sampled_with=owner)
 
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
-        Returns (token, logprobs or None). Whatever raises leaves the request's tokens as they were."""
-        token, draw = draw_token(logits, request.sampling, self._generators.get(request.request_id))
+        Returns (token, logprobs or None, the request whose row state picked it). Whatever raises
+        leaves the request's tokens as they were."""
+        state = self.rows.state_of(request.request_id)
+        processed = self._processed(state, logits)
+        generator = self.rows.shared_rng if FaultName.SHARED_RNG in self._faults and state.generator else state.generator
+        token, draw = draw_token(processed, state.params, generator)
+        if processed is not logits:
+            gap = _facts({0: processed})[0][0]
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -425,6 +442,7 @@ class Engine:
         except Exception:
             request.generated_ids.pop()
             raise
+        state.accept(token)
         request.top2_gaps.append(gap)
         if draw is not None and self.record_draws:
             request.draws.append(draw)
@@ -433,10 +451,20 @@ class Engine:
             request.first_token_s = end_s
         if reason is not None:
             self._finish(request, reason, "")
-        return token, logprobs
+        return token, logprobs, state.owner
+
+    def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
+        """The row's logits [V] after its stages (the logits themselves when it has none); under
+        penalty_shared_history the penalties read the whole batch's history."""
+        if not state.stages:
+            return logits
+        shared = FaultName.PENALTY_SHARED_HISTORY in self._faults
+        return state.process(logits, self.rows.batch_history() if shared else None)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
+        if len(request.generated_ids) < params.min_tokens:  # vLLM: no stop before min_tokens
+            return FinishReason.LENGTH if request.cache_len + 1 > self.pool.max_len else None
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
         if params.stop and self.tokenizer is not None and self._stop_string(request):
@@ -468,7 +496,7 @@ class Engine:
             request.finish_detail = detail
         request.finish_code = code.value if code else ""
         request.finish_s = self.now()
-        self._generators.pop(request.request_id, None)
+        self._row_states.pop(request.request_id, None)
         self._pending_finished.append(request)
 
     def _retire(self, r: RequestState) -> FinishedRequestReport:
