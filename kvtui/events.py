@@ -473,6 +473,16 @@ class EngineErrorEvidence(_Frozen):
     error: str
 
 
+class ConstraintEvidence(_Frozen):
+    """(v3) A token its own request did not allow (kvtui/detect/constraint.py)."""
+
+    rule: Literal["bad_words", "min_tokens", "logit_bias"]  # the request's own rule that bans the token
+    token_index: int  # the token's index in the victim's output
+    token_id: int
+    sampled_with: str | None = None  # the request whose per-row sampling state picked it (None: not known)
+    suspects: tuple[str, ...] = ()  # the requests running beside the victim at that step
+
+
 class NoninterferenceEvidence(_Frozen):
     token_index: int
     baseline_text: str
@@ -485,10 +495,10 @@ class NoninterferenceEvidence(_Frozen):
 EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
-    "prefix_provenance": ProvenanceEvidence,
+    "prefix_provenance": ProvenanceEvidence, "constraint": ConstraintEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence, ProvenanceEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence]
 
 
 class Contamination(_Frozen):

@@ -171,26 +171,30 @@ class RowTable:
 
     def __init__(self) -> None:
         self.ids: list[str] = []
-        self.states: list[RowState] = []
+        self.joined: list[RowState] = []  # each row's own state: the bookkeeping, always moved right
+        self.states: list[RowState] = []  # the state array the sampler reads by row
         self.shared_rng = torch.Generator(device="cpu")
 
     def sync(self, running: list[str], states: dict[str, RowState], *, misalign: bool, shared_rng: bool) -> None:
-        """Make the rows the `running` requests (in order of joining): departed rows leave, new ones join
-        at the end with their state from `states`. misalign: a departure cuts the state array at its
-        end instead of at the departed row. shared_rng: a joining request reseeds the shared generator."""
+        """Make the rows the `running` requests (in order of joining): departed rows leave (a request id
+        may come back as a new request: its row is new), new ones join at the end with their state from
+        `states`. misalign: a departure cuts the state array at its end instead of at the departed row.
+        shared_rng: a joining request reseeds the shared generator."""
         keep = set(running)
-        left = [i for i, r in enumerate(self.ids) if r not in keep]
+        left = {i for i, (r, own) in enumerate(zip(self.ids, self.joined)) if r not in keep or states.get(r) is not own}
         if left:
-            self.ids = [r for r in self.ids if r in keep]
+            self.ids = [r for i, r in enumerate(self.ids) if i not in left]
+            self.joined = [s for i, s in enumerate(self.joined) if i not in left]
             if misalign:
                 del self.states[len(self.states) - len(left):]
             else:
-                self.states = [s for i, s in enumerate(self.states) if i not in set(left)]
+                self.states = [s for i, s in enumerate(self.states) if i not in left]
         present = set(self.ids)
         for request_id in running:
             if request_id not in present:
-                self.ids.append(request_id)
                 state = states[request_id]
+                self.ids.append(request_id)
+                self.joined.append(state)
                 self.states.append(state)
                 if shared_rng and not state.seeded_shared and state.generator is not None:
                     self.shared_rng.manual_seed(state.params.seed)
