@@ -18,8 +18,8 @@ from dataclasses import asdict, replace
 
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.detect.canary import CanaryDetector
-from kvtui.detect.engine_signals import EngineSignalDetector
 from kvtui.detect.constraint import ConstraintDetector
+from kvtui.detect.engine_signals import EngineSignalDetector
 from kvtui.detect.provenance import ProvenanceDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
 from kvtui.engine import Engine
