@@ -225,3 +225,18 @@ def test_smollm2_batched_penalties_and_bad_words_equal_transformers_generate(smo
         theirs, gaps = hf_generate(oracle, prompt, p, eos)
         assert_matches_oracle(state.generated_ids, theirs, gaps, f"r{i}")
     assert params[1].bad_words_ids and all(s not in tok.decode(states[1].generated_ids) for s in ("blue", " cat"))
+
+
+def test_a_request_id_used_again_gets_its_own_new_row_state(tiny):
+    """The reference detector's engine names its requests reference-0, reference-1, ... on every check: a
+    new request under a finished one's id must not inherit the finished one's bias and counts."""
+    loaded = tiny["tiny-llama"]
+    prompt = PROMPTS[0]
+    plain = solo_engine(loaded, prompt, SamplingParams(max_new_tokens=6))
+    engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=())
+    first = engine.submit("x", prompt, SamplingParams(max_new_tokens=6, logit_bias=tuple((t, -100.0) for t in plain)))
+    engine.run_until_done()
+    again = engine.submit("x", prompt, SamplingParams(max_new_tokens=6))
+    engine.run_until_done()
+    assert not set(first.generated_ids) & set(plain)
+    assert again.generated_ids == plain
