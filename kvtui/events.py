@@ -83,6 +83,7 @@ class Arrive(_Frozen):
     max_new_tokens: int
     passphrase: str | None = None
     tenant: str | None = None  # (v2)
+    sampling: tuple[str, ...] = ()  # (v3) its per-row sampling state: pen, bias, ban, min (SamplingParams.state_tags)
 
 
 class FirstToken(_Frozen):

@@ -127,6 +127,14 @@ class SamplingParams:
             raise ValueError("bad_words_ids must not hold an empty sequence")
 
     @property
+    def state_tags(self) -> tuple[str, ...]:
+        """Short names of the per-row state it carries, for the dashboard: pen (a penalty), bias
+        (logit_bias), ban (bad_words), min (min_tokens)."""
+        pen = self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        return tuple(tag for tag, on in (("pen", pen), ("bias", self.logit_bias), ("ban", self.bad_words_ids or
+                                         self.bad_words), ("min", self.min_tokens)) if on)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether any penalty, bias, ban or min_tokens changes this request's logits."""
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0

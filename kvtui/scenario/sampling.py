@@ -68,7 +68,8 @@ class PenaltyFields(Strict):
 
 
 class MixEntry(PenaltyFields):
-    """One share of the requests and the sampling they take instead of the section's."""
+    """One share of the requests and the sampling they take instead of the section's; a field left
+    null takes the section's value."""
 
     fraction: Annotated[float, Field(gt=0, le=1)] = Field(description="the probability a request takes this entry")
     temperature: Annotated[float, Field(ge=0, le=100)] | None = Field(None, description="0 = greedy")
