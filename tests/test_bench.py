@@ -74,3 +74,13 @@ def test_a_small_suite_writes_json_and_markdown(tiny, tmp_path):
     assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32] and rows[0]["x_batch_1"] == 1.0
     assert json.loads(output.read_text())["parts"]["batch"]["rows"][3]["batch"] == 8
     assert "| 32 |" in output.with_suffix(".md").read_text()
+
+
+def test_the_penalties_part_times_every_configuration(tiny, tmp_path):
+    figures = run_suite(tiny["tiny-llama"], name="tiny-llama", parts=["penalties"], quick=True,
+                        output=tmp_path / "bench.json", console=Console(file=open("/dev/null", "w")))
+    part = figures["parts"]["penalties"]
+    assert list(part["decode_step_s"]) == ["plain", "penalties", "bias_bans_min", "all"]
+    assert part["stages_per_row_s"]["plain"] == 0 and all(part["stages_per_row_s"][c] > 0 for c in
+                                                          ("penalties", "bias_bans_min", "all"))
+    assert part["vocab"] == 259 and "| all |" in (tmp_path / "bench.md").read_text()

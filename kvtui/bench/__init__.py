@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, knobs, overhead, peers
+from kvtui.bench import curve, detectors, knobs, overhead, peers, penalties
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -22,6 +22,7 @@ PARTS = {
     "peers": (peers.run, peers.markdown, "peers on one Poisson workload (arrivals on the wall clock)"),
     "bf16": (peers.run_bf16, peers.markdown_bf16, "float32 vs bfloat16 on the same workload"),
     "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
+    "penalties": (penalties.run, penalties.markdown, "per-request penalties, bias and bans: cost per decode step"),
 }
 
 

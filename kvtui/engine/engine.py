@@ -196,13 +196,23 @@ class Engine:
         if bad is not None:
             return FinishCode.OUT_OF_VOCABULARY, (f"Token id {bad} is out of vocabulary: the model has "
                                                   f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
-        bad = next((t for t, _ in request.sampling.logit_bias if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return FinishCode.INVALID_LOGIT_BIAS, (f"logit_bias token id {bad} is out of vocabulary: the model has "
-                                                   f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
         max_len = self.pool.max_len
         if request.prompt_len >= max_len:
             return FinishCode.TOO_LONG, f"prompt of {request.prompt_len} tokens does not fit max_len={max_len}"
+        return self._params_problem(request.sampling)
+
+    def _params_problem(self, params: SamplingParams) -> tuple[FinishCode, str] | None:
+        """(code, detail) when a logit_bias or bad_words token id is outside the vocabulary (indexing the
+        logits with it would fail the request at its first sample)."""
+        vocab = self.vocab_size
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            return FinishCode.INVALID_LOGIT_BIAS, (f"logit_bias token id {bad} is out of vocabulary: the model has "
+                                                   f"{vocab} tokens (ids 0 to {vocab - 1})")
+        bad = next((t for seq in params.bad_words_ids for t in seq if not 0 <= t < vocab), None)
+        if bad is not None:
+            return FinishCode.OUT_OF_VOCABULARY, (f"bad_words token id {bad} is out of vocabulary: the model has "
+                                                  f"{vocab} tokens (ids 0 to {vocab - 1})")
         return None
 
     def _admission_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
