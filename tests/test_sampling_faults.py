@@ -121,3 +121,25 @@ sampling: {{temperature: {draw(st.sampled_from([0, 1.0]))}, mix: [{mix}]}}
 def test_isolation_intact_gives_no_findings_on_mixed_sampling_scenarios(tiny, spec):
     session = run(tiny, spec)
     assert [e for e in session.contamination if e.kind in CONTAMINATION] == []
+
+
+def test_a_target_run_sends_each_requests_penalties_by_their_api_names(tiny):
+    from kvtui.target.openai import request_body
+
+    spec = parse_scenario("""
+name: t
+max_requests: 12
+model: tiny-llama
+prompts: {kind: synthetic, prompt_tokens: 5}
+sampling: {mix: [{fraction: 0.5, frequency_penalty: 0.5, repetition_penalty: 1.2, logit_bias: {"7": -100},
+                  min_tokens: 2, bad_words: [" x"]}]}
+""")
+    bodies = [request_body(p, "completions", None, logprobs=False)[1] for p in plan_requests(spec, tiny["tiny-llama"].tokenizer)]
+    with_mix = [b for b in bodies if "frequency_penalty" in b]
+    assert 1 <= len(with_mix) < len(bodies)
+    assert all({k: b[k] for k in ("frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "bad_words")}
+               == {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {"7": -100.0}, "min_tokens": 2,
+                   "bad_words": [" x"]} for b in with_mix)
+    plain = [b for b in bodies if b not in with_mix]
+    assert not any(k in b for b in plain for k in ("presence_penalty", "logit_bias", "min_tokens", "bad_words",
+                                                  "repetition_penalty"))
