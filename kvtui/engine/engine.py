@@ -439,7 +439,8 @@ class Engine:
         leaves the request's tokens as they were."""
         state = self.rows.state_of(request.request_id)
         processed = self._processed(state, logits)
-        generator = self.rows.shared_rng if FaultName.SHARED_RNG in self._faults and state.generator else state.generator
+        shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
+        generator = self.rows.shared_rng if shared else state.generator
         token, draw = draw_token(processed, state.params, generator)
         if processed is not logits:
             gap = _facts({0: processed})[0][0]

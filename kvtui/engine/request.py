@@ -62,8 +62,9 @@ class SamplingParams:
     it when include_stop_str_in_output), while the token ids keep the token that completed it.
 
     `logprobs` asks for log-probabilities (natural log, from log_softmax of the float32 logits, before
-    temperature, top-k or top-p, as vLLM's default): None = off (nothing computed), 0 = the sampled
-    token's only, k = also the k most likely tokens at each step (OpenAI's `top_logprobs`).
+    penalties, bias, temperature, top-k or top-p, as vLLM's default raw logprobs): None = off (nothing
+    computed), 0 = the sampled token's only, k = also the k most likely tokens at each step (OpenAI's
+    `top_logprobs`).
 
     Penalties, bias and bans (the OpenAI API's and vLLM's names and semantics; applied by the
     request's own row state, kvtui/engine/row_state.py, before temperature, top-k and top-p):
