@@ -42,7 +42,8 @@ class History:
 
 class Stage(Protocol):
     """One logits-processing step of a row: `apply(logits [V] float32, row, history) -> logits [V]`
-    (it may change `logits` in place)."""
+    (it may change `logits` in place). A stage with state of its own (a grammar matcher behind a
+    token bitmask) may also define `accept(token)`, called with each token sampled with the row."""
 
     def apply(self, logits: torch.Tensor, row: "RowState", history: History) -> torch.Tensor: ...
 
@@ -161,9 +162,13 @@ class RowState:
         return out
 
     def accept(self, token: int) -> None:
-        """Note a token sampled with this state."""
+        """Note a token sampled with this state (and tell the stages that keep state of their own)."""
         self.output_ids.append(token)
         self.counts[token] += 1
+        for stage in self.stages:
+            accept = getattr(stage, "accept", None)
+            if accept is not None:
+                accept(token)
 
 
 class RowTable:
