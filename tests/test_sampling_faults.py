@@ -161,3 +161,19 @@ def test_bf16_with_isolation_intact_labels_the_greedy_sampling_loads_divergences
     session = run(tiny, spec)
     assert [e for e in session.contamination if e.kind in CONTAMINATION] == []
     assert session.summary.requests_finished == 12
+
+
+def test_a_logit_bias_id_past_the_models_vocabulary_is_refused_before_the_run_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+
+    path = tmp_path / "bias.yaml"
+    path.write_text("name: bias\nmodel: tiny-llama\nmax_requests: 2\n"
+                    "sampling: {mix: [{fraction: 0.5}, {fraction: 0.5, logit_bias: {\"300\": -100}}]}\n")
+    for command in ("validate", "run"):
+        done = CliRunner().invoke(app, [command, str(path), "--headless"][:3 if command == "run" else 2])
+        assert done.exit_code == 2, done.output
+        assert [line for line in done.stderr.splitlines() if line.strip()] == [
+            f"error: {path}: sampling.mix.1.logit_bias: token id 300 is outside the model's vocabulary (259 tokens, "
+            "ids 0 to 258); use token ids of this model's tokenizer"]

@@ -89,6 +89,19 @@ def check_mix(mix: list[MixEntry]) -> list[MixEntry]:
     return mix
 
 
+def vocabulary_problem(section, vocab: int) -> str | None:
+    """`field: problem; fix` for the first logit_bias token id at or past `vocab` (tokens), in the
+    section or a mix entry; None when every id is in [0, vocab)."""
+    places = [("sampling.logit_bias", section.logit_bias)]
+    places += [(f"sampling.mix.{i}.logit_bias", entry.logit_bias) for i, entry in enumerate(section.mix)]
+    for where, bias in places:
+        bad = next((t for t in sorted(bias or {}) if t >= vocab), None)
+        if bad is not None:
+            return (f"{where}: token id {bad} is outside the model's vocabulary ({vocab} tokens, ids 0 to "
+                    f"{vocab - 1}); use token ids of this model's tokenizer")
+    return None
+
+
 def pick_entry(mix, rng) -> MixEntry | None:
     """The entry a request takes (one uniform draw from `rng` per request, also without a mix entry)."""
     u, acc = rng.random(), 0.0
