@@ -10,6 +10,8 @@ from collections import Counter
 import pytest
 import torch
 from helpers import assert_matches_oracle, oracle_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -23,12 +25,24 @@ from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.row_state import History, Penalties, RowState
 
 
+class OutputOnly:
+    """Run a transformers processor on the generated tokens alone: vLLM matches bad words against the
+    output, transformers against prompt + output (they differ only where a prompt ends a word's prefix)."""
+
+    def __init__(self, processor, prompt_len: int) -> None:
+        self.processor, self.prompt_len = processor, prompt_len
+
+    def __call__(self, input_ids, scores):
+        return self.processor(input_ids[:, self.prompt_len:], scores)
+
+
 def hf_processors(params: SamplingParams, prompt_len: int, eos: int | None) -> LogitsProcessorList:
     """transformers' processors for `params`, in the order vLLM's V1 sampler applies them: bad words,
     min_tokens, logit bias, repetition penalty."""
     out = []
     if params.bad_words_ids:
-        out.append(NoBadWordsLogitsProcessor([list(s) for s in params.bad_words_ids], eos_token_id=None))
+        out.append(OutputOnly(NoBadWordsLogitsProcessor([list(s) for s in params.bad_words_ids], eos_token_id=None),
+                              prompt_len))
     if params.min_tokens and eos is not None and not params.ignore_eos:
         out.append(MinNewTokensLengthLogitsProcessor(prompt_len, params.min_tokens, eos))
     if params.logit_bias:
@@ -250,3 +264,59 @@ def test_a_bad_words_id_outside_the_vocabulary_rejects_that_request_alone(tiny):
     engine.run_until_done()
     assert (bad.finish_reason.value, bad.finish_code) == ("rejected", "out_of_vocabulary")
     assert "bad_words" in bad.finish_detail and len(good.generated_ids) == 4 and 7 not in good.generated_ids
+
+
+@st.composite
+def processor_workloads(draw):
+    n = draw(st.integers(2, 7))
+    prompts = [draw(st.lists(st.integers(3, 250), min_size=1, max_size=40)) for _ in range(n)]
+    params = []
+    for _ in range(n):
+        fields = draw(st.fixed_dictionaries({}, optional={
+            "repetition_penalty": st.sampled_from([0.5, 1.2, 2.5]),
+            "logit_bias": st.lists(st.tuples(st.integers(0, 258), st.sampled_from([-100.0, -3.0, 2.0, 9.0])),
+                                   max_size=30, unique_by=lambda x: x[0]).map(lambda b: tuple(sorted(b))),
+            "bad_words_ids": st.lists(st.lists(st.integers(3, 258), min_size=1, max_size=2).map(tuple),
+                                      max_size=6).map(tuple),
+            "min_tokens": st.integers(0, 10)}))
+        params.append(SamplingParams(max_new_tokens=10, **fields))
+    config = dict(slots=draw(st.integers(1, 4)), layout=draw(st.sampled_from(["padded", "packed"])),
+                  stagger=draw(st.integers(0, 4)), kv=draw(st.sampled_from(["slots", "paged"])),
+                  budget=draw(st.sampled_from([8, 1024])))
+    return prompts, params, config
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(processor_workloads())
+def test_random_mixes_equal_transformers_processors_under_load(tiny, workload):
+    """Random parameters per request, several engine layouts (chunked prefill, paged KV with a small
+    pool): each request equals transformers' `generate` with its own processors, run solo."""
+    prompts, params, c = workload
+    loaded = tiny["tiny-llama"]
+    oracle = oracle_model("tiny-llama", "eager")
+    eos = pick_eos(oracle)
+    engine = Engine(loaded.model, EngineConfig(
+        num_slots=c["slots"], max_len=64, max_batch_size=4, layout=c["layout"], max_tokens_per_step=c["budget"],
+        kv=c["kv"], num_blocks=12 if c["kv"] == "paged" else None, block_size=8), eos_token_ids=(eos,))
+    states, step, order = {}, 0, list(range(len(prompts)))
+    while order or engine.has_unfinished():
+        while order and order[0] * c["stagger"] // 2 <= step:
+            i = order.pop(0)
+            states[i] = engine.submit(f"r{i}", prompts[i], params[i])
+        engine.step()
+        step += 1
+        assert step < 3000
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        theirs, gaps = hf_generate(oracle, prompt, p, eos)
+        assert_matches_oracle(states[i].generated_ids, theirs, gaps, f"r{i} {p} {c}")
+
+
+def test_bad_words_match_the_output_alone_as_vllm_does(tiny):
+    """A bad word whose prefix is the prompt's last token does not ban its last token at the first
+    output token (vLLM matches against the output; transformers' own processor would, over the prompt)."""
+    loaded = tiny["tiny-llama"]
+    prompt = PROMPTS[1]
+    plain = solo_engine(loaded, prompt, SamplingParams(max_new_tokens=4))
+    across = solo_engine(loaded, prompt, SamplingParams(max_new_tokens=4, bad_words_ids=((prompt[-1], plain[0]),)))
+    single = solo_engine(loaded, prompt, SamplingParams(max_new_tokens=4, bad_words_ids=((plain[0],),)))
+    assert across[0] == plain[0] and single[0] != plain[0]
