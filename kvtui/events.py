@@ -84,6 +84,7 @@ class Arrive(_Frozen):
     passphrase: str | None = None
     tenant: str | None = None  # (v2)
     parent: str | None = None  # parallel sampling (n > 1): the submitted request this sequence is one of
+    sampling: tuple[str, ...] = ()  # (v3) its per-row sampling state: pen, bias, ban, min (SamplingParams.state_tags)
 
 
 class FirstToken(_Frozen):
@@ -158,6 +159,8 @@ class RunningEntry(_Frozen):
         nonfinite: the logits held NaN or inf.
         ttft_s: time to first token (seconds) when this step sampled its first token, else None (recorded
             as a request.first_token event).
+        sampled_with: the request whose per-row sampling state picked the token (its own unless a
+            fault moved the row arrays: row_state_misalign); None without a sample.
     """
 
     request_id: str
@@ -172,6 +175,7 @@ class RunningEntry(_Frozen):
     top2_gap: float | None = Field(default=None, exclude=True)
     nonfinite: bool = Field(default=False, exclude=True)
     ttft_s: float | None = Field(default=None, exclude=True)
+    sampled_with: str | None = Field(default=None, exclude=True)
 
 
 class TaintEntry(_Frozen):
@@ -474,6 +478,16 @@ class EngineErrorEvidence(_Frozen):
     error: str
 
 
+class ConstraintEvidence(_Frozen):
+    """(v3) A token its own request did not allow (kvtui/detect/constraint.py)."""
+
+    rule: Literal["bad_words", "min_tokens", "logit_bias"]  # the request's own rule that bans the token
+    token_index: int  # the token's index in the victim's output
+    token_id: int
+    sampled_with: str | None = None  # the request whose per-row sampling state picked it (None: not known)
+    suspects: tuple[str, ...] = ()  # the requests running beside the victim at that step
+
+
 class NoninterferenceEvidence(_Frozen):
     token_index: int
     baseline_text: str
@@ -486,10 +500,10 @@ class NoninterferenceEvidence(_Frozen):
 EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
-    "prefix_provenance": ProvenanceEvidence,
+    "prefix_provenance": ProvenanceEvidence, "constraint": ConstraintEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence, ProvenanceEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence]
 
 
 class Contamination(_Frozen):

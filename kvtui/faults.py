@@ -22,6 +22,9 @@ dashboard and the docs all read this table.
 | prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
 | cow_missing | paged blocks: a forked sequence (n > 1) writes into the partial block it shares in place |
 | stale_bitmask | structured output: a plain row's bitmask row is not reset, so the last grammar there restricts it |
+| row_state_misalign | sampling rows: the per-row sampler/penalty/bias arrays are not moved when a row leaves |
+| shared_rng | sampling: one generator for all requests, reseeded by each request's seed when it joins |
+| penalty_shared_history | sampling: penalties count every row's tokens, not the request's own |
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class FaultName(StrEnum):
     PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
     COW_MISSING = "cow_missing"
     STALE_BITMASK = "stale_bitmask"
+    # -- per-row sampling state (engine/row_state.py) --
+    ROW_STATE_MISALIGN = "row_state_misalign"
+    SHARED_RNG = "shared_rng"
+    PENALTY_SHARED_HISTORY = "penalty_shared_history"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -155,6 +162,20 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "engine/grammar.py: GrammarStage.apply leaves a plain row's bitmask row as its previous owner filled it",
           "a plain request that shares a step with a constrained one is restricted to what another request's "
           "grammar allowed: its answer turns into digits, JSON or one of the other's choices",
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+    # -- per-row sampling state: they act on requests with penalties, bias, bans or sampling --
+    Fault("row_state_misalign", "per-row sampling state not moved when a row leaves: a row uses its neighbour's",
+          "row_state: on a departure the ids move up but the state arrays are cut at the end",
+          "a request gets another's penalties, bias, banned words, temperature or generator: banned words "
+          "appear, a plain request avoids words it never banned, a seeded answer changes",
+          ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES),
+    Fault("shared_rng", "one generator for all requests: a seeded request's draws depend on its neighbours",
+          "row_state: every sampled row draws from one generator, reseeded when a request joins",
+          "the same seed gives a different answer under load than alone",
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+    Fault("penalty_shared_history", "penalties count the whole batch's tokens, not the request's own",
+          "row_state: repetition, frequency and presence penalties read every row's prompt and output",
+          "a penalized request avoids words its neighbours used: its answer drifts under load",
           ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
 )}
 

@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.detect.canary import CanaryDetector
+from kvtui.detect.constraint import ConstraintDetector
 from kvtui.detect.engine_signals import EngineSignalDetector
 from kvtui.detect.provenance import ProvenanceDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
@@ -159,6 +160,8 @@ class Session(RunBase):
         self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config)
                           if "reference" in self.detectors else None)
         self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
+        self.constraint = (ConstraintDetector(loaded.eos_token_ids or ()) if "constraint" in self.detectors
+                           else None)
         self.timeline = list(scenario.timeline)
         self.fault_switches = fault_switches
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.engine.now,
@@ -343,6 +346,8 @@ class Session(RunBase):
                                   parent=p.request_id if sequence is not p else None)
             if self.canary is not None:
                 self.canary.on_arrive(request_id, arrive.passphrase)
+            if self.constraint is not None:
+                self.constraint.on_arrive(request_id, state.sampling)
             self.emit(arrive)
 
     def _apply_timeline(self) -> None:
@@ -405,6 +410,8 @@ class Session(RunBase):
             self.emit(event)
         for event in self.provenance.on_step(report, t) if self.provenance is not None else ():
             self.emit(event)
+        for event in self.constraint.on_step(report, t) if self.constraint is not None else ():
+            self.emit(event)
         if self.canary is not None:
             for request_id, piece in pieces:
                 for event in self.canary.on_piece(request_id, piece, t, report.step):
@@ -418,6 +425,8 @@ class Session(RunBase):
                 for event in self.canary.on_finish(f.request_id, finish.output_text, report.t, report.step):
                     self.emit(event)
             self.emit(finish)
+            if self.constraint is not None:
+                self.constraint.on_finish(f.request_id)
             steps, cobatched, earlier = self._trails.pop(f.request_id)
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(

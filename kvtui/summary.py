@@ -10,6 +10,7 @@ from rich.text import Text
 from kvtui.events import (
     SKIP_REASONS,
     CanaryEvidence,
+    ConstraintEvidence,
     Contamination,
     FlowEvidence,
     Header,
@@ -232,6 +233,9 @@ def evidence_text(e: Contamination) -> str:
             why = f"gap {gap}"
         return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
                 f"{batched!r} vs {solo!r}")
+    if isinstance(ev, ConstraintEvidence):
+        by = f", picked by {ev.sampled_with}'s row state" if ev.sampled_with else ""
+        return f"token {ev.token_index} ({ev.token_id}) is banned by its own {ev.rule}{by}"
     return str(ev.model_dump())[:100]
 
 

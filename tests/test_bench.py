@@ -117,3 +117,13 @@ def test_a_busy_process_tree_counts_cpu_and_an_idle_one_is_waited_for_briefly():
 
         os.killpg(busy.pid, signal.SIGKILL)
         busy.wait()
+
+
+def test_the_penalties_part_times_every_configuration(tiny, tmp_path):
+    figures = run_suite(tiny["tiny-llama"], name="tiny-llama", parts=["penalties"], quick=True,
+                        output=tmp_path / "bench.json", console=Console(file=open("/dev/null", "w")))
+    part = figures["parts"]["penalties"]
+    assert list(part["decode_step_s"]) == ["plain", "penalties", "bias_bans_min", "all"]
+    assert part["stages_per_row_s"]["plain"] == 0 and all(part["stages_per_row_s"][c] > 0 for c in
+                                                          ("penalties", "bias_bans_min", "all"))
+    assert part["vocab"] == 259 and "| all |" in (tmp_path / "bench.md").read_text()

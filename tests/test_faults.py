@@ -60,11 +60,30 @@ prompts: {{kind: system_prompt, count: 2, system_tokens: 32, instruction_tokens:
 # Faults that act on a kind of request the default load lacks: its sampling line instead (stale_bitmask:
 # half the requests constrained to digits, so plain rows follow constrained ones in the bitmask buffer).
 SAMPLING_LOADS = {"stale_bitmask": 'sampling: {ignore_eos: true, structured: {regex: "[0-9]{1,30}", fraction: 0.5}}'}
+# The per-row sampling faults act on requests that carry sampling state: a mix of sampled requests,
+# requests that ban half the vocabulary with a -100 logit_bias and greedy penalized ones, with output
+# lengths that differ, so rows leave the batch while others decode.
+BANS = "{" + ", ".join(f'"{i}": -100' for i in range(0, 256, 2)) + "}"
+SAMPLING_SEED = 2
+SAMPLING_FAULTS = ("row_state_misalign", "shared_rng", "penalty_shared_history")
+SAMPLING_LOAD = """seed: {seed}
+max_requests: 12
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: 50.0}}
+prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: 3, max: 30}}}}
+output_tokens: {{dist: uniform, min: 2, max: 16}}
+sampling: {{temperature: 1.0, ignore_eos: true, mix: [{{fraction: 0.35, logit_bias: {bans}}},
+           {{fraction: 0.35, temperature: 0, repetition_penalty: 2.0, presence_penalty: 2.0}}]}}"""
 
 
 def scenario(layout="padded", faults=(), dtype="float32", extra="", kv="slots", drop_faults=False):
-    """The truth-table scenario; a paged-KV fault gets its own load (PAGED_LOADS), drop_faults=True the
-    same load with the fault off."""
+    """The truth-table scenario; a paged-KV fault gets its own load (PAGED_LOADS), so does a per-row
+    sampling fault (SAMPLING_LOAD); drop_faults=True the same load with the fault off."""
+    if any(name in SAMPLING_FAULTS for name in faults):
+        pool = "kv: paged, block_size: 16, num_blocks: 20" if kv == "paged" else "slots: 4"
+        body = SAMPLING_LOAD.format(pool=pool, layout=layout, faults="" if drop_faults else ", ".join(faults),
+                                    bans=BANS, seed=SAMPLING_SEED)
+        return parse_scenario(f"name: truth-table\nmodel: tiny-llama\ndtype: {dtype}\n{body}\n{extra}")
     if kv == "paged" and any(name in PAGED_LOADS for name in faults):
         load = PAGED_LOADS[next(name for name in faults if name in PAGED_LOADS)]
         body = load.format(layout=layout, faults="" if drop_faults else ", ".join(faults))

@@ -73,6 +73,15 @@ CASES = [
     ("section-type", OK + "engine: 4\n", 2, "engine", ["expected a mapping", "got an integer"]),
     ("bad-date", OK + "description: 2024-13-45\n", 2, "(yaml)", ["month must be in 1..12", "quote it"]),
     ("empty", "# nothing here\n", 1, "(document)", ["empty"]),
+    ("frequency-penalty", OK + "sampling:\n  frequency_penalty: 2.5\n", 3, "sampling.frequency_penalty",
+     ["must be <= 2", "got 2.5"]),
+    ("repetition-0", OK + "sampling: {mix: [{fraction: 0.5, repetition_penalty: 0}]}\n", 2,
+     "sampling.mix.0.repetition_penalty", ["must be > 0"]),
+    ("bias-key", OK + "sampling: {logit_bias: {the: -100}}\n", 2, "sampling.logit_bias",
+     ["'the' is not a token id", '{"42": -100}']),
+    ("bias-range", OK + "sampling: {logit_bias: {\"42\": -150}}\n", 2, "sampling.logit_bias.42", [">= -100"]),
+    ("mix-fractions", OK + "sampling: {mix: [{fraction: 0.6}, {fraction: 0.6, min_tokens: 2}]}\n", 2, "sampling.mix",
+     ["add up to 1.2", "1 or less"]),
 ]
 
 

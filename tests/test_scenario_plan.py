@@ -20,7 +20,7 @@ class FakeTokenizer:
     all_special_ids = [0, 1, 2]
     chat_template = "fake"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [3 + b for b in text.encode()]
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):

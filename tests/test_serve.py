@@ -279,6 +279,36 @@ def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_ser
     assert bad["code"] == "invalid_structured_output" and "regex does not compile" in bad["message"]
 
 
+def test_penalties_bias_and_bad_words_are_honoured_per_request(tiny_server, oracle_tiny):
+    """The answers equal transformers' processors (repetition penalty, bias, bad words) and the OpenAI
+    formula (presence / frequency) on a separate instance, several requests in flight at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_sampling_params import hf_generate, openai_greedy
+
+    from kvtui.engine import SamplingParams
+    from kvtui.engine.sampling import bad_words_token_ids
+
+    c, tok = client(tiny_server), oracle_tiny.tokenizer
+    prompt = "go on"  # its greedy answer repeats tokens, so presence and frequency change it
+    ids, x = tok.encode(prompt), tok.encode("x", add_special_tokens=False)[0]
+    hf_params = SamplingParams(max_new_tokens=12, repetition_penalty=1.7, ignore_eos=True, logit_bias=((x, 8.0),),
+                               bad_words_ids=bad_words_token_ids(tok, ["a", "b"]))
+    openai_params = SamplingParams(max_new_tokens=12, frequency_penalty=1.5, presence_penalty=0.5)
+    bodies = [dict(extra_body={"repetition_penalty": 1.7, "bad_words": ["a", "b"], "ignore_eos": True},
+                   logit_bias={str(x): 8.0}),
+              dict(frequency_penalty=1.5, presence_penalty=0.5, extra_body={"ignore_eos": True}),
+              dict(extra_body={"ignore_eos": True})]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda b: c.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12,
+                                                               temperature=0, logprobs=0, **b), bodies))
+    texts = [a.choices[0].text for a in answers]
+    assert texts[0] == tok.decode(hf_generate(oracle_tiny.model, ids, hf_params, None)[0], skip_special_tokens=True)
+    assert texts[1] == tok.decode(openai_greedy(oracle_tiny.model, ids, openai_params), skip_special_tokens=True)
+    assert texts[2] == greedy_text(oracle_tiny, ids, 12)[1]
+    assert len({*texts}) == 3
+
+
 # -- metrics --------------------------------------------------------------------------------------------
 def test_metrics_parse_and_count_the_requests(tiny_server):
     c = client(tiny_server)
@@ -323,7 +353,14 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
     ("completions", {"prompt": "x", "max_tokens": 2048}, 400, "max_tokens", "context_length_exceeded"),
     ("completions", {"prompt": "x" * 2040}, 400, "max_tokens", "context_length_exceeded"),
     ("completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
-    ("completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
+    ("completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", None),
+    ("completions", {"prompt": "x", "presence_penalty": -3}, 400, "presence_penalty", None),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ("completions", {"prompt": "x", "logit_bias": {"9999999": 1}}, 400, "logit_bias", "invalid_logit_bias"),
+    ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
+    ("completions", {"prompt": "x", "bad_words": "x"}, 400, "bad_words", None),
     ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("chat/completions", {"messages": []}, 400, "messages", None),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",

@@ -47,7 +47,8 @@ def test_the_engine_step_is_the_recorded_line(tiny):
         back = parse_event(line)
         assert back == report.model_copy(update={
             "finished": (), "nonfinite": (),
-            "running": tuple(r.model_copy(update={"top2_gap": None, "nonfinite": False, "ttft_s": None})
+            "running": tuple(r.model_copy(update={"top2_gap": None, "nonfinite": False, "ttft_s": None,
+                                                      "sampled_with": None})
                              for r in report.running)})
 
 

@@ -469,3 +469,19 @@ def test_the_contamination_table_says_where_the_rest_is():
             print_contamination(reports, console, limit=shown, recording=recording)
         text = capture.get()
         assert caption in text and "in the recording" not in text
+
+
+def test_a_row_shows_its_sampling_state_and_a_constraint_report_marks_it_tainted():
+    s = feed(header(), parse_event({"type": "request.arrive", "t": 0.0, "request_id": "r1", "prompt_len": 8,
+                                    "max_new_tokens": 16, "sampling": ["pen", "ban"]}), arrive("r2"))
+    s.apply(step(0, 0.1, [("r1", 0, 9, 5, "hello"), ("r2", 1, 9, 6, "there")], decode=2))
+    table = render(panels.request_table(snap_of(s), 100, 10))
+    row1, row2 = (next(line for line in table.splitlines() if line.startswith(r)) for r in ("r1", "r2"))
+    assert "[pen ban] hello" in row1 and "[" not in row2 and "there" in row2
+    s.apply(parse_event({"type": "contamination", "t": 0.2, "step": 0, "detector": "constraint",
+                         "kind": "cross_request", "victim": "r1", "source": "r2",
+                         "evidence": {"rule": "bad_words", "token_index": 0, "token_id": 5, "sampled_with": "r2"}}))
+    row1 = next(line for line in render(panels.request_table(snap_of(s), 100, 10)).splitlines()
+                if line.startswith("r1"))
+    assert "TAINT" in row1
+    assert snap_of(s).contamination[-1].evidence == "token 0 (5) is banned by its own bad_words, picked by r2's row state"

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, knobs, overhead, peers, profile
+from kvtui.bench import curve, detectors, knobs, overhead, peers, penalties, profile
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -24,6 +24,7 @@ PARTS = {
     "bf16": (peers.run_bf16, peers.markdown_bf16, "float32 vs bfloat16 on the same workload"),
     "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
     "profile": (profile.run, profile.markdown, "where a decode step's time goes (phases and operators)"),
+    "penalties": (penalties.run, penalties.markdown, "per-request penalties, bias and bans: cost per decode step"),
 }
 
 

@@ -53,12 +53,17 @@ def load_tokenizer(name: str):
 
 
 def check_lengths(path: Path, spec, tokenizer) -> list:
-    """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when none
-    does (every one would be rejected, so the run would test nothing), a warning line when some do
-    not. Returns the planned requests."""
+    """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when a
+    logit_bias token id is outside the tokenizer's vocabulary, or when no request fits (every one would
+    be rejected, so the run would test nothing), a warning line when some do not. Returns the planned
+    requests."""
     from kvtui.scenario import plan_requests
     from kvtui.scenario.fit import fit_lines
+    from kvtui.scenario.sampling import vocabulary_problem
 
+    problem = vocabulary_problem(spec.sampling, len(tokenizer)) if hasattr(tokenizer, "__len__") else None
+    if problem:
+        fail(f"{path}: {problem}")
     planned = plan_requests(spec, tokenizer)
     errors, warnings = fit_lines(spec, planned, str(path))
     for line in warnings:

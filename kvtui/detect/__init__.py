@@ -6,15 +6,16 @@ Kinds: `cross_request` (information from another request reached the victim), `c
 that happens with no other request present), `numeric` (a near tie flipped by numerical batch
 variance; never counted as contamination). findings.py joins the reports on one victim.
 
-The detector classes are imported from their modules (canary, engine_signals, provenance,
-reference); this package itself imports no torch, so replaying a recording stays light.
+The detector classes are imported from their modules (canary, constraint, engine_signals,
+provenance, reference); this package itself imports no torch, so replaying a recording stays light.
 """
 
-DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance")
+DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance", "constraint")
 CONTAMINATION_KINDS = ("cross_request", "cross_tenant", "corruption")
 
 _LAZY = {"CanaryDetector": "canary", "EngineSignalDetector": "engine_signals", "ReferenceDetector": "reference",
-         "numeric_tolerance": "reference", "Findings": "findings", "ProvenanceDetector": "provenance"}
+         "numeric_tolerance": "reference", "Findings": "findings", "ProvenanceDetector": "provenance",
+         "ConstraintDetector": "constraint"}
 
 
 def __getattr__(name: str):

@@ -299,8 +299,10 @@ class ReferenceDetector:
                          faults=faults, max_waiting=None, on_too_long="reject")
         if not faults:  # the clean reference: a slot pool (a paged run's blocks and prefix cache are what is checked)
             config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
-        return Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
-                      grammar_tokenizer=self.tokenizer)  # structured output: the same grammar, no stop strings
+        engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
+                        grammar_tokenizer=self.tokenizer)  # structured output: the same grammar, no stop strings
+        engine.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
+        return engine
 
     def _clean_engine(self, max_len: int) -> Engine:
         engine = self._clean

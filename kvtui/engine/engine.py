@@ -26,8 +26,9 @@ from kvtui.engine.paged import PagedCache
 from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
+from kvtui.engine.row_state import RowState, RowTable
 from kvtui.engine.runner import ModelRunner, model_geometry
-from kvtui.engine.sampling import draw_token, make_generator
+from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import FAULTS, FaultName, check_fault_names
@@ -112,7 +113,9 @@ class Engine:
         self._virtual_now = 0.0
         self.step_index = 0
         self.requests: dict[str, RequestState] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._row_states: dict[str, RowState] = {}  # each request's sampling state (engine/row_state.py)
+        self.rows = RowTable()  # the running requests' row states, in row order
+        self.stop_mask_ids = self.eos_token_ids  # what min_tokens masks (a reference engine without EOS sets it)
         self._pending_finished: list[RequestState] = []
         self.families = Families()  # parallel sampling (n > 1)
         self.grammar = GrammarStage(grammar_tokenizer or tokenizer, self.vocab_size)
@@ -211,12 +214,13 @@ class Engine:
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        self._generators[request_id] = make_generator(request.sampling)
         problem = None if not queue else self._prompt_problem(request) or self._admission_problem(request)
         problem = problem or self._grammar_problem(request)
         if problem and queue:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
-        elif queue:
+            return request
+        self._row_states[request_id] = RowState.of(request, self.stop_mask_ids)
+        if queue:
             self.scheduler.add(request)
         return request  # a held sibling whose grammar fails is rejected with its lead (_release_forks)
 
@@ -243,6 +247,20 @@ class Engine:
         max_len = self.pool.max_len
         if request.prompt_len >= max_len:
             return FinishCode.TOO_LONG, f"prompt of {request.prompt_len} tokens does not fit max_len={max_len}"
+        return self._params_problem(request.sampling)
+
+    def _params_problem(self, params: SamplingParams) -> tuple[FinishCode, str] | None:
+        """(code, detail) when a logit_bias or bad_words token id is outside the vocabulary (indexing the
+        logits with it would fail the request at its first sample)."""
+        vocab = self.vocab_size
+        bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            return FinishCode.INVALID_LOGIT_BIAS, (f"logit_bias token id {bad} is out of vocabulary: the model has "
+                                                   f"{vocab} tokens (ids 0 to {vocab - 1})")
+        bad = next((t for seq in params.bad_words_ids for t in seq if not 0 <= t < vocab), None)
+        if bad is not None:
+            return FinishCode.OUT_OF_VOCABULARY, (f"bad_words token id {bad} is out of vocabulary: the model has "
+                                                  f"{vocab} tokens (ids 0 to {vocab - 1})")
         return None
 
     def _admission_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
@@ -254,7 +272,8 @@ class Engine:
                 return FinishCode.TOO_LONG, (f"prompt {request.prompt_len} + max_new_tokens "
                                              f"{request.sampling.max_new_tokens} > max_len={max_len}")
             capped = max_len - request.prompt_len
-            request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped})
+            request.sampling = SamplingParams(**{**request.sampling.__dict__, "max_new_tokens": capped,
+                                                 "min_tokens": min(request.sampling.min_tokens, capped)})
             request.finish_detail = f"max_new_tokens capped to {capped} to fit max_len={max_len}"
         rejection = self.kv.rejection(request)
         if rejection:
@@ -433,6 +452,7 @@ class Engine:
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
         """Advance every chunk's request; sample where the chunk samples; finish what stops."""
         failed = dict(outcome.errors)
+        self._sync_rows()
         running = []
         self.grammar.apply([(i, c.request.request_id) for i, c in enumerate(plan.chunks) if i in outcome.logits],
                            outcome.logits, self._faults)  # structured output: one per-row stage
@@ -442,6 +462,12 @@ class Engine:
             else:
                 running += self._advance(chunk, outcome.logits.get(index), outcome.facts.get(index), end_s)
         return tuple(running)
+
+    def _sync_rows(self) -> None:
+        """The row table follows the running requests (engine/row_state.py), under this step's faults."""
+        self.rows.sync([r.request_id for r in self.scheduler.running], self._row_states,
+                       misalign=FaultName.ROW_STATE_MISALIGN in self._faults,
+                       shared_rng=FaultName.SHARED_RNG in self._faults)
 
     def _advance(self, chunk, logits, facts, end_s: float) -> list[RunningEntry]:
         """Note the chunk's tokens as written; where it samples, fork the request's waiting siblings
@@ -461,19 +487,20 @@ class Engine:
                end_s: float) -> RunningEntry:
         """Sample `request`'s token from `logits` [V] (None: nothing to sample) and report its share."""
         cache_len = request.cache_len
-        token, gap, nonfinite, logprobs = None, None, False, None
+        token, gap, nonfinite, logprobs, owner = None, None, False, None, None
         if logits is not None:
             gap, finite = facts
             nonfinite = not finite
             try:
-                token, logprobs = self._sample(request, logits, gap, end_s)
+                token, logprobs, owner = self._sample(request, logits, gap, end_s)
             except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
         first = token is not None and len(request.generated_ids) == 1
         return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=cache_len,
                             query_tokens=query_tokens, token_id=token, phase=phase, top2_gap=gap, nonfinite=nonfinite,
-                            ttft_s=request.ttft_s if first else None, blocks=place.blocks, logprobs=logprobs)
+                            ttft_s=request.ttft_s if first else None, blocks=place.blocks, logprobs=logprobs,
+                            sampled_with=owner)
 
     def _fork(self, lead: RequestState) -> list[tuple[RequestState, KVPlace]]:
         """Parallel sampling: the lead's prefill is done; each waiting sibling takes a copy of its KV
@@ -490,6 +517,8 @@ class Engine:
             self.scheduler.fork(sibling)
             forked.append((sibling, place))
         self.scheduler.requeue(queued)
+        if forked:  # the forked sequences take their rows (their own sampling state) before they sample
+            self._sync_rows()
         return forked
 
     def _release_forks(self, lead: RequestState) -> None:
@@ -505,8 +534,15 @@ class Engine:
 
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
-        Returns (token, logprobs or None). Whatever raises leaves the request's tokens as they were."""
-        token, draw = draw_token(logits, request.sampling, self._generators.get(request.request_id))
+        Returns (token, logprobs or None, the request whose row state picked it). Whatever raises
+        leaves the request's tokens as they were."""
+        state = self.rows.state_of(request.request_id)
+        processed = self._processed(state, logits)
+        shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
+        generator = self.rows.shared_rng if shared else state.generator
+        token, draw = draw_token(processed, state.params, generator)
+        if processed is not logits:
+            gap = _facts({0: processed})[0][0]
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -518,6 +554,7 @@ class Engine:
         except Exception:
             request.generated_ids.pop()
             raise
+        state.accept(token)
         request.top2_gaps.append(gap)
         if draw is not None and self.record_draws:
             request.draws.append(draw)
@@ -526,10 +563,20 @@ class Engine:
             request.first_token_s = end_s
         if reason is not None:
             self._finish(request, reason, "")
-        return token, logprobs
+        return token, logprobs, state.owner
+
+    def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
+        """The row's logits [V] after its stages (the logits themselves when it has none); under
+        penalty_shared_history the penalties read the whole batch's history."""
+        if not state.stages:
+            return logits
+        shared = FaultName.PENALTY_SHARED_HISTORY in self._faults
+        return state.process(logits, self.rows.batch_history() if shared else None)
 
     def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
         params = request.sampling
+        if len(request.generated_ids) < params.min_tokens:  # vLLM: no stop before min_tokens
+            return FinishReason.LENGTH if request.cache_len + 1 > self.pool.max_len else None
         if token in self.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
         if params.structured is not None and self.grammar.terminated(request.request_id):
@@ -563,7 +610,7 @@ class Engine:
             request.finish_detail = detail
         request.finish_code = code.value if code else ""
         request.finish_s = self.now()
-        self._generators.pop(request.request_id, None)
+        self._row_states.pop(request.request_id, None)
         self.grammar.drop(request.request_id)
         self._pending_finished.append(request)
         if request.request_id in self.families.pending:

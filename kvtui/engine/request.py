@@ -38,13 +38,14 @@ class FinishCode(str, enum.Enum):
     `empty` (no prompt tokens), `too_long` (prompt, or prompt + max_new_tokens, above max_len or the
     paged pool), `out_of_vocabulary` (a prompt token id outside [0, vocab size)), `queue_full` (the
     waiting queue is at config.max_waiting), `internal_error` (the request's own sampling, log-probability
-    or stop-string step raised)."""
+    or stop-string step raised), `invalid_logit_bias` (a logit_bias token id outside the vocabulary)."""
 
     EMPTY = "empty"
     TOO_LONG = "too_long"
     OUT_OF_VOCABULARY = "out_of_vocabulary"
     QUEUE_FULL = "queue_full"
     INTERNAL_ERROR = "internal_error"
+    INVALID_LOGIT_BIAS = "invalid_logit_bias"
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # its grammar (schema, regex, choices) did not compile
 
 
@@ -99,8 +100,20 @@ class SamplingParams:
     it when include_stop_str_in_output), while the token ids keep the token that completed it.
 
     `logprobs` asks for log-probabilities (natural log, from log_softmax of the float32 logits, before
-    temperature, top-k or top-p, as vLLM's default): None = off (nothing computed), 0 = the sampled
-    token's only, k = also the k most likely tokens at each step (OpenAI's `top_logprobs`).
+    penalties, bias, temperature, top-k or top-p, as vLLM's default raw logprobs): None = off (nothing
+    computed), 0 = the sampled token's only, k = also the k most likely tokens at each step (OpenAI's
+    `top_logprobs`).
+
+    Penalties, bias and bans (the OpenAI API's and vLLM's names and semantics; applied by the
+    request's own row state, kvtui/engine/row_state.py, before temperature, top-k and top-p):
+    `frequency_penalty` and `presence_penalty` in [-2, 2] subtract count x frequency and
+    (count > 0) x presence from each token's logit, counted over the request's own output tokens;
+    `repetition_penalty` > 0 (1 = off) divides a positive logit and multiplies a negative one of every
+    token in its prompt or output (HF / vLLM); `logit_bias` adds a bias in [-100, 100] to a token id's
+    logit ((id, bias) pairs); `min_tokens` masks EOS (unless ignore_eos) and stop strings until that
+    many tokens were generated; `bad_words` are strings never to generate, `bad_words_ids` their token
+    sequences (sampling.resolve_bad_words fills them from a tokenizer): the last token of a sequence is
+    banned when the output ends with the sequence's other tokens.
 
     Parallel sampling (`n`, vLLM's and OpenAI's name): the engine runs `n` sequences of the prompt,
     prefilled once and forked (see Engine.submit); sequence i draws with its own generator seeded
@@ -111,7 +124,8 @@ class SamplingParams:
     and it stops (reason "stop") once its grammar is complete.
 
     Raises:
-        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], logprobs < 0, or n outside 1..MAX_N.
+        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], logprobs < 0, or n outside 1..MAX_N;
+            a penalty, bias or min_tokens out of range (the message names the field).
     """
 
     temperature: float = 0.0
@@ -127,6 +141,14 @@ class SamplingParams:
     n: int = 1
     # -- structured output (kvtui/engine/grammar.py) ----------------------------------------------
     structured: StructuredOutputs | None = None
+    # -- penalties, bias and bans (row_state.py) --
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -141,6 +163,37 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs = }")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in 1..{MAX_N}, got {self.n = }")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        bad = next(((t, b) for t, b in self.logit_bias if not -100.0 <= b <= 100.0 or t < 0), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {bad[0]}: {bad[1]}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if any(not ids for ids in self.bad_words_ids):
+            raise ValueError("bad_words_ids must not hold an empty sequence")
+
+    @property
+    def state_tags(self) -> tuple[str, ...]:
+        """Short names of the per-row state it carries, for the dashboard: pen (a penalty), bias
+        (logit_bias), ban (bad_words), min (min_tokens), and the structured-output kind (json, regex,
+        choice, grammar, json_object)."""
+        pen = self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        tags = tuple(tag for tag, on in (("pen", pen), ("bias", self.logit_bias), ("ban", self.bad_words_ids or
+                                         self.bad_words), ("min", self.min_tokens)) if on)
+        return tags + ((self.structured.kind,) if self.structured is not None else ())
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias, ban or min_tokens changes this request's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words_ids)
 
     @property
     def greedy(self) -> bool:

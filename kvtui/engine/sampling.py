@@ -167,3 +167,27 @@ def _draw(u: float, index: int, full: torch.Tensor, order: torch.Tensor, kept: i
     values = logits[listed].tolist()
     return Draw(u, float(full[kept - 1]), index, array("d", cum.tolist()), array("i", listed.tolist()),
                 array("i", ranks), array("f", [v if math.isfinite(v) else math.nan for v in values]))
+
+
+def bad_words_token_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """Token sequences of `bad_words`, as vLLM builds them (SamplingParams.update_from_tokenizer): each
+    word as written (leading spaces stripped), and with a leading space when that gives a different
+    first token and as many tokens, so a word is banned at the start of the text and after a space.
+    No special tokens. Words that tokenize to nothing are left out."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            continue
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(dict.fromkeys(out))
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with bad_words_ids filled from its bad_words (unchanged when it has none, or has ids)."""
+    if not params.bad_words or params.bad_words_ids:
+        return params
+    return SamplingParams(**{**params.__dict__, "bad_words_ids": bad_words_token_ids(tokenizer, params.bad_words)})

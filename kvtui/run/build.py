@@ -38,7 +38,8 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
         parent: parallel sampling (n > 1): the planned request this sequence is one of."""
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent)
+                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
+                  sampling=tuple(getattr(planned.sampling, "state_tags", ())))
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

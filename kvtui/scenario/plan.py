@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvtui.scenario.arrivals import Arrival, arrivals
@@ -26,6 +26,7 @@ from kvtui.scenario.prompts import (
     random_ids,
     user_chat,
 )
+from kvtui.scenario.sampling import pick_entry, request_fields
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.tenants import TenantPlan
 
@@ -165,6 +166,17 @@ def planned_arrivals(scenario: Scenario, *, limit: int | None = None) -> list[Ar
     return out
 
 
+def _bad_words(params, tokenizer, cache: dict):
+    """`params` with its bad words' token ids (vLLM's tokenization, once per word list)."""
+    from kvtui.engine.sampling import bad_words_token_ids
+
+    if not params.bad_words:
+        return params
+    if params.bad_words not in cache:
+        cache[params.bad_words] = bad_words_token_ids(tokenizer, params.bad_words)
+    return replace(params, bad_words_ids=cache[params.bad_words])
+
+
 def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
     """The requests of a run, in arrival order, fully determined by the scenario (and its seed): one
     per `planned_arrivals(scenario, limit=limit)`. The timeline's arrival-rate changes are applied there;
@@ -189,16 +201,20 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
         constrained = spec if spec is not None and structured_rng.random() < s.structured.fraction else None
         planned.append((arrival, ids, meta, arrival.output_tokens or drawn, tenant, (n, constrained)))
     width = max(3, len(str(len(planned) - 1)))
+    mix_rng = random.Random(derive_seed(seed, "sampling_mix"))
+    entries = [pick_entry(s.mix, mix_rng) if s.mix else None for _ in planned]
+    words: dict = {}  # bad words -> token ids, tokenized once
     return [
         PlannedRequest(
             request_id=f"r{i:0{width}d}",
             arrival_s=arrival.at_s,
             prompt_ids=ids,
-            sampling=SamplingParams(
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=derive_seed(seed, f"sampling:{i}"),
+            sampling=_bad_words(SamplingParams(
+                **request_fields(s, entry, n_out), seed=derive_seed(seed, f"sampling:{i}"),
                 max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 include_stop_str_in_output=s.include_stop_str_in_output, n=extra[0], structured=extra[1]),
+                tokenizer, words),
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
         )
-        for i, (arrival, ids, meta, n_out, tenant, extra) in enumerate(planned)
+        for i, ((arrival, ids, meta, n_out, tenant, extra), entry) in enumerate(zip(planned, entries))
     ]

@@ -18,6 +18,8 @@ Fields (defaults in brackets; seconds and tokens as named):
   sampling [greedy]: temperature [0], top_k [0], top_p [1], ignore_eos [false], stop [[]],
       n [1], n_fraction [1]: parallel sampling, structured [null]: {fraction, json_schema | json_object |
       regex | choice | grammar}
+      frequency_penalty, presence_penalty, repetition_penalty, logit_bias, min_tokens, bad_words
+      [null: off], mix [[]]: [{fraction, ...}] (sampling.py)
   slo: ttft_s, tpot_s [null: no limit], for goodput
   timeline [[]]: [{at_s, set: {knob: value}, marker}], see timeline.py
   expect: contamination [none|detected]
@@ -45,6 +47,7 @@ from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, did_you_mean, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
+from kvtui.scenario.sampling import Mix, PenaltyFields, check_mix
 from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import TimelineEvent, bounded
 from kvtui.scenario.trace import resolve
@@ -218,10 +221,13 @@ class StructuredSection(Strict):
                                  grammar=self.grammar, json_object=self.json_object)
 
 
-class SamplingSection(Strict):
+class SamplingSection(PenaltyFields):
     """How every request picks its tokens. Temperature 0 is greedy (argmax). Otherwise each request
     samples with its own generator, seeded from the scenario seed and its index, so its draws do not
-    depend on its slot or its neighbours. `sampling: greedy` is short for the defaults."""
+    depend on its slot or its neighbours. `sampling: greedy` is short for the defaults. Penalties,
+    logit_bias, min_tokens and bad_words (OpenAI's and vLLM's names and ranges) apply to every
+    request, or through `mix` to a fraction of them: each request takes one entry (or none) with the
+    entry's probability, drawn from the seed's own stream, and the entry's fields replace these."""
 
     temperature: Annotated[float, Field(ge=0, le=100)] = Field(0.0, description="0 = greedy")
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] = Field(0, description="keep the k most likely tokens; 0 = all")
@@ -242,6 +248,8 @@ class SamplingSection(Strict):
     # -- structured output ----------------------------------------------------------------------
     structured: StructuredSection | None = Field(
         None, description="structured output for a share of the requests (see sampling.structured); null = none")
+    mix: Annotated[Mix, pydantic.AfterValidator(check_mix)] = Field(
+        [], description="[{fraction, ...sampling fields}]: a share of the requests and the sampling it takes")
 
 
 class SLO(Strict):

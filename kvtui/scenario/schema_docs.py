@@ -38,6 +38,7 @@ from kvtui.scenario.prompts import (
     SyntheticPrompts,
     SystemPromptPrompts,
 )
+from kvtui.scenario.sampling import MixEntry
 from kvtui.scenario.schema import (
     SLO,
     Bucketing,
@@ -119,7 +120,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("Length distributions", "`output_tokens` and `prompts.prompt_tokens` take one of these, chosen by `dist`; a "
                              "bare integer `24` means `{dist: fixed, value: 24}`. Lengths are whole tokens, drawn "
                              "from the scenario seed's own stream.", [Fixed, Uniform, Normal, LogNormal, Choice, Zipf]),
-    ("sampling", "", [SamplingSection, StructuredSection]),
+    ("sampling", "", [SamplingSection, StructuredSection, MixEntry]),
     ("slo", "", [SLO]),
     ("expect", "", [Expect]),
     ("dashboard", "", [Dashboard]),
@@ -128,6 +129,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 # model -> its heading; the anchor is GitHub's slug of it
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             StructuredSection: "sampling.structured",
+            MixEntry: "sampling.mix entry",
             Tenants: "tenants",
             SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage",
             ScriptedRequest: "scripted request", RoundSpec: "round"}

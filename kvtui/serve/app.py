@@ -2,7 +2,7 @@
 
 Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters
 (FastAPI's own 422 validation errors and unparsable JSON included), 400 `context_length_exceeded`,
-400 `out_of_vocabulary`, 401 `invalid_api_key`, 404 unknown model or path, 413 `request_too_large`,
+400 `out_of_vocabulary`, 400 `invalid_logit_bias`, 401 `invalid_api_key`, 404 unknown model or path, 413 `request_too_large`,
 429 waiting queue full, 500 `internal_error` (the request alone failed inside the engine), 503 while
 the model loads or the server stops. The engine's rejections and errors reach HTTP by their
 FinishCode (ENGINE_ERRORS), never by their text. A request that fails after its stream began ends
@@ -50,6 +50,7 @@ ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
                  "too_long": (400, "context_length_exceeded", "max_tokens"),
                  "empty": (400, "empty_prompt", "prompt"),
                  "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
+                 "invalid_logit_bias": (400, "invalid_logit_bias", "logit_bias"),
                  "internal_error": (500, "internal_error", None),
                  "invalid_structured_output": (400, "invalid_structured_output", None)}
 
@@ -207,7 +208,7 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     sampling = sampling_params(body, prompt_len=len(prompt_ids), max_len=ctx.max_len,
-                               endpoint="chat" if chat else "completion")
+                               endpoint="chat" if chat else "completion", tokenizer=ctx.tokenizer)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_serial)}-{secrets.token_hex(3)}"
     metadata = {"prompt_text": prompt_text} if prompt_text is not None else {}
     found = PASSPHRASE.search(prompt_text or "")

@@ -2,10 +2,13 @@
 
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
 `include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
-parameters the engine cannot honour (penalties, logit_bias, echo, suffix, tools) are refused
+parameters the engine cannot honour (echo, suffix, tools) are refused
 with 400 rather than silently ignored. `n` (1 to 16) asks for n choices, sampled as n sequences of one
-prefill (parallel sampling; choice i samples with seed + i, as vLLM seeds a request's children). Ranges as OpenAI's API reference states them: `temperature`
-a finite number in [0, 2], `top_p` in (0, 1]. A string anywhere in the body that holds a lone UTF-16
+prefill (parallel sampling; choice i samples with seed + i, as vLLM seeds a request's children). Ranges
+as OpenAI's API reference states them: `temperature` a finite number in [0, 2], `top_p` in (0, 1],
+`presence_penalty` and `frequency_penalty` in [-2, 2], `logit_bias` token-id strings -> [-100, 100];
+vLLM's `repetition_penalty` > 0, `min_tokens` from 0 to the max tokens, `bad_words` a list of strings.
+A string anywhere in the body that holds a lone UTF-16
 surrogate (JSON `"\ud800"` with no pair) is refused with 400: it is not Unicode text, and no
 tokenizer or JSON encoder takes it.
 """
@@ -128,9 +131,13 @@ class SamplingFields(_Open):
     include_stop_str_in_output: bool = False
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # -- penalties, bias and bans (the engine's per-row state: kvtui/engine/row_state.py) --
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     # -- structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* ------
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -139,7 +146,7 @@ class SamplingFields(_Open):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +168,17 @@ class SamplingFields(_Open):
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if any(s == "" for s in self.stop_list()):
             raise ApiError(400, "stop strings must not be empty", param="stop")
+        self.logit_bias_pairs()
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs. Raises ApiError (400) for a key that is no token id."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ApiError(400, f"Invalid key in 'logit_bias': {key!r}. You should only be submitting "
+                               "non-negative integers (token ids as strings).", param="logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(sorted(pairs))
 
     # -- parallel sampling ----------------------------------------------------------------------
     def check_n(self) -> None:
@@ -264,13 +282,14 @@ class ChatCompletionRequest(SamplingFields):
 Endpoint = Literal["completion", "chat"]
 
 
-def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endpoint: Endpoint):
+def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endpoint: Endpoint, tokenizer=None):
     """The engine's SamplingParams for a request, with the OpenAI defaults: temperature 1, top_p 1,
     max_tokens 16 for completions and "up to the context" for chat; a random seed when sampling
-    without one.
+    without one; no penalty, bias or ban. `tokenizer` tokenizes bad_words (vLLM's way).
 
     Raises:
-        ApiError: 400 context_length_exceeded when prompt + max tokens exceed `max_len` (tokens).
+        ApiError: 400 context_length_exceeded when prompt + max tokens exceed `max_len` (tokens); 400
+            naming min_tokens when it exceeds the max tokens.
     """
     from kvtui.engine import SamplingParams
 
@@ -287,7 +306,23 @@ def sampling_params(body: SamplingFields, *, prompt_len: int, max_len: int, endp
         temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(body.top_k or 0, 0), seed=seed % 2**63, max_new_tokens=limit, stop=body.stop_list(),
         ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-        logprobs=_logprobs(body), n=body.n, structured=body.structured())
+        logprobs=_logprobs(body), n=body.n, structured=body.structured(),
+        **_penalty_fields(body, limit, tokenizer))
+
+
+def _penalty_fields(body: SamplingFields, limit: int, tokenizer) -> dict:
+    """The SamplingParams penalty, bias and ban fields of a request (None in the body: off)."""
+    from kvtui.engine.sampling import bad_words_token_ids
+
+    min_tokens = body.min_tokens or 0
+    if min_tokens > limit:
+        raise ApiError(400, f"min_tokens={min_tokens} must be less than or equal to max_tokens={limit}",
+                       param="min_tokens")
+    words = tuple(body.bad_words or ())
+    return dict(frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=body.logit_bias_pairs(), min_tokens=min_tokens, bad_words=words,
+                bad_words_ids=bad_words_token_ids(tokenizer, words) if words and tokenizer is not None else ())
 
 
 def _logprobs(body: SamplingFields) -> int | None:

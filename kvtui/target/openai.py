@@ -105,6 +105,17 @@ class StreamResult:
         return len(self.tokens) or sum(1 for p in self.pieces if p)
 
 
+def penalty_fields(s) -> dict:
+    """The request's penalties, bias and bans in the OpenAI API's names (`frequency_penalty`,
+    `presence_penalty`, `logit_bias` keyed by token-id strings) and vLLM's (`repetition_penalty`,
+    `min_tokens`, `bad_words`), only those set (a server that knows none of them sees a plain body)."""
+    fields = {"frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
+              "repetition_penalty": s.repetition_penalty if s.repetition_penalty != 1.0 else 0,
+              "logit_bias": {str(t): b for t, b in s.logit_bias}, "min_tokens": s.min_tokens,
+              "bad_words": list(s.bad_words)}
+    return {k: v for k, v in fields.items() if v}
+
+
 def request_body(planned, api: str, model: str | None, *, logprobs: bool, messages: list | None = None,
                  temperature: float | None = None) -> tuple[str, dict]:
     """The path and JSON body for one planned request.
@@ -131,6 +142,7 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
         body["stop"] = list(s.stop)
     if s.ignore_eos:
         body["ignore_eos"] = True
+    body.update(penalty_fields(s))
     if api == "chat":
         body["messages"] = messages or [{"role": "user", "content": text if text is not None else ""}]
         if logprobs:

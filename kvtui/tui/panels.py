@@ -206,19 +206,21 @@ def window(text: str, phrase: str | None, width: int) -> str:
 
 
 def _answer(r: RequestView, width: int) -> Text:
-    """The row's text in `width` cells: the part around the passphrase it holds (another request's,
-    highlighted as a leak, else its own in green), else the end of what it generated so far."""
+    """The row's text in `width` cells: its sampling state's tags first (dim: "pen bias"), then the part
+    around the passphrase it holds (another request's, highlighted as a leak, else its own in green),
+    else the end of what it generated so far."""
     focus = clean(r.text_focus)
     held = [p for p in (*r.matched, r.passphrase) if p and p.upper() in focus.upper()]
     phrase = held[0] if held else None
-    shown = window(focus if phrase else clean(r.text_tail), phrase, max(width, 1))
+    tags = f"[{r.sampling}] " if r.sampling and width > len(r.sampling) + 12 else ""
+    shown = window(focus if phrase else clean(r.text_tail), phrase, max(width - len(tags), 1))
     text = Text(shown)
     # highlighted where the canary matched (ignoring case, as it matches): a leak, else the row's own
     for phrases, style in ((r.matched, LEAK_STYLE), ((r.passphrase,) if r.passphrase else (), "bold green")):
         for p in phrases:
             for m in re.finditer(re.escape(p), shown, re.IGNORECASE):
                 text.stylize(style, m.start(), m.end())
-    return text
+    return Text(tags, style="dim cyan") + text if tags else text
 
 
 # Columns besides id, status and text: (name, cells), left out in this order when the text would get

@@ -96,6 +96,7 @@ class RequestView:
         attention_mass: latest share of its attention on other requests' keys (0..1) or None.
         color: palette index.
         tenant: who sent it (None: one tenant); blocks: paged KV blocks in its table.
+        sampling: its per-row sampling state, short ("pen bias ban min"; "" for a plain request).
     """
 
     id: str
@@ -119,6 +120,7 @@ class RequestView:
     blocks: int = 0
     text_focus: str = ""
     matched: tuple[str, ...] = ()
+    sampling: str = ""
 
     @property
     def active(self) -> bool:

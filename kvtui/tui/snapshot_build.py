@@ -35,7 +35,7 @@ def _request_view(state: DashboardState, r: _Request) -> RequestView:
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
         leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.echoed),
         contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
-        blocks=r.blocks, text_focus=focus, matched=tuple(r.matched),
+        blocks=r.blocks, text_focus=focus, matched=tuple(r.matched), sampling=r.sampling,
     )
 
 

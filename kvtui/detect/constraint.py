@@ -1,0 +1,91 @@
+"""constraint: every emitted token must be one its own request allowed. Recomputed from each
+request's own parameters and its own tokens alone, step by step:
+
+- `bad_words`: the token ends one of the request's bad-words sequences (its other tokens end the
+  output so far; a one-token sequence always);
+- `min_tokens`: the token is an EOS id (the request does not ignore EOS) while its output is still
+  shorter than min_tokens;
+- `logit_bias`: the request gave the token a bias of -100 (OpenAI: a ban).
+
+A violation means the request was sampled with other state than its own. The engine tags each
+sampled token with the request whose per-row state picked it (`RunningEntry.sampled_with`): when
+that is another request, the report is `cross_request` with it as the source (the row arrays were
+not moved when the batch changed: row_state_misalign); when it is the request's own, the engine broke
+its own state (`corruption`); without the tag (a replayed recording) the suspects are the requests
+running beside it, the source the only one whose own parameters allow the token. Which penalties
+applied to a greedy row is left to `reference` (the engine does not keep the step's logits).
+One report per victim, at its first violation.
+"""
+
+from __future__ import annotations
+
+from kvtui.events import ConstraintEvidence, Contamination
+
+
+class ConstraintDetector:
+    """Reads StepEvent.running; `on_arrive` gives it each request's SamplingParams.
+
+    Args:
+        eos_token_ids: the ids a min_tokens request may not emit early.
+    """
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self._params: dict[str, object] = {}
+        self._outputs: dict[str, list[int]] = {}
+        self._reported: set[str] = set()
+
+    def on_arrive(self, request_id: str, sampling) -> None:
+        self._params[request_id] = sampling
+        self._outputs[request_id] = []
+
+    def on_finish(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
+        self._outputs.pop(request_id, None)
+        self._reported.discard(request_id)
+
+    def on_step(self, report, t: float) -> list[Contamination]:
+        """Reports for the step's tokens that their own request did not allow."""
+        events = []
+        running = [r.request_id for r in report.running]
+        for entry in report.running:
+            params = self._params.get(entry.request_id)
+            if entry.token_id is None or params is None:
+                continue
+            output = self._outputs[entry.request_id]
+            rule = disallowed(params, output, entry.token_id, self.eos)
+            if rule and entry.request_id not in self._reported:
+                self._reported.add(entry.request_id)
+                events.append(self._event(report, t, entry, rule, len(output), running))
+            output.append(entry.token_id)
+        return events
+
+    def _event(self, report, t: float, entry, rule: str, index: int, running: list[str]) -> Contamination:
+        victim, used = entry.request_id, entry.sampled_with
+        suspects = tuple(sorted(r for r in running if r != victim))
+        if used is not None and used != victim:
+            kind, source = "cross_request", used
+        elif used == victim:
+            kind, source = "corruption", None
+        else:
+            allow = [r for r in suspects if r in self._params and
+                     not disallowed(self._params[r], self._outputs[victim], entry.token_id, self.eos)]
+            kind = "cross_request" if suspects else "corruption"
+            source = allow[0] if len(allow) == 1 else None
+        return Contamination(t=t, step=report.step, detector="constraint", kind=kind, victim=victim, source=source,
+                             evidence=ConstraintEvidence(rule=rule, token_index=index, token_id=entry.token_id,
+                                                         sampled_with=used, suspects=suspects))
+
+
+def disallowed(params, output: list[int], token: int, eos: frozenset) -> str:
+    """The rule of `params` that bans `token` after `output` ("bad_words", "min_tokens", "logit_bias"),
+    or "" when it is allowed. Written apart from the engine's stages (kvtui/engine/row_state.py)."""
+    for seq in getattr(params, "bad_words_ids", ()):
+        n = len(seq) - 1
+        if seq[-1] == token and len(output) >= n and (n == 0 or tuple(output[-n:]) == tuple(seq[:-1])):
+            return "bad_words"
+    if len(output) < getattr(params, "min_tokens", 0) and token in eos and not params.ignore_eos:
+        return "min_tokens"
+    if dict(getattr(params, "logit_bias", ())).get(token, 0.0) <= -100.0:
+        return "logit_bias"
+    return ""
