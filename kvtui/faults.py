@@ -20,6 +20,10 @@ dashboard and the docs all read this table.
 | block_refcount | paged blocks: a finished request's blocks are freed outright while others still hold them |
 | shared_partial_block | paged prefix cache: a prompt's partial last block is shared without copy-on-write |
 | prefix_key_no_parent | paged prefix cache: the block key leaves out the parent key, so equal blocks collide |
+| stale_cross_kv | encoder-decoder, slots: the cross-K/V table is indexed by slot and kept when a slot is reused |
+| cross_row_misalign | encoder-decoder: the cross-K/V table is indexed by batch row and not compacted when a row leaves |
+| encoder_cache_unkeyed | encoder-decoder: the encoder cache is keyed by the decoder prompt, not the audio |
+| cross_kv_prefix_cached | encoder-decoder, paged prefix cache: block keys leave out the audio's hash |
 """
 
 from __future__ import annotations
@@ -46,12 +50,17 @@ class FaultName(StrEnum):
     BLOCK_REFCOUNT = "block_refcount"
     SHARED_PARTIAL_BLOCK = "shared_partial_block"
     PREFIX_KEY_NO_PARENT = "prefix_key_no_parent"
+    STALE_CROSS_KV = "stale_cross_kv"
+    CROSS_ROW_MISALIGN = "cross_row_misalign"
+    ENCODER_CACHE_UNKEYED = "encoder_cache_unkeyed"
+    CROSS_KV_PREFIX_CACHED = "cross_kv_prefix_cached"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
 ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 KV_MODES = ("slots", "paged")
+DECODER_ONLY, ENCODER_DECODER = "decoder-only", "encoder-decoder"
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class Fault:
             cross_tenant when another tenant's cached KV is served (paged KV prefix caching).
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
+        models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults).
     """
 
     name: str
@@ -81,6 +91,7 @@ class Fault:
     kind: ContaminationKind
     kv: tuple[str, ...] = ("slots",)
     needs: tuple[str, ...] = ()
+    models: tuple[str, ...] = (DECODER_ONLY, ENCODER_DECODER)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -140,6 +151,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "context: the answer drifts",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",)),
+    Fault("stale_cross_kv", "the cross-attention K/V table is indexed by slot and not refreshed when a slot is reused",
+          "encoder: a request admitted into a reused slot reads the cross K/V its previous owner's audio left there",
+          "a new request transcribes the previous occupant's audio: its passphrase shows up in the wrong transcript",
+          ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", ("slots",),
+          models=(ENCODER_DECODER,)),
+    Fault("cross_row_misalign", "cross K/V indexed by batch row, not compacted when a row leaves the batch",
+          "encoder: row i reads the i-th entry of a table built in admission order that keeps finished requests",
+          "after a request finishes, its neighbours read the wrong audio: transcripts swap mid-sentence",
+          ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", KV_MODES,
+          models=(ENCODER_DECODER,)),
+    Fault("encoder_cache_unkeyed", "the encoder cache is keyed by the decoder prompt instead of the audio's content",
+          "encoder cache: every request with the same decoder prompt hits the first one's encoder output",
+          "every transcript repeats the first audio's words",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "canary", "reference"), "cross_request", KV_MODES,
+          models=(ENCODER_DECODER,)),
+    Fault("cross_kv_prefix_cached", "decoder prefix-cache keys leave out the audio's hash",
+          "block_manager (via the engine): self-attention blocks of the same decoder prompt are shared across audio",
+          "self-attention K/V computed against another audio is reused: the transcript drifts toward that audio",
+          ("padded", "packed"), ("prefix_provenance", "reference"), "cross_request", ("paged",),
+          ("prefix_caching",), models=(ENCODER_DECODER,)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
@@ -157,9 +188,10 @@ def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tu
     return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
 
 
-def faults_for(kv: str = "slots") -> tuple[str, ...]:
-    """The faults that act in KV mode `kv`, in catalogue order."""
-    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv)
+def faults_for(kv: str = "slots", model: str = DECODER_ONLY) -> tuple[str, ...]:
+    """The faults that act in KV mode `kv` on a `model` kind ("decoder-only", "encoder-decoder"), in
+    catalogue order."""
+    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and model in fault.models)
 
 
 def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False) -> str:

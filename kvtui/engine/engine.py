@@ -17,6 +17,8 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
+from kvtui.engine.encoder import make_runner
+from kvtui.engine.encoder_cache import AudioInput
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
@@ -24,11 +26,11 @@ from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfi
 from kvtui.engine.paged import PagedCache
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
-from kvtui.engine.runner import ModelRunner, model_geometry
+from kvtui.engine.runner import model_geometry
 from kvtui.engine.sampling import draw_token, make_generator
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
-from kvtui.faults import FAULTS, FaultName, check_fault_names
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS, FaultName, check_fault_names
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -96,7 +98,8 @@ class Engine:
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
-        self.runner = ModelRunner(model, self.pool)
+        # encoder-decoder models (Whisper): self.encoder holds the audio and the encoder cache (engine/encoder.py)
+        self.runner, self.encoder = make_runner(model, self.pool, encoder_capacity(config))
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
@@ -153,12 +156,14 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
                arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
-               cache_salt: str | None = None) -> RequestState:
+               cache_salt: str | None = None, audio: AudioInput | None = None) -> RequestState:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
         StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
+        `audio`: an encoder-decoder engine's input (Whisper: log-mel features and the audio's hash; the
+        prompt is the decoder prompt); missing, malformed, or given to a decoder-only engine: rejected.
 
         Raises:
             ValueError: request_id already used.
@@ -175,13 +180,25 @@ class Engine:
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        problem = self._prompt_problem(request) or self._admission_problem(request)
+        problem = self._audio_problem(request, audio) or self._prompt_problem(request) or self._admission_problem(request)
         if problem:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
+        if self.encoder:
+            self.encoder.submit(request_id, audio)
         self._generators[request_id] = make_generator(request.sampling)
         self.scheduler.add(request)
         return request
+
+    def _audio_problem(self, request: RequestState, audio: AudioInput | None) -> tuple[FinishCode, str] | None:
+        """(code, detail) when the request's audio does not fit the model (see Engine.submit)."""
+        problem = self.encoder.problem(audio) if self.encoder else ("" if audio is None else
+                                                                     "audio given to a decoder-only model")
+        if problem:
+            return FinishCode.EMPTY, problem
+        if self.encoder:  # the audio's hash keys the decoder's prefix-cache blocks (cross_kv_prefix_cached: not)
+            request.cache_salt = self.encoder.salted(request.cache_salt, audio)
+        return None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
@@ -263,11 +280,18 @@ class Engine:
         """
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
+        model_kind = ENCODER_DECODER if self.encoder else DECODER_ONLY
+        misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models
+                        or (self.encoder and n == FaultName.RACY_THREADS))
+        if misfit:
+            raise ValueError(f"fault {misfit[0]!r} does not act on {model_kind} models like this engine's")
         if wrong:
             raise ValueError(f"fault {wrong[0]!r} acts with kv: {' or '.join(FAULTS[wrong[0]].kv)} only; this engine "
                              f"runs kv: {self.config.kv}")
         self._faults = faults
         self.kv.configure(self.config, faults)
+        if self.encoder:
+            self.encoder.configure(faults)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -307,7 +331,9 @@ class Engine:
     def _step(self) -> StepEvent:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
-        self.scheduler.admit(start_s)
+        admitted = self.scheduler.admit(start_s)
+        if self.encoder:  # one encoder forward over the audio the cache does not hold yet
+            self.encoder.admit(admitted)
         plan = self.scheduler.plan()
         outcome = self._forward(plan, faults)
         end_s = self._advance_clock(start_s, outcome.stats)
@@ -345,6 +371,9 @@ class Engine:
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
         expected = self.kv.expected_writers(batch, plan.chunks, own)
         taint = tuple(slot_taint(batch, writers, own, self._names, ids, expected)) if self.detect_taint else ()
+        if self.encoder:  # each chunk's cross K/V; a read of other audio's K/V is cross-attention taint
+            cross_taint = self.encoder.bind(plan.chunks, ids)
+            taint = _merge_taint(taint, cross_taint) if self.detect_taint else taint
         logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16=FaultName.FP16_CACHE in faults,
                                             own_range=not faults & MASK_FAULTS)
         flow = ()
@@ -415,6 +444,8 @@ class Engine:
     def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
         Returns (token, logprobs or None). Whatever raises leaves the request's tokens as they were."""
+        if self.encoder:  # Whisper's suppressed tokens, as its generation config says
+            logits = self.encoder.suppress(logits, len(request.generated_ids))
         token, draw = draw_token(logits, request.sampling, self._generators.get(request.request_id))
         logprobs = None
         if request.sampling.logprobs is not None:
@@ -462,6 +493,8 @@ class Engine:
     def _finish(self, request: RequestState, reason: FinishReason, detail: str,
                 code: FinishCode | None = None) -> None:
         self.scheduler.finish(request)  # its KV goes back at once (cached blocks stay cached)
+        if self.encoder:
+            self.encoder.finish(request.request_id)
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
         if detail:
@@ -486,7 +519,7 @@ class Engine:
         cache slots, or with paged KV blocks (see SlotCache / PagedCache.report_fields)."""
         running = self.scheduler.running
         return dict(num_running=len(running), max_batch_size=self.config.max_batch_size,
-                    **self.kv.report_fields(running))
+                    **self.kv.report_fields(running), **(self.encoder.report() if self.encoder else {}))
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningEntry, ...]) -> StepEvent:
@@ -549,6 +582,23 @@ def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> di
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     finite = torch.isfinite(logits).all(dim=1).tolist()
     return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
+
+
+def _merge_taint(taint: tuple, cross: tuple) -> tuple:
+    """Self-attention taint and cross-attention taint (engine/encoder.py), one TaintEntry per victim."""
+    merged = {t.request_id: t for t in taint}
+    for c in cross:
+        t = merged.get(c.request_id)
+        merged[c.request_id] = c if t is None else t.model_copy(update=dict(
+            sources=t.sources + tuple(s for s in c.sources if s not in t.sources), positions=t.positions + c.positions,
+            examples=(t.examples + c.examples)[:5]))
+    return tuple(merged.values())
+
+
+def encoder_capacity(config: EngineConfig) -> int:
+    """Encoder-cache entries: twice the requests that may run at once (slots, or max_batch_size with paged
+    KV), so every running request's audio fits and as many finished ones stay cached for reuse."""
+    return 2 * (config.num_slots if config.kv == "slots" else config.max_batch_size)
 
 
 def _ratio(part: int, whole: int) -> float:

@@ -22,6 +22,7 @@ from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
 from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
+from kvtui.faults import FaultName
 
 OTHER = -99  # an expected-writer cell no query compares with
 
@@ -54,6 +55,8 @@ class PagedCache:
         step (the paged ones; others are ignored)."""
         self.max_running = config.max_batch_size
         self.manager.faults = faults
+        if FaultName.CROSS_KV_PREFIX_CACHED in faults:  # encoder-decoders: keys without the audio's hash (the salt)
+            self.manager.faults = faults | {FaultName.UNSALTED_PREFIX}
 
     def rejection(self, request: RequestState) -> str:
         """Why a request can never run in this pool ("" when it can)."""
