@@ -44,10 +44,11 @@ def tiny_reference(clips_audio):
     return tokens
 
 
-def _tiny_engine(**overrides) -> Engine:
+def _tiny_engine(entries: int | None = None, **overrides) -> Engine:
     model, _ = wh.build_tiny_whisper()
     cfg = dict(max_len=64, num_slots=3, max_batch_size=3, max_tokens_per_step=64)
-    return Engine(model, EngineConfig(**(cfg | overrides)), eos_token_ids=[256], clock="virtual")
+    return Engine(model, EngineConfig(**(cfg | overrides)), eos_token_ids=[256], clock="virtual",
+                  encoder_cache_entries=entries)
 
 
 def _run(engine: Engine, arrivals: list[tuple[int, str, int, int]], audio: list[AudioInput]):
@@ -71,7 +72,7 @@ ARRIVALS = [(0, "a", 0, 12), (0, "b", 1, 30), (0, "c", 2, 20), (3, "d", 3, 8), (
 @pytest.mark.parametrize("kv,layout,caching", [("slots", "padded", False), ("slots", "packed", False),
                                                ("paged", "padded", True), ("paged", "packed", False)])
 def test_batched_transcripts_equal_solo_generate(clips_audio, tiny_reference, kv, layout, caching):
-    engine = _tiny_engine(kv=kv, layout=layout, prefix_caching=caching, block_size=4)
+    engine = _tiny_engine(6, kv=kv, layout=layout, prefix_caching=caching, block_size=4)
     out, events = _run(engine, ARRIVALS, clips_audio)
     for _, rid, clip, n in ARRIVALS:
         assert out[rid] == tiny_reference(clip, n), rid
@@ -113,6 +114,7 @@ def test_audio_problems_are_rejections(clips_audio, tiny):
 
 
 def test_decoder_only_steps_carry_no_encoder_fields(tiny):
+    assert _tiny_engine().encoder.cache.capacity == 16  # the default: ENCODER_CACHE_ENTRIES
     llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
     llama.submit("x", [1, 2, 3], SamplingParams(max_new_tokens=2))
     event = llama.run_until_done()[-1]

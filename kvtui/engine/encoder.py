@@ -32,6 +32,7 @@ cross-attention part); `hits` reports every cache hit with the audio it was comp
 from __future__ import annotations
 
 import hashlib
+import threading
 from functools import partial
 
 import torch
@@ -43,9 +44,10 @@ from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.runner import ModelRunner
 from kvtui.events import EncoderHitEntry, TaintEntry
-from kvtui.faults import FaultName
+from kvtui.faults import FP16_MASK_CONSTANT, FaultName
 
 OVERRIDE = "kvtui_attention_override"  # the attribute attention.kvtui_attention looks for on a module
+_running = threading.local()  # .runner: the EncoderDecoderRunner whose forward runs in this thread
 
 
 def is_encoder_decoder(model) -> bool:
@@ -107,8 +109,8 @@ class EncoderDecoderRunner(ModelRunner):
         self.encoder, self.decoder = model.get_encoder(), model.get_decoder()
         self.entries: list[CrossEntry] | None = None
         self.cache_pair = EncoderDecoderCache(self.cache, _FilledCrossCache(len(self.decoder.layers)))
-        for i, layer in enumerate(self.decoder.layers):
-            setattr(layer.encoder_attn, OVERRIDE, partial(self._cross, i))
+        for i, layer in enumerate(self.decoder.layers):  # one model may serve several engines (the reference's)
+            setattr(layer.encoder_attn, OVERRIDE, partial(_cross_hook, i))
         for layer in self.encoder.layers:
             setattr(layer.self_attn, OVERRIDE, _sdpa)
 
@@ -119,12 +121,20 @@ class EncoderDecoderRunner(ModelRunner):
             self.cache.state = state
         self.cache_pair.is_updated = dict.fromkeys(range(len(self.decoder.layers)), True)
         rows = batch.input_ids.shape[0]
-        out = self.decoder(input_ids=batch.input_ids, attention_mask=batch.additive_mask(self.dtype).to(self.device),
+        _running.runner = self
+        try:
+            out = self._decode(batch, rows, FP16_MASK_CONSTANT if state.fp16 else None)
+        finally:
+            _running.runner = None
+        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]
+        return self.head(hidden).float().cpu()
+
+    def _decode(self, batch: BatchTensors, rows: int, masked: float | None):
+        mask = batch.additive_mask(self.dtype, masked).to(self.device)
+        return self.decoder(input_ids=batch.input_ids, attention_mask=mask,
                            position_ids=batch.position_ids, cache=self.cache_pair, use_cache=True,
                            encoder_hidden_states=torch.empty(rows, 0, self.decoder.config.d_model, dtype=self.dtype,
                                                              device=self.device))
-        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]
-        return self.head(hidden).float().cpu()
 
     def _cross(self, layer: int, query, key, value, attention_mask, scaling):
         """Cross-attention of decoder layer `layer`: each chunk's queries [Hq, n, D] over its own entry's
@@ -158,6 +168,13 @@ class EncoderDecoderRunner(ModelRunner):
             shape = (n, -1, attn.num_heads, attn.head_dim)
             per_layer.append((attn.k_proj(hidden).view(shape).transpose(1, 2), attn.v_proj(hidden).view(shape).transpose(1, 2)))
         return [(tuple(k[i].clone() for k, _ in per_layer), tuple(v[i].clone() for _, v in per_layer)) for i in range(n)]
+
+
+def _cross_hook(layer: int, query, key, value, attention_mask, scaling):
+    """The cross-attention modules' hook: the running EncoderDecoderRunner's per-chunk cross-attention, or
+    None (transformers' own path) when no engine forward runs in this thread."""
+    runner = getattr(_running, "runner", None)
+    return None if runner is None else runner._cross(layer, query, key, value, attention_mask, scaling)
 
 
 def _sdpa(query, key, value, attention_mask, scaling):

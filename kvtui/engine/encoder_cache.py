@@ -53,6 +53,36 @@ def audio_input(samples: np.ndarray, feature_extractor, label: str = "", sample_
     return AudioInput(features=feats, content_hash=audio_hash(samples, sample_rate), label=label)
 
 
+class AudioFiles:
+    """AudioInputs of WAV files (16 kHz mono 16-bit), each read and turned into features once; the
+    `memory` most recently used are kept.
+
+    Args:
+        feature_extractor: Whisper's (the loaded model's `feature_extractor`).
+    """
+
+    def __init__(self, feature_extractor, memory: int = 64) -> None:
+        self.feature_extractor, self.memory = feature_extractor, memory
+        self._kept: OrderedDict[str, AudioInput] = OrderedDict()
+
+    def get(self, path: str) -> AudioInput:
+        """The file's AudioInput (label: its file name).
+
+        Raises:
+            OSError, ValueError: the file cannot be read, or is not a WAV file Whisper takes.
+        """
+        from pathlib import Path
+
+        from kvtui.models.whisper import read_wav
+
+        if path not in self._kept:
+            self._kept[path] = audio_input(read_wav(Path(path)), self.feature_extractor, Path(path).name)
+            while len(self._kept) > self.memory:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(path)
+        return self._kept[path]
+
+
 @dataclass(eq=False)
 class CrossEntry:
     """One audio's cross-attention K/V over all decoder layers (read-only once made).

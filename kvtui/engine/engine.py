@@ -78,6 +78,8 @@ class Engine:
         eos_token_ids: tokens that end a request (finish reason "stop") unless ignore_eos.
         tokenizer: optional, needed only for stop strings.
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
+        encoder_cache_entries: encoder-decoder models: cross-K/V entries the encoder cache keeps
+            (default encoder_capacity(config)).
 
     Raises:
         ValueError: a model or max_len the engine cannot serve (kvtui.models.compat.check_model), or a KV
@@ -85,7 +87,8 @@ class Engine:
     """
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
-                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0) -> None:
+                 clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0,
+                 encoder_cache_entries: int | None = None) -> None:
         if clock not in ("wall", "virtual"):
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
@@ -99,7 +102,7 @@ class Engine:
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
         # encoder-decoder models (Whisper): self.encoder holds the audio and the encoder cache (engine/encoder.py)
-        self.runner, self.encoder = make_runner(model, self.pool, encoder_capacity(config))
+        self.runner, self.encoder = make_runner(model, self.pool, encoder_cache_entries or encoder_capacity(config))
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
@@ -595,10 +598,14 @@ def _merge_taint(taint: tuple, cross: tuple) -> tuple:
     return tuple(merged.values())
 
 
+ENCODER_CACHE_ENTRIES = 16  # Whisper tiny.en: 16 x 18.4 MB (4 layers x K,V x 6 heads x 1500 x 64 x fp32)
+
+
 def encoder_capacity(config: EngineConfig) -> int:
-    """Encoder-cache entries: twice the requests that may run at once (slots, or max_batch_size with paged
-    KV), so every running request's audio fits and as many finished ones stay cached for reuse."""
-    return 2 * (config.num_slots if config.kv == "slots" else config.max_batch_size)
+    """Encoder-cache entries by default: ENCODER_CACHE_ENTRIES, or twice the requests that may run at once
+    (slots, or max_batch_size with paged KV) when that is more, so every running request's audio fits
+    and finished ones stay cached for reuse."""
+    return max(ENCODER_CACHE_ENTRIES, 2 * (config.num_slots if config.kv == "slots" else config.max_batch_size))
 
 
 def _ratio(part: int, whole: int) -> float:
