@@ -495,6 +495,10 @@ class ProvenanceEvidence(_Frozen):
     source_tenant: str | None
     same_salt: bool
     same_prefix: bool  # the blocks' content keys (tokens chained to their prefix) equal the victim's own
+    # (v3, encoder-decoder models) an encoder-cache hit: 12 hex of the reader's audio's sha256 and of the
+    # audio the cached cross-attention K/V were computed from (blocks empty, hit_tokens 0 then)
+    audio_hash: str | None = None
+    source_audio_hash: str | None = None
 
 
 class EngineErrorEvidence(_Frozen):

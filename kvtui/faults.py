@@ -169,8 +169,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("cross_kv_prefix_cached", "decoder prefix-cache keys leave out the audio's hash",
           "block_manager (via the engine): self-attention blocks of the same decoder prompt are shared across audio",
           "self-attention K/V computed against another audio is reused: the transcript drifts toward that audio",
-          ("padded", "packed"), ("prefix_provenance", "reference"), "cross_request", ("paged",),
-          ("prefix_caching",), models=(ENCODER_DECODER,)),
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching",), models=(ENCODER_DECODER,)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

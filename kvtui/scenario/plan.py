@@ -27,6 +27,7 @@ from kvtui.scenario.prompts import (
     encode_text,
     passphrases,
     random_ids,
+    to_id_list,
     user_chat,
 )
 from kvtui.scenario.schema import Scenario
@@ -127,11 +128,13 @@ class PromptMaker:
         meta = {**meta, "audio_path": str(clip), "audio": clip.name, "prompt_text": f"[audio {clip.name}]"}
         if isinstance(spec, SpokenPassphrasePrompts):
             meta |= {"passphrase": clip.stem.upper(), "spoken": True}
-        return decoder_prompt(self.tok), meta
+        return decoder_prompt(self.tok, spec.initial_prompt), meta
 
 
-def decoder_prompt(tokenizer) -> list[int]:
-    """Whisper's decoder prompt [<|startoftranscript|>, <|notimestamps|>] in `tokenizer`'s ids.
+def decoder_prompt(tokenizer, initial_prompt: str = "") -> list[int]:
+    """Whisper's decoder prompt [<|startoftranscript|>, <|notimestamps|>] in `tokenizer`'s ids; with an
+    `initial_prompt`, [<|startofprev|>, its text's ids] first (as Whisper's prompt conditioning; a
+    tokenizer without <|startofprev|>, tiny-whisper's, gets the text's ids alone).
 
     Raises:
         ValueError: the tokenizer is not a Whisper one (no such tokens).
@@ -142,7 +145,11 @@ def decoder_prompt(tokenizer) -> list[int]:
     unk = getattr(tokenizer, "unk_token_id", None)
     if any(i is None or i == unk for i in ids):
         raise ValueError("not a Whisper tokenizer")
-    return ids
+    if not initial_prompt:
+        return ids
+    prev = tokenizer.convert_tokens_to_ids("<|startofprev|>")
+    text = to_id_list(tokenizer.encode(" " + initial_prompt.strip(), add_special_tokens=False))
+    return ([prev] if prev is not None and prev != unk else []) + text + ids
 
 
 def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:

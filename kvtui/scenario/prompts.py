@@ -227,6 +227,10 @@ class SpokenPassphrasePrompts(Strict):
     kind: Literal["spoken_passphrase"]
     clips: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
         "audio", description="folder of word-word-nn.wav clips, relative to the scenario file")
+    initial_prompt: Annotated[str, Field(max_length=2000)] = Field(
+        "", description="text the decoder is prompted with before the transcript (Whisper's previous-text "
+                        "prompt, faster-whisper's initial_prompt); with paged KV and prefix caching, requests "
+                        "with the same audio and prompt share its blocks")
     _files: list = pydantic.PrivateAttr(default_factory=list)
 
     @pydantic.model_validator(mode="after")
@@ -254,6 +258,10 @@ class AudioPrompts(Strict):
     kind: Literal["audio"]
     path: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
         description="a WAV file or a folder of them, relative to the scenario file")
+    initial_prompt: Annotated[str, Field(max_length=2000)] = Field(
+        "", description="text the decoder is prompted with before the transcript (Whisper's previous-text "
+                        "prompt, faster-whisper's initial_prompt); with paged KV and prefix caching, requests "
+                        "with the same audio and prompt share its blocks")
     _files: list = pydantic.PrivateAttr(default_factory=list)
 
     @pydantic.model_validator(mode="after")
