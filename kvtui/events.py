@@ -83,6 +83,7 @@ class Arrive(_Frozen):
     max_new_tokens: int
     passphrase: str | None = None
     tenant: str | None = None  # (v2)
+    audio: str | None = None  # (v3) a speech request's audio (its file name)
 
 
 class FirstToken(_Frozen):

@@ -112,3 +112,29 @@ def test_transcribe_scenario_every_clip_its_own_zero_findings(whisper_en, tmp_pa
     assert (summary["reference_checked"], summary["kvtui:passphrase_echoed"]) == (12, 12)
     assert [x for x in lines if x["type"] == "contamination"] == []
     assert [x for x in lines if x["type"] == "step"][-1]["encoder_hits"] == 4  # 12 requests, 8 clips
+
+
+def test_dashboard_shows_the_encoder_cache_and_each_slots_clip(tmp_path):
+    from kvtui.models import load_model
+    from kvtui.session import Session
+    from kvtui.tui import panels
+    from kvtui.tui.snapshot_build import build_snapshot
+    from kvtui.tui.state import DashboardState
+
+    spec = parse_scenario(_write(tmp_path, f"{{kind: spoken_passphrase, clips: {AUDIO}}}").read_text())
+    state = DashboardState()
+    seen = []
+
+    def listen(event):
+        state.apply(event)
+        if getattr(event, "type", "") == "step" and state.slot_owner:
+            seen.append(build_snapshot(state))
+
+    Session(spec, load_model("tiny-whisper", progress=False), clock="virtual", listeners=(listen,)).run()
+    snap = next(s for s in seen if s.encoder.referenced == 2)  # both slots held
+    assert (snap.encoder.entries, snap.encoder.capacity, snap.encoder.referenced) == (2, 16, 2)
+    assert [s.audio for s in snap.slots] == ["amber-lantern-23.wav", "cobalt-river-74.wav"]
+    line = panels.encoder_line(snap).plain
+    assert line == f"encoder cache 2/16 entries · 2 held · hits 0/2 (0%) · {snap.encoder.nbytes / 1e6:.1f} MB"
+    assert snap.encoder.nbytes == 2 * 2 * 2 * 4 * 1500 * 16 * 4
+    assert "amber-lantern-23" in panels._slot_cell(snap.slots[0], 60).plain

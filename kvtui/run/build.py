@@ -37,7 +37,8 @@ def arrive_event(planned, *, max_new_tokens: int | None = None) -> Arrive:
             may cap it, `on_too_long: cap`); None: the plan's."""
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant)
+                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant,
+                  audio=planned.metadata.get("audio"))
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

@@ -63,6 +63,7 @@ class _Request:
     finished_order: int = -1
     tenant: str | None = None
     blocks: int = 0  # paged KV: blocks in its table
+    audio: str | None = None  # a speech request's audio file name
 
 
 class DashboardState:
@@ -146,7 +147,7 @@ class DashboardState:
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
         r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
-        r.tenant = e.tenant
+        r.tenant, r.audio = e.tenant, e.audio
         if e.tenant is not None:
             self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r
