@@ -138,3 +138,15 @@ def test_dashboard_shows_the_encoder_cache_and_each_slots_clip(tmp_path):
     assert line == f"encoder cache 2/16 entries · 2 held · hits 0/2 (0%) · {snap.encoder.nbytes / 1e6:.1f} MB"
     assert snap.encoder.nbytes == 2 * 2 * 2 * 4 * 1500 * 16 * 4
     assert "amber-lantern-23" in panels._slot_cell(snap.slots[0], 60).plain
+
+
+@pytest.mark.parametrize("prompts,model,fault,kind", [
+    (f"{{kind: spoken_passphrase, clips: {AUDIO}}}", "tiny-whisper", "racy_threads", "encoder-decoder"),
+    ("{kind: synthetic, prompt_tokens: 8}", "tiny-llama", "stale_cross_kv", "decoder-only"),
+])
+def test_a_fault_for_the_other_kind_of_model_is_one_line_exit_2(tmp_path, prompts, model, fault, kind):
+    path = _write(tmp_path, prompts, model, extra=f"timeline: [{{at_s: 0.1, set: {{fault: {fault}, on: true}}}}]\n")
+    result = CliRunner().invoke(app, ["run", str(path), "--headless"])
+    assert result.exit_code == 2, result.output
+    (err,) = result.stderr.splitlines()
+    assert f"fault {fault} does not act on {kind} models like {model}" in err, err

@@ -284,8 +284,7 @@ class Engine:
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
         model_kind = ENCODER_DECODER if self.encoder else DECODER_ONLY
-        misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models
-                        or (self.encoder and n == FaultName.RACY_THREADS))
+        misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models)
         if misfit:
             raise ValueError(f"fault {misfit[0]!r} does not act on {model_kind} models like this engine's")
         if wrong:

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.prompts import (
@@ -167,6 +168,11 @@ def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     if speech and not audio:
         return (f"model {model} is a speech model (Whisper) and takes audio; use prompts kind spoken_passphrase "
                 "or audio (see scenarios/transcribe.yaml)")
+    kind = ENCODER_DECODER if speech else DECODER_ONLY
+    named = [*scenario.engine.faults, *(e.fault_switch[0] for e in scenario.timeline if e.fault_switch)]
+    wrong = next((n for n in named if kind not in FAULTS[n].models), None)
+    if wrong:
+        return f"fault {wrong} does not act on {kind} models like {model}; drop it (`kvtui faults` lists them)"
     return ""
 
 
