@@ -103,6 +103,9 @@ class EngineConfig:
             num_slots x ceil(max_len / block_size) + 1 (the memory of the slot pool).
         prefix_caching: reuse cached full blocks of a request's longest cached prefix (paged only).
         watermark: share of the usable blocks admission keeps free (paged; vLLM V0's 0.01).
+        enforce_eager: run the model through transformers' own modules instead of kvtui's fused
+            forward (kvtui/engine/fused.py; Llama-family models only, the others always run the
+            modules). Same answers; the fused forward is faster (docs/performance.md). vLLM's flag name.
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -127,6 +130,7 @@ class EngineConfig:
     num_blocks: int | None = None
     prefix_caching: bool = False
     watermark: float = 0.01
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in field order: the first bad field is the one named

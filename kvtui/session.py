@@ -77,7 +77,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
                   cost_model: str = "auto", serving: bool = False, planned: list | None = None,
-                  pacer: Pacer | None = None) -> "Session":
+                  pacer: Pacer | None = None, enforce_eager: bool = False) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -89,6 +89,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         serving: requests come from submit_external (kvtui serve), not the scenario (see Session).
         planned: the scenario's planned requests when the caller planned them already (see Session).
         pacer: the paced clock's Pacer (default: one on the real wall clock).
+        enforce_eager: run the model's own transformers modules, not kvtui's fused forward
+            (EngineConfig.enforce_eager).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -98,6 +100,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["layout"] = layout
     if clear_faults:
         overrides["faults"] = frozenset()
+    if enforce_eager:
+        overrides["enforce_eager"] = True
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
                    cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)

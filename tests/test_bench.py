@@ -74,3 +74,46 @@ def test_a_small_suite_writes_json_and_markdown(tiny, tmp_path):
     assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32] and rows[0]["x_batch_1"] == 1.0
     assert json.loads(output.read_text())["parts"]["batch"]["rows"][3]["batch"] == 8
     assert "| 32 |" in output.with_suffix(".md").read_text()
+
+
+def test_rounds_merge_to_median_and_spread_and_targets_compare_the_medians():
+    from kvtui.bench.peers import _merge_rounds, _targets
+
+    def f(rate, same=16):
+        return {"tokens_per_s": rate, "ttft_p50_s": rate / 100, "equal_to_solo": same, "requests": 16}
+
+    merged = _merge_rounds([f(80.0), f(60.0, 15), f(70.0)])
+    assert (merged["tokens_per_s"], merged["tokens_per_s_min"], merged["tokens_per_s_max"]) == (70.0, 60.0, 80.0)
+    assert merged["ttft_p50_s"] == 0.7 and merged["equal_to_solo"] == 15 and merged["rounds"] == 3
+    results = {"kvtui engine": f(90.0), "kvtui serve, default detectors": f(68.0),
+               "kvtui serve --detectors none": f(80.0), "kvtui serve, default detectors, 2 threads": f(85.0),
+               "vLLM CPU 0.32 (1 thread)": f(80.0), "llama.cpp llama-server (-np 16)": f(60.0)}
+    targets = {t["what"]: (round(t["ratio"], 3), t["goal"]) for t in _targets(results, 1)}
+    assert targets == {"kvtui engine / vLLM CPU": (1.125, 1.0), "kvtui serve --detectors none / vLLM CPU": (1.0, 1.0),
+                       "kvtui serve (default detectors) / vLLM CPU": (0.85, 0.85),
+                       "kvtui serve (default detectors), 2 threads / 1 thread": (1.25, 1.05),
+                       "kvtui engine / llama-server (Q4_1)": (1.5, 1.2)}
+
+
+def test_a_busy_process_tree_counts_cpu_and_an_idle_one_is_waited_for_briefly():
+    import subprocess
+    import sys
+    import time
+
+    from kvtui.bench.peers import tree_cpu_seconds, wait_idle
+
+    spin = "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(60)"
+    busy = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while tree_cpu_seconds(busy.pid) < 1.0 and time.monotonic() < deadline:  # the grandchild's spin counts
+            time.sleep(0.1)
+        assert tree_cpu_seconds(busy.pid) >= 1.0
+        assert wait_idle([busy.pid], quiet_s=0.3) < 5.0  # it spun its second and sleeps now
+    finally:
+        import os
+        import signal
+
+        os.killpg(busy.pid, signal.SIGKILL)
+        busy.wait()

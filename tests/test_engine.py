@@ -196,19 +196,28 @@ def test_an_interrupt_stops_the_step_in_progress_at_the_next_layer(tiny):
     step; the requests are then aborted, and the engine serves a new request exactly as before."""
     loaded = tiny["tiny-llama"]
     engine = make(loaded)
-    layers = loaded.model.model.layers
-    ran: list[int] = []
-    hooks = [layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i)) for i, layer in enumerate(layers)]
-    hooks.append(layers[0].register_forward_hook(lambda module, args, out: engine.interrupt()))  # a stop arrives
-    hooks.append(loaded.model.model.norm.register_forward_pre_hook(lambda module, args: ran.append("norm")))
+    ran: list = []
+    layers = engine.runner.cache.layers
+    for i, layer in enumerate(layers):  # each layer's K/V write, where the forward checks for a stop
+        def update(*args, _update=layer.update, i=i, **kwargs):
+            ran.append(i)
+            out = _update(*args, **kwargs)
+            if i == 0:
+                engine.interrupt()  # a stop arrives while layer 0 runs
+            return out
+        layer.update = update
+    assert engine.runner.forward_path == "fused"
+    fused = engine.runner.fused
+    fused.logits = lambda hidden: ran.append("head") or type(fused).logits(fused, hidden)
     try:
         engine.submit("a", [5, 17, 42], SamplingParams(max_new_tokens=4))
         with pytest.raises(StepInterrupted, match="layer 1"):
             engine.step()
     finally:
-        for hook in hooks:
-            hook.remove()
-    assert ran == [0, 1]  # layer 1 began, its attention never ran, nor did the rest of the model
+        for layer in layers:
+            del layer.update
+        del fused.logits
+    assert ran == [0, 1]  # layer 1 began, its attention never ran, nor did the rest of the model (the head)
     engine.abort("a")
     assert [(f.request_id, f.finish_reason) for f in engine.step().finished] == [("a", "abort")]
     engine.submit("b", [9, 8, 7], SamplingParams(max_new_tokens=5))

@@ -2,7 +2,8 @@
 
 Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the batch curve), knobs
 (bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
-bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost). Every part writes its figures
+bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost), profile (where a decode step's time
+goes). Every part writes its figures
 to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
 """
 
@@ -12,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, knobs, overhead, peers
+from kvtui.bench import curve, detectors, knobs, overhead, peers, profile
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -22,6 +23,7 @@ PARTS = {
     "peers": (peers.run, peers.markdown, "peers on one Poisson workload (arrivals on the wall clock)"),
     "bf16": (peers.run_bf16, peers.markdown_bf16, "float32 vs bfloat16 on the same workload"),
     "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
+    "profile": (profile.run, profile.markdown, "where a decode step's time goes (phases and operators)"),
 }
 
 

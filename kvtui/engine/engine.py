@@ -102,7 +102,8 @@ class Engine:
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
         # encoder-decoder models (Whisper): self.encoder holds the audio and the encoder cache (engine/encoder.py)
-        self.runner, self.encoder = make_runner(model, self.pool, encoder_cache_entries or encoder_capacity(config))
+        self.runner, self.encoder = make_runner(model, self.pool, encoder_cache_entries or encoder_capacity(config),
+                                                  enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)

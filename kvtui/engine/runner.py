@@ -12,6 +12,7 @@ from dataclasses import fields, replace
 
 import torch
 
+from kvtui.engine import fused as fused_forward
 from kvtui.engine.attention import PooledCache, StepInterrupted, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
 from kvtui.engine.kv_pool import KVPool
@@ -53,9 +54,11 @@ class ModelRunner:
     Args:
         model: a transformers PreTrainedModel for causal LM, in eval mode.
         pool: the KV pool (its dtype is the model's, its device the model's).
+        enforce_eager: run the model's own transformers modules; False (the default) runs kvtui's
+            fused forward (kvtui/engine/fused.py) where the model supports it, the modules elsewhere.
     """
 
-    def __init__(self, model, pool: KVPool) -> None:
+    def __init__(self, model, pool: KVPool, *, enforce_eager: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -64,6 +67,12 @@ class ModelRunner:
         self.cache = PooledCache(pool)
         self.body = model.base_model
         self.head = model.get_output_embeddings()
+        self.fused = None if enforce_eager or not fused_forward.supports(model) else fused_forward.fused_for(model)
+
+    @property
+    def forward_path(self) -> str:
+        """"fused" (kvtui's fused forward) or "modules" (transformers' own modules)."""
+        return "modules" if self.fused is None else "fused"
 
     def _to_device(self, batch: BatchTensors) -> BatchTensors:
         if self.device.type == "cpu":
@@ -78,15 +87,20 @@ class ModelRunner:
         masked = FP16_MASK_CONSTANT if state.fp16 else None
         if bind:
             self.cache.state = state
-        out = self.body(
-            input_ids=batch.input_ids,
-            attention_mask=batch.additive_mask(self.dtype, masked).to(self.device),
-            position_ids=batch.position_ids,
-            cache=self.cache,
-            use_cache=True,
-        )
-        hidden = out.last_hidden_state[batch.sample_row, batch.sample_col]  # [S, hidden]
-        return self.head(hidden).float().cpu()
+        if self.fused is not None:
+            mask = None if state.own_range else batch.additive_mask(self.dtype, masked).to(self.device)
+            hidden = self.fused(batch.input_ids, batch.position_ids, self.cache, state, mask)
+        else:
+            hidden = self.body(
+                input_ids=batch.input_ids,
+                attention_mask=batch.additive_mask(self.dtype, masked).to(self.device),
+                position_ids=batch.position_ids,
+                cache=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+        hidden = hidden[batch.sample_row, batch.sample_col]  # [S, hidden]
+        logits = self.head(hidden) if self.fused is None else self.fused.logits(hidden)
+        return logits.float().cpu()
 
     @torch.inference_mode()
     def forward(self, batch: BatchTensors, *, measure_flow: bool = False, fp16: bool = False,

@@ -127,20 +127,40 @@ def draw_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         keep &= before < params.top_p
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    cdf = torch.cumsum(kept / kept.sum(), dim=-1)
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
-    index = int(torch.searchsorted(cdf.double(), torch.tensor([u], dtype=torch.float64)).clamp(max=len(cdf) - 1))
-    return int(order[index]), _draw(u, index, sorted_probs.double(), order, int(keep.sum()), logits)
+    cum, kept = cumulative(sorted_probs), int(keep.sum())
+    index = pick_rank(cum, kept, u)
+    return int(order[index]), _draw(u, index, cum, order, kept, logits)
 
 
-def _draw(u: float, index: int, sorted_probs: torch.Tensor, order: torch.Tensor, kept: int,
+def cumulative(sorted_probs: torch.Tensor) -> torch.Tensor:
+    """C(r), the cumulative probability through rank r: [V] float64 from [V] probabilities in
+    descending order, divided by their sum so that C(V - 1) = 1 exactly (a float32 softmax sums to
+    1 only within its rounding)."""
+    cum = torch.cumsum(sorted_probs.double(), dim=0)
+    return cum / cum[-1]
+
+
+def pick_rank(cum: torch.Tensor, kept: int, u: float) -> int:
+    """The rank whose interval [C(r - 1), C(r)] holds the draw point u x mass (see Draw): `cum` [V]
+    float64 from `cumulative`; the first `kept` ranks are the ones top-k / top-p keep.
+
+    On the very numbers the Draw keeps, on purpose: the sampler used to search a float32 cumulative
+    sum, which resolves 1 - C only to about 6e-8, while the Draw kept a float64 one clamped at 1, so
+    near the top of the distribution (u = 0.9999996) the rank drawn lay 0.17 log-odds outside its
+    own Draw's interval and the reference detector counted a rounding flip as a changed
+    distribution."""
+    point = u * float(cum[kept - 1])
+    index = int(torch.searchsorted(cum[:kept], torch.tensor([point], dtype=torch.float64)))
+    return min(index, kept - 1)
+
+
+def _draw(u: float, index: int, full: torch.Tensor, order: torch.Tensor, kept: int,
           logits: torch.Tensor) -> Draw:
-    """The Draw of the token at rank `index` (sorted_probs: [V] float64 by rank; kept: how many ranks
-    top-k / top-p kept; logits: [V] float32 in vocabulary order)."""
-    full = torch.cumsum(sorted_probs, dim=0)
+    """The Draw of the token at rank `index` (full: [V] float64 cumulative probability by rank, from
+    `cumulative`; kept: how many ranks top-k / top-p kept; logits: [V] float32 in vocabulary order)."""
     ranks = torch.tensor([index + o for o in CUM_OFFSETS]).clamp(max=len(full) - 1)
-    cum = torch.where(ranks < 0, torch.zeros(()), full[ranks.clamp(min=0)].clamp(max=1.0))
+    cum = torch.where(ranks < 0, torch.zeros((), dtype=full.dtype), full[ranks.clamp(min=0)])
     ranks = sorted(set(range(min(DRAW_TOP, len(order)))) |
                    set(range(max(index - DRAW_LOGIT_RANKS, 0), min(index + DRAW_LOGIT_RANKS + 1, len(order)))))
     listed = order[torch.tensor(ranks)]

@@ -43,4 +43,5 @@ class ServeOptions:
     progress: bool = False
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    enforce_eager: bool = _ENGINE.enforce_eager
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)

@@ -161,7 +161,8 @@ class ServeServer:
                                                          self._recording_failed)
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
                                 record=restart_path(self.options.record, generation), faults=self.options.faults,
-                                detectors=self.options.detectors, listeners=listeners, serving=True)
+                                detectors=self.options.detectors, listeners=listeners, serving=True,
+                                enforce_eager=self.options.enforce_eager)
         self.session = session
         self.bridge.attach(session)
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,

@@ -33,7 +33,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   clock: str = "wall", record: str | Path | None = None, layout: str | None = None,
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
-                  torch_threads: int | None = None, cost_model: str = "auto", on_closed=None):
+                  torch_threads: int | None = None, cost_model: str = "auto", on_closed=None,
+                  enforce_eager: bool = False):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -50,6 +51,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         torch_threads: torch.set_num_threads for the engine worker (None: default_torch_threads()).
             It is process-wide: the dashboard process runs nothing else on torch.
         on_closed: called with the last Session once it closed (the CLI reads its recording_error).
+        enforce_eager: transformers' own modules instead of kvtui's fused forward.
 
     Returns:
         (summary, header) of the last session: kvtui.events.Summary (None if it never closed cleanly)
@@ -86,7 +88,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         return build_session(scenario, loaded[0], clock=clock, record=restart_path(record, generation), device=device,
                              layout=layout, faults=tuple(faults), clear_faults=clear_faults,
                              detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
-                             listeners=(listener,), cost_model=cost_model)
+                             listeners=(listener,), cost_model=cost_model, enforce_eager=enforce_eager)
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
                         torch_threads=torch_threads or default_torch_threads())
