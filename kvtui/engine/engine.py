@@ -17,7 +17,7 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
-from kvtui.engine.encoder import make_runner
+from kvtui.engine.encoder import ENCODER_FORWARD_S, make_runner
 from kvtui.engine.encoder_cache import AudioInput
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.kv_cache import KVCache
@@ -335,11 +335,10 @@ class Engine:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
         admitted = self.scheduler.admit(start_s)
-        if self.encoder:  # one encoder forward over the audio the cache does not hold yet
-            self.encoder.admit(admitted)
+        encoded = self.encoder.admit(admitted) if self.encoder else 0  # one encoder forward over new audio
         plan = self.scheduler.plan()
         outcome = self._forward(plan, faults)
-        end_s = self._advance_clock(start_s, outcome.stats)
+        end_s = self._advance_clock(start_s, outcome.stats, encoded)
         running = self._postprocess(plan, outcome, end_s)
         report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running)
         self.step_index += 1
@@ -404,11 +403,12 @@ class Engine:
             self.pool.writer[batch.pad_write_slot, batch.pad_write_pos] = PAD_WRITTEN
         return key_writers(self.pool.writer, batch)
 
-    def _advance_clock(self, start_s: float, stats: BatchStats) -> float:
-        """End of the step: virtual clock += modeled duration (padded positions cost time too)."""
+    def _advance_clock(self, start_s: float, stats: BatchStats, encoded: int = 0) -> float:
+        """End of the step: virtual clock += modeled duration (padded positions cost time too), plus
+        ENCODER_FORWARD_S per audio the encoder ran on (encoder-decoder models)."""
         if self.clock == "virtual" and stats.rows:
             self._virtual_now = start_s + self.cost_model.duration(stats.rows, stats.query_positions,
-                                                                   stats.key_cells)
+                                                                   stats.key_cells) + ENCODER_FORWARD_S * encoded
         return self.now()
 
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
