@@ -85,6 +85,7 @@ class Arrive(_Frozen):
     tenant: str | None = None  # (v2)
     parent: str | None = None  # parallel sampling (n > 1): the submitted request this sequence is one of
     sampling: tuple[str, ...] = ()  # (v3) its per-row sampling state: pen, bias, ban, min (SamplingParams.state_tags)
+    audio: str | None = None  # (v3) a speech request's audio (its file name)
 
 
 class FirstToken(_Frozen):
@@ -268,6 +269,21 @@ class PrefixHitEntry(_Frozen):
     blocks: tuple[ReusedBlockEntry, ...]
 
 
+class EncoderHitEntry(_Frozen):
+    """A request whose cross-attention K/V came from the encoder cache (encoder-decoder models).
+
+    Attributes:
+        request_id: the reader; audio_hash: the first 12 hex digits of its own audio's sha256.
+        entry_audio_hash: those of the audio the cached K/V were computed from.
+        computed_for: the request whose admission computed them.
+    """
+
+    request_id: str
+    audio_hash: str
+    entry_audio_hash: str
+    computed_for: str
+
+
 class StepEvent(_Frozen):
     """What one `Engine.step()` did: the engine's report and the recorded `step` line, one type.
 
@@ -306,6 +322,10 @@ class StepEvent(_Frozen):
         prefix_hits: PrefixHitEntry per request admitted with a cache hit this step.
         block_state: one character per block (BlockManager.state: `_` null, `.` free, `c` cached free,
             digits: reference count); block_tables: (request id, block table) per running request.
+    Encoder-decoder models only (None or empty, and not recorded, otherwise): encoder_entries,
+        encoder_capacity, encoder_referenced: cross-K/V entries in the encoder cache after the step, the
+        most it keeps, those held by a running request; encoder_bytes: their K/V bytes; encoder_hits,
+        encoder_misses: lookups since the engine started; encoder_hit_log: EncoderHitEntry per hit this step.
     In memory only (not recorded):
         finished: kvtui.engine.FinishedRequestReport per request that left during the step (the session
             records each as a request.finish event); the engine forgets them once the step is out.
@@ -356,6 +376,14 @@ class StepEvent(_Frozen):
     prefix_hits: tuple[PrefixHitEntry, ...] = ()
     block_state: str | None = None
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # encoder-decoder models only
+    encoder_entries: int | None = None
+    encoder_capacity: int | None = None
+    encoder_referenced: int | None = None
+    encoder_bytes: int | None = None
+    encoder_hits: int | None = None
+    encoder_misses: int | None = None
+    encoder_hit_log: tuple[EncoderHitEntry, ...] = ()
     # in memory only
     finished: tuple[Any, ...] = Field(default=(), exclude=True)
     nonfinite: tuple[NonfiniteEntry, ...] = Field(default=(), exclude=True)
@@ -381,7 +409,8 @@ class StepEvent(_Frozen):
         return self.model_dump(mode="json", by_alias=True, exclude=self._other_mode())
 
     def _other_mode(self) -> set[str]:
-        return set(PAGED_STEP_FIELDS if self.kv == "slots" else SLOT_STEP_FIELDS)
+        other = set(PAGED_STEP_FIELDS if self.kv == "slots" else SLOT_STEP_FIELDS)
+        return other if self.encoder_entries is not None else other | set(ENCODER_STEP_FIELDS)
 
 
 # StepEvent fields that only paged KV fills (not recorded for a slots run), and those only slots fill
@@ -389,6 +418,9 @@ PAGED_STEP_FIELDS = ("kv", "num_blocks", "blocks_used", "kv_cache_usage_perc", "
                      "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cross_tenant_hits", "prefix_hits",
                      "block_state", "block_tables")
 SLOT_STEP_FIELDS = ("slots_used", "num_slots")
+# StepEvent fields that only an encoder-decoder engine fills (not recorded otherwise)
+ENCODER_STEP_FIELDS = ("encoder_entries", "encoder_capacity", "encoder_referenced", "encoder_bytes", "encoder_hits",
+                       "encoder_misses", "encoder_hit_log")
 
 
 def _step_v2(data: dict, engine: dict | None) -> dict:
@@ -472,6 +504,10 @@ class ProvenanceEvidence(_Frozen):
     source_tenant: str | None
     same_salt: bool
     same_prefix: bool  # the blocks' content keys (tokens chained to their prefix) equal the victim's own
+    # (v3, encoder-decoder models) an encoder-cache hit: 12 hex of the reader's audio's sha256 and of the
+    # audio the cached cross-attention K/V were computed from (blocks empty, hit_tokens 0 then)
+    audio_hash: str | None = None
+    source_audio_hash: str | None = None
 
 
 class EngineErrorEvidence(_Frozen):

@@ -25,6 +25,10 @@ dashboard and the docs all read this table.
 | row_state_misalign | sampling rows: the per-row sampler/penalty/bias arrays are not moved when a row leaves |
 | shared_rng | sampling: one generator for all requests, reseeded by each request's seed when it joins |
 | penalty_shared_history | sampling: penalties count every row's tokens, not the request's own |
+| stale_cross_kv | encoder-decoder, slots: the cross-K/V table is indexed by slot and kept when a slot is reused |
+| cross_row_misalign | encoder-decoder: the cross-K/V table is indexed by batch row and not compacted when a row leaves |
+| encoder_cache_unkeyed | encoder-decoder: the encoder cache is keyed by the decoder prompt, not the audio |
+| cross_kv_prefix_cached | encoder-decoder, paged prefix cache: block keys leave out the audio's hash |
 """
 
 from __future__ import annotations
@@ -57,12 +61,17 @@ class FaultName(StrEnum):
     ROW_STATE_MISALIGN = "row_state_misalign"
     SHARED_RNG = "shared_rng"
     PENALTY_SHARED_HISTORY = "penalty_shared_history"
+    STALE_CROSS_KV = "stale_cross_kv"
+    CROSS_ROW_MISALIGN = "cross_row_misalign"
+    ENCODER_CACHE_UNKEYED = "encoder_cache_unkeyed"
+    CROSS_KV_PREFIX_CACHED = "cross_kv_prefix_cached"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
 ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 KV_MODES = ("slots", "paged")
+DECODER_ONLY, ENCODER_DECODER = "decoder-only", "encoder-decoder"
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class Fault:
             cross_tenant when another tenant's cached KV is served (paged KV prefix caching).
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
+        models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults).
     """
 
     name: str
@@ -92,6 +102,7 @@ class Fault:
     kind: ContaminationKind
     kv: tuple[str, ...] = ("slots",)
     needs: tuple[str, ...] = ()
+    models: tuple[str, ...] = (DECODER_ONLY, ENCODER_DECODER)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -102,7 +113,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("racy_threads", "one thread per request over a shared cache variable: state races, shape errors",
           "runner: a Python thread per request, all through one cache-state variable",
           "outputs differ from run to run; shape errors",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES, models=(DECODER_ONLY,)),
     Fault("no_request_mask", "packed batch without the block-diagonal mask: queries see other requests' keys",
           "batching (packed): a plain causal mask over the concatenated requests",
           "A drifts toward B; passphrases leak",
@@ -156,27 +167,52 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "block_manager: ensure writes into the partial last prompt block a fork still shares, in place",
           "the n answers of one request overwrite each other's newest K/V: each sequence reads a sibling's "
           "tokens at its own positions and drifts from its solo run",
-          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",)),
+          ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",),
+          models=(DECODER_ONLY,)),
     Fault("stale_bitmask", "structured output's bitmask row is not reset for a plain request: it keeps the last "
           "grammar that used the row",
           "engine/grammar.py: GrammarStage.apply leaves a plain row's bitmask row as its previous owner filled it",
           "a plain request that shares a step with a constrained one is restricted to what another request's "
           "grammar allowed: its answer turns into digits, JSON or one of the other's choices",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES,
+          models=(DECODER_ONLY,)),
     # -- per-row sampling state: they act on requests with penalties, bias, bans or sampling --
     Fault("row_state_misalign", "per-row sampling state not moved when a row leaves: a row uses its neighbour's",
           "row_state: on a departure the ids move up but the state arrays are cut at the end",
           "a request gets another's penalties, bias, banned words, temperature or generator: banned words "
           "appear, a plain request avoids words it never banned, a seeded answer changes",
-          ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES),
+          ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES,
+          models=(DECODER_ONLY,)),
     Fault("shared_rng", "one generator for all requests: a seeded request's draws depend on its neighbours",
           "row_state: every sampled row draws from one generator, reseeded when a request joins",
           "the same seed gives a different answer under load than alone",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES,
+          models=(DECODER_ONLY,)),
     Fault("penalty_shared_history", "penalties count the whole batch's tokens, not the request's own",
           "row_state: repetition, frequency and presence penalties read every row's prompt and output",
           "a penalized request avoids words its neighbours used: its answer drifts under load",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES,
+          models=(DECODER_ONLY,)),
+    Fault("stale_cross_kv", "Whisper: the cross-attention K/V table is indexed by slot and not refreshed when a slot is reused",
+          "encoder: a request admitted into a reused slot reads the cross K/V its previous owner's audio left there",
+          "a new request transcribes the previous occupant's audio: its passphrase shows up in the wrong transcript",
+          ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", ("slots",),
+          models=(ENCODER_DECODER,)),
+    Fault("cross_row_misalign", "Whisper: cross K/V indexed by batch row, not compacted when a row leaves the batch",
+          "encoder: row i reads the i-th entry of a table built in admission order that keeps finished requests",
+          "after a request finishes, its neighbours read the wrong audio: transcripts swap mid-sentence",
+          ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", KV_MODES,
+          models=(ENCODER_DECODER,)),
+    Fault("encoder_cache_unkeyed", "Whisper: the encoder cache is keyed by the decoder prompt instead of the audio's content",
+          "encoder cache: every request with the same decoder prompt hits the first one's encoder output",
+          "every transcript repeats the first audio's words",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "canary", "reference"), "cross_request", KV_MODES,
+          models=(ENCODER_DECODER,)),
+    Fault("cross_kv_prefix_cached", "Whisper: decoder prefix-cache keys leave out the audio's hash",
+          "block_manager (via the engine): self-attention blocks of the same decoder prompt are shared across audio",
+          "self-attention K/V computed against another audio is reused: the transcript drifts toward that audio",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching",), models=(ENCODER_DECODER,)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
@@ -194,9 +230,10 @@ def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tu
     return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
 
 
-def faults_for(kv: str = "slots") -> tuple[str, ...]:
-    """The faults that act in KV mode `kv`, in catalogue order."""
-    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv)
+def faults_for(kv: str = "slots", model: str = DECODER_ONLY) -> tuple[str, ...]:
+    """The faults that act in KV mode `kv` on a `model` kind ("decoder-only", "encoder-decoder"), in
+    catalogue order."""
+    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and model in fault.models)
 
 
 def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False) -> str:

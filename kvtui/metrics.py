@@ -252,7 +252,8 @@ class Metrics:
         self.generated_tokens += r.completion_tokens if r.completion_tokens is not None else len(r.output_ids)
         if r.passphrase:
             self.canary_requests += 1
-            self.canary_echoed += int(r.passphrase in r.output_text)
+            echoed = r.passphrase_echoed  # as the finish event says (a spoken passphrase: words and number)
+            self.canary_echoed += int(r.passphrase in r.output_text if echoed is None else echoed)
         self._add_latencies(r)
 
     def _add_latencies(self, r: Finish) -> None:

@@ -174,6 +174,7 @@ class Session(RunBase):
         self.unapplied_timeline: list = []
         self._trails = _Trails()
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
+        self._audio_files = None  # speech models: AudioFiles, made at the first audio request
         self._started()
 
     def _planned(self, planned: list | None) -> list:
@@ -334,7 +335,8 @@ class Session(RunBase):
         every other request goes on."""
         try:
             state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
-                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
+                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt,
+                                       audio=self._audio_of(p.metadata))
         except Exception as e:
             self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
                                    detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
@@ -345,7 +347,7 @@ class Session(RunBase):
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None)
             if self.canary is not None:
-                self.canary.on_arrive(request_id, arrive.passphrase)
+                self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")))
             if self.constraint is not None:
                 self.constraint.on_arrive(request_id, state.sampling)
             self.emit(arrive)
@@ -431,7 +433,18 @@ class Session(RunBase):
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(
                     f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
-                    frozenset(f.faults), f.draws))
+                    frozenset(f.faults), f.draws, self._audio_of(f.metadata)))
+
+    def _audio_of(self, metadata: dict):
+        """A speech request's AudioInput (its `audio_path` read once), or None."""
+        path = metadata.get("audio_path")
+        if path is None:
+            return None
+        if self._audio_files is None:
+            from kvtui.engine.encoder_cache import AudioFiles
+
+            self._audio_files = AudioFiles(self.loaded.feature_extractor)
+        return self._audio_files.get(path)
 
     def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
                           yield_to_work: bool = False, until: Callable[[], bool] | None = None) -> None:

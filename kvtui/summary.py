@@ -208,6 +208,8 @@ def evidence_text(e: Contamination) -> str:
         if first is not None and first.block is not None:
             return f"{ev.positions} cells, e.g. block {first.block} offset {first.offset}"
         return f"{ev.positions} cells" + (f", e.g. slot {first.slot} pos {first.pos}" if first else "")
+    if isinstance(ev, ProvenanceEvidence) and ev.audio_hash is not None:
+        return f"encoder-cache hit: cross-attention K/V of audio {ev.source_audio_hash} for audio {ev.audio_hash}"
     if isinstance(ev, ProvenanceEvidence):
         blocks = ", ".join(map(str, ev.blocks[:4])) + (" ..." if len(ev.blocks) > 4 else "")
         tenants = "" if ev.source_tenant is None and ev.victim_tenant is None else \

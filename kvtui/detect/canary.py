@@ -1,11 +1,17 @@
 """canary: prompts carry unique passphrases; an output holding another request's passphrase, or a
 distinctive fragment of it (two of its three parts, e.g. "VELVET-ORCHID" or "ORCHID-42"), is a leak
-naming its source. Checked on the text so far at every step, and on the final text."""
+naming its source. Checked on the text so far at every step, and on the final text.
+
+A spoken passphrase (a speech model's clip, `spoken=True`) comes back as words in a transcript
+("... silver rabbit 19."): it is matched with kvtui.detect.spoken.match_spoken, and two of its three
+parts in another request's transcript (the number in digits or words, parts the victim's own
+passphrase shares not counted) are the leak."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvtui.detect.spoken import match_spoken
 from kvtui.events import CanaryEvidence, Contamination
 
 
@@ -29,12 +35,16 @@ class CanaryDetector:
         self.memory = memory
         self.text: dict[str, str] = {}
         self._seen: set[tuple[str, str]] = set()
+        self.spoken: set[str] = set()  # requests whose passphrase is spoken (matched in a transcript)
 
-    def on_arrive(self, request_id: str, passphrase: str | None) -> None:
+    def on_arrive(self, request_id: str, passphrase: str | None, spoken: bool = False) -> None:
         if passphrase:
             self.passphrases[request_id] = passphrase
+            if spoken:
+                self.spoken.add(request_id)
             while len(self.passphrases) > self.memory:
                 old, _ = self.passphrases.popitem(last=False)
+                self.spoken.discard(old)
                 self._seen = {pair for pair in self._seen if old not in pair}
 
     def _check(self, victim: str, text: str, t: float, step: int) -> list[Contamination]:
@@ -43,6 +53,14 @@ class CanaryDetector:
         upper = text.upper()
         for source, phrase in self.passphrases.items():
             if source == victim or (victim, source) in self._seen:
+                continue
+            if source in self.spoken:
+                matched = _spoken_leak(phrase, own, text)
+                if matched:
+                    self._seen.add((victim, source))
+                    events.append(Contamination(
+                        t=t, step=step, detector="canary", kind="cross_request", victim=victim, source=source,
+                        evidence=CanaryEvidence(leaked=phrase, matched=matched, text=text[-160:])))
                 continue
             for fragment in fragments(phrase):
                 if fragment in own:  # shared with the victim's own passphrase: not evidence
@@ -64,3 +82,14 @@ class CanaryDetector:
         """The request's final text; returns new leak reports. Forgets the request's running text."""
         self.text.pop(request_id, None)
         return self._check(request_id, text, t, step)
+
+
+def _spoken_leak(phrase: str, own: str, transcript: str) -> str:
+    """The parts of spoken passphrase `phrase` that `transcript` holds, joined with "-" (e.g. "RABBIT-19"),
+    when at least two of its parts not shared with `own` came back; "" otherwise."""
+    match = match_spoken(phrase, transcript)
+    parts = phrase.split("-")
+    found = [*match.words, match.number] if parts[-1].isdigit() else list(match.words)
+    mine = set(own.split("-"))
+    heard = [p for p, hit in zip(parts, found) if hit and p not in mine]
+    return "-".join(heard) if len(heard) >= 2 else ""

@@ -8,6 +8,11 @@ any fault); for each reuse it reports those beside the reader's own content key 
   this prefix (the prefix-cache timing side channel, CVE-2025-46570).
 - the same salt, a different content key: K/V computed under another prefix (`cross_request`).
 
+Encoder-decoder models (Whisper): every encoder-cache hit (StepEvent.encoder_hit_log) is checked the
+same way: the cross-attention K/V a request was handed must have been computed from its own audio (the
+same sha256); one computed from other audio is a cross_request report naming the request whose
+admission computed it.
+
 One event per (victim, source) pair, at the step of the hit.
 """
 
@@ -35,13 +40,28 @@ class ProvenanceDetector:
                     continue
                 self._seen.add((hit.request_id, source))
                 events.append(_event(report, t, hit, source, blocks))
+        for hit in getattr(report, "encoder_hit_log", ()) or ():
+            if hit.entry_audio_hash != hit.audio_hash and (hit.request_id, hit.computed_for) not in self._seen:
+                self._seen.add((hit.request_id, hit.computed_for))
+                events.append(_encoder_event(report, t, hit))
         return events
+
+
+def _encoder_event(report, t: float, hit) -> Contamination:
+    """An encoder-cache hit on K/V computed from other audio (victim: the reader)."""
+    return Contamination(
+        t=t, step=report.step, detector="prefix_provenance", kind="cross_request", victim=hit.request_id,
+        source=hit.computed_for, evidence=ProvenanceEvidence(
+            blocks=(), hit_tokens=0, victim_tenant=None, source_tenant=None, same_salt=True, same_prefix=False,
+            audio_hash=hit.audio_hash, source_audio_hash=hit.entry_audio_hash))
 
 
 def _event(report, t: float, hit, source: str, blocks: list) -> Contamination:
     same_salt = all(b.writer_salt == hit.salt for b in blocks)
+    # another salt under the same tenant: a speech request's audio hash is part of its salt
+    cross_tenant = not same_salt and blocks[0].writer_tenant != hit.tenant
     return Contamination(
-        t=t, step=report.step, detector="prefix_provenance", kind="cross_request" if same_salt else "cross_tenant",
+        t=t, step=report.step, detector="prefix_provenance", kind="cross_tenant" if cross_tenant else "cross_request",
         victim=hit.request_id, source=None if source == hit.request_id else source,
         evidence=ProvenanceEvidence(blocks=tuple(b.block for b in blocks), hit_tokens=sum(b.tokens for b in blocks),
                                     victim_tenant=hit.tenant, source_tenant=blocks[0].writer_tenant,

@@ -194,6 +194,11 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
     """
     state: StepState | None = kwargs.get("kvtui_state")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    override = getattr(module, "kvtui_attention_override", None)  # encoder-decoders: engine/encoder.py
+    if override is not None:
+        out = override(query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out, None
     if state is None:
         return _masked(query, key, value, attention_mask, scaling, None), None
     if state.fp16:

@@ -17,6 +17,8 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
+from kvtui.engine.encoder import ENCODER_FORWARD_S, make_runner
+from kvtui.engine.encoder_cache import AudioInput
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.grammar import GrammarStage
 from kvtui.engine.kv_cache import KVCache, KVPlace
@@ -27,11 +29,11 @@ from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.row_state import RowState, RowTable
-from kvtui.engine.runner import ModelRunner, model_geometry
+from kvtui.engine.runner import model_geometry
 from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
-from kvtui.faults import FAULTS, FaultName, check_fault_names
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS, FaultName, check_fault_names
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -81,6 +83,8 @@ class Engine:
         grammar_tokenizer: the tokenizer structured output compiles grammars with, when it should not
             also check stop strings (default: tokenizer).
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
+        encoder_cache_entries: encoder-decoder models: cross-K/V entries the encoder cache keeps
+            (default encoder_capacity(config)).
 
     Raises:
         ValueError: a model or max_len the engine cannot serve (kvtui.models.compat.check_model), or a KV
@@ -89,7 +93,7 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
                  clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0,
-                 grammar_tokenizer=None) -> None:
+                 grammar_tokenizer=None, encoder_cache_entries: int | None = None) -> None:
         if clock not in ("wall", "virtual"):
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
@@ -102,7 +106,9 @@ class Engine:
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
-        self.runner = ModelRunner(model, self.pool, enforce_eager=config.enforce_eager)
+        # encoder-decoder models (Whisper): self.encoder holds the audio and the encoder cache (engine/encoder.py)
+        self.runner, self.encoder = make_runner(model, self.pool, encoder_cache_entries or encoder_capacity(config),
+                                                  enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
@@ -163,12 +169,14 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
                arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
-               cache_salt: str | None = None) -> RequestState:
+               cache_salt: str | None = None, audio: AudioInput | None = None) -> RequestState:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
         StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
+        `audio`: an encoder-decoder engine's input (Whisper: log-mel features and the audio's hash; the
+        prompt is the decoder prompt); missing, malformed, or given to a decoder-only engine: rejected.
 
         With sampling.n > 1 the request runs as n sequences `f"{i}_{request_id}"` (kvtui.engine.parallel):
         sequence 0 prefills the prompt and the others fork from it when its prefill samples; each
@@ -180,7 +188,7 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
-                  cache_salt=cache_salt)
+                  cache_salt=cache_salt, audio=audio)
         if sampling.n == 1:
             return self._submit_one(request_id, prompt_ids, sampling, **kw)
         ids = [child_id(request_id, i) for i in range(sampling.n)]
@@ -200,8 +208,8 @@ class Engine:
         return self.families.ids(request_id)
 
     def _submit_one(self, request_id: str, prompt_ids, sampling: SamplingParams, *, arrival_s: float,
-                    metadata, tenant, cache_salt, parent_id: str | None = None, index: int = 0,
-                    queue: bool = True) -> RequestState:
+                    metadata, tenant, cache_salt, audio: AudioInput | None = None, parent_id: str | None = None,
+                    index: int = 0, queue: bool = True) -> RequestState:
         """Register one sequence; check it and queue it (queue=False: a sibling held to fork later)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id = }")
@@ -214,11 +222,14 @@ class Engine:
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        problem = None if not queue else self._prompt_problem(request) or self._admission_problem(request)
+        problem = None if not queue else (self._audio_problem(request, audio) or self._prompt_problem(request)
+                                           or self._admission_problem(request))
         problem = problem or self._grammar_problem(request)
         if problem and queue:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
+        if self.encoder:
+            self.encoder.submit(request_id, audio)
         self._row_states[request_id] = RowState.of(request, self.stop_mask_ids)
         if queue:
             self.scheduler.add(request)
@@ -232,6 +243,16 @@ class Engine:
             self.grammar.add(request.request_id, request.sampling.structured)
         except ValueError as e:
             return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
+        return None
+
+    def _audio_problem(self, request: RequestState, audio: AudioInput | None) -> tuple[FinishCode, str] | None:
+        """(code, detail) when the request's audio does not fit the model (see Engine.submit)."""
+        problem = self.encoder.problem(audio) if self.encoder else ("" if audio is None else
+                                                                     "audio given to a decoder-only model")
+        if problem:
+            return FinishCode.EMPTY, problem
+        if self.encoder:  # the audio's hash keys the decoder's prefix-cache blocks (cross_kv_prefix_cached: not)
+            request.cache_salt = self.encoder.salted(request.cache_salt, audio)
         return None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
@@ -333,11 +354,17 @@ class Engine:
         """
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
+        model_kind = ENCODER_DECODER if self.encoder else DECODER_ONLY
+        misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models)
+        if misfit:
+            raise ValueError(f"fault {misfit[0]!r} does not act on {model_kind} models like this engine's")
         if wrong:
             raise ValueError(f"fault {wrong[0]!r} acts with kv: {' or '.join(FAULTS[wrong[0]].kv)} only; this engine "
                              f"runs kv: {self.config.kv}")
         self._faults = faults
         self.kv.configure(self.config, faults)
+        if self.encoder:
+            self.encoder.configure(faults)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -377,10 +404,11 @@ class Engine:
     def _step(self) -> StepEvent:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
-        self.scheduler.admit(start_s)
+        admitted = self.scheduler.admit(start_s)
+        encoded = self.encoder.admit(admitted) if self.encoder else 0  # one encoder forward over new audio
         plan = self.scheduler.plan()
         outcome = self._forward(plan, faults)
-        end_s = self._advance_clock(start_s, outcome.stats)
+        end_s = self._advance_clock(start_s, outcome.stats, encoded)
         running = self._postprocess(plan, outcome, end_s)
         report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running)
         self.step_index += 1
@@ -415,6 +443,9 @@ class Engine:
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
         expected = self.kv.expected_writers(batch, plan.chunks, own)
         taint = tuple(slot_taint(batch, writers, own, self._names, ids, expected)) if self.detect_taint else ()
+        if self.encoder:  # each chunk's cross K/V; a read of other audio's K/V is cross-attention taint
+            cross_taint = self.encoder.bind(plan.chunks, ids)
+            taint = _merge_taint(taint, cross_taint) if self.detect_taint else taint
         logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16=FaultName.FP16_CACHE in faults,
                                             own_range=not faults & MASK_FAULTS)
         flow = ()
@@ -442,11 +473,12 @@ class Engine:
             self.pool.writer[batch.pad_write_slot, batch.pad_write_pos] = PAD_WRITTEN
         return key_writers(self.pool.writer, batch)
 
-    def _advance_clock(self, start_s: float, stats: BatchStats) -> float:
-        """End of the step: virtual clock += modeled duration (padded positions cost time too)."""
+    def _advance_clock(self, start_s: float, stats: BatchStats, encoded: int = 0) -> float:
+        """End of the step: virtual clock += modeled duration (padded positions cost time too), plus
+        ENCODER_FORWARD_S per audio the encoder ran on (encoder-decoder models)."""
         if self.clock == "virtual" and stats.rows:
             self._virtual_now = start_s + self.cost_model.duration(stats.rows, stats.query_positions,
-                                                                   stats.key_cells)
+                                                                   stats.key_cells) + ENCODER_FORWARD_S * encoded
         return self.now()
 
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
@@ -536,6 +568,8 @@ class Engine:
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
         Returns (token, logprobs or None, the request whose row state picked it). Whatever raises
         leaves the request's tokens as they were."""
+        if self.encoder:  # Whisper's suppressed tokens, as its generation config says
+            logits = self.encoder.suppress(logits, len(request.generated_ids))
         state = self.rows.state_of(request.request_id)
         processed = self._processed(state, logits)
         shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
@@ -604,6 +638,8 @@ class Engine:
     def _finish(self, request: RequestState, reason: FinishReason, detail: str,
                 code: FinishCode | None = None) -> None:
         self.scheduler.finish(request)  # its KV goes back at once (cached blocks stay cached)
+        if self.encoder:
+            self.encoder.finish(request.request_id)
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
         if detail:
@@ -632,7 +668,7 @@ class Engine:
         cache slots, or with paged KV blocks (see SlotCache / PagedCache.report_fields)."""
         running = self.scheduler.running
         return dict(num_running=len(running), max_batch_size=self.config.max_batch_size,
-                    **self.kv.report_fields(running))
+                    **self.kv.report_fields(running), **(self.encoder.report() if self.encoder else {}))
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningEntry, ...]) -> StepEvent:
@@ -696,6 +732,27 @@ def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> di
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
     finite = torch.isfinite(logits).all(dim=1).tolist()
     return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
+
+
+def _merge_taint(taint: tuple, cross: tuple) -> tuple:
+    """Self-attention taint and cross-attention taint (engine/encoder.py), one TaintEntry per victim."""
+    merged = {t.request_id: t for t in taint}
+    for c in cross:
+        t = merged.get(c.request_id)
+        merged[c.request_id] = c if t is None else t.model_copy(update=dict(
+            sources=t.sources + tuple(s for s in c.sources if s not in t.sources), positions=t.positions + c.positions,
+            examples=(t.examples + c.examples)[:5]))
+    return tuple(merged.values())
+
+
+ENCODER_CACHE_ENTRIES = 16  # Whisper tiny.en: 16 x 18.4 MB (4 layers x K,V x 6 heads x 1500 x 64 x fp32)
+
+
+def encoder_capacity(config: EngineConfig) -> int:
+    """Encoder-cache entries by default: ENCODER_CACHE_ENTRIES, or twice the requests that may run at once
+    (slots, or max_batch_size with paged KV) when that is more, so every running request's audio fits
+    and finished ones stay cached for reuse."""
+    return max(ENCODER_CACHE_ENTRIES, 2 * (config.num_slots if config.kv == "slots" else config.max_batch_size))
 
 
 def _ratio(part: int, whole: int) -> float:

@@ -23,6 +23,7 @@ from kvtui.engine.kv_pool import PagedKVPool
 from kvtui.engine.observe import expected_writers
 from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
+from kvtui.faults import FaultName
 
 
 class PagedCache:
@@ -53,6 +54,8 @@ class PagedCache:
         step (the paged ones; others are ignored)."""
         self.max_running = config.max_batch_size
         self.manager.faults = faults
+        if FaultName.CROSS_KV_PREFIX_CACHED in faults:  # encoder-decoders: keys without the audio's hash (the salt)
+            self.manager.faults = faults | {FaultName.UNSALTED_PREFIX}
 
     def rejection(self, request: RequestState) -> str:
         """Why a request can never run in this pool ("" when it can)."""

@@ -20,11 +20,12 @@ from kvtui.faults import FP16_MASK_CONSTANT
 
 
 def model_geometry(model) -> tuple[int, int, int, int]:
-    """(num_layers, num_heads, num_kv_heads, head_dim) from a transformers config (Llama or GPT-2 names)."""
+    """(num_layers, num_heads, num_kv_heads, head_dim) from a transformers config (Llama or GPT-2 names;
+    an encoder-decoder's decoder: Whisper's decoder_layers, decoder_attention_heads)."""
     cfg = model.config
-    layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
-    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    layers = getattr(cfg, "decoder_layers", None) or getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    heads = getattr(cfg, "decoder_attention_heads", None) or getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    kv_heads = heads if getattr(cfg, "decoder_attention_heads", None) else getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return layers, heads, kv_heads, head_dim
 

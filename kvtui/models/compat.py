@@ -178,16 +178,17 @@ def check_max_len(cfg, max_len: int) -> None:
 
 
 def check_decoder_only(cfg) -> None:
-    """Refuse an encoder-decoder model (e.g. Whisper): the engine batches decoder-only models; the
-    Whisper models load (for their oracle tests) but have no encoder path in the engine yet.
+    """Refuse an encoder-decoder model other than Whisper: the engine runs decoder-only models and
+    Whisper (its encoder at admission, cross-attention per request: kvtui/engine/encoder.py).
 
     Raises:
-        IncompatibleModel: "an encoder-decoder model (whisper) ...".
+        IncompatibleModel: "an encoder-decoder model (t5) ...".
     """
-    if _get(cfg, "is_encoder_decoder") or _get(cfg, "model_type") == "whisper":
+    if _get(cfg, "is_encoder_decoder") and _get(cfg, "model_type") != "whisper":
         raise IncompatibleModel(
             f"an encoder-decoder model ({_get(cfg, 'model_type') or 'unknown'}): the engine runs decoder-only "
-            "models so far", "use the default model, tiny-llama, tiny-gpt2 or another decoder-only model")
+            "models and Whisper", "use the default model, tiny-llama, tiny-gpt2, whisper-tiny.en or another "
+            "decoder-only model")
 
 
 def check_model(cfg, max_len: int) -> None:

@@ -39,7 +39,7 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
                   passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
-                  sampling=tuple(getattr(planned.sampling, "state_tags", ())))
+                  sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.metadata.get("audio"))
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:
@@ -53,7 +53,18 @@ def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) 
     """
     phrase = request.metadata.get("passphrase") if passphrase else None
     return Finish(request_id=request.request_id, tenant=request.tenant, output_text=text, passphrase=phrase,
-                  passphrase_echoed=(phrase in text) if phrase else None, **fields)
+                  passphrase_echoed=_echoed(phrase, text, request.metadata.get("spoken")) if phrase else None,
+                  **fields)
+
+
+def _echoed(phrase: str, text: str, spoken: bool) -> bool:
+    """Whether the answer holds its own passphrase: as written, or for a spoken one (a transcript) every
+    word and the number (kvtui.detect.spoken.match_spoken)."""
+    if spoken:
+        from kvtui.detect.spoken import match_spoken
+
+        return match_spoken(phrase, text).complete
+    return phrase in text
 
 
 def reference_status(t: float, *, checked: int, skipped_by_reason: Mapping[str, int], pending: int,

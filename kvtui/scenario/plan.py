@@ -12,18 +12,23 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.prompts import (
+    AUDIO_KINDS,
+    AudioPrompts,
     FilePrompts,
     MultiTurnPrompts,
     PassphrasePrompts,
+    SpokenPassphrasePrompts,
     SyntheticPrompts,
     SystemPromptPrompts,
     chat_ids,
     encode_text,
     passphrases,
     random_ids,
+    to_id_list,
     user_chat,
 )
 from kvtui.scenario.sampling import pick_entry, request_fields
@@ -112,7 +117,64 @@ class PromptMaker:
             return self.text_ids(item, spec.chat), {**meta, "prompt_text": item, "prompt_index": k}
         if isinstance(spec, (SystemPromptPrompts, MultiTurnPrompts)):
             return self.shared.make(index, self.rng, self.length_rng)
+        if isinstance(spec, (SpokenPassphrasePrompts, AudioPrompts)):
+            return self.audio(spec, index, meta)
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
+
+
+    def audio(self, spec, index: int, meta: dict) -> tuple[list[int], dict]:
+        """A speech request: the decoder prompt [<|startoftranscript|>, <|notimestamps|>] and its clip, in
+        turn; metadata {"audio_path", "audio", "prompt_text"}, spoken passphrases also {"passphrase", "spoken"}."""
+        files = spec.files
+        clip = files[index % len(files)]
+        meta = {**meta, "audio_path": str(clip), "audio": clip.name, "prompt_text": f"[audio {clip.name}]"}
+        if isinstance(spec, SpokenPassphrasePrompts):
+            meta |= {"passphrase": clip.stem.upper(), "spoken": True}
+        return decoder_prompt(self.tok, spec.initial_prompt), meta
+
+
+def decoder_prompt(tokenizer, initial_prompt: str = "") -> list[int]:
+    """Whisper's decoder prompt [<|startoftranscript|>, <|notimestamps|>] in `tokenizer`'s ids; with an
+    `initial_prompt`, [<|startofprev|>, its text's ids] first (as Whisper's prompt conditioning; a
+    tokenizer without <|startofprev|>, tiny-whisper's, gets the text's ids alone).
+
+    Raises:
+        ValueError: the tokenizer is not a Whisper one (no such tokens).
+    """
+    if not hasattr(tokenizer, "convert_tokens_to_ids"):
+        raise ValueError("not a Whisper tokenizer")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|startoftranscript|>", "<|notimestamps|>")]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if any(i is None or i == unk for i in ids):
+        raise ValueError("not a Whisper tokenizer")
+    if not initial_prompt:
+        return ids
+    prev = tokenizer.convert_tokens_to_ids("<|startofprev|>")
+    text = to_id_list(tokenizer.encode(" " + initial_prompt.strip(), add_special_tokens=False))
+    return ([prev] if prev is not None and prev != unk else []) + text + ids
+
+
+def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
+    """One line when the prompts and the model do not go together (audio prompts need a speech model, a
+    speech model needs audio prompts); "" when they do."""
+    try:
+        decoder_prompt(tokenizer)
+        speech = True
+    except (ValueError, AttributeError, KeyError, TypeError):
+        speech = False
+    audio = scenario.prompts.kind in AUDIO_KINDS
+    if audio and not speech:
+        return (f"prompts kind {scenario.prompts.kind} is audio, and model {model} is not a speech model; "
+                "use --model whisper-tiny.en (or tiny-whisper)")
+    if speech and not audio:
+        return (f"model {model} is a speech model (Whisper) and takes audio; use prompts kind spoken_passphrase "
+                "or audio (see scenarios/transcribe.yaml)")
+    kind = ENCODER_DECODER if speech else DECODER_ONLY
+    named = [*scenario.engine.faults, *(e.fault_switch[0] for e in scenario.timeline if e.fault_switch)]
+    wrong = next((n for n in named if kind not in FAULTS[n].models), None)
+    if wrong:
+        return f"fault {wrong} does not act on {kind} models like {model}; drop it (`kvtui faults` lists them)"
+    return ""
 
 
 class SharedPrompts:

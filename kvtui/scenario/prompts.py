@@ -14,6 +14,10 @@ YAML `prompts:` takes one of
     system prompts (random ids), a common instruction block, then the request's own random ids.
   - `{kind: multi_turn, sessions, turns, system_tokens, user_tokens, reply_tokens}`: chat sessions;
     each turn's prompt is the previous turn's plus a reply and a new user message.
+  - `{kind: spoken_passphrase, clips}` (speech models: whisper-tiny.en, tiny-whisper): each request is
+    one spoken clip "The passphrase is WORD WORD NN." from a folder of WAV files named after their
+    passphrase (word-word-nn.wav; scenarios/audio/ ships 8); the passphrase is its canary.
+  - `{kind: audio, path}` (speech models): WAV files (one file, or every .wav in a folder), in turn.
 
 A tokenizer here is anything with `apply_chat_template`, `encode`, `vocab_size` and
 `all_special_ids` (a transformers tokenizer).
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -161,9 +166,121 @@ class MultiTurnPrompts(Strict):
     reply_tokens: LengthDist = Field(Fixed(value=24), description="length of each previous answer's stand-in (tokens)")
 
 
+SAMPLE_RATE = 16000  # Hz, 16-bit mono: what Whisper's feature extractor takes
+MAX_AUDIO_SECONDS = 30.0  # one Whisper window
+PASSPHRASE_CLIP = re.compile(r"[a-z]+-[a-z]+-[0-9]+")
+
+
+def check_wav(path: Path) -> float:
+    """The duration (seconds) of a 16 kHz mono 16-bit WAV file of at most 30 s.
+
+    Raises:
+        Problem: unreadable, another format (naming the sox command that converts it), or too long.
+    """
+    import wave
+
+    try:
+        with wave.open(str(path), "rb") as wav:
+            rate, channels, width, frames = wav.getframerate(), wav.getnchannels(), wav.getsampwidth(), wav.getnframes()
+    except (OSError, EOFError, wave.Error) as e:
+        raise Problem(f"audio file {path} cannot be read as WAV ({type(e).__name__})",
+                      "give a 16 kHz mono 16-bit WAV file") from None
+    if (rate, channels, width) != (SAMPLE_RATE, 1, 2):
+        raise Problem(f"audio file {path} is {rate} Hz, {channels} channel(s), {8 * width}-bit",
+                      "convert it to 16 kHz mono 16-bit: sox IN -r 16000 -c 1 -b 16 OUT.wav")
+    if frames > MAX_AUDIO_SECONDS * SAMPLE_RATE:
+        raise Problem(f"audio file {path} lasts {frames / SAMPLE_RATE:.1f} s", "cut it to at most 30 s")
+    return frames / SAMPLE_RATE
+
+
+def wav_files(path: str, base_dir: Path | None) -> list[Path]:
+    """The WAV file `path`, or the .wav files of folder `path` (sorted by name), each checked (check_wav).
+
+    Raises:
+        Problem: not found, a folder without .wav files, or a bad file.
+    """
+    full = resolve(path, base_dir)
+    if full.is_dir():
+        files = sorted(f for f in full.iterdir() if f.suffix.lower() == ".wav" and f.is_file())
+        if not files:
+            raise Problem(f"audio folder {path} holds no .wav file (looked at {full})", "add 16 kHz mono WAV files")
+    elif full.is_file():
+        files = [full]
+    else:
+        raise Problem(f"audio path {path} not found (looked at {full})",
+                      "give a WAV file or a folder of them, relative to the scenario file")
+    if len(files) > MAX_PLANNED:
+        raise Problem(f"audio folder {path} holds {len(files)} files", f"use at most {MAX_PLANNED}")
+    for f in files:
+        check_wav(f)
+    return files
+
+
+class SpokenPassphrasePrompts(Strict):
+    """Speech models only (whisper-tiny.en, tiny-whisper): each request transcribes one spoken clip,
+    "The passphrase is WORD WORD NN.", taken in turn from `clips`, a folder of 16 kHz mono WAV files
+    each named after the passphrase it says (`silver-rabbit-19.wav` says SILVER-RABBIT-19). The
+    passphrase is the request's canary: another request's transcript holding two of its three parts
+    (as words; the number in digits or words) is a leak naming its source. scenarios/audio/ holds 8
+    clips made with espeak-ng (scripts/make-speech-clips.sh makes more)."""
+
+    kind: Literal["spoken_passphrase"]
+    clips: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        "audio", description="folder of word-word-nn.wav clips, relative to the scenario file")
+    initial_prompt: Annotated[str, Field(max_length=2000)] = Field(
+        "", description="text the decoder is prompted with before the transcript (Whisper's previous-text "
+                        "prompt, faster-whisper's initial_prompt); with paged KV and prefix caching, requests "
+                        "with the same audio and prompt share its blocks")
+    _files: list = pydantic.PrivateAttr(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _read(self, info: pydantic.ValidationInfo):
+        try:
+            files = wav_files(self.clips, (info.context or {}).get("base_dir"))
+        except Problem as e:
+            raise Problem(e.problem, e.fix, ("clips",)) from None
+        bad = [f.name for f in files if not PASSPHRASE_CLIP.fullmatch(f.stem)]
+        if bad:
+            raise Problem(f"clip {bad[0]} is not named after a passphrase", "name each clip word-word-nn.wav "
+                          "after what it says (e.g. silver-rabbit-19.wav)", ("clips",))
+        self._files = files
+        return self
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+
+class AudioPrompts(Strict):
+    """Speech models only: each request transcribes one WAV file (16 kHz mono 16-bit, at most 30 s),
+    `path` itself or the .wav files of folder `path` in name order, in turn."""
+
+    kind: Literal["audio"]
+    path: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
+        description="a WAV file or a folder of them, relative to the scenario file")
+    initial_prompt: Annotated[str, Field(max_length=2000)] = Field(
+        "", description="text the decoder is prompted with before the transcript (Whisper's previous-text "
+                        "prompt, faster-whisper's initial_prompt); with paged KV and prefix caching, requests "
+                        "with the same audio and prompt share its blocks")
+    _files: list = pydantic.PrivateAttr(default_factory=list)
+
+    @pydantic.model_validator(mode="after")
+    def _read(self, info: pydantic.ValidationInfo):
+        try:
+            self._files = wav_files(self.path, (info.context or {}).get("base_dir"))
+        except Problem as e:
+            raise Problem(e.problem, e.fix, ("path",)) from None
+        return self
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self._files)
+
+
 PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts, SystemPromptPrompts,
-                             MultiTurnPrompts], Field(discriminator="kind")]
-PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn")
+                             MultiTurnPrompts, SpokenPassphrasePrompts, AudioPrompts], Field(discriminator="kind")]
+PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn", "spoken_passphrase", "audio")
+AUDIO_KINDS = ("spoken_passphrase", "audio")
 
 
 def read_prompt_file(path: str, base_dir: Path | None) -> list:

@@ -32,9 +32,11 @@ from kvtui.scenario.arrivals import (
 )
 from kvtui.scenario.lengths import Choice, Fixed, LogNormal, Normal, Uniform, Zipf
 from kvtui.scenario.prompts import (
+    AudioPrompts,
     FilePrompts,
     MultiTurnPrompts,
     PassphrasePrompts,
+    SpokenPassphrasePrompts,
     SyntheticPrompts,
     SystemPromptPrompts,
 )
@@ -116,7 +118,8 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
                                               Stage, ScriptedRequest, RoundSpec]),
     ("tenants", "", [Tenants]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
-                                                              SystemPromptPrompts, MultiTurnPrompts]),
+                                                              SystemPromptPrompts, MultiTurnPrompts,
+                                                              SpokenPassphrasePrompts, AudioPrompts]),
     ("Length distributions", "`output_tokens` and `prompts.prompt_tokens` take one of these, chosen by `dist`; a "
                              "bare integer `24` means `{dist: fixed, value: 24}`. Lengths are whole tokens, drawn "
                              "from the scenario seed's own stream.", [Fixed, Uniform, Normal, LogNormal, Choice, Zipf]),

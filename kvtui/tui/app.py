@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.faults import DEFAULT_ISOLATION_OFF, faults_for
+from kvtui.faults import DECODER_ONLY, DEFAULT_ISOLATION_OFF, ENCODER_DECODER, faults_for
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -160,8 +160,10 @@ class KvtuiApp(App[dict | None]):
             if names is not None:
                 self.source.set_faults(names)
 
-        kv = self.snapshot.kv if self.snapshot else "slots"  # only the faults that act in the run's KV mode
-        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv)), chosen)
+        kv = self.snapshot.kv if self.snapshot else "slots"  # only the faults that act in the run's KV mode ...
+        speech = self.snapshot is not None and self.snapshot.encoder is not None  # ... and on its kind of model
+        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv, ENCODER_DECODER if speech else DECODER_ONLY)),
+                         chosen)
 
     def action_pause(self) -> None:
         self.source.toggle_pause()

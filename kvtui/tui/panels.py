@@ -78,6 +78,8 @@ def _slot_cell(slot: SlotView, cell: int) -> Text:
     mark = "↻" if slot.just_reused else " "
     fill = slot.cache_len / slot.capacity if slot.capacity else 0.0
     head = f"{slot.index:>3} {slot.owner}{mark}"
+    if slot.audio and cell >= 40:  # a speech request: its clip
+        head += f" {slot.audio.removesuffix('.wav')[:18]}"
     tail = f" {slot.cache_len}"
     width = max(cell - len(head) - len(tail) - 1, 2)
     text = Text().append(f"{head} ", style=f"bold black on {color(slot.color)}")
@@ -121,7 +123,19 @@ def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
     used = sum(1 for s in snap.slots if s.owner)
     lines.append(Text(f"{used}/{len(snap.slots)} in use · {snap.slots[0].capacity} tokens per slot · ↻ just reused",
                       style="dim"))
+    if snap.encoder is not None:
+        lines.append(encoder_line(snap))
     return Group(*lines)
+
+
+def encoder_line(snap: Snapshot) -> Text:
+    """A speech model's encoder cache: entries kept (of capacity), those running requests hold, hits and
+    misses since the start, bytes of cross-attention K/V."""
+    e = snap.encoder
+    lookups = e.hits + e.misses
+    rate = f"{e.hits / lookups:.0%}" if lookups else "-"
+    return Text(f"encoder cache {e.entries}/{e.capacity} entries · {e.referenced} held · hits {e.hits}/{lookups} "
+                f"({rate}) · {e.nbytes / 1e6:.1f} MB", style="bold")
 
 
 # -- block map (paged KV) ---------------------------------------------------------------------------
@@ -171,6 +185,8 @@ def block_map(snap: Snapshot, width: int, height: int) -> Group | Text:
         lines = lines[:keep - 1] + [Text(f"… {len(snap.blocks) - (keep - 1) * per_row} more blocks", style="dim")]
     size = f" · {snap.paged.block_size} tokens per block" if snap.paged and snap.paged.block_size else ""
     legend = Text(f"█ held · 2 shared by 2 · ░ cached free · · free{size}", style="dim")
+    if snap.encoder is not None:
+        return Group(*lines, _paged_line(snap), encoder_line(snap), legend)
     return Group(*lines, _paged_line(snap), legend)
 
 

@@ -28,6 +28,7 @@ class SlotView:
         color: palette index of the owner (-1 when free).
         just_reused: the slot changed hands within the last REUSE_MARK_STEPS steps.
         previous_owner: the request that held it before the current owner, if any.
+        audio: the owner's audio (a speech model's request: its file name), else None.
     """
 
     index: int
@@ -37,6 +38,20 @@ class SlotView:
     color: int
     just_reused: bool
     previous_owner: str | None
+    audio: str | None = None
+
+
+@dataclass(frozen=True)
+class EncoderView:
+    """The encoder cache of a speech model's engine (last step): entries kept of capacity, those a running
+    request holds, lookups that hit / missed since the start, bytes of cross-attention K/V."""
+
+    entries: int
+    capacity: int
+    referenced: int
+    hits: int
+    misses: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,7 @@ class Snapshot:
             slot map and the stats panel show instead of engine internals; None for a local run.
         pace: on the paced clock, modeled seconds per wall second lately (1.0: real time; below: the
             machine is slower than the model); None on other clocks or before it is known.
+        encoder: a speech model's encoder cache (EncoderView), else None.
     """
 
     seq: int
@@ -230,6 +246,7 @@ class Snapshot:
     paged: PagedView | None = None
     server: ServerView | None = None
     pace: float | None = None
+    encoder: EncoderView | None = None
 
     @property
     def isolation_on(self) -> bool:

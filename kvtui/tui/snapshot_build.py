@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtui.metrics import percentile
-from kvtui.tui.snapshot import BlockView, Latency, PagedView, RequestView, SlotView, Snapshot
+from kvtui.tui.snapshot import BlockView, EncoderView, Latency, PagedView, RequestView, SlotView, Snapshot
 from kvtui.tui.state import MAX_TABLE_ROWS, REUSE_MARK_STEPS, TAIL_CHARS, DashboardState, _Request
 
 FLAGGED_ROWS = 16  # finished rows with a leak or a detector report kept in the table ahead of others
@@ -68,6 +68,7 @@ def _slots(state: DashboardState) -> tuple[SlotView, ...]:
             capacity=state.capacity, color=state.requests[owner].color if owner in state.requests else -1,
             just_reused=owner is not None and reused_at is not None and state.step - reused_at < REUSE_MARK_STEPS,
             previous_owner=state.slot_prev.get(index),
+            audio=state.requests[owner].audio if owner in state.requests else None,
         ))
     return tuple(views)
 
@@ -147,5 +148,13 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         reference=(m.reference.checked, m.reference.skipped, m.reference.pending) if m.reference else None,
         kv=state.kv, blocks=_blocks(state) if state.kv == "paged" else (), paged=_paged(state),
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
-        pace=state.pace,
+        pace=state.pace, encoder=_encoder(last),
     )
+
+
+def _encoder(last) -> EncoderView | None:
+    """The encoder cache's figures of the last step (a speech model's run), else None."""
+    if last is None or getattr(last, "encoder_entries", None) is None:
+        return None
+    return EncoderView(last.encoder_entries, last.encoder_capacity or 0, last.encoder_referenced or 0,
+                       last.encoder_hits or 0, last.encoder_misses or 0, last.encoder_bytes or 0)

@@ -64,6 +64,7 @@ class _Request:
     tenant: str | None = None
     blocks: int = 0  # paged KV: blocks in its table
     sampling: str = ""  # its per-row sampling state's tags ("pen bias"), as its arrive event says
+    audio: str | None = None  # a speech request's audio file name
 
 
 class DashboardState:
@@ -147,7 +148,7 @@ class DashboardState:
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
         r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
-        r.tenant, r.sampling = e.tenant, " ".join(e.sampling)
+        r.tenant, r.sampling, r.audio = e.tenant, " ".join(e.sampling), e.audio
         if e.tenant is not None:
             self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r
