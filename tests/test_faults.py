@@ -310,7 +310,8 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
 
 
 @pytest.mark.smollm
-@pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if TEXT_DETECTORS & set(f.caught_by)])
+@pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if TEXT_DETECTORS & set(f.caught_by)
+                                  and DECODER_ONLY in f.models])  # speech models: test_cross_faults.py
 def test_text_detectors_catch_the_fault_on_smollm2(smollm2, name):
     """The canary column of the truth table: the library's fault scenario on SmolLM2, which echoes
     passphrases, makes a victim say another request's passphrase."""
