@@ -112,11 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
-        self.clock = clock
-        self.cost_model = cost_model or StepCostModel()
-        self._t0 = time.perf_counter()
-        self._paused_at: float | None = None
-        self._virtual_now = 0.0
+        self.clock, self.cost_model = clock, cost_model or StepCostModel()
+        self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
         self.step_index = 0
         self.requests: dict[str, RequestState] = {}
         self._row_states: dict[str, RowState] = {}  # each request's sampling state (engine/row_state.py)
