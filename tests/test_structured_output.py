@@ -200,3 +200,21 @@ def test_smollm2_json_schema_answer_equals_transformers_generate_with_xgrammar(s
     answer = json.loads(smollm2.tokenizer.decode(finished["json"].output_ids, skip_special_tokens=True))
     assert set(answer) == {"colour"} and isinstance(answer["colour"], str)
     assert list(finished["plain"].output_ids) == hf_generate(oracle, plain, 8, smollm2.eos_token_ids)
+
+
+def test_a_constrained_rows_top2_gap_is_taken_among_the_tokens_its_grammar_allows(tiny):
+    """The near-tie rule reads the gap the row chose from: with one allowed token (a one-word choice)
+    the gap is infinite, with a regex of two digits it is the gap between the two best digits, not the
+    model's gap over the whole vocabulary (which the reference detector would misread in bf16)."""
+    loaded = tiny["tiny-llama"]
+    eng = engine(loaded)
+    ps = prompts(2, seed=5)
+    finished = run(eng, [(0, "one", ps[0], SamplingParams(max_new_tokens=8, structured=StructuredOutputs(choice=("zq",)))),
+                         (0, "digits", ps[1], SamplingParams(max_new_tokens=1, structured=StructuredOutputs(regex="[0-9]")))])
+    forced = [g for g in finished["one"].top2_gaps]
+    assert forced and all(g == float("inf") for g in forced), forced
+    with torch.inference_mode():
+        logits = oracle_model("tiny-llama", "eager")(input_ids=torch.tensor([ps[1]])).logits[0, -1]
+    digits = sorted((logits[loaded.tokenizer.convert_tokens_to_ids(str(d))].item() for d in range(10)), reverse=True)
+    assert finished["digits"].top2_gaps[0] == pytest.approx(digits[0] - digits[1], abs=1e-4)
+    assert finished["digits"].top2_gaps[0] != pytest.approx((logits.topk(2).values[0] - logits.topk(2).values[1]).item())

@@ -572,7 +572,7 @@ class Engine:
         shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
         generator = self.rows.shared_rng if shared else state.generator
         token, draw = draw_token(processed, state.params, generator)
-        if processed is not logits:
+        if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
             gap = _facts({0: processed})[0][0]
         logprobs = None
         if request.sampling.logprobs is not None:
