@@ -517,11 +517,13 @@ class EngineErrorEvidence(_Frozen):
 class ConstraintEvidence(_Frozen):
     """(v3) A token its own request did not allow (kvtui/detect/constraint.py)."""
 
-    rule: Literal["bad_words", "min_tokens", "logit_bias"]  # the request's own rule that bans the token
+    rule: Literal["bad_words", "min_tokens", "logit_bias", "grammar_bitmask"]  # the request's own rule that bans
+    # the token; grammar_bitmask: the row was sampled through a bitmask row another request's grammar filled
     token_index: int  # the token's index in the victim's output
-    token_id: int
+    token_id: int | None
     sampled_with: str | None = None  # the request whose per-row sampling state picked it (None: not known)
     suspects: tuple[str, ...] = ()  # the requests running beside the victim at that step
+    bitmask_row: int | None = None  # grammar_bitmask: the bitmask buffer's row
 
 
 class NoninterferenceEvidence(_Frozen):

@@ -174,7 +174,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "engine/grammar.py: GrammarStage.apply leaves a plain row's bitmask row as its previous owner filled it",
           "a plain request that shares a step with a constrained one is restricted to what another request's "
           "grammar allowed: its answer turns into digits, JSON or one of the other's choices",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES,
+          ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES,
           models=(DECODER_ONLY,)),
     # -- per-row sampling state: they act on requests with penalties, bias, bans or sampling --
     Fault("row_state_misalign", "per-row sampling state not moved when a row leaves: a row uses its neighbour's",

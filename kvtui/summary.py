@@ -236,9 +236,16 @@ def evidence_text(e: Contamination) -> str:
         return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
                 f"{batched!r} vs {solo!r}")
     if isinstance(ev, ConstraintEvidence):
-        by = f", picked by {ev.sampled_with}'s row state" if ev.sampled_with else ""
-        return f"token {ev.token_index} ({ev.token_id}) is banned by its own {ev.rule}{by}"
+        return _constraint_text(ev)
     return str(ev.model_dump())[:100]
+
+
+def _constraint_text(ev: ConstraintEvidence) -> str:
+    if ev.rule == "grammar_bitmask":
+        return (f"token {ev.token_index} ({ev.token_id}) was sampled through bitmask row {ev.bitmask_row}, which "
+                f"{', '.join(ev.suspects)}'s grammar filled")
+    by = f", picked by {ev.sampled_with}'s row state" if ev.sampled_with else ""
+    return f"token {ev.token_index} ({ev.token_id}) is banned by its own {ev.rule}{by}"
 
 
 def print_contamination(events: list[Contamination], console: Console, limit: int = 12,

@@ -14,6 +14,12 @@ not moved when the batch changed: row_state_misalign); when it is the request's 
 its own state (`corruption`); without the tag (a replayed recording) the suspects are the requests
 running beside it, the source the only one whose own parameters allow the token. Which penalties
 applied to a greedy row is left to `reference` (the engine does not keep the step's logits).
+
+Structured output's bitmask rows carry provenance too, as KV positions carry their writer for
+slot_taint: the engine notes which request's grammar last filled each row of its bitmask buffer, and a
+step whose row was applied to another request (`StepEvent.stale_masks`: a plain request sampled
+through a row another request's grammar filled, the stale_bitmask fault) is `cross_request` with that
+request as the source.
 One report per victim, at its first violation.
 """
 
@@ -45,8 +51,9 @@ class ConstraintDetector:
         self._reported.discard(request_id)
 
     def on_step(self, report, t: float) -> list[Contamination]:
-        """Reports for the step's tokens that their own request did not allow."""
-        events = []
+        """Reports for the step's tokens that their own request did not allow, and for rows sampled
+        through another request's bitmask row."""
+        events = self._stale_masks(report, t)
         running = [r.request_id for r in report.running]
         for entry in report.running:
             params = self._params.get(entry.request_id)
@@ -58,6 +65,20 @@ class ConstraintDetector:
                 self._reported.add(entry.request_id)
                 events.append(self._event(report, t, entry, rule, len(output), running))
             output.append(entry.token_id)
+        return events
+
+    def _stale_masks(self, report, t: float) -> list[Contamination]:
+        tokens = {r.request_id: r.token_id for r in report.running}
+        events = []
+        for victim, source, row in getattr(report, "stale_masks", ()):
+            if victim in self._reported:
+                continue
+            self._reported.add(victim)
+            index = len(self._outputs.get(victim, ()))
+            events.append(Contamination(
+                t=t, step=report.step, detector="constraint", kind="cross_request", victim=victim, source=source,
+                evidence=ConstraintEvidence(rule="grammar_bitmask", token_index=index, token_id=tokens.get(victim),
+                                            suspects=(source,), bitmask_row=row)))
         return events
 
     def _event(self, report, t: float, entry, rule: str, index: int, running: list[str]) -> Contamination:
