@@ -159,3 +159,16 @@ def test_the_faults_part_scenarios_are_held_out_and_differ_on_and_off_only_in_th
             next(line for line in on.splitlines() if "faults:" in line)]
         assert list(parse_scenario(on).engine.faults) == [fault] and list(parse_scenario(off).engine.faults) == []
         assert parse_scenario(on).seed == 9001
+
+
+def test_the_faults_part_skips_stale_bitmask_naming_the_install_when_xgrammar_is_missing(tiny, monkeypatch):
+    import importlib.util
+
+    from kvtui.bench import faults
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgrammar" else find_spec(name, *a))
+    result = faults.run(tiny["tiny-llama"], name="tiny-llama", quick=True, console=Console(file=open("/dev/null", "w")),
+                        faults=("stale_bitmask",))
+    assert result["faults"]["stale_bitmask"]["skipped"].startswith("structured output needs xgrammar: pip install")
+    assert faults.markdown(result)[2].startswith("| stale_bitmask (tiny-llama) | 0 | skipped: structured output needs")
