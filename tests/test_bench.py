@@ -127,3 +127,48 @@ def test_the_penalties_part_times_every_configuration(tiny, tmp_path):
     assert part["stages_per_row_s"]["plain"] == 0 and all(part["stages_per_row_s"][c] > 0 for c in
                                                           ("penalties", "bias_bans_min", "all"))
     assert part["vocab"] == 259 and "| all |" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_faults_part_catches_each_fault_in_every_held_out_run_and_is_silent_with_it_off(tiny, tmp_path):
+    """cow_missing (tiny-llama, paged, n > 1) and stale_cross_kv (tiny-whisper, reused slots) on the three
+    --quick held-out scenarios: caught in each, a victim and its source named in each, no counted report
+    on the same scenarios with the fault removed."""
+    from kvtui.bench import faults
+
+    result = faults.run(tiny["tiny-llama"], name="tiny-llama", quick=True, console=Console(file=open("/dev/null", "w")),
+                        faults=("cow_missing", "stale_cross_kv"))
+    rows = result["faults"]
+    assert list(rows) == ["cow_missing", "stale_cross_kv"]
+    assert [(r["model"], r["runs"], r["caught"], r["named"], r["false_alarms"], r["seeds"]) for r in rows.values()] == [
+        ("tiny-llama", 3, 3, 3, 0, [9000, 9002]), ("tiny-whisper", 3, 3, 3, 0, [9000, 9002])]
+    assert rows["cow_missing"]["detectors"] == {"slot_taint": 3, "attention_flow": 3, "reference": 3}
+    assert rows["stale_cross_kv"]["detectors"] == {"slot_taint": 3, "canary": 0, "reference": 3}  # random text
+    assert all(r["first_step"]["n"] == 3 and 0 <= r["first_step"]["min"] <= r["first_step"]["max"] for r in rows.values())
+    table = faults.markdown(result)
+    assert len(table) == 4 and table[2].startswith("| cow_missing (tiny-llama) | 3 | 3 | slot_taint 3, attention_flow 3")
+    assert table[3].endswith("| 0 (0 of 3 runs) |")
+
+
+def test_the_faults_part_scenarios_are_held_out_and_differ_on_and_off_only_in_the_fault():
+    from kvtui.bench.faults import FAULT_LIST, scenario_text
+    from kvtui.scenario import parse_scenario
+
+    for fault in FAULT_LIST:
+        on, off = scenario_text(fault, 9001), scenario_text(fault, 9001, on=False)
+        assert [a for a, b in zip(on.splitlines(), off.splitlines()) if a != b] == [
+            next(line for line in on.splitlines() if "faults:" in line)]
+        assert list(parse_scenario(on).engine.faults) == [fault] and list(parse_scenario(off).engine.faults) == []
+        assert parse_scenario(on).seed == 9001
+
+
+def test_the_faults_part_skips_stale_bitmask_naming_the_install_when_xgrammar_is_missing(tiny, monkeypatch):
+    import importlib.util
+
+    from kvtui.bench import faults
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xgrammar" else find_spec(name, *a))
+    result = faults.run(tiny["tiny-llama"], name="tiny-llama", quick=True, console=Console(file=open("/dev/null", "w")),
+                        faults=("stale_bitmask",))
+    assert result["faults"]["stale_bitmask"]["skipped"].startswith("structured output needs xgrammar: pip install")
+    assert faults.markdown(result)[2].startswith("| stale_bitmask (tiny-llama) | 0 | skipped: structured output needs")

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, knobs, overhead, peers, penalties, profile
+from kvtui.bench import curve, detectors, faults, knobs, overhead, peers, penalties, profile
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -25,6 +25,7 @@ PARTS = {
     "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
     "profile": (profile.run, profile.markdown, "where a decode step's time goes (phases and operators)"),
     "penalties": (penalties.run, penalties.markdown, "per-request penalties, bias and bans: cost per decode step"),
+    "faults": (faults.run, faults.markdown, "the newer isolation faults on held-out random scenarios, on and off"),
 }
 
 
