@@ -227,3 +227,15 @@ def test_whisper_tiny_en_transcribes_a_shipped_clip_and_passes_an_audit(whisper_
     assert re.search(r"own passphrase echoed +12/12", out.stdout)
     assert re.search(r"reference checks +12 checked", out.stdout)
     assert re.search(r"contamination findings +0", out.stdout)
+
+
+@pytest.mark.parametrize("name", ["tiny-whisper", pytest.param("whisper-tiny.en", marks=pytest.mark.whisper)])
+def test_serve_defaults_max_len_to_the_decoders_positions(name, request):
+    """`kvtui serve --model <whisper>` without --max-len takes the decoder's learned positions (serve's
+    default 512 is more than a Whisper decoder has and would be refused)."""
+    from kvtui.cli.serve import SPEECH_MAX_LEN
+    from kvtui.models import load_model
+
+    if name == "whisper-tiny.en":
+        request.getfixturevalue("whisper_en")
+    assert SPEECH_MAX_LEN[name] == load_model(name, progress=False).model.config.max_target_positions
