@@ -239,3 +239,20 @@ def test_serve_defaults_max_len_to_the_decoders_positions(name, request):
     if name == "whisper-tiny.en":
         request.getfixturevalue("whisper_en")
     assert SPEECH_MAX_LEN[name] == load_model(name, progress=False).model.config.max_target_positions
+
+
+@pytest.mark.whisper
+def test_an_audit_of_a_faulty_transcription_server_names_victim_and_source(whisper_en, tmp_path):
+    """stale_cross_kv in the served engine: a request in a reused slot reads its previous owner's clip;
+    the client-side canary sees that clip's passphrase in the transcript and names both requests."""
+    path = tmp_path / "stale.yaml"
+    path.write_text(f"name: stale\nseed: 0\nmax_requests: 6\nmodel: whisper-tiny.en\nengine: {{max_len: 448}}\n"
+                    f"arrivals: {{process: constant, rate_per_s: 8.0}}\n"
+                    f"prompts: {{kind: spoken_passphrase, clips: {CLIPS[0].parent}}}\n"
+                    "output_tokens: {dist: fixed, value: 24}\nsampling: greedy\n")
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=2, max_len=448, faults=("stale_cross_kv",))
+    with ServeServer(options) as server:
+        out = subprocess.run(KVTUI + ["run", str(path), "--target", server.url, "--headless"],
+                             capture_output=True, text=True, timeout=900)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"r\d{3} <- r\d{3}", out.stdout + out.stderr), out.stdout
