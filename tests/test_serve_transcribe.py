@@ -256,3 +256,27 @@ def test_an_audit_of_a_faulty_transcription_server_names_victim_and_source(whisp
                              capture_output=True, text=True, timeout=900)
     assert out.returncode == 1, out.stdout + out.stderr
     assert re.search(r"r\d{3} <- r\d{3}", out.stdout + out.stderr), out.stdout
+
+
+def test_a_prompt_conditions_the_decoder_as_transformers_forward_does(whisper_server):
+    """`prompt` goes before the decoder prompt (tiny-whisper has no <|startofprev|>: the text's ids alone);
+    the oracle is a greedy loop over a separate instance's full forward."""
+    import torch
+
+    from kvtui.scenario.plan import decoder_prompt
+
+    model, tokenizer = wh.build_tiny_whisper()
+    ids = decoder_prompt(tokenizer, "hi there")
+    assert ids[-2:] == [257, 260] and len(ids) == 2 + len(" hi there")
+    features = audio_input(wh.read_wav(CLIP), wh.build_feature_extractor()).features[None]
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(ids) + len(out) < MAX_LEN and (not out or out[-1] != 256):
+            logits = model(input_features=features, decoder_input_ids=torch.tensor([ids + out])).logits
+            out.append(int(logits[0, -1].argmax()))
+    with open(CLIP, "rb") as f:
+        verbose = client(whisper_server).audio.transcriptions.create(model="tiny-whisper", file=f, prompt="hi there",
+                                                                     response_format="verbose_json")
+    assert verbose.segments[0].tokens == out
+    r = post(whisper_server, {"model": "tiny-whisper", "prompt": "x" * 40})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
