@@ -17,6 +17,7 @@ are batched with the other running requests. Errors are OpenAI's shape (serve/pr
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import secrets
 
 from fastapi import FastAPI, Request
@@ -66,11 +67,14 @@ def add_transcription_route(app: FastAPI, state) -> None:
 
 
 async def _form(request: Request):
-    """The multipart form, or a 400 when the body is not one."""
+    """The multipart form, or a 400 when the body is not one (a 500 when python-multipart is missing)."""
     kind = request.headers.get("content-type", "")
     if not kind.startswith("multipart/form-data"):
         raise ApiError(400, f"the body is {kind or 'without a content type'}: send multipart/form-data with the "
                        "audio in the field `file` (as the OpenAI client does)", param="file")
+    if importlib.util.find_spec("python_multipart") is None:  # FastAPI's form parser
+        raise ApiError(500, "this server cannot read uploads: its Python lacks python-multipart "
+                       "(pip install python-multipart), then restart it", code="internal_error")
     try:
         return await request.form()
     except Exception as e:  # python-multipart's parse errors, a body cut short
