@@ -217,12 +217,15 @@ def test_cli_run_target_audits_a_transcription_server(whisper_server, oracle, tm
 
 @pytest.mark.whisper
 def test_whisper_tiny_en_transcribes_a_shipped_clip_and_passes_an_audit(whisper_en, tmp_path):
-    with ServeServer(ServeOptions(model="whisper-tiny.en", port=0, slots=3, max_len=448)) as server:
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=3, max_len=448, detectors=("canary", "slot_taint"))
+    with ServeServer(options) as server:
         with open(CLIP, "rb") as f:
             text = client(server).audio.transcriptions.create(model="whisper-tiny.en", file=f).text
         assert "silver rabbit 19" in text.lower()
         out = subprocess.run(KVTUI + ["run", str(ROOT / "scenarios" / "transcribe.yaml"), "--target", server.url,
                                       "--headless"], capture_output=True, text=True, timeout=900)
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+    assert not re.search(r'kvtui:contamination_events_total\{[^}]*detector="canary"', text)  # none inside either
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"own passphrase echoed +12/12", out.stdout)
     assert re.search(r"reference checks +12 checked", out.stdout)
@@ -244,16 +247,23 @@ def test_serve_defaults_max_len_to_the_decoders_positions(name, request):
 @pytest.mark.whisper
 def test_an_audit_of_a_faulty_transcription_server_names_victim_and_source(whisper_en, tmp_path):
     """stale_cross_kv in the served engine: a request in a reused slot reads its previous owner's clip;
-    the client-side canary sees that clip's passphrase in the transcript and names both requests."""
+    the client-side canary sees that clip's passphrase in the transcript and names both requests, and
+    the server's own canary and slot_taint count it."""
     path = tmp_path / "stale.yaml"
     path.write_text(f"name: stale\nseed: 0\nmax_requests: 6\nmodel: whisper-tiny.en\nengine: {{max_len: 448}}\n"
                     f"arrivals: {{process: constant, rate_per_s: 8.0}}\n"
                     f"prompts: {{kind: spoken_passphrase, clips: {CLIPS[0].parent}}}\n"
                     "output_tokens: {dist: fixed, value: 24}\nsampling: greedy\n")
-    options = ServeOptions(model="whisper-tiny.en", port=0, slots=2, max_len=448, faults=("stale_cross_kv",))
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=2, max_len=448, faults=("stale_cross_kv",),
+                           detectors=("canary", "slot_taint"))
     with ServeServer(options) as server:
         out = subprocess.run(KVTUI + ["run", str(path), "--target", server.url, "--headless"],
                              capture_output=True, text=True, timeout=900)
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+    # inside the server too: its canary (the uploads' names are their passphrases) and slot_taint
+    found = {m.group(1): float(m.group(2)) for m in
+             re.finditer(r'kvtui:contamination_events_total\{[^}]*detector="(\w+)"[^}]*\} ([\d.]+)', text)}
+    assert found.get("canary", 0) >= 1 and found.get("slot_taint", 0) >= 1, text
     assert out.returncode == 1, out.stdout + out.stderr
     assert re.search(r"r\d{3} <- r\d{3}", out.stdout + out.stderr), out.stdout
 

@@ -8,7 +8,8 @@ clip], "usage"}`; the model has no timestamp tokens, so the segment spans the wh
 OpenAI's), `prompt` (text conditioning the decoder: Whisper's `<|startofprev|>` prompt). `srt`, `vtt`,
 `timestamp_granularities[]` and `stream` need timestamps and are refused with a 400 naming the field.
 
-The request runs in the engine like any other: its audio's log-mel features go in with it (the
+The request runs in the engine like any other (an upload named like a spoken passphrase clip,
+`word-word-nn.wav`, carries that passphrase as its canary, for the server's canary detector): its audio's log-mel features go in with it (the
 session's metadata key `audio_input`), the encoder runs once at admission (its cross-attention K/V
 are shared with other requests of the same audio through the encoder cache), and its decoder steps
 are batched with the other running requests. Errors are OpenAI's shape (serve/protocol.py ApiError).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import secrets
 
 from fastapi import FastAPI, Request
@@ -30,6 +32,10 @@ from kvtui.serve.bridge import NotAccepting
 from kvtui.serve.protocol import ApiError
 
 FORMATS = ("json", "text", "verbose_json")
+# An upload named as kvtui's spoken passphrase clips (scenarios/audio/silver-rabbit-19.wav): the server's
+# canary detector then looks for its words and number in other clients' transcripts, as a WORD-WORD-NN
+# passphrase in a text prompt (serve/app.py PASSPHRASE).
+SPOKEN_CLIP = re.compile(r"([a-z]+-[a-z]+-\d{2})\.wav", re.I)
 TIMESTAMP_FORMATS = ("srt", "vtt")  # OpenAI's, needing timestamps this model has no tokens for
 FIELDS = ("file", "model", "response_format", "language", "temperature", "prompt", "timestamp_granularities[]",
           "stream", "chunking_strategy", "include[]")
@@ -138,6 +144,9 @@ async def _run(ctx, request: Request, prompt_ids: list[int], features, temperatu
     sampling = SamplingParams(temperature=temperature, seed=secrets.randbelow(2**31),
                               max_new_tokens=ctx.max_len - len(prompt_ids))
     metadata = {"audio_input": features, "audio": features.label, "prompt_text": f"[audio {features.label}]"}
+    named = SPOKEN_CLIP.fullmatch(features.label)
+    if named:  # a spoken passphrase clip (word-word-nn.wav): its passphrase is the request's canary
+        metadata |= {"passphrase": named.group(1).upper(), "spoken": True}
     try:
         stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata)
     except NotAccepting:
