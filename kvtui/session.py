@@ -436,7 +436,10 @@ class Session(RunBase):
                     frozenset(f.faults), f.draws, self._audio_of(f.metadata)))
 
     def _audio_of(self, metadata: dict):
-        """A speech request's AudioInput (its `audio_path` read once), or None."""
+        """A speech request's AudioInput (served requests carry it as `audio_input`; scenario requests
+        name their `audio_path`, read once), or None."""
+        if metadata.get("audio_input") is not None:
+            return metadata["audio_input"]
         path = metadata.get("audio_path")
         if path is None:
             return None

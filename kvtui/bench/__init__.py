@@ -3,8 +3,8 @@
 Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the batch curve), knobs
 (bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
 bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost), profile (where a decode step's time
-goes). Every part writes its figures
-to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
+goes), transcribe (Whisper tiny.en transcription throughput against transformers and ctranslate2). Every
+part writes its figures to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, faults, knobs, overhead, peers, penalties, profile
+from kvtui.bench import curve, detectors, faults, knobs, overhead, peers, penalties, profile, transcribe
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -26,6 +26,8 @@ PARTS = {
     "profile": (profile.run, profile.markdown, "where a decode step's time goes (phases and operators)"),
     "penalties": (penalties.run, penalties.markdown, "per-request penalties, bias and bans: cost per decode step"),
     "faults": (faults.run, faults.markdown, "the newer isolation faults on held-out random scenarios, on and off"),
+    "transcribe": (transcribe.run, transcribe.markdown,
+                   "Whisper tiny.en transcription: batched vs one at a time vs generate vs ctranslate2"),
 }
 
 

@@ -47,7 +47,7 @@ def audit(
                                                  "(does something else separate them?).",
                                                  rich_help_panel=TARGET_PANEL)] = "per_tenant",
     target: target_option("Audit an OpenAI-compatible server at this URL instead of kvtui's engine.") = None,
-    api: api_option("With --target: chat or completions (auto: chat when every prompt has text).") = TARGET.api,
+    api: api_option("With --target: chat or completions (auto: chat when every prompt has text; audio prompts always go to /v1/audio/transcriptions).") = TARGET.api,
     served_model: served_model_option("With --target: the model name to send.") = TARGET.served_model,
     max_concurrency: MaxConcurrency = TARGET.max_concurrency,
     timeout: Timeout = TARGET.timeout_s,

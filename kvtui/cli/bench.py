@@ -15,13 +15,14 @@ from kvtui.cli.options import DTYPE, ENGINE, MODEL
 from kvtui.config import DType
 
 BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
-                                                            "detectors", "profile", "penalties", "faults")}, type=str)
+                                                            "detectors", "profile", "penalties", "faults",
+                                                            "transcribe")}, type=str)
 
 
 def bench(
     part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
                                                             "overhead, batch, knobs, peers, bf16, detectors, "
-                                                            "profile, penalties, faults.")] = None,
+                                                            "profile, penalties, faults, transcribe.")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer repeats and shapes: under 10 minutes on 2 cores.")]
     = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =

@@ -67,7 +67,7 @@ def run(
                                                   "fit).")] = "auto",
     target: target_option("Drive an OpenAI-compatible server at this URL (http://HOST:PORT, with or without /v1) "
                        "instead of kvtui's engine.") = None,
-    api: api_option("With --target: chat or completions endpoint (auto: chat when every prompt has text).") = TARGET.api,
+    api: api_option("With --target: chat or completions endpoint (auto: chat when every prompt has text; audio prompts always go to /v1/audio/transcriptions).") = TARGET.api,
     served_model: served_model_option("With --target: the model name to send (default: the first of /v1/models).")
     = TARGET.served_model,
     max_concurrency: MaxConcurrency = TARGET.max_concurrency,

@@ -19,6 +19,10 @@ _B = KNOB_BOUNDS
 _SLOTS, _BATCH, _BLOCK = _B["num_slots"], _B["max_batch_size"], _B["block_size"]
 
 
+# A speech model's decoder has fewer learned positions (max_target_positions) than serve's default max_len.
+SPEECH_MAX_LEN = {"whisper-tiny.en": 448, "tiny-whisper": 64}
+
+
 def serve(
     model: Annotated[str, typer.Option("--model", help="default, tiny-llama, tiny-gpt2, a HF model directory or a "
                                        ".gguf file.")] = SERVE.model,
@@ -33,7 +37,9 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name clients "
                                                              "send and see (default: the model's id).")] = None,
     slots: Annotated[int, typer.Option(help="KV slots: requests running at once.", min=_SLOTS.low, max=_SLOTS.high)] = SERVE.slots,
-    max_len: Annotated[int, typer.Option(help="Tokens per request: prompt + completion.", min=_B["max_len"].low)] = SERVE.max_len,
+    max_len: Annotated[Optional[int], typer.Option(help=f"Tokens per request: prompt + completion (default "
+                                                   f"{SERVE.max_len}; a Whisper model: its decoder's positions, "
+                                                   "448 for whisper-tiny.en).", min=_B["max_len"].low)] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most requests in one step.", min=_BATCH.low, max=_BATCH.high)] = SERVE.max_batch_size,
     max_tokens_per_step: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill past it).",
                                                      min=_B["max_tokens_per_step"].low)] = SERVE.max_tokens_per_step,
@@ -60,7 +66,8 @@ def serve(
                                                    "413 before they are parsed.", min=1)] = SERVE.max_request_bytes,
     enforce_eager: enforce_eager_option() = SERVE.enforce_eager,
 ) -> None:
-    """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics) until Ctrl-C.
+    """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics; audio transcriptions for a
+    Whisper model) until Ctrl-C.
 
     Any OpenAI client, curl, `vllm bench serve` or GuideLLM can drive it; --dashboard shows inside.
     """
@@ -74,6 +81,7 @@ def serve(
 
     if note := bf16_note(dtype, device):
         say("note", note)
+    max_len = max_len or SPEECH_MAX_LEN.get(model, SERVE.max_len)
     options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
                            faults=fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,
                            max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI's completions and chat completions, /v1/models, /health, /metrics.
+"""The FastAPI application: OpenAI's completions and chat completions, /v1/models, /health, /metrics, and
+for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints then answer 400).
 
 Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters
 (FastAPI's own 422 validation errors and unparsable JSON included), 400 `context_length_exceeded`,
@@ -39,6 +40,7 @@ from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
 from kvtui.serve.responses import Formatter, sse
+from kvtui.serve.transcribe import add_transcription_route, is_speech
 
 # A passphrase as kvtui's passphrase prompts make them (WORD-WORD-NN): found in a prompt, it becomes
 # the request's canary, so the canary detector can see it leak into another client's answer.
@@ -63,6 +65,7 @@ class ServeContext:
         bridge: the route into the engine thread; metrics: the server's Prometheus metrics.
         tokenizer: the model's; max_len: tokens one request may hold (prompt + completion).
         model_name: the served name (`model` in requests and responses); model_id: kvtui's model id.
+        feature_extractor: a speech model's (serve/transcribe.py), None for a text model.
     """
 
     bridge: EngineBridge
@@ -71,6 +74,7 @@ class ServeContext:
     max_len: int
     model_name: str
     model_id: str
+    feature_extractor: object = None  # speech models (Whisper): audio -> log-mel features; None: a text model
 
 
 class ServerState:
@@ -107,6 +111,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     _error_handlers(app)
+    add_transcription_route(app, state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,7 +130,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        ctx = state.ready()
+        ctx = text_model(state.ready(), "completions")
         body.check()
         prompt = body.single_prompt()
         text = prompt if isinstance(prompt, str) else None
@@ -135,7 +140,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ctx = state.ready()
+        ctx = text_model(state.ready(), "chat/completions")
         body.check()
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
@@ -144,6 +149,14 @@ def create_app(state: ServerState, *, api_key: str | None = None,
         return await _serve(ctx, request, body, ids, last_user, chat=True)
 
     return app
+
+
+def text_model(ctx: ServeContext, endpoint: str) -> ServeContext:
+    """`ctx`, or ApiError 400 when the served model is a speech model (it takes audio, not text)."""
+    if is_speech(ctx):
+        raise ApiError(400, f"model `{ctx.model_name}` is a speech model and takes audio: use "
+                       f"/v1/audio/transcriptions, not /v1/{endpoint}", param="model", code="model_not_supported")
+    return ctx
 
 
 def _error_handlers(app: FastAPI) -> None:

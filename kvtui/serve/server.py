@@ -166,7 +166,8 @@ class ServeServer:
         self.session = session
         self.bridge.attach(session)
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
-                                          self.metrics.model_name, self.loaded.model_id)
+                                          self.metrics.model_name, self.loaded.model_id,
+                                          getattr(self.loaded, "feature_extractor", None))
         return session
 
     def _recording_failed(self, event) -> None:

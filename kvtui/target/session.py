@@ -41,6 +41,7 @@ from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
 from kvtui.target.server_probe import ServerProbe
 from kvtui.target.solo_check import reference_event, uncached
+from kvtui.target.transcription import is_audio, transcribe_request, transcription_form
 
 TARGET_DETECTORS = ("reference", "canary")
 MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
@@ -89,6 +90,7 @@ class TargetSession(RunBase):
         self.pending = sorted(plan, key=lambda p: (p.arrival_s, p.request_id))
         self.planned = {p.request_id: p for p in self.pending}
         self.api = options.api if options.api != "auto" else (
+            "transcription" if self.pending and all(is_audio(p) for p in self.pending) else
             "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
         self.canary = CanaryDetector() if "canary" in self.detectors else None
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
@@ -194,7 +196,7 @@ class TargetSession(RunBase):
             p = replace(self.pending.pop(0), arrival_s=at)
             arrive = arrive_event(p)
             if self.canary is not None:
-                self.canary.on_arrive(p.request_id, arrive.passphrase)
+                self.canary.on_arrive(p.request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")))
             self.emit(arrive)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
         return tasks
@@ -240,19 +242,34 @@ class TargetSession(RunBase):
         result = StreamResult(sent_s=self.now())
         try:
             async with cap:
-                path, body = self._body(p, temperature=None)
-                if self.options.uncached_load:
-                    body = uncached(body, self.server_kind)
                 self.in_flight[p.request_id] = p.metadata.get("passphrase") or p.metadata.get("prompt_text") or ""
                 result = StreamResult(sent_s=self.now())
-                await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
-                                     result=result, on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece))
+                if is_audio(p):
+                    await self._transcribe(client, p, result)
+                else:
+                    path, body = self._body(p, temperature=None)
+                    if self.options.uncached_load:
+                        body = uncached(body, self.server_kind)
+                    await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
+                                         result=result,
+                                         on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
         finally:
             self.in_flight.pop(p.request_id, None)
         self.results[p.request_id] = result
         self._finish(p, result)
+
+    async def _transcribe(self, client: httpx.AsyncClient, p, result: StreamResult, *,
+                          temperature: float | None = None, live: bool = True) -> StreamResult:
+        """A speech request: its clip uploaded to /v1/audio/transcriptions (target/transcription.py); the
+        whole transcript is its one chunk, reported as a first token and to the canary when `live` (the
+        load; not its solo rerun)."""
+        form = transcription_form(p, self.served_model, temperature=temperature)
+        await transcribe_request(client, p, form, timeout_s=self.options.timeout_s, clock=self.now, result=result)
+        if live and result.chunk_times_s:
+            self._on_chunk(p.request_id, result, result.text)
+        return result
 
     def _body(self, p, temperature: float | None) -> tuple[str, dict]:
         return request_body(p, self.api, self.served_model, logprobs=self.options.logprobs,
@@ -326,9 +343,13 @@ class TargetSession(RunBase):
     async def _reference_one(self, client: httpx.AsyncClient, rid: str, batched: StreamResult) -> None:
         """One solo run, past the server's prefix cache; compared only when the server did not say it
         took part of the prompt from its cache (KV the load wrote would make the "solo" run a copy)."""
-        path, body = self._body(self.planned[rid], temperature=0.0)
-        solo = await stream_request(client, path, uncached(body, self.server_kind), timeout_s=self.options.timeout_s,
-                                    clock=self.now)
+        if is_audio(self.planned[rid]):  # no prefix cache across audio: the clip is part of the key
+            solo = await self._transcribe(client, self.planned[rid], StreamResult(sent_s=self.now()), temperature=0.0,
+                                          live=False)
+        else:
+            path, body = self._body(self.planned[rid], temperature=0.0)
+            solo = await stream_request(client, path, uncached(body, self.server_kind),
+                                        timeout_s=self.options.timeout_s, clock=self.now)
         if solo.finish_reason == "error":
             self.reference_skips[SkipReason.ERROR] += 1
             self.emit(Marker(t=self.now(), text=f"reference check of {rid} skipped: {solo.error}"))

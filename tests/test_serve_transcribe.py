@@ -1,0 +1,292 @@
+"""`kvtui serve` with a speech model: OpenAI's /v1/audio/transcriptions through the official `openai`
+client, checked against transformers' own `generate` on a separate tiny-whisper instance (greedy, the
+same clip's log-mel features); its errors in OpenAI's shape naming the field; the text endpoints
+refusing a speech model and the transcription endpoint a text model; WAV decoding and resampling
+against closed-form signals; `kvtui run --target` auditing a transcription server. The `whisper` tests
+run Whisper tiny.en on a shipped clip and audit scenarios/transcribe.yaml through a served model."""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from kvtui.engine.encoder_cache import audio_input
+from kvtui.models import whisper as wh
+from kvtui.serve.audio import AudioError, decode_wav, resample
+from kvtui.serve.server import ServeOptions, ServeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIPS = sorted((ROOT / "scenarios" / "audio").glob("*.wav"))
+CLIP = ROOT / "scenarios" / "audio" / "silver-rabbit-19.wav"
+MAX_LEN = 24  # tiny-whisper's decoder: 2 prompt tokens + up to 22 generated
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+
+
+def client(server: ServeServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def whisper_server():
+    options = ServeOptions(model="tiny-whisper", port=0, slots=3, max_len=MAX_LEN, detectors=("canary", "slot_taint"))
+    with ServeServer(options) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """tiny-whisper built again (a separate instance): generate's greedy tokens and text of a clip."""
+    model, tokenizer = wh.build_tiny_whisper()
+    fe = wh.build_feature_extractor()
+
+    def transcribe(path: Path) -> tuple[list[int], str]:
+        features = audio_input(wh.read_wav(path), fe).features
+        out = model.generate(features[None], max_new_tokens=MAX_LEN - 2, return_dict_in_generate=True)
+        ids = out.sequences[0, 2:].tolist()
+        return ids, tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    return transcribe
+
+
+def wav_bytes(samples: np.ndarray, rate: int, *, width: int = 2, channels: int = 1) -> bytes:
+    """Float samples [n] (or [n, channels]) in [-1, 1) as an integer PCM WAV file."""
+    x = samples.reshape(len(samples), -1) * np.ones((1, channels))
+    if width == 1:
+        raw = np.clip(np.round(x * 128 + 128), 0, 255).astype(np.uint8).tobytes()
+    else:
+        scale = 2 ** (8 * width - 1)
+        ints = np.clip(np.round(x * scale), -scale, scale - 1).astype(np.int64)
+        raw = b"".join(int(v).to_bytes(width, "little", signed=True) for v in ints.reshape(-1))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(raw)
+    return buf.getvalue()
+
+
+def test_transcripts_equal_generate_in_every_format(whisper_server, oracle):
+    c = client(whisper_server)
+    assert [m.id for m in c.models.list().data] == ["tiny-whisper"]
+    for clip in CLIPS[:3]:
+        ids, text = oracle(clip)
+        assert len(ids) >= 2
+        with open(clip, "rb") as f:
+            assert c.audio.transcriptions.create(model="tiny-whisper", file=f).text == text
+        with open(clip, "rb") as f:
+            assert c.audio.transcriptions.create(model="tiny-whisper", file=f, response_format="text") == text + "\n"
+    with open(CLIP, "rb") as f:
+        verbose = c.audio.transcriptions.create(model="tiny-whisper", file=f, response_format="verbose_json",
+                                                language="en", temperature=0.0)
+    ids, text = oracle(CLIP)
+    assert verbose.text == text and verbose.language == "english"
+    assert verbose.segments[0].tokens == ids
+    assert verbose.duration == pytest.approx(len(wh.read_wav(CLIP)) / 16000, abs=1e-3)
+
+
+def test_concurrent_transcriptions_each_get_their_own_clip(whisper_server, oracle):
+    import concurrent.futures
+
+    c = client(whisper_server)
+
+    def one(clip: Path) -> str:
+        with open(clip, "rb") as f:
+            return c.audio.transcriptions.create(model="tiny-whisper", file=f).text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(one, CLIPS[:6]))
+    assert got == [oracle(clip)[1] for clip in CLIPS[:6]]
+
+
+def test_a_stereo_upload_transcribes_as_its_mono_clip(whisper_server, oracle):
+    """Two equal channels average to the clip itself (resampling is checked against sines below)."""
+    samples = wh.read_wav(CLIP)
+    data = wav_bytes(samples, 16000, channels=2)
+    r = httpx.post(whisper_server.url + "/v1/audio/transcriptions", files={"file": ("s.wav", data)},
+                   data={"model": "tiny-whisper", "response_format": "json"}, timeout=300)
+    assert r.status_code == 200 and r.json()["text"] == oracle(CLIP)[1]
+
+
+def post(server, data: dict, files=None) -> httpx.Response:
+    files = files if files is not None else {"file": ("a.wav", CLIP.read_bytes(), "audio/wav")}
+    return httpx.post(server.url + "/v1/audio/transcriptions", data=data, files=files, timeout=300)
+
+
+@pytest.mark.parametrize("data,files,param,needle", [
+    ({"model": "tiny-whisper"}, {"file": ("a.mp3", b"ID3\x03\x00" + bytes(64))}, "file", "is an mp3 file"),
+    ({"model": "tiny-whisper"}, {"file": ("a.wav", b"RIFF\x10\x00\x00\x00WAVEjunk")}, "file", "not a readable WAV"),
+    ({"model": "tiny-whisper"}, {"file": ("a.wav", b"")}, "file", "is empty"),
+    ({"model": "tiny-whisper", "response_format": "srt"}, None, "response_format", "needs timestamps"),
+    ({"model": "tiny-whisper", "response_format": "xml"}, None, "response_format", "is not one of"),
+    ({"model": "tiny-whisper", "language": "fr"}, None, "language", "English-only"),
+    ({"model": "tiny-whisper", "temperature": "hot"}, None, "temperature", "not a number"),
+    ({"model": "tiny-whisper", "temperature": "1.5"}, None, "temperature", "outside [0, 1]"),
+    ({"model": "tiny-whisper", "timestamp_granularities[]": "word"}, None, "timestamp_granularities[]", "not supported"),
+    ({}, None, "model", "model: required"),
+    ({"model": "tiny-whisper"}, {"audio": ("a.wav", b"RIFF")}, "file", "file: required"),
+])
+def test_bad_uploads_are_400_naming_the_field(whisper_server, data, files, param, needle):
+    r = post(whisper_server, data, files)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_wrong_model_is_404_and_a_json_body_is_400(whisper_server):
+    r = post(whisper_server, {"model": "whisper-1"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(whisper_server.url + "/v1/audio/transcriptions", json={"model": "tiny-whisper"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+
+
+def test_the_text_endpoints_refuse_a_speech_model(whisper_server):
+    c = client(whisper_server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny-whisper", prompt="hello", max_tokens=2)
+    assert e.value.body["code"] == "model_not_supported" and "/v1/audio/transcriptions" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-whisper", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.body["param"] == "model"
+    assert httpx.get(whisper_server.url + "/health", timeout=60).status_code == 200  # still serving
+
+
+def test_a_text_model_refuses_transcriptions():
+    with ServeServer(ServeOptions(model="tiny-llama", port=0, slots=2, max_len=256)) as server:
+        with open(CLIP, "rb") as f, pytest.raises(openai.BadRequestError) as e:
+            client(server).audio.transcriptions.create(model="tiny-llama", file=f)
+    assert e.value.status_code == 400 and e.value.body["param"] == "model" and "text model" in e.value.body["message"]
+
+
+def test_wav_decoding_of_every_sample_width():
+    t = np.arange(1600) / 16000
+    x = (0.5 * np.sin(2 * math.pi * 440 * t)).astype(np.float32)
+    for width, step in ((1, 1 / 128), (2, 1 / 32768), (3, 1 / 2 ** 23), (4, 1 / 2 ** 31)):
+        got = decode_wav(wav_bytes(x, 16000, width=width, channels=2), "f")
+        assert got.shape == x.shape and np.max(np.abs(got - x)) <= step / 2 + 1e-7, width
+    with pytest.raises(AudioError, match="lasts 31.0 s"):
+        decode_wav(wav_bytes(np.zeros(31 * 8000, np.float32), 8000), "f")
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+def test_resampling_matches_the_sine_at_16khz(rate):
+    """A 440 Hz sine sampled at `rate`, resampled to 16 kHz, equals the same sine sampled at 16 kHz
+    (away from the ends, where the filter sees zeros past the signal)."""
+    n = rate  # one second
+    src = np.sin(2 * math.pi * 440 * np.arange(n) / rate).astype(np.float32)
+    out = resample(src, rate, 16000)
+    want = np.sin(2 * math.pi * 440 * np.arange(len(out)) / 16000)
+    assert len(out) == 16000
+    assert np.max(np.abs(out[400:-400] - want[400:-400])) < 2e-3
+
+
+def write_tiny_scenario(tmp_path: Path) -> Path:
+    path = tmp_path / "speech.yaml"
+    path.write_text(f"name: speech\nseed: 0\nmax_requests: 6\nmodel: tiny-whisper\nengine: {{slots: 3, max_len: {MAX_LEN}}}\n"
+                    f"arrivals: {{process: poisson, rate_per_s: 20}}\nprompts: {{kind: audio, path: {CLIPS[0].parent}}}\n"
+                    "output_tokens: 8\nsampling: greedy\n")
+    return path
+
+
+def test_cli_run_target_audits_a_transcription_server(whisper_server, oracle, tmp_path):
+    from kvtui.record import read_recording
+
+    rec = tmp_path / "run.jsonl"
+    out = subprocess.run(KVTUI + ["run", str(write_tiny_scenario(tmp_path)), "--target", whisper_server.url,
+                                  "--headless", "--record", str(rec)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    header, events, summary, truncated = read_recording(rec)
+    assert header.engine["api"] == "transcription" and not truncated
+    assert summary.finish_reasons == {"stop": 6} and summary.reference_checked == 6
+    finishes = {e.request_id: e for e in events if type(e).__name__ == "Finish"}
+    planned = sorted(CLIPS)
+    for i, rid in enumerate(sorted(finishes)):
+        assert finishes[rid].output_text == oracle(planned[i % len(planned)])[1]
+    assert re.search(r"contamination findings +0", out.stdout)
+
+
+@pytest.mark.whisper
+def test_whisper_tiny_en_transcribes_a_shipped_clip_and_passes_an_audit(whisper_en, tmp_path):
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=3, max_len=448, detectors=("canary", "slot_taint"))
+    with ServeServer(options) as server:
+        with open(CLIP, "rb") as f:
+            text = client(server).audio.transcriptions.create(model="whisper-tiny.en", file=f).text
+        assert "silver rabbit 19" in text.lower()
+        out = subprocess.run(KVTUI + ["run", str(ROOT / "scenarios" / "transcribe.yaml"), "--target", server.url,
+                                      "--headless"], capture_output=True, text=True, timeout=900)
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+    assert not re.search(r'kvtui:contamination_events_total\{[^}]*detector="canary"', text)  # none inside either
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"own passphrase echoed +12/12", out.stdout)
+    assert re.search(r"reference checks +12 checked", out.stdout)
+    assert re.search(r"contamination findings +0", out.stdout)
+
+
+@pytest.mark.parametrize("name", ["tiny-whisper", pytest.param("whisper-tiny.en", marks=pytest.mark.whisper)])
+def test_serve_defaults_max_len_to_the_decoders_positions(name, request):
+    """`kvtui serve --model <whisper>` without --max-len takes the decoder's learned positions (serve's
+    default 512 is more than a Whisper decoder has and would be refused)."""
+    from kvtui.cli.serve import SPEECH_MAX_LEN
+    from kvtui.models import load_model
+
+    if name == "whisper-tiny.en":
+        request.getfixturevalue("whisper_en")
+    assert SPEECH_MAX_LEN[name] == load_model(name, progress=False).model.config.max_target_positions
+
+
+@pytest.mark.whisper
+def test_an_audit_of_a_faulty_transcription_server_names_victim_and_source(whisper_en, tmp_path):
+    """stale_cross_kv in the served engine: a request in a reused slot reads its previous owner's clip;
+    the client-side canary sees that clip's passphrase in the transcript and names both requests, and
+    the server's own canary and slot_taint count it."""
+    path = tmp_path / "stale.yaml"
+    path.write_text(f"name: stale\nseed: 0\nmax_requests: 6\nmodel: whisper-tiny.en\nengine: {{max_len: 448}}\n"
+                    f"arrivals: {{process: constant, rate_per_s: 8.0}}\n"
+                    f"prompts: {{kind: spoken_passphrase, clips: {CLIPS[0].parent}}}\n"
+                    "output_tokens: {dist: fixed, value: 24}\nsampling: greedy\n")
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=2, max_len=448, faults=("stale_cross_kv",),
+                           detectors=("canary", "slot_taint"))
+    with ServeServer(options) as server:
+        out = subprocess.run(KVTUI + ["run", str(path), "--target", server.url, "--headless"],
+                             capture_output=True, text=True, timeout=900)
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+    # inside the server too: its canary (the uploads' names are their passphrases) and slot_taint
+    found = {m.group(1): float(m.group(2)) for m in
+             re.finditer(r'kvtui:contamination_events_total\{[^}]*detector="(\w+)"[^}]*\} ([\d.]+)', text)}
+    assert found.get("canary", 0) >= 1 and found.get("slot_taint", 0) >= 1, text
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert re.search(r"r\d{3} <- r\d{3}", out.stdout + out.stderr), out.stdout
+
+
+def test_a_prompt_conditions_the_decoder_as_transformers_forward_does(whisper_server):
+    """`prompt` goes before the decoder prompt (tiny-whisper has no <|startofprev|>: the text's ids alone);
+    the oracle is a greedy loop over a separate instance's full forward."""
+    import torch
+
+    from kvtui.scenario.plan import decoder_prompt
+
+    model, tokenizer = wh.build_tiny_whisper()
+    ids = decoder_prompt(tokenizer, "hi there")
+    assert ids[-2:] == [257, 260] and len(ids) == 2 + len(" hi there")
+    features = audio_input(wh.read_wav(CLIP), wh.build_feature_extractor()).features[None]
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(ids) + len(out) < MAX_LEN and (not out or out[-1] != 256):
+            logits = model(input_features=features, decoder_input_ids=torch.tensor([ids + out])).logits
+            out.append(int(logits[0, -1].argmax()))
+    with open(CLIP, "rb") as f:
+        verbose = client(whisper_server).audio.transcriptions.create(model="tiny-whisper", file=f, prompt="hi there",
+                                                                     response_format="verbose_json")
+    assert verbose.segments[0].tokens == out
+    r = post(whisper_server, {"model": "tiny-whisper", "prompt": "x" * 40})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
