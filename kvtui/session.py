@@ -347,7 +347,9 @@ class Session(RunBase):
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None)
             if self.canary is not None:
-                self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")))
+                audio = self._audio_of(p.metadata)
+                self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
+                                      input_key=audio.content_hash if audio is not None else None)
             if self.constraint is not None:
                 self.constraint.on_arrive(request_id, state.sampling)
             self.emit(arrive)

@@ -250,7 +250,7 @@ def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_ser
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
               compiler.compile_json_schema(json.dumps(schema, sort_keys=True))),
-             ({"response_format": {"type": "json_object"}}, compiler.compile_builtin_json_grammar()),
+             ({"response_format": {"type": "json_object"}}, compiler.compile_json_schema('{"type": "object"}')),
              ({"structured_outputs": {"regex": "[0-9]{2,5}"}}, compiler.compile_regex("[0-9]{2,5}")),
              ({"guided_regex": "(ab|cd)+x"}, compiler.compile_regex("(ab|cd)+x")),
              ({"guided_choice": ["left", "right"]}, compiler.compile_grammar('root ::= "left" | "right"'))]
@@ -277,6 +277,10 @@ def test_structured_output_fields_constrain_the_answer_as_xgrammar_does(tiny_ser
         assert response.json()["error"]["param"] == param, response.json()
     bad = httpx.post(f"{tiny_server.url}/v1/completions", json={"guided_regex": "(", "prompt": "x"}).json()["error"]
     assert bad["code"] == "invalid_structured_output" and "regex does not compile" in bad["message"]
+    assert ".cc:" not in bad["message"] and not re.search(r"\[\d\d:\d\d:\d\d\]", bad["message"])  # no library log prefix
+    objects = c.completions.create(model="tiny-llama", prompt="{", max_tokens=24, temperature=0.8, seed=5,
+                                   extra_body={"response_format": {"type": "json_object"}, "ignore_eos": False})
+    assert objects.choices[0].text.lstrip().startswith("{")  # json_object is an object, never an array
 
 
 def test_penalties_bias_and_bad_words_are_honoured_per_request(tiny_server, oracle_tiny):

@@ -82,3 +82,20 @@ def test_words_must_be_whole_words():
 def test_a_passphrase_without_parts_is_refused():
     with pytest.raises(ValueError, match="WORD-WORD-NN"):
         match_spoken("--", "anything")
+
+
+def test_the_same_audio_under_another_name_is_no_leak():
+    """Two uploads of one clip say the same words: the one whose name carries no passphrase is not
+    reported for saying the other's (kvtui serve counted that as cross_request before)."""
+    from kvtui.detect.canary import CanaryDetector
+
+    text = "The past race is silver rabbit 19."
+    same = CanaryDetector()
+    same.on_arrive("named", "SILVER-RABBIT-19", spoken=True, input_key="a1")
+    same.on_arrive("copy", None, spoken=True, input_key="a1")
+    assert same.on_finish("copy", text, 0.0, 1) == []
+    other = CanaryDetector()
+    other.on_arrive("named", "SILVER-RABBIT-19", spoken=True, input_key="a1")
+    other.on_arrive("copy", None, spoken=True, input_key="b2")
+    leaks = other.on_finish("copy", text, 0.0, 1)
+    assert [(e.victim, e.source, e.kind) for e in leaks] == [("copy", "named", "cross_request")]

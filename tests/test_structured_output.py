@@ -65,7 +65,7 @@ def compiled(loaded, spec):
 
         return compiler.compile_grammar(choice_grammar(spec.choice))
     return {"regex": lambda: compiler.compile_regex(spec.regex), "json": lambda: compiler.compile_json_schema(spec.json),
-            "json_object": compiler.compile_builtin_json_grammar,
+            "json_object": lambda: compiler.compile_json_schema('{"type": "object"}'),  # OpenAI: an object
             "grammar": lambda: compiler.compile_grammar(spec.grammar)}[spec.kind]()
 
 
@@ -218,3 +218,21 @@ def test_a_constrained_rows_top2_gap_is_taken_among_the_tokens_its_grammar_allow
     digits = sorted((logits[loaded.tokenizer.convert_tokens_to_ids(str(d))].item() for d in range(10)), reverse=True)
     assert finished["digits"].top2_gaps[0] == pytest.approx(digits[0] - digits[1], abs=1e-4)
     assert finished["digits"].top2_gaps[0] != pytest.approx((logits.topk(2).values[0] - logits.topk(2).values[1]).item())
+
+
+def test_validate_and_run_refuse_a_scenario_constraint_that_does_not_compile(tmp_path):
+    """Every constrained request would be rejected and the run would still exit 0: refused up front,
+    one line naming the file and field, exit 2 (it used to pass validate and reject 10 requests)."""
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+
+    scenario = tmp_path / "bad.yaml"
+    scenario.write_text('max_requests: 4\nmodel: tiny-llama\nprompts: {kind: synthetic}\n'
+                        'sampling: {structured: {fraction: 0.5, regex: "[0-9"}}\n')
+    for args in (["validate", str(scenario)], ["run", str(scenario), "--headless", "-q"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [
+            f"error: {scenario}: sampling.structured: regex does not compile: Regex parsing error at position 5: "
+            "Unclosed '['; fix the constraint or remove it"]

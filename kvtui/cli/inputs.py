@@ -56,8 +56,9 @@ def check_lengths(path: Path, spec, tokenizer, model: str | None = None) -> list
     """Plan the scenario's requests and check that they fit the engine: exit 2 with one line when a
     logit_bias token id is outside the tokenizer's vocabulary, when no request fits (every one would be
     rejected, so the run would test nothing) or when the prompts and the model (`model`, else the
-    scenario's) do not go together (audio prompts need a speech model and the other way round), a
-    warning line when some do not fit. Returns the planned requests."""
+    scenario's) do not go together (audio prompts need a speech model and the other way round), or when
+    sampling.structured does not compile (every constrained request would be rejected), a warning line
+    when some do not fit. Returns the planned requests."""
     from kvtui.scenario import plan_requests
     from kvtui.scenario.fit import fit_lines
     from kvtui.scenario.plan import audio_mismatch
@@ -69,6 +70,9 @@ def check_lengths(path: Path, spec, tokenizer, model: str | None = None) -> list
     problem = vocabulary_problem(spec.sampling, len(tokenizer)) if hasattr(tokenizer, "__len__") else None
     if problem:
         fail(f"{path}: {problem}")
+    problem = _structured_problem(spec, tokenizer)
+    if problem:
+        fail(f"{path}: sampling.structured: {problem}; fix the constraint or remove it")
     planned = plan_requests(spec, tokenizer)
     errors, warnings = fit_lines(spec, planned, str(path))
     for line in warnings:
@@ -76,6 +80,20 @@ def check_lengths(path: Path, spec, tokenizer, model: str | None = None) -> list
     if errors:
         fail(errors[0])
     return planned
+
+
+def _structured_problem(spec, tokenizer) -> str | None:
+    """Why the scenario's structured-output constraint cannot be compiled for this tokenizer (the
+    grammar library's reason, or that xgrammar is not installed), None when it compiles or is absent."""
+    if spec.sampling.structured is None or not hasattr(tokenizer, "__len__"):
+        return None
+    from kvtui.engine.grammar import GrammarStage
+
+    try:
+        GrammarStage(tokenizer, len(tokenizer)).compile(spec.sampling.structured.spec())
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # faults that need a kind of request (kvtui.scenario.fit._request_misfit): what a scenario must have

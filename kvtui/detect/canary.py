@@ -36,8 +36,17 @@ class CanaryDetector:
         self.text: dict[str, str] = {}
         self._seen: set[tuple[str, str]] = set()
         self.spoken: set[str] = set()  # requests whose passphrase is spoken (matched in a transcript)
+        self.inputs: dict[str, str] = {}  # request id -> its input's content key (a speech request's audio hash)
 
-    def on_arrive(self, request_id: str, passphrase: str | None, spoken: bool = False) -> None:
+    def on_arrive(self, request_id: str, passphrase: str | None, spoken: bool = False,
+                  input_key: str | None = None) -> None:
+        """Note a request's passphrase (None: it has none) and, for speech, its audio's content hash:
+        two requests with the same audio say the same words, so neither's text is evidence against the
+        other (the same clip uploaded under another name is no leak)."""
+        if input_key:
+            self.inputs[request_id] = input_key
+            while len(self.inputs) > self.memory:
+                self.inputs.pop(next(iter(self.inputs)))
         if passphrase:
             self.passphrases[request_id] = passphrase
             if spoken:
@@ -51,8 +60,9 @@ class CanaryDetector:
         events = []
         own = self.passphrases.get(victim, "")
         upper = text.upper()
+        key = self.inputs.get(victim)
         for source, phrase in self.passphrases.items():
-            if source == victim or (victim, source) in self._seen:
+            if source == victim or (victim, source) in self._seen or (key and self.inputs.get(source) == key):
                 continue
             if source in self.spoken:
                 matched = _spoken_leak(phrase, own, text)

@@ -92,7 +92,7 @@ class GrammarStage:
         try:
             compiled = self._compile_kind(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"{spec.kind} does not compile: {str(e).strip().splitlines()[0][:200]}") from None
+            raise ValueError(f"{spec.kind} does not compile: {_reason(e)}") from None
         self._compiled[spec] = compiled
         return compiled
 
@@ -100,8 +100,8 @@ class GrammarStage:
         c = self._compiler
         if spec.json is not None:
             return c.compile_json_schema(spec.json)
-        if spec.json_object:
-            return c.compile_builtin_json_grammar()
+        if spec.json_object:  # OpenAI's json_object is an object (vLLM compiles the same schema), not any JSON value
+            return c.compile_json_schema('{"type": "object"}')
         if spec.regex is not None:
             return c.compile_regex(spec.regex)
         if spec.choice is not None:
@@ -162,3 +162,11 @@ class GrammarStage:
         out = list(self.stale)
         self.stale.clear()
         return out
+
+
+def _reason(error: Exception) -> str:
+    """The library's first line without its log prefix ("[18:06:08] /project/cpp/regex_converter.cc:83: ")."""
+    import re
+
+    line = (str(error).strip().splitlines() or [""])[0]
+    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", line)[:200]
