@@ -19,7 +19,6 @@ next step boundary.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -41,20 +40,16 @@ from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
 from kvtui.serve.responses import Formatter, sse
 from kvtui.serve.transcribe import add_transcription_route, is_speech
+from kvtui.serve.waiting import ClientGone, engine_error
+from kvtui.serve.waiting import check_admitted as _check_admitted
+from kvtui.serve.waiting import next_item as _next
+from kvtui.serve.waiting import serial as _serial
+from kvtui.serve.waiting import wait_disconnect as _wait_disconnect
 
 # A passphrase as kvtui's passphrase prompts make them (WORD-WORD-NN): found in a prompt, it becomes
 # the request's canary, so the canary detector can see it leak into another client's answer.
 PASSPHRASE = re.compile(r"\b[A-Z]+-[A-Z]+-\d{2}\b")
-_serial = itertools.count(1)  # request ids: a serial (unique in the process) and a random tail, short for the dashboard
 TOKENIZE_WORKERS = 2  # threads that tokenize prompts and render chat templates (requests queue for them)
-# the engine's FinishCode of a rejected or failed request -> (HTTP status, OpenAI error code, param)
-ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
-                 "too_long": (400, "context_length_exceeded", "max_tokens"),
-                 "empty": (400, "empty_prompt", "prompt"),
-                 "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
-                 "invalid_logit_bias": (400, "invalid_logit_bias", "logit_bias"),
-                 "internal_error": (500, "internal_error", None),
-                 "invalid_structured_output": (400, "invalid_structured_output", None)}
 
 
 @dataclass
@@ -98,10 +93,6 @@ class ServerState:
         if self.context is None:
             raise ApiError(503, "the model is loading; retry in a few seconds", code="model_loading")
         return self.context
-
-
-class ClientGone(Exception):
-    """The client closed its connection."""
 
 
 def create_app(state: ServerState, *, api_key: str | None = None,
@@ -267,42 +258,6 @@ def _tenant(body) -> str | None:
     if body.user:
         return body.user
     return f"salt-{salt_digest(body.cache_salt)}" if body.cache_salt else None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns once the client disconnects (the body was read already, so receive() waits for that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _next(stream: RequestStream, listener: asyncio.Future):
-    """The request's next item, or ClientGone if the client disconnects first."""
-    get = asyncio.ensure_future(stream.queue.get())
-    done, _ = await asyncio.wait({get, listener}, return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()
-    raise ClientGone()
-
-
-def _check_admitted(first) -> None:
-    """Raises ApiError when the engine refused or failed the request (by its code, ENGINE_ERRORS) or
-    never took it (503)."""
-    if isinstance(first, Closed):
-        raise ApiError(503, "the server stopped before the request started", code="unavailable")
-    if isinstance(first, Finish) and first.finish_reason in ("rejected", "error"):
-        raise engine_error(first)
-
-
-def engine_error(finish: Finish) -> ApiError:
-    """The HTTP error of a request the engine rejected or failed, chosen by its FinishCode (an unknown
-    or missing code is a 500: the engine did not say why)."""
-    status, code, param = ENGINE_ERRORS.get(finish.code or "", (500, finish.code or "internal_error", None))
-    if finish.code == "queue_full":
-        return ApiError(status, f"the engine's {finish.detail}; retry later", param=param, code=code)
-    return ApiError(status, finish.detail or f"request {finish.finish_reason}", param=param, code=code)
 
 
 async def _whole(stream: RequestStream, item, formatter: Formatter, listener: asyncio.Future) -> dict:

@@ -137,10 +137,10 @@ def _temperature(value: str | None) -> float:
 
 async def _run(ctx, request: Request, prompt_ids: list[int], features, temperature: float):
     """Submit the transcription and wait for its Finish; ApiError when the engine refused or failed it."""
-    from kvtui.serve.app import ClientGone, _check_admitted, _next, _serial, _wait_disconnect, engine_error
     from kvtui.serve.bridge import Closed, TokenOut
+    from kvtui.serve.waiting import ClientGone, check_admitted, engine_error, next_item, serial, wait_disconnect
 
-    request_id = f"trsc-{next(_serial)}-{secrets.token_hex(3)}"
+    request_id = f"trsc-{next(serial)}-{secrets.token_hex(3)}"
     sampling = SamplingParams(temperature=temperature, seed=secrets.randbelow(2**31),
                               max_new_tokens=ctx.max_len - len(prompt_ids))
     metadata = {"audio_input": features, "audio": features.label, "prompt_text": f"[audio {features.label}]"}
@@ -151,12 +151,12 @@ async def _run(ctx, request: Request, prompt_ids: list[int], features, temperatu
         stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata)
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
-    listener = asyncio.ensure_future(_wait_disconnect(request))
+    listener = asyncio.ensure_future(wait_disconnect(request))
     try:
-        item = await _next(stream, listener)
-        _check_admitted(item)
+        item = await next_item(stream, listener)
+        check_admitted(item)
         while isinstance(item, TokenOut):
-            item = await _next(stream, listener)
+            item = await next_item(stream, listener)
         if isinstance(item, Closed):
             raise ApiError(503, "the server stopped before the request finished", code="unavailable")
         if item.finish_reason == "error":
