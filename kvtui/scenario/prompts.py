@@ -122,10 +122,7 @@ class FilePrompts(Strict):
 
     @pydantic.model_validator(mode="after")
     def _read(self, info: pydantic.ValidationInfo):
-        try:
-            self._prompts = read_prompt_file(self.path, (info.context or {}).get("base_dir"))
-        except Problem as e:
-            raise Problem(e.problem, e.fix, ("path",)) from None
+        self._prompts = _read_path(read_prompt_file, self.path, info)
         return self
 
     @property
@@ -266,15 +263,20 @@ class AudioPrompts(Strict):
 
     @pydantic.model_validator(mode="after")
     def _read(self, info: pydantic.ValidationInfo):
-        try:
-            self._files = wav_files(self.path, (info.context or {}).get("base_dir"))
-        except Problem as e:
-            raise Problem(e.problem, e.fix, ("path",)) from None
+        self._files = _read_path(wav_files, self.path, info)
         return self
 
     @property
     def files(self) -> list[Path]:
         return list(self._files)
+
+
+def _read_path(reader, path: str, info: pydantic.ValidationInfo):
+    """reader(path, the scenario file's folder), its Problem placed at the section's `path` field."""
+    try:
+        return reader(path, (info.context or {}).get("base_dir"))
+    except Problem as e:
+        raise Problem(e.problem, e.fix, ("path",)) from None
 
 
 PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts, SystemPromptPrompts,
