@@ -29,6 +29,8 @@ dashboard and the docs all read this table.
 | cross_row_misalign | encoder-decoder: the cross-K/V table is indexed by batch row and not compacted when a row leaves |
 | encoder_cache_unkeyed | encoder-decoder: the encoder cache is keyed by the decoder prompt, not the audio |
 | cross_kv_prefix_cached | encoder-decoder, paged prefix cache: block keys leave out the audio's hash |
+| embeds_unkeyed | paged prefix cache: positions filled by supplied embedding rows are keyed by their placeholder ids |
+| embeds_mask_unkeyed | paged prefix cache: supplied rows keyed by the tensor's digest, not by which positions are embeddings |
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class FaultName(StrEnum):
     CROSS_ROW_MISALIGN = "cross_row_misalign"
     ENCODER_CACHE_UNKEYED = "encoder_cache_unkeyed"
     CROSS_KV_PREFIX_CACHED = "cross_kv_prefix_cached"
+    # -- inputs beyond token ids (engine/inputs.py) --
+    EMBEDS_UNKEYED = "embeds_unkeyed"
+    EMBEDS_MASK_UNKEYED = "embeds_mask_unkeyed"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -213,6 +218,17 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "self-attention K/V computed against another audio is reused: the transcript drifts toward that audio",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",), models=(ENCODER_DECODER,)),
+    Fault("embeds_unkeyed", "prefix-cache keys cover placeholder ids only, not the supplied embedding rows",
+          "block_manager (via RequestState.cache_keys): a supplied row's position is keyed by its placeholder id",
+          "two prompts given as embeddings of the same length share KV: B answers with A's prompt",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference", "canary"),
+          "cross_request", ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+    Fault("embeds_mask_unkeyed", "prefix-cache keys cover the ids and the embeddings tensor, not the mask saying "
+          "which positions are embeddings (vLLM #56655)",
+          "block_manager (via RequestState.cache_keys): a position is keyed by (id, the tensor's row there)",
+          "a prompt whose mask differs from a cached one's, with equal ids and tensor, reuses its KV",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"),
+          "cross_request", ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)

@@ -334,9 +334,8 @@ class Session(RunBase):
         id, a value no check caught) finishes alone with `error`, so its client gets an answer and
         every other request goes on."""
         try:
-            state = self.engine.submit(p.request_id, p.prompt_ids, p.sampling, arrival_s=p.arrival_s,
-                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt,
-                                       audio=self._audio_of(p.metadata))
+            state = self.engine.submit(p.request_id, self._input_of(p), p.sampling, arrival_s=p.arrival_s,
+                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
         except Exception as e:
             self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
                                    detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
@@ -347,7 +346,7 @@ class Session(RunBase):
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None)
             if self.canary is not None:
-                audio = self._audio_of(p.metadata)
+                audio = state.input.audio
                 self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
                                       input_key=audio.content_hash if audio is not None else None)
             if self.constraint is not None:
@@ -435,16 +434,32 @@ class Session(RunBase):
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(
                     f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
-                    frozenset(f.faults), f.draws, self._audio_of(f.metadata)))
+                    frozenset(f.faults), f.draws, f.input))
 
-    def _audio_of(self, metadata: dict):
-        """A speech request's AudioInput (served requests carry it as `audio_input`; scenario requests
-        name their `audio_path`, read once), or None."""
-        if metadata.get("audio_input") is not None:
-            return metadata["audio_input"]
-        path = metadata.get("audio_path")
-        if path is None:
-            return None
+    def _input_of(self, p):
+        """A planned request's RequestInput: the one it carries (served uploads, embeddings, images), or
+        its prompt ids with its clip's AudioInput (audio_path, read once), or its prompt ids."""
+        from kvtui.engine.inputs import RequestInput
+
+        if p.input is not None:
+            return p.input
+        if p.embeds_mask is not None:
+            import torch
+
+            mask = torch.tensor(p.embeds_mask, dtype=torch.bool)
+            rows = self.engine.token_embeddings(p.embeds_rows_of or p.prompt_ids)
+            if p.embeds_rows_of is None:  # zeros at token positions, as vLLM's renderer leaves them
+                rows = rows.masked_fill(mask[:, None], 0.0)
+            else:  # the pair's first tensor: zeros where the first had token ids
+                first = torch.tensor([a == b for a, b in zip(p.embeds_rows_of, p.prompt_ids)], dtype=torch.bool)
+                rows = rows.masked_fill(first[:, None], 0.0)
+            return RequestInput.from_embeds(rows, p.prompt_ids, mask if bool(mask.any()) else None)
+        if p.audio_path is None:
+            return RequestInput(tuple(p.prompt_ids))
+        return RequestInput(tuple(p.prompt_ids), audio=self._audio_file(p.audio_path))
+
+    def _audio_file(self, path: str):
+        """The AudioInput of a WAV clip, read once (the AudioFiles cache)."""
         if self._audio_files is None:
             from kvtui.engine.encoder_cache import AudioFiles
 

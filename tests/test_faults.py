@@ -54,6 +54,19 @@ engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout:
 arrivals: {{process: constant, rate_per_s: 5.0}}
 prompts: {{kind: system_prompt, count: 2, system_tokens: 32, instruction_tokens: 16,
            user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
+    # prompts sent as embedding rows (all of them; in pairs of equal ids and tensor with different masks)
+    "embeds_unkeyed": """seed: 3
+max_requests: 6
+engine: {{kv: paged, block_size: 16, max_len: 256, max_batch_size: 2, prefix_caching: true, layout: {layout},
+          faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: 1.0}}
+prompts: {{kind: passphrase, embeds: all}}""",
+    "embeds_mask_unkeyed": """seed: 3
+max_requests: 6
+engine: {{kv: paged, block_size: 16, max_len: 256, max_batch_size: 2, prefix_caching: true, layout: {layout},
+          faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: 1.0}}
+prompts: {{kind: passphrase, embeds: mask_pairs}}""",
 }
 
 

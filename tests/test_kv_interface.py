@@ -90,3 +90,36 @@ def test_fault_names_are_typed_at_the_engines_use_sites():
     assert bare == []
     assert tuple(FaultName) == FAULT_NAMES
     assert [FaultName.STALE_SLOT == "stale_slot", f"{FaultName.BLOCK_REFCOUNT}"] == [True, "block_refcount"]
+
+
+def test_engine_has_no_model_kind_branch():
+    """The model's kind is read in one place (encoder_side.make_encoder_side); Engine never asks whether
+    its model is an encoder-decoder, has an encoder, or what its input carries."""
+    tree = ast.parse((ENGINE / "engine.py").read_text())
+    kind_words = ("is_encoder_decoder", "encoder_decoder", "ENCODER_DECODER", "DECODER_ONLY", "audio", "images",
+                  "embeds", "whisper")
+    named = sorted({n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(tree)
+                    if isinstance(n, (ast.Attribute, ast.Name)) and (n.attr if isinstance(n, ast.Attribute) else n.id)
+                    in kind_words})
+    assert named == []
+    tests_on_encoder = [ast.unparse(n.test) for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp))
+                        and "encoder" in ast.unparse(n.test)]
+    assert tests_on_encoder == []
+    readers = sorted({f.name for path in sorted(ENGINE.glob("*.py")) for f in _functions(ast.parse(path.read_text()))
+                      for n in ast.walk(f) if isinstance(n, ast.Constant) and n.value == "is_encoder_decoder"})
+    assert readers == ["make_encoder_side"]
+
+
+def test_every_encoder_side_implements_the_protocol_and_the_scheduler_calls_it():
+    from kvtui.engine.encoder import CrossAttentionInputs
+    from kvtui.engine.encoder_side import EncoderSide, TokenInputs
+
+    verbs = sorted(name for name, value in vars(EncoderSide).items() if callable(value) and not name.startswith("_"))
+    assert verbs == ["adjust_logits", "admit", "bind", "configure", "finish", "problem", "report", "submit"]
+    missing = [f"{cls.__name__}.{verb}" for cls in (TokenInputs, CrossAttentionInputs) for verb in verbs
+               if not callable(getattr(cls, verb, None))]
+    assert missing == []
+    scheduler = (ENGINE / "scheduler.py").read_text()
+    assert [v for v in ("self.encoder.admit(", "self.encoder.bind(", "self.encoder.finish(") if v not in scheduler] == []
+    engine = (ENGINE / "engine.py").read_text()
+    assert [v for v in (".admit(", ".bind(") if f"encoder{v}" in engine] == []

@@ -16,6 +16,7 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache, audio_hash, audio_input
 from kvtui.engine.engine import Engine
+from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import FinishCode, SamplingParams
 from kvtui.models import whisper as wh
 
@@ -58,7 +59,7 @@ def _run(engine: Engine, arrivals: list[tuple[int, str, int, int]], audio: list[
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= engine.step_index:
             _, rid, clip, n = pending.pop(0)
-            engine.submit(rid, TINY_PROMPT, SamplingParams(max_new_tokens=n), audio=audio[clip])
+            engine.submit(rid, RequestInput(tuple(TINY_PROMPT), audio=audio[clip]), SamplingParams(max_new_tokens=n))
         events.append(engine.step())
         out |= {f.request_id: list(f.output_ids) for f in events[-1].finished}
     return out, events
@@ -90,7 +91,7 @@ def test_one_encoder_forward_per_admission_step(clips_audio, monkeypatch):
     encode = engine.runner.encode
     monkeypatch.setattr(engine.runner, "encode", lambda feats: calls.append(feats.shape[0]) or encode(feats))
     for rid, clip in (("a", 0), ("b", 1), ("c", 1)):  # b and c: same audio, computed once
-        engine.submit(rid, TINY_PROMPT, SamplingParams(max_new_tokens=4), audio=clips_audio[clip])
+        engine.submit(rid, RequestInput(tuple(TINY_PROMPT), audio=clips_audio[clip]), SamplingParams(max_new_tokens=4))
     engine.step()
     assert calls == [2]
     entries = engine.encoder.cache
@@ -102,14 +103,14 @@ def test_one_encoder_forward_per_admission_step(clips_audio, monkeypatch):
 def test_audio_problems_are_rejections(clips_audio, tiny):
     engine = _tiny_engine()
     missing = engine.submit("m", TINY_PROMPT)
-    bad = engine.submit("b", TINY_PROMPT, audio=AudioInput(torch.zeros(80, 100), "x"))
-    good = engine.submit("g", TINY_PROMPT, SamplingParams(max_new_tokens=3), audio=clips_audio[0])
+    bad = engine.submit("b", RequestInput(tuple(TINY_PROMPT), audio=AudioInput(torch.zeros(80, 100), "x")))
+    good = engine.submit("g", RequestInput(tuple(TINY_PROMPT), audio=clips_audio[0]), SamplingParams(max_new_tokens=3))
     assert (missing.finish_code, bad.finish_code) == (FinishCode.EMPTY.value, FinishCode.EMPTY.value)
     assert "needs audio" in missing.finish_detail and "(80, 3000)" in bad.finish_detail
     engine.run_until_done()
     assert good.finish_reason.value == "length" and len(good.generated_ids) == 3
     llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
-    r = llama.submit("x", [1, 2, 3], audio=clips_audio[0])
+    r = llama.submit("x", RequestInput((1, 2, 3), audio=clips_audio[0]))
     assert r.finish_reason.value == "rejected" and r.finish_detail == "audio given to a decoder-only model"
 
 
@@ -168,7 +169,7 @@ def test_whisper_tiny_en_batched_equals_generate_on_every_clip(whisper_en, kv):
     audio = [audio_input(wh.read_wav(c), whisper_en.feature_extractor, c.name) for c in CLIPS]
     prompt = whisper_en.tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
     for i, a in enumerate(audio):
-        engine.submit(CLIPS[i].stem, prompt, SamplingParams(max_new_tokens=40), audio=a)
+        engine.submit(CLIPS[i].stem, RequestInput(tuple(prompt), audio=a), SamplingParams(max_new_tokens=40))
     out = {f.request_id: list(f.output_ids) for e in engine.run_until_done() for f in e.finished}
     for clip, a in zip(CLIPS, audio):
         solo = reference.generate(a.features[None], max_new_tokens=40, return_dict_in_generate=True).sequences
@@ -179,8 +180,8 @@ def test_whisper_tiny_en_batched_equals_generate_on_every_clip(whisper_en, kv):
 
 def test_encoder_fields_are_recorded(clips_audio):
     engine = _tiny_engine()
-    engine.submit("a", TINY_PROMPT, SamplingParams(max_new_tokens=2), audio=clips_audio[0])
-    engine.submit("b", TINY_PROMPT, SamplingParams(max_new_tokens=2), audio=clips_audio[0])
+    engine.submit("a", RequestInput(tuple(TINY_PROMPT), audio=clips_audio[0]), SamplingParams(max_new_tokens=2))
+    engine.submit("b", RequestInput(tuple(TINY_PROMPT), audio=clips_audio[0]), SamplingParams(max_new_tokens=2))
     record = engine.step().to_dict()
     assert {k: record[k] for k in ("encoder_entries", "encoder_referenced", "encoder_hits", "encoder_misses")} == dict(
         encoder_entries=1, encoder_referenced=1, encoder_hits=1, encoder_misses=1)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvtui.bench.common import Spread
+from kvtui.engine.inputs import RequestInput
 
 NEW_TOKENS = 64  # more than any shipped clip's transcript (12-16 tokens): every run ends at end-of-text
 CLIPS_DIR = Path(__file__).resolve().parents[2] / "scenarios" / "audio"
@@ -64,7 +65,7 @@ def kvtui_run(loaded, audio: list, prompt: list[int], *, batched: bool,
     for group in groups:
         engine = _engine(loaded, len(group), new_tokens)
         for i in group:
-            engine.submit(f"c{i}", prompt, params, audio=audio[i])
+            engine.submit(f"c{i}", RequestInput(tuple(prompt), audio=audio[i]), params)
         for report in engine.run_until_done():
             for f in report.finished:
                 outputs[int(f.request_id[1:])] = list(f.output_ids)

@@ -39,6 +39,7 @@ import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine
+from kvtui.engine.inputs import RequestInput
 from kvtui.engine.sampling import Draw
 from kvtui.events import Contamination, ReferenceEvidence, SkipReason
 
@@ -154,7 +155,8 @@ class PendingCheck:
         earlier_owners: requests that held its slot before it, most recent last.
         faults: the faults on during any step it took part in.
         draws: sampled requests: the Draw of each generated token (kvtui/engine/sampling.py).
-        audio: a speech model's request: its AudioInput (the reference transcribes the same audio).
+        input: what it fed the model beyond the ids (kvtui.engine.inputs.RequestInput: audio, supplied
+            embedding rows, images), replayed as it was; None: a text prompt of prompt_ids.
     """
 
     request_id: str
@@ -167,7 +169,7 @@ class PendingCheck:
     earlier_owners: tuple[str, ...] = ()
     faults: frozenset = frozenset()
     draws: tuple = ()
-    audio: object = None
+    input: object = None
 
 
 class ReferenceDetector:
@@ -234,7 +236,7 @@ class ReferenceDetector:
             if self._interrupted:  # the same checks again, so the interrupted run resumes
                 take = min(self._interrupted, len(self.queue))
             checks = [self.queue.popleft() for _ in range(take)]
-            references = self._references([(c.prompt_ids, c.sampling, c.audio) for c in checks], should_stop)
+            references = self._references([(c.input or c.prompt_ids, c.sampling) for c in checks], should_stop)
             if references is None:  # stopped mid-batch: put them back, at the front
                 self.queue.extendleft(reversed(checks))
                 self._interrupted = take
@@ -255,10 +257,10 @@ class ReferenceDetector:
 
     # -- references ---------------------------------------------------------------------------
     def _references(self, items, should_stop=None) -> list[tuple[list[int], list[float]]] | None:
-        """(tokens, top-2 gaps) of each (prompt, sampling, audio or None) in a clean engine, from the LRU
-        cache or computed together; None when `should_stop()` turned true meanwhile."""
+        """(tokens, top-2 gaps) of each (prompt, sampling) in a clean engine, from the LRU cache or computed
+        together; None when `should_stop()` turned true meanwhile. A prompt: a RequestInput or token ids."""
         items = [_item(it) for it in items]
-        keys = [(self.loaded.model_id, str(self.loaded.dtype), tuple(p), s, a and a.content_hash) for p, s, a in items]
+        keys = [(self.loaded.model_id, str(self.loaded.dtype), p.identity, s) for p, s in items]
         missing = [i for i, key in enumerate(keys) if key not in self._cache]
         if missing:
             computed = self._run([items[i] for i in missing], frozenset(), should_stop)
@@ -275,7 +277,7 @@ class ReferenceDetector:
         return results
 
     def _run(self, items, faults: frozenset, should_stop=None) -> list[tuple[list[int], list[float]]] | None:
-        """Run (prompt, sampling, audio or None) items together with `faults` on and no EOS, so each covers its
+        """Run (prompt, sampling) items together with `faults` on and no EOS, so each covers its
         max_new_tokens (comparisons stop at the checked output's length). Without faults the clean engine
         is kept between calls (its pool grows to the longest request seen, so a long run does not allocate
         a pool per check); with faults a fresh engine replays the request alone.
@@ -283,13 +285,13 @@ class ReferenceDetector:
         Returns None when `should_stop()` turned true between steps; the clean run is then kept as it
         is, and a later call with the same items resumes it instead of starting over."""
         items = [_item(it) for it in items]
-        key = tuple((tuple(p), s, a and a.content_hash) for p, s, a in items)
+        key = tuple((p.identity, s) for p, s in items)
         if not faults and self._resume is not None and self._resume[0] == key:
             engine, states = self._resume[1], self._resume[2]
         else:
-            max_len = max(len(p) + s.max_new_tokens for p, s, _ in items)
+            max_len = max(len(p.prompt_ids) + s.max_new_tokens for p, s in items)
             engine = self._clean_engine(max_len) if not faults else self._engine(len(items), max_len, faults)
-            states = [engine.submit(f"reference-{i}", list(p), s, audio=a) for i, (p, s, a) in enumerate(items)]
+            states = [engine.submit(f"reference-{i}", p, s) for i, (p, s) in enumerate(items)]
         self._resume = None
         while engine.has_unfinished():
             if should_stop is not None and should_stop():
@@ -362,7 +364,7 @@ class ReferenceDetector:
         """corruption when the request alone, with the same faults, diverges the same way; else
         cross_request with its suspects (and the source when there is only one). None when
         `should_stop()` turned true during that replay (a quit does not wait for it)."""
-        replayed = self._run([(check.prompt_ids, check.sampling, check.audio)], frozenset(check.faults), should_stop)
+        replayed = self._run([(check.input or check.prompt_ids, check.sampling)], frozenset(check.faults), should_stop)
         if replayed is None:
             return None
         alone = replayed[0][0]
@@ -376,8 +378,8 @@ class ReferenceDetector:
 
 
 def _item(item: tuple) -> tuple:
-    """(prompt, sampling, audio): a (prompt, sampling) pair gets audio None."""
-    return item if len(item) == 3 else (*item, None)
+    """(RequestInput, sampling) of a (prompt, sampling) pair whose prompt is a RequestInput or token ids."""
+    return RequestInput.of(item[0]), item[1]
 
 
 def _first_difference(output: list[int], reference: list[int]) -> int | None:

@@ -106,6 +106,9 @@ class BatchTensors:
             query's own request (cache padding, other requests' blocks).
         segments: one Segment per chunk (chunk order): where its queries and its own keys are.
         pad_write_*: [P] int64, pad cells whose K/V are cached too (fp16_cache fault only), else None.
+        splice_row, splice_col: [M] int64, query cells whose input embedding is a supplied row (prompt
+            embeddings, image features: ScheduledChunk.spliced), and splice_values [M, hidden] those rows;
+            None when the batch splices nothing.
     """
 
     input_ids: torch.Tensor
@@ -129,6 +132,9 @@ class BatchTensors:
     pad_write_col: torch.Tensor | None = None
     pad_write_slot: torch.Tensor | None = None
     pad_write_pos: torch.Tensor | None = None
+    splice_row: torch.Tensor | None = None
+    splice_col: torch.Tensor | None = None
+    splice_values: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -175,6 +181,7 @@ class _Tables:
         self.writes: list[list[int]] = [[], [], [], []]  # row, col, slot, pos
         self.pad_writes: list[list[int]] = [[], [], [], []]
         self.samples: list[list[int]] = [[], [], []]  # row, col, chunk
+        self.splices: list[tuple[int, list[int], torch.Tensor]] = []  # row, columns, rows [m, hidden]
         self.segments: list[Segment] = []
         self.key_padded = 0
 
@@ -204,6 +211,9 @@ class _Tables:
             written = (where[chunk.start_pos:].tolist(), offset[chunk.start_pos:].tolist())
         for table, values in zip(self.writes, ([row] * n, cols.tolist(), *written)):
             table += values
+        if chunk.spliced is not None:
+            offsets, values = chunk.spliced
+            self.splices.append((row, [q0 + o for o in offsets], values))
         if chunk.samples:
             for table, value in zip(self.samples, (row, q0 + n - 1, index)):
                 table.append(value)
@@ -233,6 +243,10 @@ class _Tables:
         if self.pad_writes[0]:
             pads = dict(zip(("pad_write_row", "pad_write_col", "pad_write_slot", "pad_write_pos"),
                             map(_tensor, self.pad_writes)))
+        if self.splices:
+            pads |= dict(splice_row=_tensor([r for r, cols, _ in self.splices for _ in cols]),
+                         splice_col=_tensor([c for _, cols, _ in self.splices for c in cols]),
+                         splice_values=torch.cat([v for _, _, v in self.splices]))
         row, col, chunk = self.samples
         return BatchTensors(self.input_ids, self.position_ids, self.allowed, *map(_tensor, self.writes),
                             self.key_slot, self.key_pos, self.key_owner, self.query_owner, _tensor(row), _tensor(col),

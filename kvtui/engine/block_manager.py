@@ -45,8 +45,11 @@ NONE_KEY = hashlib.sha256(b"kvtui:prefix-cache:none").digest()  # parent of ever
 
 def block_key(parent: bytes | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:
     """The prefix-cache key of a block: sha256 of the compact JSON `[parent hex, token ids, extra keys]`
-    (parent None: NONE_KEY). Stable across processes and machines."""
-    payload = [(parent or NONE_KEY).hex(), [int(t) for t in token_ids], [str(k) for k in extra_keys]]
+    (parent None: NONE_KEY). A position that holds no token (a supplied embedding row, an image
+    position) is keyed by a string naming its contents (RequestState.cache_keys). Stable across
+    processes and machines."""
+    payload = [(parent or NONE_KEY).hex(), [t if isinstance(t, str) else int(t) for t in token_ids],
+               [str(k) for k in extra_keys]]
     return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).digest()
 
 
@@ -280,11 +283,14 @@ class BlockManager:
         return chain_keys(token_ids, self.block_size, salt, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
                           salted=FaultName.UNSALTED_PREFIX not in self.faults)
 
-    def lookup(self, token_ids: Sequence[int], salt: str | None) -> list[Reuse]:
+    def lookup(self, token_ids: Sequence, salt: str | None, truth_ids: Sequence | None = None) -> list[Reuse]:
         """The longest cached prefix of `token_ids` (no side effects): consecutive full blocks whose
-        keys are cached, within len(token_ids) - 1 tokens."""
+        keys are cached, within len(token_ids) - 1 tokens. `token_ids`: one key item per position (a token
+        id, or a string naming what fills a position that is no token: RequestState.cache_keys) as the
+        lookup keys them; `truth_ids`: the same positions' true items (default: token_ids)."""
         cap, bs = len(token_ids) - 1, self.block_size
-        keys, truth = self._lookup_keys(token_ids, salt), chain_keys(token_ids, bs, None)
+        truth_ids = token_ids if truth_ids is None else truth_ids
+        keys, truth = self._lookup_keys(token_ids, salt), chain_keys(truth_ids, bs, None)
         out: list[Reuse] = []
         for i, key in enumerate(keys):
             block_id = self.pool.cached.get(key)
@@ -292,10 +298,10 @@ class BlockManager:
                 break
             out.append(Reuse(i, block_id, bs, self.pool.blocks[block_id].origin, truth[i], salt_digest(salt)))
         if FaultName.SHARED_PARTIAL_BLOCK in self.faults and len(out) == len(keys) and len(token_ids) % bs:
-            out += self._partial_hit(token_ids, salt, keys, truth, cap)
+            out += self._partial_hit(token_ids, salt, keys, truth, cap, truth_ids)
         return out
 
-    def _partial_hit(self, token_ids, salt, keys, truth, cap) -> list[Reuse]:
+    def _partial_hit(self, token_ids, salt, keys, truth, cap, truth_ids) -> list[Reuse]:
         """shared_partial_block: the cached partial last block of an identical prompt, taken as is."""
         key = partial_key(token_ids, self.block_size, salt, keys, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
                           salted=FaultName.UNSALTED_PREFIX not in self.faults)
@@ -304,14 +310,16 @@ class BlockManager:
         if block_id is None or tokens < 1:
             return []
         return [Reuse(len(keys), block_id, tokens, self.pool.blocks[block_id].origin,
-                      partial_key(token_ids, self.block_size, None, truth), salt_digest(salt))]
+                      partial_key(truth_ids, self.block_size, None, truth), salt_digest(salt))]
 
     # -- requests -----------------------------------------------------------------------------------
-    def admit(self, request_id: str, token_ids: Sequence[int], *, salt: str | None = None,
-              tenant: str | None = None, count_query: bool = True) -> Admission | None:
-        """Give a request the blocks for all of `token_ids`: its cached prefix (prefix caching on) and
-        new blocks for the rest. None when that would leave fewer than the watermark's blocks free."""
-        reused = self.lookup(token_ids, salt) if self.caching else []
+    def admit(self, request_id: str, token_ids: Sequence, *, salt: str | None = None,
+              tenant: str | None = None, count_query: bool = True, truth_ids: Sequence | None = None
+              ) -> Admission | None:
+        """Give a request the blocks for all of `token_ids` (key items, see lookup; `truth_ids` their true
+        items): its cached prefix (prefix caching on) and new blocks for the rest. None when that would
+        leave fewer than the watermark's blocks free."""
+        reused = self.lookup(token_ids, salt, truth_ids) if self.caching else []
         need = self.blocks_for(len(token_ids)) - len(reused)
         revived = sum(1 for r in reused if self.pool.blocks[r.block_id].ref_cnt == 0)
         if self.pool.num_free - revived - need < self.watermark_blocks:
@@ -386,25 +394,28 @@ class BlockManager:
         if table is not None:
             self.pool.free(table.blocks, outright=FaultName.BLOCK_REFCOUNT in self.faults)
 
-    def commit(self, request_id: str, token_ids: Sequence[int], num_tokens: int, *, prompt_len: int) -> None:
-        """After a step: cache the request's blocks now full, `token_ids` being its tokens so far and
-        `num_tokens` of them written (prefix caching on; shared_partial_block also caches the partial
-        last block of the prompt once it is written)."""
+    def commit(self, request_id: str, token_ids: Sequence, num_tokens: int, *, prompt_len: int,
+               truth_ids: Sequence | None = None) -> None:
+        """After a step: cache the request's blocks now full, `token_ids` being the key items of its
+        positions so far (`truth_ids` their true items; default the same) and `num_tokens` of them
+        written (prefix caching on; shared_partial_block also caches the partial last block of the
+        prompt once it is written)."""
+        truth_ids = token_ids if truth_ids is None else truth_ids
         table = self.tables.get(request_id)
         if table is None or not self.caching:
             return
         full = min(num_tokens // self.block_size, len(table.blocks))
         if full > table.cached:
             keys = self._lookup_keys(token_ids[: full * self.block_size], table.salt)
-            truth = chain_keys(token_ids[: full * self.block_size], self.block_size, None)
+            truth = chain_keys(truth_ids[: full * self.block_size], self.block_size, None)
             for i in range(table.cached, full):
                 origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth[i], self.block_size)
                 self.pool.cache(table.blocks[i], keys[i], origin)
             table.cached = full
         if FaultName.SHARED_PARTIAL_BLOCK in self.faults and num_tokens == prompt_len and not table.partial_done:
-            self._cache_partial(request_id, table, token_ids[:prompt_len])
+            self._cache_partial(request_id, table, token_ids[:prompt_len], truth_ids[:prompt_len])
 
-    def _cache_partial(self, request_id: str, table: _Table, prompt: Sequence[int]) -> None:
+    def _cache_partial(self, request_id: str, table: _Table, prompt: Sequence, true_prompt: Sequence) -> None:
         table.partial_done = True
         full = len(prompt) // self.block_size
         if len(prompt) % self.block_size == 0 or full >= len(table.blocks):
@@ -412,7 +423,7 @@ class BlockManager:
         keys = self._lookup_keys(prompt, table.salt)
         key = partial_key(prompt, self.block_size, table.salt, keys, parent=FaultName.PREFIX_KEY_NO_PARENT not in self.faults,
                           salted=FaultName.UNSALTED_PREFIX not in self.faults)
-        truth = partial_key(prompt, self.block_size, None, chain_keys(prompt, self.block_size, None))
+        truth = partial_key(true_prompt, self.block_size, None, chain_keys(true_prompt, self.block_size, None))
         origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth, len(prompt) % self.block_size)
         self.pool.cache(table.blocks[full], key, origin)
 

@@ -1,17 +1,17 @@
 """Encoder-decoder models (Whisper) in the engine: the encoder at admission, cross-attention per row.
 
 A request to an encoder-decoder engine carries its audio (`encoder_cache.AudioInput`, given to
-`Engine.submit(..., audio=...)`) and a decoder prompt (Whisper: [<|startoftranscript|>,
+`Engine.submit(id, RequestInput(decoder_prompt, audio=...))`) and a decoder prompt (Whisper: [<|startoftranscript|>,
 <|notimestamps|>]). Its life:
 
-1. Admission: `EncoderSide.admit` looks each newly admitted request's audio up in the encoder cache
+1. Admission: `CrossAttentionInputs.admit` looks each newly admitted request's audio up in the encoder cache
    (encoder_cache.py) by content hash. The misses of one step go through the encoder in one batched
    forward (`EncoderDecoderRunner.encode`), and every decoder layer's cross-attention k_proj / v_proj
    turns the encoder output into that audio's K/V, cached read-only and shared by later requests with
    the same audio.
 2. Decoder steps: the decoder's self-attention KV lives in the slot pool or paged blocks and goes
    through the same "kvtui" attention as a decoder-only model (attention.py). Before each forward,
-   `EncoderSide.bind` names the cross entry of every chunk of the step; each decoder layer's
+   `CrossAttentionInputs.bind` names the cross entry of every chunk of the step; each decoder layer's
    cross-attention then attends each chunk's queries to its own entry's K/V (`_cross_attention`, one
    SDPA call per chunk), so rows of one batch read different audio, and requests join and leave
    between steps as for any model.
@@ -44,7 +44,7 @@ from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.runner import ModelRunner
 from kvtui.events import EncoderHitEntry, TaintEntry
-from kvtui.faults import FP16_MASK_CONSTANT, FaultName
+from kvtui.faults import ENCODER_DECODER, FP16_MASK_CONSTANT, FaultName
 
 # The virtual clock's cost of one audio through the encoder (seconds): Whisper tiny.en's encoder forward on
 # one 30 s input (always padded to 1500 positions) measured at 0.27 s on 2 CPU cores (torch 2.13, 2
@@ -52,19 +52,6 @@ from kvtui.faults import FP16_MASK_CONSTANT, FaultName
 ENCODER_FORWARD_S = 0.27
 OVERRIDE = "kvtui_attention_override"  # the attribute attention.kvtui_attention looks for on a module
 _running = threading.local()  # .runner: the EncoderDecoderRunner whose forward runs in this thread
-
-
-def is_encoder_decoder(model) -> bool:
-    return bool(getattr(model.config, "is_encoder_decoder", False))
-
-
-def make_runner(model, pool: KVPool, capacity: int, *, enforce_eager: bool = False):
-    """(ModelRunner, None) for a decoder-only model (`enforce_eager`: see ModelRunner); (EncoderDecoderRunner,
-    EncoderSide with an encoder cache of `capacity` entries) for an encoder-decoder (transformers' modules)."""
-    if not is_encoder_decoder(model):
-        return ModelRunner(model, pool, enforce_eager=enforce_eager), None
-    runner = EncoderDecoderRunner(model, pool)
-    return runner, EncoderSide(runner, capacity)
 
 
 class _FilledCrossLayer(CacheLayerMixin):
@@ -104,7 +91,7 @@ class EncoderDecoderRunner(ModelRunner):
     cache, the encoder at admission (`encode`).
 
     Attributes:
-        entries: the step's cross entry per chunk (segment order), set by EncoderSide.bind; None
+        entries: the step's cross entry per chunk (segment order), set by CrossAttentionInputs.bind; None
             outside a step (then the hooks fall back to plain SDPA, so the model still works alone).
     """
 
@@ -186,12 +173,15 @@ def _sdpa(query, key, value, attention_mask, scaling):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling).transpose(1, 2)
 
 
-class EncoderSide:
-    """The engine's encoder-decoder part: audio per request, the encoder cache, the cross tables.
+class CrossAttentionInputs:
+    """The encoder side (engine/encoder_side.py) of an encoder-decoder: audio per request, the encoder
+    cache, the cross tables.
 
     Args:
         runner: the EncoderDecoderRunner; capacity: encoder cache entries.
     """
+
+    model_kind = ENCODER_DECODER
 
     def __init__(self, runner: EncoderDecoderRunner, capacity: int) -> None:
         self.runner = runner
@@ -208,10 +198,14 @@ class EncoderSide:
         if FaultName.CROSS_ROW_MISALIGN not in faults:  # a healthy table holds running requests only
             self.row_table = [(rid, e) for rid, e in self.row_table if rid in self.audio]
 
-    def problem(self, audio: AudioInput | None) -> str:
-        """Why `audio` cannot run here ("" when it can)."""
+    def problem(self, inp) -> str:
+        """Why the RequestInput `inp` cannot run here ("" when it can): no audio, audio of the wrong shape,
+        or supplied embeddings or images (the decoder reads token ids only)."""
+        audio = inp.audio
+        if inp.embeds is not None or inp.images:
+            return "a speech model takes audio and a decoder prompt of token ids, not prompt_embeds or images"
         if audio is None:
-            return "an encoder-decoder model needs audio: submit the request with audio=AudioInput(...)"
+            return "an encoder-decoder model needs audio: submit RequestInput(decoder prompt, audio=AudioInput(...))"
         if tuple(audio.features.shape) != self.feature_shape:
             return f"audio features of shape {tuple(audio.features.shape)}, the model takes {self.feature_shape}"
         return ""
@@ -223,8 +217,11 @@ class EncoderSide:
         same audio (and tenant). The cross_kv_prefix_cached fault makes the block keys leave it out."""
         return f"{salt or ''}\x1faudio:{audio.content_hash}"
 
-    def submit(self, request_id: str, audio: AudioInput) -> None:
-        self.audio[request_id] = audio
+    def submit(self, request) -> None:
+        """Keep the request's audio; its hash joins the request's prefix-cache salt (see `salted`)."""
+        audio = request.input.audio
+        self.audio[request.request_id] = audio
+        request.cache_salt = self.salted(request.cache_salt, audio)
 
     def key_of(self, request) -> str:
         """The cache key: the audio's content hash (encoder_cache_unkeyed: a hash of the decoder prompt)."""
@@ -232,10 +229,10 @@ class EncoderSide:
             return "prompt:" + hashlib.sha256(repr(request.prompt_ids).encode()).hexdigest()
         return self.audio[request.request_id].content_hash
 
-    def admit(self, admitted: list) -> int:
+    def admit(self, admitted: list) -> float:
         """Give every newly admitted request its cross entry: a cache hit, or one batched encoder forward
-        over the step's misses (one per distinct key). A preempted request keeps its entry. Returns how
-        many audio inputs the encoder ran on."""
+        over the step's misses (one per distinct key). A preempted request keeps its entry. Returns the
+        modeled seconds: ENCODER_FORWARD_S per audio input the encoder ran on."""
         misses: dict[str, list] = {}
         for request in admitted:
             rid = request.request_id
@@ -253,7 +250,7 @@ class EncoderSide:
                     self.cache.acquire(other.request_id, key)
         for request in admitted:
             self._place(request)
-        return len(misses)
+        return ENCODER_FORWARD_S * len(misses)
 
     def _place(self, request) -> None:
         entry = self.cache.entry_of(request.request_id)
@@ -262,10 +259,11 @@ class EncoderSide:
         if all(rid != request.request_id for rid, _ in self.row_table):
             self.row_table.append((request.request_id, entry))
 
-    def bind(self, chunks, request_ids: list[str]) -> tuple[TaintEntry, ...]:
-        """Name each chunk's cross entry for the coming forward; return a TaintEntry per chunk whose entry
-        was computed from other audio than its own (victim: the chunk's request; source: the request
-        whose admission computed the entry)."""
+    def bind(self, chunks) -> tuple[tuple, tuple[TaintEntry, ...]]:
+        """Name each chunk's cross entry for the coming forward; return the chunks (as they are) and a
+        TaintEntry per chunk whose entry was computed from other audio than its own (victim: the chunk's
+        request; source: the request whose admission computed the entry)."""
+        request_ids = [c.request.request_id for c in chunks]
         entries = []
         for i, chunk in enumerate(chunks):
             entry = self.cache.entry_of(chunk.request.request_id)
@@ -281,7 +279,7 @@ class EncoderSide:
                 positions = chunk.num_tokens * int(entry.keys[0].shape[1])
                 taint.append(TaintEntry(request_id=rid, sources=(entry.computed_for,), positions=positions,
                                         examples=((-1 if chunk.slot is None else chunk.slot, 0, entry.computed_for),)))
-        return tuple(taint)
+        return chunks, tuple(taint)
 
     def unbind(self) -> None:
         self.runner.entries = None
@@ -304,7 +302,7 @@ class EncoderSide:
         """The step event's encoder-cache fields (EncoderCache.report) and this step's hits."""
         return dict(**self.cache.report(), encoder_hit_log=self.hits())
 
-    def suppress(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
+    def adjust_logits(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
         """`logits` [V] with the generation config's suppressed tokens at -inf (and, for the first token,
         begin_suppress_tokens), as transformers' SuppressTokens(AtBegin)LogitsProcessor."""
         gen = self.runner.model.generation_config

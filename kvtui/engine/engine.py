@@ -17,10 +17,10 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
-from kvtui.engine.encoder import ENCODER_FORWARD_S, make_runner
-from kvtui.engine.encoder_cache import AudioInput
+from kvtui.engine.encoder_side import EncoderSide, make_encoder_side
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.grammar import GrammarStage
+from kvtui.engine.inputs import RequestInput
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
@@ -33,7 +33,7 @@ from kvtui.engine.runner import model_geometry
 from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
-from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS, FaultName, check_fault_names
+from kvtui.faults import FAULTS, FaultName, check_fault_names
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -106,10 +106,10 @@ class Engine:
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
         self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
         self.pool = self.kv.pool
-        # encoder-decoder models (Whisper): self.encoder holds the audio and the encoder cache (engine/encoder.py)
-        self.runner, self.encoder = make_runner(model, self.pool, encoder_cache_entries or encoder_capacity(config),
-                                                  enforce_eager=config.enforce_eager)
-        self.scheduler = Scheduler(self.kv, max_batch_size=config.max_batch_size,
+        # what requests feed the model besides token ids (engine/encoder_side.py); the scheduler owns it
+        self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
+                                                 encoder_capacity(config), enforce_eager=config.enforce_eager)
+        self.scheduler = Scheduler(self.kv, encoder, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
         self.clock, self.cost_model = clock, cost_model or StepCostModel()
@@ -129,6 +129,21 @@ class Engine:
         self.set_faults(config.faults)  # switched between steps
         self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
         self._next_serial = 0
+
+    @property
+    def encoder(self) -> EncoderSide:
+        """The encoder side (engine/encoder_side.py), owned by the scheduler."""
+        return self.scheduler.encoder
+
+    @property
+    def model_kind(self) -> str:
+        """kvtui.faults.DECODER_ONLY or ENCODER_DECODER, as the loaded model is (its encoder side says)."""
+        return self.scheduler.encoder.model_kind
+
+    def token_embeddings(self, token_ids) -> torch.Tensor:
+        """The model's own input embedding rows of `token_ids`: [T, hidden] float32 on the CPU (a prompt
+        given as embeddings that equal its tokens)."""
+        return self.runner.token_embeddings(token_ids)
 
     # -- time ---------------------------------------------------------------------------------
     def now(self) -> float:
@@ -164,16 +179,18 @@ class Engine:
                 self._t0 = math.nextafter(self._t0, -math.inf)
 
     # -- requests -----------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams | None = None, *,
+    def submit(self, request_id: str, prompt: RequestInput | list[int], sampling: SamplingParams | None = None, *,
                arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
-               cache_salt: str | None = None, audio: AudioInput | None = None) -> RequestState:
+               cache_salt: str | None = None) -> RequestState:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
         StepEvent's `finished`, never raised, so one request's bad input never reaches the batch.
         `tenant` and `cache_salt` matter to paged KV's prefix cache (the salt keys its first block).
-        `audio`: an encoder-decoder engine's input (Whisper: log-mel features and the audio's hash; the
-        prompt is the decoder prompt); missing, malformed, or given to a decoder-only engine: rejected.
+        `prompt`: a RequestInput (kvtui/engine/inputs.py: token ids, supplied embedding rows under a mask,
+        images, an encoder-decoder's audio), or a list of token ids for a text prompt. An input this
+        model cannot take (audio to a decoder-only model, no audio to Whisper, embedding rows of the
+        wrong width) is rejected.
 
         With sampling.n > 1 the request runs as n sequences `f"{i}_{request_id}"` (kvtui.engine.parallel):
         sequence 0 prefills the prompt and the others fork from it when its prefill samples; each
@@ -184,15 +201,16 @@ class Engine:
             ValueError: request_id (or one of its sequence ids) already used.
         """
         sampling = sampling or SamplingParams()
+        prompt = RequestInput.of(prompt)
         kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
-                  cache_salt=cache_salt, audio=audio)
+                  cache_salt=cache_salt)
         if sampling.n == 1:
-            return self._submit_one(request_id, prompt_ids, sampling, **kw)
+            return self._submit_one(request_id, prompt, sampling, **kw)
         ids = [child_id(request_id, i) for i in range(sampling.n)]
         if request_id in self.families.members or any(i in self.requests for i in ids):
             raise ValueError(f"duplicate {request_id = }")
-        lead = self._submit_one(ids[0], prompt_ids, child_sampling(sampling, 0), parent_id=request_id, **kw)
-        siblings = [self._submit_one(i, prompt_ids, replace(lead.sampling, seed=sampling.seed + k), parent_id=request_id,
+        lead = self._submit_one(ids[0], prompt, child_sampling(sampling, 0), parent_id=request_id, **kw)
+        siblings = [self._submit_one(i, prompt, replace(lead.sampling, seed=sampling.seed + k), parent_id=request_id,
                                      index=k, queue=False, **kw) for k, i in enumerate(ids[1:], start=1)]
         self.families.add(request_id, lead, siblings)
         if lead.is_done:  # rejected: every sequence shares the reason
@@ -204,13 +222,13 @@ class Engine:
         finished), else (request_id,)."""
         return self.families.ids(request_id)
 
-    def _submit_one(self, request_id: str, prompt_ids, sampling: SamplingParams, *, arrival_s: float,
-                    metadata, tenant, cache_salt, audio: AudioInput | None = None, parent_id: str | None = None,
-                    index: int = 0, queue: bool = True) -> RequestState:
+    def _submit_one(self, request_id: str, prompt: RequestInput, sampling: SamplingParams, *, arrival_s: float,
+                    metadata, tenant, cache_salt, parent_id: str | None = None, index: int = 0,
+                    queue: bool = True) -> RequestState:
         """Register one sequence; check it and queue it (queue=False: a sibling held to fork later)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id = }")
-        request = RequestState(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], sampling=sampling,
+        request = RequestState(request_id=request_id, prompt_ids=list(prompt.prompt_ids), sampling=sampling, input=prompt,
                                arrival_s=arrival_s, metadata=dict(metadata or {}), tenant=tenant,
                                cache_salt=cache_salt, parent_id=parent_id, index=index)
         self.requests[request_id] = request
@@ -219,14 +237,13 @@ class Engine:
         self._next_serial += 1
         if len(self._names) > NAME_MEMORY:  # names of long-gone writers: the oldest go first
             del self._names[next(iter(self._names))]
-        problem = None if not queue else (self._audio_problem(request, audio) or self._prompt_problem(request)
+        problem = None if not queue else (self._input_problem(request) or self._prompt_problem(request)
                                            or self._admission_problem(request))
         problem = problem or self._grammar_problem(request)
         if problem and queue:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
-        if self.encoder:
-            self.encoder.submit(request_id, audio)
+        self.encoder.submit(request)
         self._row_states[request_id] = RowState.of(request, self.stop_mask_ids)
         if queue:
             self.scheduler.add(request)
@@ -242,15 +259,10 @@ class Engine:
             return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
         return None
 
-    def _audio_problem(self, request: RequestState, audio: AudioInput | None) -> tuple[FinishCode, str] | None:
-        """(code, detail) when the request's audio does not fit the model (see Engine.submit)."""
-        problem = self.encoder.problem(audio) if self.encoder else ("" if audio is None else
-                                                                     "audio given to a decoder-only model")
-        if problem:
-            return FinishCode.EMPTY, problem
-        if self.encoder:  # the audio's hash keys the decoder's prefix-cache blocks (cross_kv_prefix_cached: not)
-            request.cache_salt = self.encoder.salted(request.cache_salt, audio)
-        return None
+    def _input_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """(code, detail) when the request's input does not fit the model (see Engine.submit)."""
+        problem = self.encoder.problem(request.input)
+        return (FinishCode.EMPTY, problem) if problem else None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
@@ -258,7 +270,9 @@ class Engine:
         longer than a slot."""
         if request.prompt_len == 0:
             return FinishCode.EMPTY, "empty prompt"
-        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab_size), None)
+        spliced = request.input.spliced_positions
+        bad = next((t for p, t in enumerate(request.prompt_ids) if not 0 <= t < self.vocab_size and p not in spliced),
+                   None)
         if bad is not None:
             return FinishCode.OUT_OF_VOCABULARY, (f"Token id {bad} is out of vocabulary: the model has "
                                                   f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
@@ -351,7 +365,7 @@ class Engine:
         """
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
-        model_kind = ENCODER_DECODER if self.encoder else DECODER_ONLY
+        model_kind = self.model_kind
         misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models)
         if misfit:
             raise ValueError(f"fault {misfit[0]!r} does not act on {model_kind} models like this engine's")
@@ -360,8 +374,7 @@ class Engine:
                              f"runs kv: {self.config.kv}")
         self._faults = faults
         self.kv.configure(self.config, faults)
-        if self.encoder:
-            self.encoder.configure(faults)
+        self.encoder.configure(faults)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -401,11 +414,10 @@ class Engine:
     def _step(self) -> StepEvent:
         start_s, wall_start = self.now(), time.perf_counter()
         faults = self._faults
-        admitted = self.scheduler.admit(start_s)
-        encoded = self.encoder.admit(admitted) if self.encoder else 0  # one encoder forward over new audio
-        plan = self.scheduler.plan()
+        self.scheduler.admit(start_s)  # and the encoder side's work for what it admits
+        plan = self.scheduler.plan()  # with each chunk's encoder inputs bound
         outcome = self._forward(plan, faults)
-        end_s = self._advance_clock(start_s, outcome.stats, encoded)
+        end_s = self._advance_clock(start_s, outcome.stats, self.scheduler.encoder_cost_s)
         running = self._postprocess(plan, outcome, end_s)
         report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running)
         self.step_index += 1
@@ -440,9 +452,8 @@ class Engine:
         own, ids = self._serials(plan.chunks), [c.request.request_id for c in plan.chunks]
         expected = self.kv.expected_writers(batch, plan.chunks, own)
         taint = tuple(slot_taint(batch, writers, own, self._names, ids, expected)) if self.detect_taint else ()
-        if self.encoder:  # each chunk's cross K/V; a read of other audio's K/V is cross-attention taint
-            cross_taint = self.encoder.bind(plan.chunks, ids)
-            taint = _merge_taint(taint, cross_taint) if self.detect_taint else taint
+        if self.detect_taint:  # a chunk that read another input's encoder output (cross K/V, spliced rows)
+            taint = _merge_taint(taint, plan.taint)
         logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16=FaultName.FP16_CACHE in faults,
                                             own_range=not faults & MASK_FAULTS)
         flow = ()
@@ -470,12 +481,12 @@ class Engine:
             self.pool.writer[batch.pad_write_slot, batch.pad_write_pos] = PAD_WRITTEN
         return key_writers(self.pool.writer, batch)
 
-    def _advance_clock(self, start_s: float, stats: BatchStats, encoded: int = 0) -> float:
-        """End of the step: virtual clock += modeled duration (padded positions cost time too), plus
-        ENCODER_FORWARD_S per audio the encoder ran on (encoder-decoder models)."""
+    def _advance_clock(self, start_s: float, stats: BatchStats, encoder_s: float = 0.0) -> float:
+        """End of the step: virtual clock += modeled duration (padded positions cost time too), plus the
+        encoder side's modeled seconds for what it encoded at admission."""
         if self.clock == "virtual" and stats.rows:
             self._virtual_now = start_s + self.cost_model.duration(stats.rows, stats.query_positions,
-                                                                   stats.key_cells) + ENCODER_FORWARD_S * encoded
+                                                                   stats.key_cells) + encoder_s
         return self.now()
 
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
@@ -565,8 +576,7 @@ class Engine:
         """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
         Returns (token, logprobs or None, the request whose row state picked it). Whatever raises
         leaves the request's tokens as they were."""
-        if self.encoder:  # Whisper's suppressed tokens, as its generation config says
-            logits = self.encoder.suppress(logits, len(request.generated_ids))
+        logits = self.encoder.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
         state = self.rows.state_of(request.request_id)
         processed = self._processed(state, logits)
         shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
@@ -634,9 +644,7 @@ class Engine:
 
     def _finish(self, request: RequestState, reason: FinishReason, detail: str,
                 code: FinishCode | None = None) -> None:
-        self.scheduler.finish(request)  # its KV goes back at once (cached blocks stay cached)
-        if self.encoder:
-            self.encoder.finish(request.request_id)
+        self.scheduler.finish(request)  # its KV and its hold on encoder outputs go back at once
         request.status = RequestStatus.ABORTED if reason == FinishReason.ABORT else RequestStatus.FINISHED
         request.finish_reason = reason
         if detail:
@@ -658,14 +666,14 @@ class Engine:
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
             tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
-            r.faults_seen, r.tenant, r.finish_code, tuple(r.draws))
+            r.faults_seen, r.tenant, r.finish_code, tuple(r.draws), r.input)
 
     def _pool_fields(self) -> dict:
         """Occupancy and KV fields of a StepEvent: running requests (of max_batch_size), and from the KV
         cache slots, or with paged KV blocks (see SlotCache / PagedCache.report_fields)."""
         running = self.scheduler.running
         return dict(num_running=len(running), max_batch_size=self.config.max_batch_size,
-                    **self.kv.report_fields(running), **(self.encoder.report() if self.encoder else {}))
+                    **self.kv.report_fields(running), **self.encoder.report())
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningEntry, ...]) -> StepEvent:

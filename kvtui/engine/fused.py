@@ -135,12 +135,13 @@ class FusedLlama:
         """The LM head on hidden states [S, hidden]: logits [S, V] in the model dtype."""
         return _mm(hidden, self.head, self.head_bias)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, state,
+    def __call__(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache, state,
                  attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The body's forward: input_ids and position_ids [R, Q] int64; `cache` the runner's PooledCache
-        bound to `state`; attention_mask the [R, 1, Q, K] additive mask where the step's attention path
-        reads one, else None. Returns the final hidden states [R, Q, hidden] (after the last norm)."""
-        hidden = self.embed(input_ids)
+        """The body's forward: inputs_embeds [R, Q, hidden] (ModelRunner.input_embeds) and position_ids
+        [R, Q] int64; `cache` the runner's PooledCache bound to `state`; attention_mask the [R, 1, Q, K]
+        additive mask where the step's attention path reads one, else None. Returns the final hidden
+        states [R, Q, hidden] (after the last norm)."""
+        hidden = inputs_embeds
         cos, sin = self.rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [R, 1, Q, D]
         for layer in self.layers:

@@ -40,6 +40,7 @@ class PagedCache:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_running = 1  # max_batch_size, set by configure
+        self.faults: frozenset[str] = frozenset()
         self.manager = BlockManager(pool.num_blocks, pool.block_size, caching=caching, watermark=watermark)
         self.serial_of = serial_of
         self.borrowed: dict[str, list[int]] = {}  # request -> writer serial allowed at each reused position
@@ -53,6 +54,7 @@ class PagedCache:
         """max_batch_size (running requests) and the faults the block bookkeeping acts on from the next
         step (the paged ones; others are ignored)."""
         self.max_running = config.max_batch_size
+        self.faults = faults  # the input-keying faults (embeds_unkeyed, ...) act on RequestState.cache_keys
         self.manager.faults = faults
         if FaultName.CROSS_KV_PREFIX_CACHED in faults:  # encoder-decoders: keys without the audio's hash (the salt)
             self.manager.faults = faults | {FaultName.UNSALTED_PREFIX}
@@ -74,8 +76,10 @@ class PagedCache:
         max_batch_size run and the watermark is kept; False leaves it waiting."""
         if num_running >= self.max_running:
             return False
-        admission = self.manager.admit(request.request_id, request.prefill_ids, salt=request.cache_salt,
-                                       tenant=request.tenant, count_query=request.num_preemptions == 0)
+        n = request.prefill_len
+        admission = self.manager.admit(request.request_id, request.cache_keys(n, self.faults), salt=request.cache_salt,
+                                       tenant=request.tenant, count_query=request.num_preemptions == 0,
+                                       truth_ids=request.cache_keys(n))
         if admission is None:
             return False
         request.cache_len = request.prefill_done = admission.hit_tokens
@@ -134,7 +138,9 @@ class PagedCache:
     # -- after the forward ----------------------------------------------------------------------------
     def commit(self, request: RequestState) -> None:
         """Cache the request's blocks that its written tokens now fill (prefix caching)."""
-        self.manager.commit(request.request_id, request.all_ids, request.cache_len, prompt_len=request.prompt_len)
+        n = len(request.all_ids)
+        self.manager.commit(request.request_id, request.cache_keys(n, self.faults), request.cache_len,
+                            prompt_len=request.prompt_len, truth_ids=request.cache_keys(n))
 
     def finish(self, request: RequestState) -> None:
         """A finished request's blocks go back (cached ones stay cached until evicted)."""

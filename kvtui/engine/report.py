@@ -42,6 +42,7 @@ class FinishedRequestReport:
         faults: the faults active in any step it took part in.
         draws: sampling requests: the Draw of each generated token (uniform and the CDF around it);
             empty when greedy.
+        input: the RequestInput it ran on (kvtui/engine/inputs.py), for a replay of the same input.
     """
 
     request_id: str
@@ -64,3 +65,4 @@ class FinishedRequestReport:
     tenant: str | None = None
     code: str = ""
     draws: tuple = ()
+    input: object = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvtui.engine.inputs import RequestInput
+
 
 class RequestStatus(str, enum.Enum):
     """Lifecycle: WAITING -> RUNNING -> FINISHED, or ABORTED from either of the first two."""
@@ -231,6 +233,8 @@ class RequestState:
             preemption by recompute (its KV was given back); 0 otherwise.
         num_preemptions: times it was preempted; prefix_hit_tokens: tokens its last admission took
             from the prefix cache.
+        input: what the request feeds the model (kvtui/engine/inputs.py: token ids, supplied embedding
+            rows, images, audio); its prompt_ids equal `prompt_ids`.
         parent_id: parallel sampling (n > 1): the id the caller submitted; this sequence is its child
             `index` (request_id `f"{index}_{parent_id}"`, as vLLM names them). None for n = 1.
     """
@@ -264,6 +268,11 @@ class RequestState:
     prefix_hit_tokens: int = 0
     parent_id: str | None = None
     index: int = 0
+    input: RequestInput | None = None
+
+    def __post_init__(self) -> None:
+        if self.input is None:
+            self.input = RequestInput(tuple(self.prompt_ids))
 
     @property
     def prompt_len(self) -> int:
@@ -288,6 +297,13 @@ class RequestState:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.generated_ids
+
+    def cache_keys(self, num_tokens: int, faults: frozenset = frozenset()) -> list:
+        """Prefix-cache key items of positions 0 .. num_tokens - 1 (RequestInput.position_keys for the
+        prompt, the token ids after it); faults=frozenset() gives the true keys."""
+        spliced = self.input.embeds is not None or self.input.images
+        keys = self.input.position_keys(faults) if spliced else list(self.prompt_ids)
+        return (keys + self.generated_ids)[:num_tokens]
 
     @property
     def is_done(self) -> bool:

@@ -87,12 +87,13 @@ class ModelRunner:
         masked = FP16_MASK_CONSTANT if state.fp16 else None
         if bind:
             self.cache.state = state
+        embeds = self.input_embeds(batch)
         if self.fused is not None:
             mask = None if state.own_range else batch.additive_mask(self.dtype, masked).to(self.device)
-            hidden = self.fused(batch.input_ids, batch.position_ids, self.cache, state, mask)
+            hidden = self.fused(embeds, batch.position_ids, self.cache, state, mask)
         else:
             hidden = self.body(
-                input_ids=batch.input_ids,
+                inputs_embeds=embeds,
                 attention_mask=batch.additive_mask(self.dtype, masked).to(self.device),
                 position_ids=batch.position_ids,
                 cache=self.cache,
@@ -101,6 +102,21 @@ class ModelRunner:
         hidden = hidden[batch.sample_row, batch.sample_col]  # [S, hidden]
         logits = self.head(hidden) if self.fused is None else self.fused.logits(hidden)
         return logits.float().cpu()
+
+    @torch.inference_mode()
+    def token_embeddings(self, token_ids) -> torch.Tensor:
+        """The embedding table's rows of `token_ids`: [T, hidden] float32 on the CPU."""
+        ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long, device=self.device)
+        return self.model.get_input_embeddings()(ids).float().cpu().clone()
+
+    def input_embeds(self, batch: BatchTensors) -> torch.Tensor:
+        """[R, Q, hidden] input embeddings of the batch: the embedding table's row of each token id, and
+        at the spliced cells (batch.splice_row/col) the supplied rows, cast to the model dtype. The
+        same as the model's own embedding of input_ids where nothing is spliced."""
+        embeds = self.model.get_input_embeddings()(batch.input_ids)
+        if batch.splice_values is not None:
+            embeds[batch.splice_row, batch.splice_col] = batch.splice_values.to(embeds.device, embeds.dtype)
+        return embeds
 
     @torch.inference_mode()
     def forward(self, batch: BatchTensors, *, measure_flow: bool = False, fp16: bool = False,

@@ -3,7 +3,9 @@
 Pure Python over RequestState; produces a StepPlan (plain data) that batching.py turns into tensors.
 
 The scheduler owns the engine's KV cache (kv_cache.KVCache: SlotCache or PagedCache) and calls it
-one way: admit, ensure, preempt, finish; the cache never calls back.
+one way: admit, ensure, preempt, finish; the cache never calls back. It owns the encoder side
+(encoder_side.EncoderSide) too: it calls its admit after admission, bind on the planned chunks, and
+finish when a request ends; the encoder side never calls back either.
 
 Policy, in order, every step:
 1. Admission (FIFO): while requests wait and the KV cache admits the oldest (a free slot; with
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvtui.engine.encoder_side import EncoderSide, TokenInputs
 from kvtui.engine.kv_cache import KVCache
 from kvtui.engine.request import RequestState, RequestStatus
 
@@ -44,6 +47,8 @@ class ScheduledChunk:
         samples: True when this chunk ends the prompt or is a decode, so a token is sampled.
         phase: "prefill" or "decode".
         blocks: paged KV: the request's block table (block ids, covering end_pos); None with slots.
+        spliced: rows spliced into the model's input embeddings at some of the fed positions (prompt
+            embeddings, image features), as (offsets into token_ids, rows [m, hidden]); None: none.
     """
 
     request: RequestState
@@ -53,6 +58,7 @@ class ScheduledChunk:
     samples: bool
     phase: str
     blocks: tuple[int, ...] | None = None
+    spliced: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +72,12 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one step computes: chunks in row order (padded) or segment order (packed)."""
+    """What one step computes: chunks in row order (padded) or segment order (packed), and the encoder
+    side's reports on the inputs it bound to them (TaintEntry per chunk that reads another input's
+    encoder output: cross-attention K/V or spliced rows)."""
 
     chunks: tuple[ScheduledChunk, ...]
+    taint: tuple = ()
 
     @property
     def empty(self) -> bool:
@@ -95,14 +104,18 @@ class Scheduler:
 
     Args:
         kv: the KV cache it admits into and plans over (it owns it; see kv_cache.py).
+        encoder: the encoder side (it owns it; see encoder_side.py); default TokenInputs() (token ids and
+            supplied embedding rows).
         max_batch_size: rows per step.
         max_tokens_per_step: real tokens per step (prefill + decode).
         bucketing, bucket_tolerance: see module docstring.
     """
 
-    def __init__(self, kv: KVCache, *, max_batch_size: int, max_tokens_per_step: int, bucketing: bool = False,
-                 bucket_tolerance: float = 0.2) -> None:
+    def __init__(self, kv: KVCache, encoder: EncoderSide | None = None, *, max_batch_size: int,
+                 max_tokens_per_step: int, bucketing: bool = False, bucket_tolerance: float = 0.2) -> None:
         self.kv = kv
+        self.encoder = encoder if encoder is not None else TokenInputs()
+        self.encoder_cost_s = 0.0  # modeled seconds of the last admission's encoder work (virtual clock)
         self.max_batch_size = max_batch_size
         self.max_tokens_per_step = max_tokens_per_step
         self.bucketing = bucketing
@@ -133,6 +146,7 @@ class Scheduler:
         elif any(r is request for r in self.waiting):  # aborted while waiting (a rejected one never queued)
             self.waiting.remove(request)
         self.kv.finish(request)
+        self.encoder.finish(request.request_id)
 
     def admit(self, start_s: float) -> list[RequestState]:
         """Admit waiting requests in order (FIFO: the head blocks the rest) while the KV cache gives the
@@ -145,6 +159,7 @@ class Scheduler:
             if request.scheduled_s is None:  # a preempted request keeps its first
                 request.scheduled_s = start_s
             admitted.append(request)
+        self.encoder_cost_s = self.encoder.admit(admitted)
         return admitted
 
     def _ordered(self) -> list[RequestState]:
@@ -158,7 +173,8 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """Choose this step's chunks from the running requests (see module docstring), each with its KV
-        place; preempts when the cache has no room."""
+        place and the encoder side's inputs bound (encoder_side.EncoderSide.bind); preempts when the
+        cache has no room."""
         chunks: list[ScheduledChunk] = []
         budget = self.max_tokens_per_step
         for request in self._ordered():
@@ -172,7 +188,8 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request, place.slot, request.cache_len, token_ids, samples, phase,
                                              place.blocks))
                 budget -= len(token_ids)
-        return StepPlan(tuple(chunks))
+        bound, taint = self.encoder.bind(tuple(chunks))
+        return StepPlan(bound, taint)
 
     def _room(self, request: RequestState, num_tokens: int, chunks: list[ScheduledChunk], budget: int):
         """Ask the cache for room for `request`'s positions 0 .. num_tokens - 1; while it has none, preempt

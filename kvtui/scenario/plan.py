@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS
@@ -55,6 +56,16 @@ class PlannedRequest:
         tenant: who sends it (None: the only tenant); cache_salt: its tenant's salt (see tenants.py).
         round: `process: rounds` only: its round (0, 1, ...). It is sent once every request of an earlier
             round has finished, and its arrival_s (0 in the plan) becomes that moment.
+        audio_path: a speech request's clip (a 16 kHz WAV file), read when the request is submitted; None
+            for text.
+        input: what the request feeds the model when it is more than prompt_ids and a clip path
+            (kvtui.engine.inputs.RequestInput: supplied embedding rows, images, a served upload's audio);
+            None: prompt_ids (and audio_path).
+        embeds_mask: a prompt sent as embedding rows (`prompts.embeds`): True where the position stays a
+            token id, False where the model's own input embedding of prompt_ids[i] is supplied as a row
+            (the session builds the rows from the engine's embedding table); None: token ids only.
+        embeds_rows_of: the ids whose embedding rows fill the tensor (default prompt_ids): `mask_pairs`' second
+            request carries its first's tensor.
     """
 
     request_id: str
@@ -65,6 +76,38 @@ class PlannedRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     round: int | None = None
+    audio_path: str | None = None
+    input: object = None
+    embeds_mask: tuple[bool, ...] | None = None
+    embeds_rows_of: list[int] | None = None
+
+    @property
+    def audio_label(self) -> str | None:
+        """The name of the request's audio (the clip's file name, or the upload's), or None for text."""
+        if self.audio_path is not None:
+            return Path(self.audio_path).name
+        audio = getattr(self.input, "audio", None)
+        return audio.label if audio is not None else None
+
+
+# PromptMaker.make's typed inputs, moved out of the metadata into PlannedRequest's fields by plan_requests
+AUDIO_PATH, INPUT, EMBEDS_MASK, EMBEDS_ROWS_OF = "_audio_path", "_input", "_embeds_mask", "_embeds_rows_of"
+
+
+def embeds_mask(tokenizer, ids: list[int], phrase: str | None) -> tuple[bool, ...]:
+    """prompt_is_token_ids for a prompt sent as embedding rows: all False (phrase None), or False at the
+    tokens that spell `phrase` (found by decoding the prompt token by token) and True elsewhere.
+
+    Raises:
+        ValueError: `phrase` is not in the decoded prompt."""
+    if phrase is None:
+        return (False,) * len(ids)
+    ends = [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=False)) for i in range(len(ids))]
+    start = tokenizer.decode(ids, skip_special_tokens=False).find(phrase)
+    if start < 0:
+        raise ValueError(f"passphrase {phrase!r} is not in the decoded prompt")
+    end = start + len(phrase)
+    return tuple(not (b > start and a < end) for a, b in zip([0, *ends[:-1]], ends))
 
 
 def derive_seed(seed: int, label: str) -> int:
@@ -89,6 +132,15 @@ class PromptMaker:
         self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
         self.shared = SharedPrompts(self.spec, seed, tokenizer)
 
+    def mask_pair_second(self, meta: dict) -> tuple[list[int], dict]:
+        """`embeds: mask_pairs`: the previous request's ids with its rows' positions as the placeholder id,
+        the same tensor, every position a token id. No passphrase of its own (it does not say one)."""
+        from kvtui.engine.inputs import PLACEHOLDER_ID
+
+        ids, mask, text = self.last_embedded
+        meta = {**meta, EMBEDS_MASK: (True,) * len(ids), EMBEDS_ROWS_OF: list(ids), "prompt_text": text}
+        return [t if keep else PLACEHOLDER_ID for t, keep in zip(ids, mask)], meta
+
     def text_ids(self, text: str, chat: bool) -> list[int]:
         return chat_ids(self.tok, user_chat(text)) if chat else encode_text(self.tok, text)
 
@@ -100,10 +152,16 @@ class PromptMaker:
         if arrival.prompt is not None:
             return self.text_ids(arrival.prompt, arrival.chat), {"prompt_text": arrival.prompt}
         if isinstance(spec, PassphrasePrompts):
+            if spec.embeds == "mask_pairs" and index % 2:
+                return self.mask_pair_second(meta)
             phrase = next(self.phrases)
             text = spec.text(index, phrase)
             meta = {**meta, "opening": index % len(spec.openings)} if spec.openings else meta
-            return chat_ids(self.tok, user_chat(text)), {**meta, "passphrase": phrase, "prompt_text": text}
+            ids = chat_ids(self.tok, user_chat(text))
+            if spec.embeds != "none":
+                meta[EMBEDS_MASK] = embeds_mask(self.tok, ids, None if spec.embeds == "all" else phrase)
+                self.last_embedded = (ids, meta[EMBEDS_MASK], text)
+            return ids, {**meta, "passphrase": phrase, "prompt_text": text}
         if isinstance(spec, SyntheticPrompts):
             n = arrival.prompt_tokens or drawn
             ids = self.prefix + random_ids(self.rng, n, self.tok)
@@ -124,10 +182,11 @@ class PromptMaker:
 
     def audio(self, spec, index: int, meta: dict) -> tuple[list[int], dict]:
         """A speech request: the decoder prompt [<|startoftranscript|>, <|notimestamps|>] and its clip, in
-        turn; metadata {"audio_path", "audio", "prompt_text"}, spoken passphrases also {"passphrase", "spoken"}."""
+        turn; metadata {"prompt_text"}, spoken passphrases also {"passphrase", "spoken"} (the canary: the
+        passphrase is in the audio). The clip itself: PlannedRequest.audio_path (see `plan`)."""
         files = spec.files
         clip = files[index % len(files)]
-        meta = {**meta, "audio_path": str(clip), "audio": clip.name, "prompt_text": f"[audio {clip.name}]"}
+        meta = {**meta, "prompt_text": f"[audio {clip.name}]", AUDIO_PATH: str(clip)}
         if isinstance(spec, SpokenPassphrasePrompts):
             meta |= {"passphrase": clip.stem.upper(), "spoken": True}
         return decoder_prompt(self.tok, spec.initial_prompt), meta
@@ -277,6 +336,8 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
                 include_stop_str_in_output=s.include_stop_str_in_output, n=extra[0], structured=extra[1]),
                 tokenizer, words),
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
+            audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
+            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None),
         )
         for i, ((arrival, ids, meta, n_out, tenant, extra), entry) in enumerate(zip(planned, entries))
     ]

@@ -69,6 +69,14 @@ class PassphrasePrompts(Strict):
                         Field(max_length=1000)] = Field(
         [], description="texts for the template's `{opening}`, request i taking openings[i mod n]: groups of "
                         "conversations that share an opening (a prompt prefix) and differ in their passphrase")
+    embeds: Literal["none", "all", "passphrase", "mask_pairs"] = Field(
+        "none", description="send the prompt as embedding rows (vLLM's prompt_embeds) instead of token ids: `all` "
+                            "of it, or only the `passphrase`'s tokens, mixed with token ids under a mask. The "
+                            "rows are the model's own input embeddings of those tokens, so the answer and the "
+                            "canary read the passphrase as if it were text. `mask_pairs`: requests in pairs with "
+                            "equal ids and equal tensor and different masks (vLLM #56655's trigger): the first "
+                            "sends its passphrase as rows, the second the same ids and tensor with every "
+                            "position marked a token id (the passphrase's positions hold the placeholder id)")
 
     @pydantic.field_validator("template")
     @classmethod

@@ -90,13 +90,15 @@ class EngineBridge:
             self.accepting = False
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict, *, tenant: str | None = None,
-               cache_salt: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, input=None) -> RequestStream:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
 
         Args:
             tenant: who sent it (prefix-cache provenance), None for nobody in particular.
             cache_salt: its prefix-cache namespace (vLLM's `cache_salt`): with paged KV and prefix caching
                 it is part of its first block's key, so it reuses only blocks computed under the same salt.
+            input: a kvtui.engine.inputs.RequestInput when the request feeds more than prompt_ids (an
+                upload's audio, prompt embeddings, images); None: prompt_ids.
 
         Raises:
             NotAccepting: loading or stopping.
@@ -113,7 +115,7 @@ class EngineBridge:
                 stream.cached_tokens = 0
             planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
                                      prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata,
-                                     tenant=tenant, cache_salt=cache_salt)
+                                     tenant=tenant, cache_salt=cache_salt, input=input)
             self.session.submit_external(planned)
         return stream
 

@@ -10,7 +10,7 @@ OpenAI's), `prompt` (text conditioning the decoder: Whisper's `<|startofprev|>` 
 
 The request runs in the engine like any other (an upload named like a spoken passphrase clip,
 `word-word-nn.wav`, carries that passphrase as its canary, for the server's canary detector): its audio's log-mel features go in with it (the
-session's metadata key `audio_input`), the encoder runs once at admission (its cross-attention K/V
+request's typed input, RequestInput.audio), the encoder runs once at admission (its cross-attention K/V
 are shared with other requests of the same audio through the encoder cache), and its decoder steps
 are batched with the other running requests. Errors are OpenAI's shape (serve/protocol.py ApiError).
 """
@@ -25,6 +25,7 @@ import secrets
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models.whisper import SAMPLE_RATE
 from kvtui.serve.audio import AudioError, decode_wav
@@ -143,12 +144,13 @@ async def _run(ctx, request: Request, prompt_ids: list[int], features, temperatu
     request_id = f"trsc-{next(serial)}-{secrets.token_hex(3)}"
     sampling = SamplingParams(temperature=temperature, seed=secrets.randbelow(2**31),
                               max_new_tokens=ctx.max_len - len(prompt_ids))
-    metadata = {"audio_input": features, "audio": features.label, "prompt_text": f"[audio {features.label}]"}
+    metadata = {"prompt_text": f"[audio {features.label}]"}
     named = SPOKEN_CLIP.fullmatch(features.label)
     if named:  # a spoken passphrase clip (word-word-nn.wav): its passphrase is the request's canary
         metadata |= {"passphrase": named.group(1).upper(), "spoken": True}
     try:
-        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata)
+        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata,
+                                   input=RequestInput(tuple(prompt_ids), audio=features))
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
     listener = asyncio.ensure_future(wait_disconnect(request))

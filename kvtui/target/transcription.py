@@ -1,6 +1,6 @@
 """One transcription request to an OpenAI-compatible server (`POST /v1/audio/transcriptions`), timed.
 
-A planned speech request (kvtui.scenario.PlannedRequest with metadata `audio_path`: a 16 kHz WAV clip)
+A planned speech request (kvtui.scenario.PlannedRequest with `audio_path`: a 16 kHz WAV clip)
 is uploaded as OpenAI's client uploads it: multipart/form-data with the fields `file`, `model`,
 `response_format=json` and `temperature`. The endpoint does not stream: the request ends when the
 JSON answer `{"text": ...}` arrives, so it is one chunk at that moment (TTFT is the whole request's
@@ -26,7 +26,7 @@ TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
 
 def is_audio(planned) -> bool:
     """Whether a planned request is a transcription (it names an audio clip)."""
-    return "audio_path" in planned.metadata
+    return planned.audio_path is not None
 
 
 def transcription_form(planned, model: str | None, *, temperature: float | None = None) -> dict[str, str]:
@@ -48,7 +48,7 @@ async def transcribe_request(client: httpx.AsyncClient, planned, form: dict[str,
         clock: the time source (seconds); result: the StreamResult to fill (a new one when None).
     """
     result = result if result is not None else StreamResult(sent_s=0.0)
-    path = Path(planned.metadata["audio_path"])
+    path = Path(planned.audio_path)
     try:
         data = path.read_bytes()
     except OSError as e:
