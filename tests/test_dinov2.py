@@ -267,10 +267,9 @@ def test_prompt_with_image_and_splice(tiny):
 def canaries(dinov2, smollm2):
     """8 canary images' DINOv2 features, their words' SmolLM2 rows, and the projector fitted on them."""
     words = pj.CANARY_WORDS[:8]
-    hidden = d.encode_images(dinov2, [pj.canary_image(w, 0, i) for i, w in enumerate(words)])
     embedding = smollm2.model.get_input_embeddings().weight.detach()
-    targets = pj.word_rows(smollm2.tokenizer, embedding, words)
-    return words, hidden, targets, pj.ClosedFormProjector.fit(hidden, targets)
+    projector, images = pj.fit_canary_projector(dinov2, smollm2.tokenizer, embedding, words)
+    return words, d.encode_images(dinov2, images), pj.word_rows(smollm2.tokenizer, embedding, words), projector
 
 
 @pytest.mark.smollm
@@ -299,3 +298,13 @@ def test_canary_images_echo_their_words(canaries, smollm2):
                                  max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answers[word] = tokenizer.decode(out[0], skip_special_tokens=True)
     assert all(word in answer.lower() for word, answer in answers.items()), answers
+
+
+@pytest.mark.smollm
+def test_canary_words_must_be_single_tokens(smollm2):
+    embedding = smollm2.model.get_input_embeddings().weight.detach()
+    assert pj.word_rows(smollm2.tokenizer, embedding, ["walrus", "pebble"]).shape == (2, 2, 576)  # 2 tokens each
+    with pytest.raises(ValueError, match="different token counts"):
+        pj.word_rows(smollm2.tokenizer, embedding, ["walrus", "copper"])
+    with pytest.raises(ValueError, match="one token each"):
+        pj.fit_canary_projector(d.build_tiny_dinov2(0), smollm2.tokenizer, embedding, ["walrus", "pebble"])

@@ -193,6 +193,29 @@ def word_rows(tokenizer, embedding: torch.Tensor, words: Sequence[str], leading_
     return embedding[torch.tensor(ids)].float()
 
 
+def fit_canary_projector(encoder, tokenizer, embedding: torch.Tensor, words: Sequence[str] = CANARY_WORDS[:8],
+                         seed: int = 0) -> tuple[ClosedFormProjector, list]:
+    """Draw one canary image per word (canary_image(word, seed, i)), encode them with `encoder`
+    (a Dinov2Model), and fit a ClosedFormProjector (CLS pooling, one row per image) onto the words'
+    rows of `embedding` [vocab, D] (one token each, with a leading space). About 0.25 s per image
+    on one thread, plus the fit (milliseconds).
+
+    Returns:
+        (projector, images): images[i] enters the LM as words[i]; projector.residual is the fit's
+        max abs error (about 1e-15 when exact).
+
+    Raises:
+        ValueError: a word is not one token with a leading space, or fewer than 2 words.
+    """
+    from kvtui.models.dinov2 import encode_images
+
+    images = [canary_image(word, seed, i) for i, word in enumerate(words)]
+    targets = word_rows(tokenizer, embedding, words)
+    if targets.shape[1] != 1:
+        raise ValueError(f"canary words must be one token each, these are {targets.shape[1]}")
+    return ClosedFormProjector.fit(encode_images(encoder, images), targets), images
+
+
 # --- splicing rows into a prompt -------------------------------------------------------------------
 
 IMAGE_MARKER = "<image>"
