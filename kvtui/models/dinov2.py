@@ -14,7 +14,8 @@ Conversion: `backbone.X` initializers become `X`; transformers 5.x's attention n
 `attention.output.dense`). The linear layers' weights are anonymous initializers (`onnx::MatMul_N`,
 stored transposed, [in, out]); the graph computes key, value, query in that order, so each one is
 named by following its MatMul node to the Add node that consumes the product, whose bias
-initializer is named (mapping by order gives a max abs diff of 10.3 against onnxruntime). The
+initializer is named (mapping them by order as q, k, v, o, fc1, fc2 gives last_hidden_state a
+max abs diff of 10.3 on a noise image, measured). The
 position embeddings are two anonymous initializers, [1, 1, 384] (CLS) and [1, 1369, 384] (the
 37 x 37 grid for 518 x 518 inputs), concatenated; `mask_token` (unused at inference) is zeros.
 
@@ -26,8 +27,8 @@ output is [batch, 257, 384]: the CLS token, then the 16 x 16 patches in row-majo
 Measured on an AMD EPYC (lscpu's model name: "AMD EPYC"; 2 cores shared with other jobs), one torch
 thread, transformers 5.24, torch 2.13, onnxruntime 1.32: conversion (parse the 97 MB file 0.8-1.0 s,
 build and save the copy) 0.7-1.5 s; a cached load 0.16 s; one 224 x 224 image through the encoder
-0.22 s float32 on a quiet machine (0.39 s at load average 4.8, when onnxruntime on the same graph
-took 0.48 s); bfloat16 is slower here (1.6 s: no bfloat16 matrix units). `last_hidden_state`
+0.22-0.33 s float32 (load average 3-5 on the 2 cores; 0.39 s in a run where onnxruntime on the
+same graph, one thread, took 0.48 s); bfloat16 is slower here (1.6 s: no bfloat16 matrix units). `last_hidden_state`
 against onnxruntime's value of the same graph: max abs diff 3.2e-5 and 2.0e-5 on the tests' two
 photo-like images (values up to 11.1), 1.6e-5 on Gaussian noise input.
 
@@ -449,6 +450,6 @@ def image_hash(image) -> str:
 @torch.inference_mode()
 def encode_images(model: Dinov2Model, images) -> torch.Tensor:
     """last_hidden_state of PIL images: [batch, 257, hidden] in the model's dtype (hidden 384 for
-    DINOv2-small). About 0.22 s per image on one thread in float32 (see the module docstring)."""
+    DINOv2-small). About 0.22-0.33 s per image on one thread in float32 (see the module docstring)."""
     pixels = torch.stack([image_tensor(im) for im in images]).to(model.dtype)
     return model(pixel_values=pixels).last_hidden_state
