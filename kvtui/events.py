@@ -42,10 +42,14 @@ class _Frozen(BaseModel):
 
 # -- header -------------------------------------------------------------------------------------------
 class ModelInfo(_Frozen):
+    """The model a recording ran on: its id, source file and sha256, dtype, and kind ("decoder-only" or
+    "encoder-decoder", as the loaded model says: LoadedModel.kind; None for a target server's)."""
+
     id: str
     path: str | None = None
     sha256: str | None = None
     dtype: str = "float32"
+    kind: str | None = None  # (v3)
 
 
 class Header(_Frozen):

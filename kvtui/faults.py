@@ -266,6 +266,12 @@ def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool
     return ""
 
 
+def model_kind(config) -> str:
+    """DECODER_ONLY or ENCODER_DECODER for a transformers model config: the one rule that says which kind
+    a model is (its `is_encoder_decoder`), read by the engine's encoder side and by LoadedModel.kind."""
+    return ENCODER_DECODER if getattr(config, "is_encoder_decoder", False) else DECODER_ONLY
+
+
 FP16_MASK_CONSTANT = -1e9  # the classic hand-written mask constant; float16 rounds it to -inf
 
 

@@ -246,7 +246,7 @@ class Session(RunBase):
         config["faults"] = sorted(config["faults"])
         return run_header(
             self.scenario, model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
-                                           dtype=str(loaded.dtype).replace("torch.", "")),
+                                           dtype=str(loaded.dtype).replace("torch.", ""), kind=loaded.kind),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
             modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None)
 

@@ -106,7 +106,7 @@ def test_engine_has_no_model_kind_branch():
                         and "encoder" in ast.unparse(n.test)]
     assert tests_on_encoder == []
     readers = sorted({f.name for path in sorted(ENGINE.glob("*.py")) for f in _functions(ast.parse(path.read_text()))
-                      for n in ast.walk(f) if isinstance(n, ast.Constant) and n.value == "is_encoder_decoder"})
+                      for n in ast.walk(f) if isinstance(n, ast.Name) and n.id == "model_kind"})
     assert readers == ["make_encoder_side"]
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvtui.faults import DECODER_ONLY
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, model_kind
 
 if TYPE_CHECKING:
     from kvtui.engine.inputs import RequestInput
@@ -140,7 +140,7 @@ def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False
     from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
     from kvtui.engine.runner import ModelRunner
 
-    if getattr(model.config, "is_encoder_decoder", False):
+    if model_kind(model.config) == ENCODER_DECODER:
         runner = EncoderDecoderRunner(model, pool)
         return runner, CrossAttentionInputs(runner, capacity)
     runner = ModelRunner(model, pool, enforce_eager=enforce_eager)

@@ -365,10 +365,10 @@ class Engine:
         """
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
-        model_kind = self.model_kind
-        misfit = sorted(n for n in faults if model_kind not in FAULTS[n].models)
+        kind = self.model_kind
+        misfit = sorted(n for n in faults if kind not in FAULTS[n].models)
         if misfit:
-            raise ValueError(f"fault {misfit[0]!r} does not act on {model_kind} models like this engine's")
+            raise ValueError(f"fault {misfit[0]!r} does not act on {kind} models like this engine's")
         if wrong:
             raise ValueError(f"fault {wrong[0]!r} acts with kv: {' or '.join(FAULTS[wrong[0]].kv)} only; this engine "
                              f"runs kv: {self.config.kv}")

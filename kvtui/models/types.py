@@ -53,6 +53,14 @@ class LoadedModel:
     feature_extractor: Any = None
 
     @property
+    def kind(self) -> str:
+        """"decoder-only" or "encoder-decoder" (kvtui.faults.model_kind of its config); recorded in the
+        header's model info."""
+        from kvtui.faults import model_kind
+
+        return model_kind(self.model.config)
+
+    @property
     def _text_config(self):
         # the decoder's view of an encoder-decoder (Whisper: decoder_layers, decoder_attention_heads)
         return self.model.config.get_text_config(decoder=True)
