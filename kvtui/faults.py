@@ -31,6 +31,9 @@ dashboard and the docs all read this table.
 | cross_kv_prefix_cached | encoder-decoder, paged prefix cache: block keys leave out the audio's hash |
 | embeds_unkeyed | paged prefix cache: positions filled by supplied embedding rows are keyed by their placeholder ids |
 | embeds_mask_unkeyed | paged prefix cache: supplied rows keyed by the tensor's digest, not by which positions are embeddings |
+| mm_hash_missing | image models, paged prefix cache: block keys of image positions leave out the image's hash |
+| mm_uuid_trusted | image models: the image encoder cache is keyed by the client's uuid for the image, not its content |
+| stale_image_embedding | image models: one embedding buffer, filled by the last image encoded, read by every later image |
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class FaultName(StrEnum):
     # -- inputs beyond token ids (engine/inputs.py) --
     EMBEDS_UNKEYED = "embeds_unkeyed"
     EMBEDS_MASK_UNKEYED = "embeds_mask_unkeyed"
+    MM_HASH_MISSING = "mm_hash_missing"
+    MM_UUID_TRUSTED = "mm_uuid_trusted"
+    STALE_IMAGE_EMBEDDING = "stale_image_embedding"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
@@ -77,6 +83,7 @@ class FaultName(StrEnum):
 ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
 KV_MODES = ("slots", "paged")
 DECODER_ONLY, ENCODER_DECODER = "decoder-only", "encoder-decoder"
+IMAGE_TEXT = "image-text"  # a decoder-only LM with an image encoder (dinov2-smollm2): text faults act on it too
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ class Fault:
             cross_tenant when another tenant's cached KV is served (paged KV prefix caching).
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
-        models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults).
+        models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults),
+            "image-text" (image faults; a fault that acts on decoder-only models acts on image-text ones too).
     """
 
     name: str
@@ -229,6 +237,22 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a prompt whose mask differs from a cached one's, with equal ids and tensor, reuses its KV",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"),
           "cross_request", ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+    Fault("mm_hash_missing", "prefix-cache keys of image positions leave out the image's hash",
+          "engine/inputs.py RequestInput.position_keys: an image position is keyed by its placeholder id",
+          "a request showing another picture with the same text reuses the first picture's KV and answers it",
+          ("padded", "packed"), ("prefix_provenance", "attention_flow", "reference", "canary"), "cross_request",
+          ("paged",), ("prefix_caching",), models=(IMAGE_TEXT,)),
+    Fault("mm_uuid_trusted", "the image encoder cache is keyed by the client-supplied uuid, not the picture",
+          "engine/image_side.py ImageInputs.key_of: a request's uuid for its image is the cache key",
+          "a client that reuses an image uuid gets another picture's features: the answer names that picture",
+          ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
+          models=(IMAGE_TEXT,)),
+    Fault("stale_image_embedding", "one image embedding buffer, filled by the last image encoded, read by "
+          "every later image (llama-cpp-python #90)",
+          "engine/image_side.py ImageInputs._entry: every image reads the buffer the last encode filled",
+          "requests whose picture was encoded earlier, or cached, answer about the last encoded picture",
+          ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
+          models=(IMAGE_TEXT,)),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
@@ -246,10 +270,16 @@ def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tu
     return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
 
 
+def acts_on(name: str, kind: str) -> bool:
+    """Whether fault `name` acts on a model of `kind` (a decoder-only fault acts on image-text models too)."""
+    models = FAULTS[name].models
+    return kind in models or (kind == IMAGE_TEXT and DECODER_ONLY in models)
+
+
 def faults_for(kv: str = "slots", model: str = DECODER_ONLY) -> tuple[str, ...]:
-    """The faults that act in KV mode `kv` on a `model` kind ("decoder-only", "encoder-decoder"), in
-    catalogue order."""
-    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and model in fault.models)
+    """The faults that act in KV mode `kv` on a `model` kind ("decoder-only", "encoder-decoder",
+    "image-text"), in catalogue order."""
+    return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and acts_on(name, model))
 
 
 def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False) -> str:

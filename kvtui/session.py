@@ -191,7 +191,8 @@ class Session(RunBase):
         """The run's engine: on the virtual clock for the paced clock too (the pacer only waits)."""
         engine = Engine(self.loaded.model, self.config, eos_token_ids=self.loaded.eos_token_ids,
                         tokenizer=self.tokenizer, clock="virtual" if self.clock in MODELED_CLOCKS else self.clock,
-                        cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0)
+                        cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0,
+                        image_encoder=self.loaded.image_encoder)
         engine.detect_taint = "slot_taint" in self.detectors
         engine.measure_flow = "attention_flow" in self.detectors
         engine.record_draws = "reference" in self.detectors
@@ -346,9 +347,8 @@ class Session(RunBase):
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None)
             if self.canary is not None:
-                audio = state.input.audio
                 self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
-                                      input_key=audio.content_hash if audio is not None else None)
+                                      input_key=state.input.content_key)
             if self.constraint is not None:
                 self.constraint.on_arrive(request_id, state.sampling)
             self.emit(arrive)

@@ -306,7 +306,7 @@ class ReferenceDetector:
         if not faults:  # the clean reference: a slot pool (a paged run's blocks and prefix cache are what is checked)
             config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
         engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
-                        grammar_tokenizer=self.tokenizer)  # structured output: the same grammar, no stop strings
+                        grammar_tokenizer=self.tokenizer, image_encoder=self.loaded.image_encoder)  # structured output: the same grammar, no stop strings
         engine.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
         return engine
 

@@ -7,8 +7,8 @@ Three kinds of model input sit outside the token-id path, and one interface serv
   through an image encoder and its content-keyed cache, engine/image_side.py);
 - cross-attention over an encoder's output (Whisper: engine/encoder.py, CrossAttentionInputs).
 
-The engine picks the implementation once from the loaded model (`make_encoder_side`, the one place
-that reads the model's kind); the Scheduler owns it and calls it; it never calls back.
+The engine picks the implementation once from the loaded model (`make_encoder_side` in engine.py, the
+one place that reads the model's kind); the Scheduler owns it and calls it; it never calls back.
 
 | verb | who calls | does |
 |---|---|---|
@@ -32,12 +32,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, model_kind
+from kvtui.faults import DECODER_ONLY
 
 if TYPE_CHECKING:
     from kvtui.engine.inputs import RequestInput
     from kvtui.engine.request import RequestState
-    from kvtui.engine.scheduler import ScheduledChunk
 
 
 class EncoderSide(Protocol):
@@ -59,7 +58,7 @@ class EncoderSide(Protocol):
         """Encoder work for the requests the scheduler just admitted; returns the modeled seconds it
         took (the virtual clock's share; 0.0 without encoder work)."""
 
-    def bind(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[tuple[ScheduledChunk, ...], tuple]:
+    def bind(self, chunks: tuple) -> tuple[tuple, tuple]:
         """The planned chunks with their spliced rows set, and a TaintEntry per chunk that reads another
         input's encoder output (the slot_taint detector's encoder part)."""
 
@@ -110,8 +109,8 @@ class TokenInputs:
     def bind(self, chunks):
         return tuple(self._spliced(c) for c in chunks), ()
 
-    def _spliced(self, chunk: ScheduledChunk) -> ScheduledChunk:
-        """`chunk` with the supplied rows of the prompt positions it feeds (none: as it is)."""
+    def _spliced(self, chunk):
+        """`chunk` (a scheduler.ScheduledChunk) with the supplied rows of the prompt positions it feeds (none: as it is)."""
         embeds = chunk.request.input.embeds
         if embeds is None:
             return chunk
@@ -130,18 +129,3 @@ class TokenInputs:
 
     def report(self) -> dict:
         return {}
-
-
-def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False):
-    """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind.
-    An encoder-decoder (Whisper; `config.is_encoder_decoder`): EncoderDecoderRunner and CrossAttentionInputs
-    with an encoder cache of `capacity` entries. Any other causal LM: ModelRunner (`enforce_eager`: see
-    ModelRunner) and TokenInputs."""
-    from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
-    from kvtui.engine.runner import ModelRunner
-
-    if model_kind(model.config) == ENCODER_DECODER:
-        runner = EncoderDecoderRunner(model, pool)
-        return runner, CrossAttentionInputs(runner, capacity)
-    runner = ModelRunner(model, pool, enforce_eager=enforce_eager)
-    return runner, TokenInputs(model.get_input_embeddings().embedding_dim)

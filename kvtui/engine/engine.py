@@ -17,9 +17,11 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
-from kvtui.engine.encoder_side import EncoderSide, make_encoder_side
+from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
+from kvtui.engine.encoder_side import EncoderSide, TokenInputs
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.grammar import GrammarStage
+from kvtui.engine.image_side import ImageInputs
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
@@ -29,11 +31,11 @@ from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
 from kvtui.engine.row_state import RowState, RowTable
-from kvtui.engine.runner import model_geometry
+from kvtui.engine.runner import ModelRunner, model_geometry
 from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
-from kvtui.faults import FAULTS, FaultName, check_fault_names
+from kvtui.faults import ENCODER_DECODER, FAULTS, FaultName, acts_on, check_fault_names, model_kind
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -83,8 +85,9 @@ class Engine:
         grammar_tokenizer: the tokenizer structured output compiles grammars with, when it should not
             also check stop strings (default: tokenizer).
         clock: "wall" or "virtual" (see module docstring); cost_model: for the virtual clock.
-        encoder_cache_entries: encoder-decoder models: cross-K/V entries the encoder cache keeps
-            (default encoder_capacity(config)).
+        encoder_cache_entries: the entries the encoder cache keeps (Whisper's cross-K/V, or images' rows;
+            default encoder_capacity(config)).
+        image_encoder: a kvtui.models.vision.ImageEncoder (LoadedModel.image_encoder) for requests with images.
 
     Raises:
         ValueError: a model or max_len the engine cannot serve (kvtui.models.compat.check_model), or a KV
@@ -93,7 +96,7 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig, *, eos_token_ids=(), tokenizer=None,
                  clock: str = "wall", cost_model: StepCostModel | None = None, pad_token_id: int = 0,
-                 grammar_tokenizer=None, encoder_cache_entries: int | None = None) -> None:
+                 grammar_tokenizer=None, encoder_cache_entries: int | None = None, image_encoder=None) -> None:
         if clock not in ("wall", "virtual"):
             raise ValueError(f"{clock = } must be 'wall' or 'virtual'")
         self.config = config
@@ -108,7 +111,8 @@ class Engine:
         self.pool = self.kv.pool
         # what requests feed the model besides token ids (engine/encoder_side.py); the scheduler owns it
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
-                                                 encoder_capacity(config), enforce_eager=config.enforce_eager)
+                                                 encoder_capacity(config), enforce_eager=config.enforce_eager,
+                                                 image_encoder=image_encoder)
         self.scheduler = Scheduler(self.kv, encoder, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
@@ -366,7 +370,7 @@ class Engine:
         faults = check_fault_names(names)
         wrong = sorted(n for n in faults if self.config.kv not in FAULTS[n].kv)
         kind = self.model_kind
-        misfit = sorted(n for n in faults if kind not in FAULTS[n].models)
+        misfit = sorted(n for n in faults if not acts_on(n, kind))
         if misfit:
             raise ValueError(f"fault {misfit[0]!r} does not act on {kind} models like this engine's")
         if wrong:
@@ -777,3 +781,19 @@ def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
         pool = PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
         return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of)
     return SlotCache(KVPool(num_slots=config.num_slots, **common), serial_of=serial_of)
+
+
+def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False, image_encoder=None):
+    """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind.
+    An encoder-decoder (Whisper; `config.is_encoder_decoder`): EncoderDecoderRunner and CrossAttentionInputs
+    with an encoder cache of `capacity` entries. Any other causal LM: ModelRunner (`enforce_eager`: see
+    ModelRunner) and TokenInputs, or with an `image_encoder` (kvtui.models.vision.ImageEncoder) ImageInputs
+    with an image cache of `capacity` entries."""
+    if model_kind(model.config) == ENCODER_DECODER:
+        runner = EncoderDecoderRunner(model, pool)
+        return runner, CrossAttentionInputs(runner, capacity)
+    runner = ModelRunner(model, pool, enforce_eager=enforce_eager)
+    hidden = model.get_input_embeddings().embedding_dim
+    if image_encoder is not None:
+        return runner, ImageInputs(hidden, image_encoder, capacity)
+    return runner, TokenInputs(hidden)

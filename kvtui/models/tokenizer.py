@@ -29,8 +29,10 @@ def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
         ModelLoadError: unknown name or path, default model not installed, or an unreadable file; one line.
     """
     key = name.strip().lower()
-    if key in TINY_NAMES:
+    if key in TINY_NAMES or key == "tiny-vision":  # tiny-vision: tiny-llama with an image encoder
         return build_tiny_tokenizer()
+    if key == "dinov2-smollm2":  # SmolLM2 with an image encoder
+        key = "default"
     if key in WHISPER_NAMES:
         from kvtui.models import whisper as _whisper
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 
 class ModelLoadError(Exception):
@@ -40,6 +42,8 @@ class LoadedModel:
         cache_path: the safetensors copy a GGUF or model.bin was converted into, when one is in use.
         feature_extractor: for Whisper models, the WhisperFeatureExtractor turning 16 kHz audio into
             log-mel input features [batch, 80, 3000]; None for text models.
+        image_encoder: for image models (dinov2-smollm2, tiny-vision), the kvtui.models.vision.ImageEncoder
+            turning pictures into LM input rows; None otherwise.
     """
 
     model: PreTrainedModel
@@ -51,14 +55,15 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     cache_path: str | None = None
     feature_extractor: Any = None
+    image_encoder: Any = None
 
     @property
     def kind(self) -> str:
-        """"decoder-only" or "encoder-decoder" (kvtui.faults.model_kind of its config); recorded in the
-        header's model info."""
-        from kvtui.faults import model_kind
+        """"decoder-only", "encoder-decoder" (kvtui.faults.model_kind of its config) or "image-text" (with an
+        image encoder); recorded in the header's model info."""
+        from kvtui.faults import IMAGE_TEXT, model_kind
 
-        return model_kind(self.model.config)
+        return IMAGE_TEXT if self.image_encoder is not None else model_kind(self.model.config)
 
     @property
     def _text_config(self):
@@ -98,3 +103,15 @@ class LoadedModel:
         the model's)."""
         itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """Hide transformers' "Loading weights" tqdm bar during a load, restoring the setting after."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

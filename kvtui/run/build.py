@@ -58,13 +58,13 @@ def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) 
 
 
 def _echoed(phrase: str, text: str, spoken: bool) -> bool:
-    """Whether the answer holds its own passphrase: as written, or for a spoken one (a transcript) every
-    word and the number (kvtui.detect.spoken.match_spoken)."""
+    """Whether the answer holds its own passphrase, in any case (an image's word comes back as written,
+    "copper"), or for a spoken one (a transcript) every word and the number (kvtui.detect.spoken.match_spoken)."""
     if spoken:
         from kvtui.detect.spoken import match_spoken
 
         return match_spoken(phrase, text).complete
-    return phrase in text
+    return phrase.upper() in text.upper()
 
 
 def reference_status(t: float, *, checked: int, skipped_by_reason: Mapping[str, int], pending: int,

@@ -13,13 +13,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULTS
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, IMAGE_TEXT, acts_on
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.prompts import (
     AUDIO_KINDS,
+    IMAGE_KINDS,
     AudioPrompts,
     FilePrompts,
+    ImagePassphrasePrompts,
     MultiTurnPrompts,
     PassphrasePrompts,
     SpokenPassphrasePrompts,
@@ -82,6 +84,12 @@ class PlannedRequest:
     embeds_rows_of: list[int] | None = None
 
     @property
+    def image_label(self) -> str | None:
+        """The names of the request's pictures (comma-separated), or None without images."""
+        images = getattr(self.input, "images", ())
+        return ",".join(i.label or i.content_hash[:12] for i in images) or None
+
+    @property
     def audio_label(self) -> str | None:
         """The name of the request's audio (the clip's file name, or the upload's), or None for text."""
         if self.audio_path is not None:
@@ -124,6 +132,7 @@ class PromptMaker:
         self.rng = random.Random(derive_seed(seed, "prompts"))
         self.length_rng = random.Random(derive_seed(seed, "prompt_tokens"))
         self.phrases = passphrases(random.Random(derive_seed(seed, "passphrases")))
+        self.pictures: dict[int, tuple] = {}  # image_passphrase: picture index -> (word, hash, pixels)
         self.count = 0
         self.prefix: list[int] = []
         if isinstance(self.spec, SyntheticPrompts) and self.spec.shared_prefix_tokens:
@@ -131,6 +140,28 @@ class PromptMaker:
             self.prefix = random_ids(prefix_rng, self.spec.shared_prefix_tokens, tokenizer)
         self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
         self.shared = SharedPrompts(self.spec, seed, tokenizer)
+
+    def image(self, spec: ImagePassphrasePrompts, index: int, meta: dict) -> tuple[list[int], dict]:
+        """An image request: canary picture `index mod pictures` at the template's <image> (one position, its
+        placeholder id), the picture's word as its passphrase; the RequestInput with the ImagePart goes to
+        PlannedRequest.input."""
+        from kvtui.engine.inputs import ImagePart, RequestInput
+        from kvtui.models.dinov2 import image_hash, image_tensor
+        from kvtui.models.projector import CANARY_WORDS, canary_image, prompt_with_image
+        from kvtui.models.vision import CANARY_SEED, IMAGE_TOKENS
+
+        k = index % spec.pictures
+        if k not in self.pictures:
+            word = CANARY_WORDS[k]
+            picture = canary_image(word, CANARY_SEED, k)
+            self.pictures[k] = (word, image_hash(picture), image_tensor(picture))
+        word, digest, pixels = self.pictures[k]
+        ids, positions = prompt_with_image(self.tok, spec.template, IMAGE_TOKENS)
+        part = ImagePart(positions[0], IMAGE_TOKENS, digest, pixels, uuid="image-0" if spec.uuids == "reused" else None,
+                         label=f"{word}.png")
+        text = spec.template.replace("<image>", f"[picture of {word}]")
+        return ids, {**meta, "passphrase": word.upper(), "prompt_text": text,
+                     INPUT: RequestInput(tuple(ids), images=(part,))}
 
     def mask_pair_second(self, meta: dict) -> tuple[list[int], dict]:
         """`embeds: mask_pairs`: the previous request's ids with its rows' positions as the placeholder id,
@@ -177,6 +208,8 @@ class PromptMaker:
             return self.shared.make(index, self.rng, self.length_rng)
         if isinstance(spec, (SpokenPassphrasePrompts, AudioPrompts)):
             return self.audio(spec, index, meta)
+        if isinstance(spec, ImagePassphrasePrompts):
+            return self.image(spec, index, meta)
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
 
 
@@ -228,9 +261,15 @@ def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     if speech and not audio:
         return (f"model {model} is a speech model (Whisper) and takes audio; use prompts kind spoken_passphrase "
                 "or audio (see scenarios/transcribe.yaml)")
-    kind = ENCODER_DECODER if speech else DECODER_ONLY
+    from kvtui.models.loader import VISION_NAMES
+
+    images = scenario.prompts.kind in IMAGE_KINDS
+    if images and model not in VISION_NAMES:
+        return (f"prompts kind {scenario.prompts.kind} shows images, and model {model} has no image encoder; "
+                "use --model dinov2-smollm2 (or tiny-vision)")
+    kind = ENCODER_DECODER if speech else IMAGE_TEXT if model in VISION_NAMES else DECODER_ONLY
     named = [*scenario.engine.faults, *(e.fault_switch[0] for e in scenario.timeline if e.fault_switch)]
-    wrong = next((n for n in named if kind not in FAULTS[n].models), None)
+    wrong = next((n for n in named if not acts_on(n, kind)), None)
     if wrong:
         return f"fault {wrong} does not act on {kind} models like {model}; drop it (`kvtui faults` lists them)"
     return ""

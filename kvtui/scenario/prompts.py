@@ -279,6 +279,34 @@ class AudioPrompts(Strict):
         return list(self._files)
 
 
+class ImagePassphrasePrompts(Strict):
+    """Image models only (dinov2-smollm2, tiny-vision): each request shows one canary picture, a generated
+    picture of a word (kvtui/models/projector.py), and asks for the word; the word is the request's
+    canary. With dinov2-smollm2 the picture enters SmolLM2 as the word's own embedding row (kvtui's
+    closed-form projector, fitted on these pictures), so the answer repeats it; another request's
+    answer holding it is a leak naming its source. Requests showing the same picture share its encoder
+    output (an encoder-cache hit)."""
+
+    kind: Literal["image_passphrase"]
+    template: Annotated[str, Field(min_length=1, max_length=10_000)] = Field(
+        "Repeat the word in the picture: <image>", description="the user message; `<image>` marks where the "
+                                                              "picture goes (exactly once)")
+    pictures: Annotated[int, Field(ge=2, le=8)] = Field(
+        8, description="distinct canary pictures, request i showing picture i mod pictures (fewer pictures: "
+                       "more encoder-cache hits)")
+    uuids: Literal["none", "reused"] = Field(
+        "none", description="the uuid a client sends with each picture (vLLM's multi_modal_uuids): `none`, or "
+                            "`reused`: every request labels its picture image-0, as a client numbering pictures "
+                            "per conversation would (harmless while the cache is keyed by content)")
+
+    @pydantic.field_validator("template")
+    @classmethod
+    def _has_image(cls, v: str) -> str:
+        if v.count("<image>") != 1:
+            raise Problem("template must hold <image> exactly once", "put <image> where the picture goes")
+        return v
+
+
 def _read_path(reader, path: str, info: pydantic.ValidationInfo):
     """reader(path, the scenario file's folder), its Problem placed at the section's `path` field."""
     try:
@@ -288,9 +316,12 @@ def _read_path(reader, path: str, info: pydantic.ValidationInfo):
 
 
 PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts, SystemPromptPrompts,
-                             MultiTurnPrompts, SpokenPassphrasePrompts, AudioPrompts], Field(discriminator="kind")]
-PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn", "spoken_passphrase", "audio")
+                             MultiTurnPrompts, SpokenPassphrasePrompts, AudioPrompts, ImagePassphrasePrompts],
+                       Field(discriminator="kind")]
+PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn", "spoken_passphrase", "audio",
+                "image_passphrase")
 AUDIO_KINDS = ("spoken_passphrase", "audio")
+IMAGE_KINDS = ("image_passphrase",)
 
 
 def read_prompt_file(path: str, base_dir: Path | None) -> list:

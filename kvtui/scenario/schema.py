@@ -52,7 +52,7 @@ from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import TimelineEvent, bounded
 from kvtui.scenario.trace import resolve
 
-MODEL_NAMES = ("default", "tiny-llama", "tiny-gpt2", "whisper-tiny.en", "tiny-whisper")
+MODEL_NAMES = ("default", "tiny-llama", "tiny-gpt2", "whisper-tiny.en", "tiny-whisper", "dinov2-smollm2", "tiny-vision")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each scenario dtype
 _D = EngineConfig()  # defaults come from the engine's own config
 
