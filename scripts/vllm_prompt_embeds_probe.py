@@ -22,15 +22,16 @@ the tensor holds zeros at text positions, mask True, and the model sees token 0'
 F is the embedding-table rows of a question, the same in both, at the same positions. Equal ids and
 equal tensor in every block, so equal block hashes; different inputs, so different KV.
 
-Runs, greedy, max_tokens 16, each with `cache_salt` to pick which cache entries it can see:
+Runs, greedy, max_tokens 16, logprobs, each with `cache_salt` to pick which cache entries it can see:
     1. B alone (a salt of its own, nothing cached under it)
     2. A (salt S)
     3. B after A (salt S): reuses A's blocks if the key misses the mask
-    4. A again (salt S): the control, a legitimate hit
-and, unless --no-oracle, B's tokens from transformers' own greedy `generate(inputs_embeds=...)` on the
-same float32 weights.
+    4. A again (salt S): a control, a legitimate hit on A's own blocks
+    5. B again (B alone's salt): a control, a legitimate hit on B's own blocks
+and, unless --no-oracle, A's and B's tokens from transformers' own greedy `generate(inputs_embeds=...)`
+on the same float32 weights, loaded here apart from the server.
 
-Usage (a server started by scripts/serve-vllm-cpu.sh ... -- --enable-prompt-embeds --block-size 16):
+Usage (a server started by scripts/serve-vllm-cpu.sh ... -- --enable-prompt-embeds --block-size 32):
     OMP_NUM_THREADS=1 python scripts/vllm_prompt_embeds_probe.py --url http://127.0.0.1:8011
 Options: --model DIR (default kvtui's converted SmolLM2), --served-model-name, --zeros M, --question,
 --max-tokens, --json (one JSON object on stdout instead of the report). Exit 0 when the runs were made
@@ -56,8 +57,9 @@ sys.path.insert(0, str(ROOT))
 
 PLACEHOLDER = "<prompt_embeds>"  # vLLM's splice token (vllm/renderers/chat_utils.py)
 ZERO_TOKEN = "<|endoftext|>"  # id 0 in SmolLM2's vocabulary: the id vLLM writes at embedding positions
-DEFAULT_TEXT = "Read the next part carefully."
-DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
+DEFAULT_TEXT = "Here is a note:"
+DEFAULT_QUESTION = "Repeat the note above exactly."
+DEFAULT_ZEROS = 24
 
 
 def default_model_dir() -> Path:
@@ -86,7 +88,8 @@ class Pair:
     mask_b: list[bool]
     embeds_a: object  # full-length tensor as vLLM builds it
     embeds_b: object
-    inputs_b: object  # what the model sees for B: (n, hidden), table rows at text positions
+    inputs_a: object  # what the model sees: (n, hidden), table rows at text positions, supplied rows elsewhere
+    inputs_b: object
     zero_span: tuple[int, int]  # [start, end) of the M positions that differ
     extra: dict = field(default_factory=dict)
 
@@ -137,7 +140,7 @@ def build_pair(tokenizer, table, *, zeros: int, text: str, question: str) -> Pai
     z = torch.zeros(zeros, table.shape[1], dtype=table.dtype)
     parts_a = [("text", text), ("embeds", z), ("embeds", f)]
     parts_b = [("text", text + "\n" + ZERO_TOKEN * zeros), ("embeds", f)]
-    ids_a, mask_a, emb_a, _ = render(tokenizer, parts_a, placeholder_id, table)
+    ids_a, mask_a, emb_a, inputs_a = render(tokenizer, parts_a, placeholder_id, table)
     ids_b, mask_b, emb_b, inputs_b = render(tokenizer, parts_b, placeholder_id, table)
     diff = [i for i, (x, y) in enumerate(zip(mask_a, mask_b)) if x != y]
     b64 = {id(z): tensor_b64(z), id(f): tensor_b64(f)}
@@ -146,7 +149,7 @@ def build_pair(tokenizer, table, *, zeros: int, text: str, question: str) -> Pai
         return [{"type": "text", "text": v} if k == "text" else {"type": "prompt_embeds", "data": b64[id(v)]}
                 for k, v in parts]
 
-    return Pair(content(parts_a), content(parts_b), ids_a, ids_b, mask_a, mask_b, emb_a, emb_b, inputs_b,
+    return Pair(content(parts_a), content(parts_b), ids_a, ids_b, mask_a, mask_b, emb_a, emb_b, inputs_a, inputs_b,
                 (diff[0], diff[-1] + 1) if diff else (0, 0),
                 {"question_tokens": len(q_ids), "placeholder_id": placeholder_id})
 
@@ -164,7 +167,7 @@ def oracle_tokens(model, inputs_embeds, max_tokens: int) -> list[int]:
 
 def chat(client: httpx.Client, url: str, model: str, content: list[dict], salt: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": max_tokens, "cache_salt": salt, "return_token_ids": True}
+            "max_tokens": max_tokens, "cache_salt": salt, "return_token_ids": True, "logprobs": True}
     t0 = time.perf_counter()
     r = client.post(f"{url}/v1/chat/completions", json=body)
     if r.status_code != 200:
@@ -172,13 +175,14 @@ def chat(client: httpx.Client, url: str, model: str, content: list[dict], salt: 
     j = r.json()
     ch = j["choices"][0]
     details = (j.get("usage") or {}).get("prompt_tokens_details") or {}
-    return {"tokens": ch.get("token_ids"), "text": ch["message"]["content"],
+    logprobs = [round(c["logprob"], 4) for c in ((ch.get("logprobs") or {}).get("content") or [])]
+    return {"tokens": ch.get("token_ids"), "logprobs": logprobs, "text": ch["message"]["content"],
             "finish_reason": ch.get("finish_reason"), "prompt_tokens": j["usage"]["prompt_tokens"],
             "cached_tokens": details.get("cached_tokens"), "prompt_token_ids": j.get("prompt_token_ids"),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def probe(url: str, *, model_dir: Path, served_name: str, zeros: int = 16, text: str = DEFAULT_TEXT,
+def probe(url: str, *, model_dir: Path, served_name: str, zeros: int = DEFAULT_ZEROS, text: str = DEFAULT_TEXT,
           question: str = DEFAULT_QUESTION, max_tokens: int = 16, oracle: bool = True,
           block_size: int | None = None, timeout: float = 600.0) -> dict:
     """Build the pair, run B alone / A / B after A / A again against `url`, and return every figure."""
@@ -208,6 +212,7 @@ def probe(url: str, *, model_dir: Path, served_name: str, zeros: int = 16, text:
             "a": chat(client, url, served_name, pair.content_a, salt_shared, max_tokens),
             "b_after_a": chat(client, url, served_name, pair.content_b, salt_shared, max_tokens),
             "a_again": chat(client, url, served_name, pair.content_a, salt_shared, max_tokens),
+            "b_again": chat(client, url, served_name, pair.content_b, salt_alone, max_tokens),
         }
     result["runs"] = runs
     for name, run in runs.items():
@@ -218,6 +223,9 @@ def probe(url: str, *, model_dir: Path, served_name: str, zeros: int = 16, text:
         result["oracle_b"] = oracle_tokens(model, pair.inputs_b, max_tokens)
         result["oracle_b_text"] = tokenizer.decode(result["oracle_b"])
         result["b_alone_matches_oracle"] = runs["b_alone"]["tokens"] == result["oracle_b"]
+        result["oracle_a"] = oracle_tokens(model, pair.inputs_a, max_tokens)
+        result["oracle_a_text"] = tokenizer.decode(result["oracle_a"])
+        result["a_matches_oracle"] = runs["a"]["tokens"] == result["oracle_a"]
     result["b_after_a_differs"] = runs["b_after_a"]["tokens"] != runs["b_alone"]["tokens"]
     result["b_after_a_equals_a"] = runs["b_after_a"]["tokens"] == runs["a"]["tokens"]
     return result
@@ -232,13 +240,16 @@ def report(r: dict) -> str:
         f"mask differs at {r['mask_differs_at']} positions"
         + (f"; block size {r['block_size']}, {r['full_blocks']} cacheable full blocks" if r.get("block_size") else ""),
     ]
-    for name in ("b_alone", "a", "b_after_a", "a_again"):
+    for name in ("b_alone", "a", "b_after_a", "a_again", "b_again"):
         run = runs[name]
         lines.append(f"{name:10s} cached {run['cached_tokens']!s:>4} of {run['prompt_tokens']}  "
                      f"{run['tokens']}  {run['text']!r}  ({run['seconds']} s)")
+        lines.append(f"{'':10s} logprobs {run['logprobs'][:4]}")
     if "oracle_b" in r:
         lines.append(f"{'oracle B':10s} (transformers generate, float32)  {r['oracle_b']}  {r['oracle_b_text']!r}")
-        lines.append(f"B alone matches the oracle: {r['b_alone_matches_oracle']}")
+        lines.append(f"{'oracle A':10s} (transformers generate, float32)  {r['oracle_a']}  {r['oracle_a_text']!r}")
+        lines.append(f"B alone matches oracle B: {r['b_alone_matches_oracle']}; "
+                     f"A matches oracle A: {r['a_matches_oracle']}")
     verdict = ("B after A reused A's cache and answered differently from B alone: the cache key misses the mask"
                if r["b_after_a_differs"] and (runs["b_after_a"]["cached_tokens"] or 0) > 0
                else "B after A answered as B alone")
@@ -252,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8011")
     p.add_argument("--model", type=Path, default=None, help="HF model folder (default: kvtui's converted SmolLM2)")
     p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct")
-    p.add_argument("--zeros", type=int, default=16, help="M, the positions that differ (default 16)")
+    p.add_argument("--zeros", type=int, default=DEFAULT_ZEROS, help=f"M, the positions that differ (default {DEFAULT_ZEROS})")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--question", default=DEFAULT_QUESTION)
     p.add_argument("--max-tokens", type=int, default=16)

@@ -51,7 +51,7 @@ class VllmCpuServer:
         wait_s: how long to wait for /health (the first start compiles for 3-5 minutes).
         log: the server's output file (None: the script's default, in the install folder).
         extra_args: more arguments for vLLM's server, passed after the script's `--` (e.g.
-            ["--enable-prompt-embeds", "--block-size", "16"]).
+            ["--enable-prompt-embeds", "--block-size", "32"]).
 
     Attributes (after start): url (http://127.0.0.1:PORT), start_s (seconds the start took).
 
