@@ -50,6 +50,8 @@ class VllmCpuServer:
         port: TCP port (None: a free one). threads: OpenMP threads for the model.
         wait_s: how long to wait for /health (the first start compiles for 3-5 minutes).
         log: the server's output file (None: the script's default, in the install folder).
+        extra_args: more arguments for vLLM's server, passed after the script's `--` (e.g.
+            ["--enable-prompt-embeds", "--block-size", "32"]).
 
     Attributes (after start): url (http://127.0.0.1:PORT), start_s (seconds the start took).
 
@@ -58,8 +60,9 @@ class VllmCpuServer:
     """
 
     def __init__(self, *, port: int | None = None, threads: int = 1, wait_s: int = 900, log: Path | None = None,
-                 stop_timeout_s: float = 30.0) -> None:
+                 stop_timeout_s: float = 30.0, extra_args: list[str] | None = None) -> None:
         self.port = port or free_port()
+        self.extra_args = list(extra_args or [])
         self.threads, self.wait_s, self.log, self.stop_timeout_s = threads, wait_s, log, stop_timeout_s
         self.url = f"http://127.0.0.1:{self.port}"
         self.pgid: int | None = None
@@ -75,6 +78,8 @@ class VllmCpuServer:
                     str(self.threads), "--wait", str(self.wait_s), "--detach", "--pid-file", str(pid_file)]
             if self.log is not None:
                 args += ["--log", str(self.log)]
+            if self.extra_args:
+                args += ["--", *self.extra_args]
             t0 = time.perf_counter()
             done = subprocess.run(args, capture_output=True, text=True, timeout=self.wait_s + 60)
             self.start_s = time.perf_counter() - t0

