@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import pickle
 import re
 import secrets
 from dataclasses import dataclass
@@ -99,7 +100,10 @@ def _read(data, spec: EmbedsSpec, param: str) -> torch.Tensor:
                        param=param) from None
     try:
         tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unreadable file: not a zip, pickled code refused, truncated
+    except pickle.UnpicklingError:  # weights_only refused an object: pickled code or a class it does not read
+        raise ApiError(400, f"{param} holds objects other than tensors, which are never unpickled here; "
+                       f"{expected}", param=param) from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file: not a zip, truncated
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise ApiError(400, f"{param} could not be read as torch.save bytes of a tensor ({why}); {expected}",
                        param=param) from None
