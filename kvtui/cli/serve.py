@@ -65,6 +65,10 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body taken, in bytes; bigger ones get "
                                                    "413 before they are parsed.", min=1)] = SERVE.max_request_bytes,
     enforce_eager: enforce_eager_option() = SERVE.enforce_eager,
+    enable_prompt_embeds: Annotated[bool, typer.Option("--enable-prompt-embeds", help="Take prompt embeddings "
+                                                       "(base64 torch.save tensors) in `prompt_embeds` of completions "
+                                                       "and prompt_embeds parts of chat messages, as vLLM's flag; "
+                                                       "off: such requests get 400.")] = SERVE.enable_prompt_embeds,
 ) -> None:
     """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics; audio transcriptions for a
     Whisper model) until Ctrl-C.
@@ -88,7 +92,8 @@ def serve(
                            layout=layout, kv=kv, block_size=block_size or SERVE.block_size, prefix_caching=prefix_caching,
                            max_waiting=max_waiting, detectors=parse_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
-                           max_request_bytes=max_request_bytes, enforce_eager=enforce_eager)
+                           max_request_bytes=max_request_bytes, enforce_eager=enforce_eager,
+                           enable_prompt_embeds=enable_prompt_embeds)
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")
         dashboard = False

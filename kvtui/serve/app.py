@@ -35,6 +35,7 @@ from kvtui.events import Finish
 from kvtui.scenario.prompts import chat_ids, encode_text
 from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, RequestStream, TokenOut
 from kvtui.serve.detok import TextStream
+from kvtui.serve.embeds import ENABLE_HINT, EmbedsSpec, chat_input, completion_input, has_embeds
 from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
@@ -61,6 +62,8 @@ class ServeContext:
         tokenizer: the model's; max_len: tokens one request may hold (prompt + completion).
         model_name: the served name (`model` in requests and responses); model_id: kvtui's model id.
         feature_extractor: a speech model's (serve/transcribe.py), None for a text model.
+        prompt_embeds: what prompt embeddings the model takes (serve/embeds.py) under
+            --enable-prompt-embeds; None: requests carrying them get 400.
     """
 
     bridge: EngineBridge
@@ -70,6 +73,7 @@ class ServeContext:
     model_name: str
     model_id: str
     feature_extractor: object = None  # speech models (Whisper): audio -> log-mel features; None: a text model
+    prompt_embeds: EmbedsSpec | None = None
 
 
 class ServerState:
@@ -123,6 +127,14 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx = text_model(state.ready(), "completions")
         body.check()
+        if body.prompt_embeds is not None:
+            embeds = _embeds_spec(ctx, "prompt_embeds")
+            if body.prompt not in (None, "", [], [""]):
+                raise ApiError(400, "send either prompt or prompt_embeds, not both (one prompt per request)",
+                               param="prompt")
+            given = await state.off_loop(completion_input, body.prompt_embeds, embeds)
+            await state.off_loop(_precompile, ctx, body)
+            return await _serve(ctx, request, body, list(given.prompt_ids), None, chat=False, given=given)
         prompt = body.single_prompt()
         text = prompt if isinstance(prompt, str) else None
         ids = await state.off_loop(encode_text, ctx.tokenizer, prompt) if text is not None else list(prompt)
@@ -133,6 +145,12 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx = text_model(state.ready(), "chat/completions")
         body.check()
+        if has_embeds(body.messages):
+            embeds = _embeds_spec(ctx, "messages")
+            spliced = await state.off_loop(chat_input, ctx.tokenizer, body.messages, embeds)
+            await state.off_loop(_precompile, ctx, body)
+            return await _serve(ctx, request, body, list(spliced.input.prompt_ids), spliced.text, chat=True,
+                                given=spliced.input)
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
         await state.off_loop(_precompile, ctx, body)
@@ -148,6 +166,13 @@ def text_model(ctx: ServeContext, endpoint: str) -> ServeContext:
         raise ApiError(400, f"model `{ctx.model_name}` is a speech model and takes audio: use "
                        f"/v1/audio/transcriptions, not /v1/{endpoint}", param="model", code="model_not_supported")
     return ctx
+
+
+def _embeds_spec(ctx: ServeContext, param: str) -> EmbedsSpec:
+    """The served model's EmbedsSpec, or ApiError 400 when the server runs without --enable-prompt-embeds."""
+    if ctx.prompt_embeds is None:
+        raise ApiError(400, f"{ENABLE_HINT} (it is off on this server)", param=param)
+    return ctx.prompt_embeds
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -204,8 +229,9 @@ def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 
 async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int], prompt_text: str | None, *,
-                 chat: bool) -> Response:
-    """Submit one request and answer it, streamed or whole."""
+                 chat: bool, given=None) -> Response:
+    """Submit one request and answer it, streamed or whole. `given`: a RequestInput when the request feeds
+    more than prompt_ids (prompt embeddings); its prompt_ids are `prompt_ids`."""
     if body.model is not None and body.model not in (ctx.model_name, ctx.model_id):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{ctx.model_name}`",
                        param="model", code="model_not_found")
@@ -222,7 +248,7 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
         metadata["user"] = body.user
     try:
         stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata, tenant=_tenant(body),
-                                   cache_salt=body.cache_salt)
+                                   cache_salt=body.cache_salt, input=given)
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
     formatter = Formatter(chat=chat, request_id=request_id, model=ctx.model_name, tokenizer=ctx.tokenizer,

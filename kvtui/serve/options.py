@@ -19,7 +19,8 @@ SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "const
 class ServeOptions:
     """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests), with its
     defaults. `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest
-    request body taken (bytes; 413 past it)."""
+    request body taken (bytes; 413 past it); `enable_prompt_embeds`: take
+    vLLM's `prompt_embeds` (completions) and prompt_embeds content parts (chat), else 400."""
 
     model: str = "default"
     dtype: str = "float32"
@@ -44,4 +45,5 @@ class ServeOptions:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enforce_eager: bool = _ENGINE.enforce_eager
+    enable_prompt_embeds: bool = False  # take prompt_embeds in requests (kvtui/serve/embeds.py)
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)

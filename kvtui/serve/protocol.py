@@ -93,6 +93,7 @@ class StreamOptions(_Open):
 class TextPart(_Open):
     type: str
     text: str | None = None
+    data: Any = None  # a prompt_embeds part's base64 (kvtui/serve/embeds.py)
 
 
 class ChatMessage(_Open):
@@ -230,9 +231,12 @@ class SamplingFields(_Open):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt` is text or token ids (one prompt per request)."""
+    """POST /v1/completions. `prompt` is text or token ids (one prompt per request); with
+    --enable-prompt-embeds, `prompt_embeds` (base64 torch.save bytes, kvtui/serve/embeds.py) may stand
+    in for it."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt_embeds: str | list[str] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -248,6 +252,8 @@ class CompletionRequest(SamplingFields):
     def single_prompt(self) -> str | list[int]:
         """The one prompt: text or token ids. Raises ApiError for a batch of prompts or an empty one."""
         prompt = self.prompt
+        if prompt is None:
+            raise ApiError(400, "prompt: Field required", param="prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise ApiError(400, f"{len(prompt)} prompts in one request: send one prompt per request",

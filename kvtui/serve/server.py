@@ -167,8 +167,17 @@ class ServeServer:
         self.bridge.attach(session)
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
                                           self.metrics.model_name, self.loaded.model_id,
-                                          getattr(self.loaded, "feature_extractor", None))
+                                          getattr(self.loaded, "feature_extractor", None),
+                                          self._embeds_spec(session.engine.pool.max_len))
         return session
+
+    def _embeds_spec(self, max_len: int):
+        """The model's EmbedsSpec under --enable-prompt-embeds (None without it, or for a speech model)."""
+        from kvtui.serve.embeds import EmbedsSpec
+
+        if not self.options.enable_prompt_embeds or getattr(self.loaded, "feature_extractor", None) is not None:
+            return None
+        return EmbedsSpec.of(self.loaded.model, max_len)
 
     def _recording_failed(self, event) -> None:
         """Session listener: a failed write stopped the recording; say so once (serving goes on)."""
