@@ -34,6 +34,7 @@ from kvtui.scenario.lengths import Choice, Fixed, LogNormal, Normal, Uniform, Zi
 from kvtui.scenario.prompts import (
     AudioPrompts,
     FilePrompts,
+    ImagePassphrasePrompts,
     MultiTurnPrompts,
     PassphrasePrompts,
     SpokenPassphrasePrompts,
@@ -119,7 +120,8 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("tenants", "", [Tenants]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
                                                               SystemPromptPrompts, MultiTurnPrompts,
-                                                              SpokenPassphrasePrompts, AudioPrompts]),
+                                                              SpokenPassphrasePrompts, AudioPrompts,
+                                                              ImagePassphrasePrompts]),
     ("Length distributions", "`output_tokens` and `prompts.prompt_tokens` take one of these, chosen by `dist`; a "
                              "bare integer `24` means `{dist: fixed, value: 24}`. Lengths are whole tokens, drawn "
                              "from the scenario seed's own stream.", [Fixed, Uniform, Normal, LogNormal, Choice, Zipf]),
