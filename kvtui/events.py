@@ -90,6 +90,7 @@ class Arrive(_Frozen):
     parent: str | None = None  # parallel sampling (n > 1): the submitted request this sequence is one of
     sampling: tuple[str, ...] = ()  # (v3) its per-row sampling state: pen, bias, ban, min (SamplingParams.state_tags)
     audio: str | None = None  # (v3) a speech request's audio (its file name)
+    image: str | None = None  # (v3) an image request's pictures (their names, comma-separated)
 
 
 class FirstToken(_Frozen):

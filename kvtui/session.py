@@ -195,7 +195,7 @@ class Session(RunBase):
                         image_encoder=self.loaded.image_encoder)
         engine.detect_taint = "slot_taint" in self.detectors
         engine.measure_flow = "attention_flow" in self.detectors
-        engine.record_draws = "reference" in self.detectors
+        engine.output.record_draws = "reference" in self.detectors
         return engine
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:

@@ -3,7 +3,7 @@
 import pytest
 from helpers import oracle_model, solo, uncached_greedy
 
-import kvtui.engine.engine as engine_module
+import kvtui.engine.output as engine_module  # the output side draws the tokens
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams, StepInterrupted
 
@@ -177,7 +177,7 @@ def test_a_request_whose_own_step_raises_ends_alone_and_the_batch_goes_on(tiny, 
         monkeypatch.setattr(engine_module, "draw_token", sample)
         bad_params = SamplingParams(max_new_tokens=8, top_k=13)
     else:  # only the bad request has stop strings, so only it decodes; the third decode raises
-        engine.tokenizer = _FailingDecode(loaded.tokenizer, fail_at=3)
+        engine.output.tokenizer = _FailingDecode(loaded.tokenizer, fail_at=3)
         bad_params = SamplingParams(max_new_tokens=8, stop=("never in this text",))
     engine.submit("good", [5, 17, 42], SamplingParams(max_new_tokens=8))
     engine.submit("bad", [9, 8, 7], bad_params)

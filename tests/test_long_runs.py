@@ -17,8 +17,8 @@ def test_engine_forgets_reported_requests(tiny):
         engine.submit(f"r{i}", [5 + i % 7, 6], SamplingParams(max_new_tokens=2))
     reports = engine.run_until_done()
     assert sum(len(r.finished) for r in reports) == 50
-    assert engine.requests == {} and engine._serial == {} and engine._row_states == {}
-    assert len(engine.rows.states) <= 2  # the rows of the last step, dropped at the next
+    assert engine.requests == {} and engine._serial == {} and engine.output.row_states == {}
+    assert len(engine.output.rows.states) <= 2  # the rows of the last step, dropped at the next
 
 
 def test_reference_detector_bounds_its_queue_and_cache(tiny):

@@ -12,7 +12,7 @@ import openai
 import pytest
 from helpers import uncached_greedy
 
-import kvtui.engine.engine as engine_module
+import kvtui.engine.output as engine_module  # the output side draws the tokens
 from kvtui.models import load_model
 from kvtui.serve.server import ServeOptions, ServeServer
 

@@ -148,7 +148,7 @@ def test_a_grammar_that_does_not_compile_rejects_that_request_alone(tiny):
     assert (finished["bad"].finish_reason, finished["bad"].code) == ("rejected", "invalid_structured_output")
     assert "regex does not compile" in finished["bad"].detail
     assert list(finished["good"].output_ids) == solo(loaded, ps[1], SamplingParams(max_new_tokens=5, ignore_eos=True))
-    assert eng.grammar.matchers == {}
+    assert eng.output.grammar.matchers == {}
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputs(regex="a", json_object=True)
 

@@ -31,7 +31,7 @@ def configs(eos: int, vocab: int) -> dict[str, dict]:
 def decode_steps(model, prompts, new_tokens: int, fields: dict, eos: int) -> list[float]:
     """Wall seconds of each decode-only step of one run with `fields` on every row."""
     engine = engine_for(model, prompts, new_tokens)
-    engine.stop_mask_ids = frozenset({eos})  # min_tokens masks it; no request stops on it (no EOS set)
+    engine.output.stop_mask_ids = frozenset({eos})  # min_tokens masks it; no request stops on it (no EOS set)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=False, **fields)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, params)

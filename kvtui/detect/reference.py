@@ -307,7 +307,7 @@ class ReferenceDetector:
             config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
         engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
                         grammar_tokenizer=self.tokenizer, image_encoder=self.loaded.image_encoder)  # structured output: the same grammar, no stop strings
-        engine.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
+        engine.output.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
         return engine
 
     def _clean_engine(self, max_len: int) -> Engine:

@@ -20,19 +20,17 @@ from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
 from kvtui.engine.encoder_side import EncoderSide, TokenInputs
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
-from kvtui.engine.grammar import GrammarStage
 from kvtui.engine.image_side import ImageInputs
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
+from kvtui.engine.output import OutputProcessor, gaps_and_finite
 from kvtui.engine.paged import PagedCache
 from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
-from kvtui.engine.row_state import RowState, RowTable
 from kvtui.engine.runner import ModelRunner, model_geometry
-from kvtui.engine.sampling import draw_token
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import ENCODER_DECODER, FAULTS, FaultName, acts_on, check_fault_names, model_kind
@@ -120,15 +118,13 @@ class Engine:
         self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
         self.step_index = 0
         self.requests: dict[str, RequestState] = {}
-        self._row_states: dict[str, RowState] = {}  # each request's sampling state (engine/row_state.py)
-        self.rows = RowTable()  # the running requests' row states, in row order
-        self.stop_mask_ids = self.eos_token_ids  # what min_tokens masks (a reference engine without EOS sets it)
+        # the output side: row states, structured output, sampling, stop checks (engine/output.py)
+        self.output = OutputProcessor(self.vocab_size, self.eos_token_ids, tokenizer, grammar_tokenizer,
+                                      adjust_logits=encoder.adjust_logits)
         self._pending_finished: list[RequestState] = []
         self.families = Families()  # parallel sampling (n > 1)
-        self.grammar = GrammarStage(grammar_tokenizer or tokenizer, self.vocab_size)
         self.measure_flow = False  # attention_flow detector: accumulate attention per step
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
-        self.record_draws = True  # reference detector: keep each sampled token's Draw (about 1 KB a token)
         self._faults: frozenset[str] = frozenset()
         self.set_faults(config.faults)  # switched between steps
         self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
@@ -243,25 +239,15 @@ class Engine:
             del self._names[next(iter(self._names))]
         problem = None if not queue else (self._input_problem(request) or self._prompt_problem(request)
                                            or self._admission_problem(request))
-        problem = problem or self._grammar_problem(request)
+        problem = problem or self.output.grammar_problem(request)
         if problem and queue:
             self._finish(request, FinishReason.REJECTED, problem[1], problem[0])
             return request
         self.encoder.submit(request)
-        self._row_states[request_id] = RowState.of(request, self.stop_mask_ids)
+        self.output.track(request)
         if queue:
             self.scheduler.add(request)
         return request  # a held sibling whose grammar fails is rejected with its lead (_release_forks)
-
-    def _grammar_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
-        """Give a constrained request its grammar matcher; (code, detail) when its grammar does not compile."""
-        if request.sampling.structured is None:
-            return None
-        try:
-            self.grammar.add(request.request_id, request.sampling.structured)
-        except ValueError as e:
-            return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
-        return None
 
     def _input_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the request's input does not fit the model (see Engine.submit)."""
@@ -379,6 +365,7 @@ class Engine:
         self._faults = faults
         self.kv.configure(self.config, faults)
         self.encoder.configure(faults)
+        self.output.faults = faults
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending_finished)
@@ -438,7 +425,7 @@ class Engine:
                 racy = racy_forward(self.runner, plan, layout=self.config.layout, pad_token_id=self.pad_token_id,
                                     faults=faults, max_len=self.pool.max_len, tag_writes=self._tag_writes,
                                     block_size=self.kv.block_size)
-                return ForwardOutcome(racy.logits, _facts(racy.logits), racy.stats, errors=racy.errors)
+                return ForwardOutcome(racy.logits, gaps_and_finite(racy.logits), racy.stats, errors=racy.errors)
             return self._forward_batch(plan, faults)
         except StepInterrupted:
             raise
@@ -465,7 +452,7 @@ class Engine:
             flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids,
                                         expected))
         by_chunk = {chunk: logits[row] for row, chunk in enumerate(batch.sample_chunk)}
-        facts = _facts(by_chunk, logits, batch.sample_chunk)
+        facts = gaps_and_finite(by_chunk, logits, batch.sample_chunk)
         broken = [c for c, (_, finite) in facts.items() if not finite]
         nonfinite = ()
         if broken and (self.detect_taint or self.measure_flow):
@@ -498,8 +485,8 @@ class Engine:
         failed = dict(outcome.errors)
         self._sync_rows()
         running = []
-        self.grammar.apply([(i, c.request.request_id) for i, c in enumerate(plan.chunks) if i in outcome.logits],
-                           outcome.logits, self._faults)  # structured output: one per-row stage
+        self.output.apply_grammar([(i, c.request.request_id) for i, c in enumerate(plan.chunks)
+                                   if i in outcome.logits], outcome.logits)  # structured output: one per-row stage
         for index, chunk in enumerate(plan.chunks):
             if index in failed:
                 self._finish(chunk.request, FinishReason.ABORT, f"corrupted by a faulty step: {failed[index]}")
@@ -509,9 +496,7 @@ class Engine:
 
     def _sync_rows(self) -> None:
         """The row table follows the running requests (engine/row_state.py), under this step's faults."""
-        self.rows.sync([r.request_id for r in self.scheduler.running], self._row_states,
-                       misalign=FaultName.ROW_STATE_MISALIGN in self._faults,
-                       shared_rng=FaultName.SHARED_RNG in self._faults)
+        self.output.sync([r.request_id for r in self.scheduler.running])
 
     def _advance(self, chunk, logits, facts, end_s: float) -> list[RunningEntry]:
         """Note the chunk's tokens as written; where it samples, fork the request's waiting siblings
@@ -536,10 +521,13 @@ class Engine:
             gap, finite = facts
             nonfinite = not finite
             try:
-                token, logprobs, owner = self._sample(request, logits, gap, end_s)
+                token, logprobs, owner, reason = self.output.sample(request, logits, gap, end_s, self.pool.max_len)
             except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
+            else:
+                if reason is not None:
+                    self._finish(request, reason, "")
         first = token is not None and len(request.generated_ids) == 1
         return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=cache_len,
                             query_tokens=query_tokens, token_id=token, phase=phase, top2_gap=gap, nonfinite=nonfinite,
@@ -576,76 +564,6 @@ class Engine:
         for sibling in siblings:
             self._finish(sibling, FinishReason.REJECTED, lead.finish_detail, code)
 
-    def _sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float):
-        """Pick `request`'s next token from its logits [V], note it, and finish the request if it stops.
-        Returns (token, logprobs or None, the request whose row state picked it). Whatever raises
-        leaves the request's tokens as they were."""
-        logits = self.encoder.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
-        state = self.rows.state_of(request.request_id)
-        processed = self._processed(state, logits)
-        shared = FaultName.SHARED_RNG in self._faults and state.generator is not None
-        generator = self.rows.shared_rng if shared else state.generator
-        token, draw = draw_token(processed, state.params, generator)
-        if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
-            gap = _facts({0: processed})[0][0]
-        logprobs = None
-        if request.sampling.logprobs is not None:
-            logprobs = token_logprobs(logits, token, request.sampling.logprobs)
-        request.generated_ids.append(token)
-        try:
-            if request.sampling.structured is not None:
-                self.grammar.accept(request.request_id, token)
-            reason = self._stop_reason(request, token)
-        except Exception:
-            request.generated_ids.pop()
-            raise
-        state.accept(token)
-        request.top2_gaps.append(gap)
-        if draw is not None and self.record_draws:
-            request.draws.append(draw)
-        request.token_times_s.append(end_s)
-        if request.first_token_s is None:
-            request.first_token_s = end_s
-        if reason is not None:
-            self._finish(request, reason, "")
-        return token, logprobs, state.owner
-
-    def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
-        """The row's logits [V] after its stages (the logits themselves when it has none); under
-        penalty_shared_history the penalties read the whole batch's history."""
-        if not state.stages:
-            return logits
-        shared = FaultName.PENALTY_SHARED_HISTORY in self._faults
-        return state.process(logits, self.rows.batch_history() if shared else None)
-
-    def _stop_reason(self, request: RequestState, token: int) -> FinishReason | None:
-        params = request.sampling
-        if len(request.generated_ids) < params.min_tokens:  # vLLM: no stop before min_tokens
-            return FinishReason.LENGTH if request.cache_len + 1 > self.pool.max_len else None
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return FinishReason.STOP
-        if params.structured is not None and self.grammar.terminated(request.request_id):
-            return FinishReason.STOP  # its grammar is complete
-        if params.stop and self.tokenizer is not None and self._stop_string(request):
-            return FinishReason.STOP
-        if len(request.generated_ids) >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        if request.cache_len + 1 > self.pool.max_len:  # the last token would not fit its slot
-            return FinishReason.LENGTH
-        return None
-
-    def _stop_string(self, request: RequestState) -> bool:
-        """Whether the text so far holds a stop string; if so, note which and where the returned text
-        ends (before the earliest stop string, or after it with include_stop_str_in_output)."""
-        text = self.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
-        found = [(text.find(s), s) for s in request.sampling.stop if s in text]
-        if not found:
-            return False
-        index, stop = min(found)
-        request.stop_str = stop
-        request.text_end = index + len(stop) if request.sampling.include_stop_str_in_output else index
-        return True
-
     def _finish(self, request: RequestState, reason: FinishReason, detail: str,
                 code: FinishCode | None = None) -> None:
         self.scheduler.finish(request)  # its KV and its hold on encoder outputs go back at once
@@ -655,8 +573,7 @@ class Engine:
             request.finish_detail = detail
         request.finish_code = code.value if code else ""
         request.finish_s = self.now()
-        self._row_states.pop(request.request_id, None)
-        self.grammar.drop(request.request_id)
+        self.output.drop(request.request_id)
         self._pending_finished.append(request)
         if request.request_id in self.families.pending:
             self._release_forks(request)
@@ -694,7 +611,7 @@ class Engine:
             key_padding_ratio=_ratio(stats.key_padded_positions, stats.key_positions), **self._pool_fields(),
             running=running, finished=finished, num_waiting=len(self.scheduler.waiting),
             faults=tuple(sorted(self._faults)), taint=outcome.taint, flow=outcome.flow, nonfinite=outcome.nonfinite,
-            stale_masks=tuple(dict.fromkeys((s.victim, s.source, s.row) for s in self.grammar.take_stale())),
+            stale_masks=tuple(dict.fromkeys((s.victim, s.source, s.row) for s in self.output.grammar.take_stale())),
             errors=tuple((plan.chunks[i].request.request_id, text) for i, text in outcome.errors),
         )
 
@@ -706,41 +623,6 @@ class Engine:
                 raise RuntimeError(f"engine did not finish within {max_steps = }")
             reports.append(self.step())
         return reports
-
-
-def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[tuple[int, float], ...]:
-    """(token id, logprob) of the sampled `token`, then of the `k` most likely tokens (descending).
-
-    Args:
-        logits: [V] logits of the sampled position (any float dtype; computed in float32).
-        token: the sampled id; k: how many of the most likely to add (0: none).
-    Returns natural-log probabilities, log_softmax(logits) (as vLLM's raw logprobs and OpenAI's
-    `logprob`): temperature, top-k and top-p do not change them.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    pairs = [(int(token), float(logp[token]))]
-    if k:
-        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
-        pairs += [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return tuple(pairs)
-
-
-def _facts(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> dict:
-    """(top-1 minus top-2 logit, all finite) per chunk, computed for all sampling rows at once.
-
-    Args:
-        by_chunk: chunk index -> logits [V]; logits / order: the same rows as one [S, V] tensor and their
-            chunk indices, when the caller has it (no stacking then).
-    """
-    if not by_chunk:
-        return {}
-    if logits is None:
-        order = list(by_chunk)
-        logits = torch.stack([by_chunk[c] for c in order])
-    top2 = torch.topk(logits, 2, dim=1).values
-    gaps = (top2[:, 0] - top2[:, 1]).tolist()
-    finite = torch.isfinite(logits).all(dim=1).tolist()
-    return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
 
 
 def _merge_taint(taint: tuple, cross: tuple) -> tuple:

@@ -39,7 +39,8 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
                   passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
-                  sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.audio_label)
+                  sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.audio_label,
+                  image=planned.image_label)
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

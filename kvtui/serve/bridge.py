@@ -130,7 +130,7 @@ class EngineBridge:
         session = self.session
         if session is None:
             raise NotAccepting()
-        session.engine.grammar.compile(spec)
+        session.engine.output.grammar.compile(spec)
 
     def abort(self, request_id: str) -> None:
         """Abort a request whose client went away (any thread; nothing if it already finished)."""

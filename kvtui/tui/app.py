@@ -161,9 +161,10 @@ class KvtuiApp(App[dict | None]):
                 self.source.set_faults(names)
 
         kv = self.snapshot.kv if self.snapshot else "slots"  # only the faults that act in the run's KV mode ...
-        speech = self.snapshot is not None and self.snapshot.encoder is not None  # ... and on its kind of model
-        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv, ENCODER_DECODER if speech else DECODER_ONLY)),
-                         chosen)
+        kind = self.snapshot.model_kind if self.snapshot else None  # ... and on its kind of model (the header's)
+        if kind is None:  # a recording made before the header named the kind: a speech model has an encoder cache
+            kind = ENCODER_DECODER if self.snapshot is not None and self.snapshot.encoder is not None else DECODER_ONLY
+        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv, kind)), chosen)
 
     def action_pause(self) -> None:
         self.source.toggle_pause()

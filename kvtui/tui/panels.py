@@ -80,6 +80,8 @@ def _slot_cell(slot: SlotView, cell: int) -> Text:
     head = f"{slot.index:>3} {slot.owner}{mark}"
     if slot.audio and cell >= 40:  # a speech request: its clip
         head += f" {slot.audio.removesuffix('.wav')[:18]}"
+    elif slot.image and cell >= 40:  # an image request: its picture
+        head += f" img:{slot.image.removesuffix('.png')[:14]}"
     tail = f" {slot.cache_len}"
     width = max(cell - len(head) - len(tail) - 1, 2)
     text = Text().append(f"{head} ", style=f"bold black on {color(slot.color)}")

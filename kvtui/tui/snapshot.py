@@ -29,6 +29,7 @@ class SlotView:
         just_reused: the slot changed hands within the last REUSE_MARK_STEPS steps.
         previous_owner: the request that held it before the current owner, if any.
         audio: the owner's audio (a speech model's request: its file name), else None.
+        image: the owner's pictures (an image request: their names), else None.
     """
 
     index: int
@@ -39,12 +40,14 @@ class SlotView:
     just_reused: bool
     previous_owner: str | None
     audio: str | None = None
+    image: str | None = None
 
 
 @dataclass(frozen=True)
 class EncoderView:
-    """The encoder cache of a speech model's engine (last step): entries kept of capacity, those a running
-    request holds, lookups that hit / missed since the start, bytes of cross-attention K/V."""
+    """The encoder cache of the engine (last step): a speech model's cross-attention K/V per audio, or an
+    image model's projected rows per picture; entries kept of capacity, those a running request holds,
+    lookups that hit / missed since the start, bytes held."""
 
     entries: int
     capacity: int
@@ -209,6 +212,7 @@ class Snapshot:
     model: str
     dtype: str
     clock: str
+    model_kind: str | None
     layout: str
     step: int
     t: float

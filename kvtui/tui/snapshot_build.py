@@ -69,6 +69,7 @@ def _slots(state: DashboardState) -> tuple[SlotView, ...]:
             just_reused=owner is not None and reused_at is not None and state.step - reused_at < REUSE_MARK_STEPS,
             previous_owner=state.slot_prev.get(index),
             audio=state.requests[owner].audio if owner in state.requests else None,
+            image=state.requests[owner].image if owner in state.requests else None,
         ))
     return tuple(views)
 
@@ -122,7 +123,7 @@ def build_snapshot(state: DashboardState) -> Snapshot:
     return Snapshot(
         seq=state.seq,
         scenario=header.scenario.get("name", "?") if header else "?",
-        model=header.model.id if header else "?",
+        model=header.model.id if header else "?", model_kind=header.model.kind if header else None,
         dtype=header.model.dtype if header else "?",
         clock=header.clock if header else "?",
         layout=last.layout if last else (header.engine.get("layout", "?") if header else "?")

@@ -65,6 +65,7 @@ class _Request:
     blocks: int = 0  # paged KV: blocks in its table
     sampling: str = ""  # its per-row sampling state's tags ("pen bias"), as its arrive event says
     audio: str | None = None  # a speech request's audio file name
+    image: str | None = None  # an image request's pictures, as its arrive event names them
 
 
 class DashboardState:
@@ -148,7 +149,7 @@ class DashboardState:
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
         r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
-        r.tenant, r.sampling, r.audio = e.tenant, " ".join(e.sampling), e.audio
+        r.tenant, r.sampling, r.audio, r.image = e.tenant, " ".join(e.sampling), e.audio, e.image
         if e.tenant is not None:
             self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r

@@ -1,0 +1,182 @@
+"""The engine's output side: per-row sampling state, structured output, sampling, log-probabilities,
+stop checks (the part of a step after the forward; nano-vllm's postprocess, vLLM's sampler and
+update_from_output).
+
+The engine hands it each step's logits; it keeps every running request's row state (engine/row_state.py:
+penalties, bias, bans, min_tokens, its generator) in row order, applies structured output's bitmasks
+(engine/grammar.py), draws each token, notes it on the request and says whether the request stops. It
+never finishes a request itself (the engine does, with the KV and the scheduler), never touches the
+model, the KV cache or the scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtui.engine.grammar import GrammarStage
+from kvtui.engine.request import FinishCode, FinishReason, RequestState
+from kvtui.engine.row_state import RowState, RowTable
+from kvtui.engine.sampling import draw_token
+from kvtui.faults import FaultName
+
+
+class OutputProcessor:
+    """The output side of one engine (see the module docstring).
+
+    Args:
+        vocab_size: logits per row; eos_token_ids: tokens that stop a request (unless ignore_eos);
+        tokenizer: for stop strings (None: no stop strings); grammar_tokenizer: what structured output
+            compiles grammars with (default: tokenizer); adjust_logits: the encoder side's logits rules
+            (EncoderSide.adjust_logits: Whisper's suppressed tokens).
+
+    Attributes:
+        rows: the running requests' row states, in row order; row_states: each accepted request's.
+        grammar: the structured-output stage; stop_mask_ids: what min_tokens masks (EOS by default; a
+            reference engine without EOS sets it); record_draws: keep each sampled token's Draw (the
+            reference detector's, about 1 KB a token); faults: the faults acting from this step.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], tokenizer=None, grammar_tokenizer=None,
+                 adjust_logits=None) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.adjust_logits = adjust_logits or (lambda logits, generated: logits)
+        self.row_states: dict[str, RowState] = {}
+        self.rows = RowTable()
+        self.stop_mask_ids = eos_token_ids
+        self.grammar = GrammarStage(grammar_tokenizer or tokenizer, vocab_size)
+        self.record_draws = True
+        self.faults: frozenset[str] = frozenset()
+
+    def grammar_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
+        """Give a constrained request its grammar matcher; (code, detail) when its grammar does not compile."""
+        if request.sampling.structured is None:
+            return None
+        try:
+            self.grammar.add(request.request_id, request.sampling.structured)
+        except ValueError as e:
+            return FinishCode.INVALID_STRUCTURED_OUTPUT, f"structured output: {e}"
+        return None
+
+    def track(self, request: RequestState) -> None:
+        """An accepted request gets its row state."""
+        self.row_states[request.request_id] = RowState.of(request, self.stop_mask_ids)
+
+    def drop(self, request_id: str) -> None:
+        """A finished request's row state and grammar go."""
+        self.row_states.pop(request_id, None)
+        self.grammar.drop(request_id)
+
+    def sync(self, running_ids: list[str]) -> None:
+        """The row table follows the running requests (engine/row_state.py), under this step's faults."""
+        self.rows.sync(running_ids, self.row_states, misalign=FaultName.ROW_STATE_MISALIGN in self.faults,
+                       shared_rng=FaultName.SHARED_RNG in self.faults)
+
+    def apply_grammar(self, sampling: list[tuple[int, str]], logits: dict) -> None:
+        """Structured output's bitmasks on the step's logits: (chunk index, request id) per sampling chunk."""
+        self.grammar.apply(sampling, logits, self.faults)
+
+    def sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float, max_len: int):
+        """Pick `request`'s next token from its logits [V] and note it. Returns (token, logprobs or None,
+        the request whose row state picked it, the FinishReason when it stops now or None); `max_len`:
+        the tokens one request may hold. Whatever raises leaves the request's tokens as they were."""
+        logits = self.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
+        state = self.rows.state_of(request.request_id)
+        processed = self._processed(state, logits)
+        shared = FaultName.SHARED_RNG in self.faults and state.generator is not None
+        generator = self.rows.shared_rng if shared else state.generator
+        token, draw = draw_token(processed, state.params, generator)
+        if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
+            gap = gaps_and_finite({0: processed})[0][0]
+        logprobs = None
+        if request.sampling.logprobs is not None:
+            logprobs = token_logprobs(logits, token, request.sampling.logprobs)
+        request.generated_ids.append(token)
+        try:
+            if request.sampling.structured is not None:
+                self.grammar.accept(request.request_id, token)
+            reason = self.stop_reason(request, token, max_len)
+        except Exception:
+            request.generated_ids.pop()
+            raise
+        state.accept(token)
+        request.top2_gaps.append(gap)
+        if draw is not None and self.record_draws:
+            request.draws.append(draw)
+        request.token_times_s.append(end_s)
+        if request.first_token_s is None:
+            request.first_token_s = end_s
+        return token, logprobs, state.owner, reason
+
+    def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
+        """The row's logits [V] after its stages (the logits themselves when it has none); under
+        penalty_shared_history the penalties read the whole batch's history."""
+        if not state.stages:
+            return logits
+        shared = FaultName.PENALTY_SHARED_HISTORY in self.faults
+        return state.process(logits, self.rows.batch_history() if shared else None)
+
+    def stop_reason(self, request: RequestState, token: int, max_len: int) -> FinishReason | None:
+        """Why `request` stops after `token` (vLLM's order: min_tokens, EOS, a complete grammar, a stop
+        string, max_new_tokens, the slot's max_len), or None."""
+        params = request.sampling
+        if len(request.generated_ids) < params.min_tokens:  # vLLM: no stop before min_tokens
+            return FinishReason.LENGTH if request.cache_len + 1 > max_len else None
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if params.structured is not None and self.grammar.terminated(request.request_id):
+            return FinishReason.STOP  # its grammar is complete
+        if params.stop and self.tokenizer is not None and self._stop_string(request):
+            return FinishReason.STOP
+        if len(request.generated_ids) >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        if request.cache_len + 1 > max_len:  # the last token would not fit its slot
+            return FinishReason.LENGTH
+        return None
+
+    def _stop_string(self, request: RequestState) -> bool:
+        """Whether the text so far holds a stop string; if so, note which and where the returned text
+        ends (before the earliest stop string, or after it with include_stop_str_in_output)."""
+        text = self.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
+        found = [(text.find(s), s) for s in request.sampling.stop if s in text]
+        if not found:
+            return False
+        index, stop = min(found)
+        request.stop_str = stop
+        request.text_end = index + len(stop) if request.sampling.include_stop_str_in_output else index
+        return True
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[tuple[int, float], ...]:
+    """(token id, logprob) of the sampled `token`, then of the `k` most likely tokens (descending).
+
+    Args:
+        logits: [V] logits of the sampled position (any float dtype; computed in float32).
+        token: the sampled id; k: how many of the most likely to add (0: none).
+    Returns natural-log probabilities, log_softmax(logits) (as vLLM's raw logprobs and OpenAI's
+    `logprob`): temperature, top-k and top-p do not change them.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    pairs = [(int(token), float(logp[token]))]
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        pairs += [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return tuple(pairs)
+
+
+def gaps_and_finite(by_chunk: dict, logits: torch.Tensor | None = None, order=None) -> dict:
+    """(top-1 minus top-2 logit, all finite) per chunk, computed for all sampling rows at once.
+
+    Args:
+        by_chunk: chunk index -> logits [V]; logits / order: the same rows as one [S, V] tensor and their
+            chunk indices, when the caller has it (no stacking then).
+    """
+    if not by_chunk:
+        return {}
+    if logits is None:
+        order = list(by_chunk)
+        logits = torch.stack([by_chunk[c] for c in order])
+    top2 = torch.topk(logits, 2, dim=1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
+    finite = torch.isfinite(logits).all(dim=1).tolist()
+    return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
