@@ -211,3 +211,22 @@ def test_a_text_model_refuses_images_and_names_the_image_model():
         text = c.chat.completions.create(model="tiny-llama", max_tokens=2,
                                          messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
         assert text.usage.completion_tokens >= 1
+
+
+@pytest.mark.smollm
+def test_dinov2_smollm2_served_answers_each_canary_picture_with_its_word():
+    from kvtui.models import ModelLoadError
+    from kvtui.models.dinov2 import dinov2_onnx_path
+
+    try:
+        dinov2_onnx_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    options = ServeOptions(model="dinov2-smollm2", port=0, slots=2, max_len=MAX_LEN, detectors=CHEAP_DETECTORS)
+    with ServeServer(options) as server:
+        for k in (0, 3):
+            answer = client(server).chat.completions.create(
+                model="dinov2-smollm2", max_tokens=8, temperature=0, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Repeat the word in the picture: "},
+                    {"type": "image_url", "image_url": {"url": data_url(picture(k))}}]}])
+            assert CANARY_WORDS[k] in answer.choices[0].message.content.lower(), answer.choices[0].message.content

@@ -14,6 +14,10 @@ for a (num_tokens, hidden_size) tensor:
   splits tokenization the same way, so the ids around an embedding are those of the text pieces.
   The request's tensor covers the whole prompt: zeros and `is_token_ids` True at text positions,
   the part's rows at its positions (PLACEHOLDER_ID in the prompt ids there).
+- Image models (kvtui serve --model dinov2-smollm2): an image_url part (kvtui/serve/images.py) takes the
+  same route, a marker of its own becoming IMAGE_TOKENS placeholder positions filled by the engine with
+  the picture's projected rows (an ImagePart at the first); those positions are not supplied rows, so a
+  chat with images only carries no embeddings tensor at all.
 
 Decoding is safe: the size of the base64 text is checked before it is decoded (MAX_BYTES_PER_VALUE per
 value of a max_len x hidden float32 tensor, as base64, plus room for the file's header), and
