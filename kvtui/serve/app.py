@@ -23,6 +23,7 @@ import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +38,7 @@ from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, RequestStream
 from kvtui.serve.detok import TextStream
 from kvtui.serve.embeds import ENABLE_HINT, EmbedsSpec, chat_input, completion_input, has_embeds
 from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from kvtui.serve.images import has_images, refuse_images
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
 from kvtui.serve.responses import Formatter, sse
@@ -64,6 +66,8 @@ class ServeContext:
         feature_extractor: a speech model's (serve/transcribe.py), None for a text model.
         prompt_embeds: what prompt embeddings the model takes (serve/embeds.py) under
             --enable-prompt-embeds; None: requests carrying them get 400.
+        image_tokens: prompt positions one image takes for an image model (dinov2-smollm2, tiny-vision:
+            serve/images.py); None: a model without an image encoder, image parts get 400.
     """
 
     bridge: EngineBridge
@@ -74,6 +78,7 @@ class ServeContext:
     model_id: str
     feature_extractor: object = None  # speech models (Whisper): audio -> log-mel features; None: a text model
     prompt_embeds: EmbedsSpec | None = None
+    image_tokens: int | None = None
 
 
 class ServerState:
@@ -145,9 +150,13 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx = text_model(state.ready(), "chat/completions")
         body.check()
-        if has_embeds(body.messages):
-            embeds = _embeds_spec(ctx, "messages")
-            spliced = await state.off_loop(chat_input, ctx.tokenizer, body.messages, embeds)
+        images = has_images(body.messages)
+        if images and ctx.image_tokens is None:
+            refuse_images(ctx.model_name, body.messages)
+        if images or has_embeds(body.messages):
+            embeds = _embeds_spec(ctx, "messages") if has_embeds(body.messages) else None
+            spliced = await state.off_loop(partial(chat_input, ctx.tokenizer, body.messages, embeds,
+                                                   image_tokens=ctx.image_tokens, max_len=ctx.max_len))
             await state.off_loop(_precompile, ctx, body)
             return await _serve(ctx, request, body, list(spliced.input.prompt_ids), spliced.text, chat=True,
                                 given=spliced.input)

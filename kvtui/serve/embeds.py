@@ -14,6 +14,10 @@ for a (num_tokens, hidden_size) tensor:
   splits tokenization the same way, so the ids around an embedding are those of the text pieces.
   The request's tensor covers the whole prompt: zeros and `is_token_ids` True at text positions,
   the part's rows at its positions (PLACEHOLDER_ID in the prompt ids there).
+- Image models (kvtui serve --model dinov2-smollm2): an image_url part (kvtui/serve/images.py) takes the
+  same route, a marker of its own becoming IMAGE_TOKENS placeholder positions filled by the engine with
+  the picture's projected rows (an ImagePart at the first); those positions are not supplied rows, so a
+  chat with images only carries no embeddings tensor at all.
 
 Decoding is safe: the size of the base64 text is checked before it is decoded (MAX_BYTES_PER_VALUE per
 value of a max_len x hidden float32 tensor, as base64, plus room for the file's header), and
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtui.engine.inputs import PLACEHOLDER_ID, RequestInput
+from kvtui.engine.inputs import PLACEHOLDER_ID, ImagePart, RequestInput
 from kvtui.serve.protocol import ApiError
 
 ENABLE_HINT = "prompt_embeds needs the server started with --enable-prompt-embeds"
@@ -153,8 +157,8 @@ def completion_input(value, spec: EmbedsSpec) -> RequestInput:
 
 @dataclass(frozen=True)
 class ChatEmbeds:
-    """A chat's prompt with its embedding parts spliced in: `input` for the engine, `text` the text parts
-    of the last user message (for the detectors)."""
+    """A chat's prompt with its embedding and image parts spliced in: `input` for the engine, `text` the
+    text parts of the last user message (for the detectors)."""
 
     input: RequestInput
     text: str
@@ -165,74 +169,123 @@ def has_embeds(messages) -> bool:
     return any(isinstance(m.content, list) and any(p.type == "prompt_embeds" for p in m.content) for m in messages)
 
 
-def chat_input(tokenizer, messages, spec: EmbedsSpec) -> ChatEmbeds:
-    """The chat's prompt (see the module docstring), from protocol.ChatMessage objects with text and
-    prompt_embeds parts (a tokenizing thread: it decodes and renders).
+@dataclass(frozen=True)
+class _Image:
+    """A decoded image part: its content hash, the encoder's pixels, the client's uuid."""
+
+    content_hash: str
+    pixels: torch.Tensor
+    uuid: str | None
+
+
+def chat_input(tokenizer, messages, spec: EmbedsSpec | None, *, image_tokens: int | None = None,
+               max_len: int | None = None) -> ChatEmbeds:
+    """The chat's prompt (see the module docstring), from protocol.ChatMessage objects with text,
+    prompt_embeds and image_url parts (a tokenizing thread: it decodes and renders).
+
+    An image part (kvtui/serve/images.py) takes the same route as a prompt_embeds part: a marker in the
+    rendered template, cut out, and `image_tokens` placeholder positions in its place (an ImagePart starting
+    at the first). `spec` None: prompt_embeds parts are refused; `image_tokens` None: image parts are.
+    `max_len`: the most positions taken (spec.max_len when spec is given).
 
     Raises:
-        ApiError: 400 for a bad part (param messages) or tensor (param prompt_embeds), or a template that
-            drops or repeats a part.
+        ApiError: 400 for a bad part (param messages, or the image part's messages[i].content[j]), tensor
+            (param prompt_embeds) or picture, or a template that drops or repeats a part; 413 for a picture
+            or tensor too large.
     """
     nonce = secrets.token_hex(8)
-    chat, tensors, last_user = _marked(messages, spec, nonce)
+    chat, parts, last_user = _marked(messages, spec, image_tokens, nonce)
     template = bool(getattr(tokenizer, "chat_template", None))
     rendered = _render(tokenizer, chat, template)
-    marker = re.compile(rf"<\|kvtui-prompt-embeds-{nonce}-(\d+)\|>")
+    marker = re.compile(rf"<\|kvtui-part-{nonce}-(\d+)\|>")
     order = [int(i) for i in marker.findall(rendered)]
-    if order != list(range(len(tensors))):
-        raise ApiError(400, "the model's chat template does not place each prompt_embeds part once, in order "
-                       f"({len(tensors)} parts, placed {len(order)} times)", param="messages")
+    if order != list(range(len(parts))):
+        raise ApiError(400, "the model's chat template does not place each prompt_embeds or image part once, in "
+                       f"order ({len(parts)} parts, placed {len(order)} times)", param="messages")
     texts = marker.split(rendered)[::2]  # the text pieces around the markers (split also yields the indexes)
     ids: list[int] = []
     is_token: list[bool] = []
     rows: list[torch.Tensor] = []
+    images: list[ImagePart] = []
+    width = spec.hidden_size if spec is not None else 0
     for i, piece in enumerate(texts):
         special = not template and i == 0  # no template: the first piece is tokenized as a plain prompt
         piece_ids = list(tokenizer.encode(piece, add_special_tokens=special)) if piece or special else []
         ids += piece_ids
         is_token += [True] * len(piece_ids)
-        rows.append(torch.zeros(len(piece_ids), spec.hidden_size, dtype=spec.dtype))
-        if i < len(tensors):
-            ids += [PLACEHOLDER_ID] * tensors[i].shape[0]
-            is_token += [False] * tensors[i].shape[0]
-            rows.append(tensors[i])
-    if len(ids) > spec.max_len:
-        raise ApiError(400, f"the prompt holds {len(ids)} positions (text and prompt_embeds rows); this server "
-                       f"takes at most {spec.max_len} tokens per request", param="messages",
+        rows.append(torch.zeros(len(piece_ids), width, dtype=spec.dtype if spec else torch.float32))
+        if i < len(parts):
+            part = parts[i]
+            if isinstance(part, _Image):
+                images.append(ImagePart(len(ids), image_tokens, part.content_hash, part.pixels, uuid=part.uuid,
+                                        label=f"image {len(images)}"))
+                ids += [PLACEHOLDER_ID] * image_tokens
+                is_token += [True] * image_tokens  # not a supplied row: the image fills it
+                rows.append(torch.zeros(image_tokens, width, dtype=spec.dtype if spec else torch.float32))
+            else:
+                ids += [PLACEHOLDER_ID] * part.shape[0]
+                is_token += [False] * part.shape[0]
+                rows.append(part)
+    limit = spec.max_len if spec is not None else max_len
+    if limit is not None and len(ids) > limit:
+        raise ApiError(400, f"the prompt holds {len(ids)} positions (text, prompt_embeds rows and images); this "
+                       f"server takes at most {limit} tokens per request", param="messages",
                        code="context_length_exceeded")
-    return ChatEmbeds(RequestInput.from_embeds(torch.cat(rows), token_ids=ids, is_token_ids=is_token), last_user)
+    if any(not isinstance(p, _Image) for p in parts):
+        embeds = RequestInput.from_embeds(torch.cat(rows), token_ids=ids, is_token_ids=is_token)
+        return ChatEmbeds(RequestInput(embeds.prompt_ids, embeds=embeds.embeds, images=tuple(images)), last_user)
+    return ChatEmbeds(RequestInput(tuple(ids), images=tuple(images)), last_user)
 
 
-def _marked(messages, spec: EmbedsSpec, nonce: str) -> tuple[list[dict], list[torch.Tensor], str]:
-    """The chat as the template takes it with a marker in place of each prompt_embeds part, the parts'
-    tensors in order, and the last user message's text."""
-    tensors: list[torch.Tensor] = []
+def _marked(messages, spec: EmbedsSpec | None, image_tokens: int | None, nonce: str) -> tuple[list[dict], list, str]:
+    """The chat as the template takes it with a marker in place of each prompt_embeds or image part, the
+    parts in order (tensors and _Images), and the last user message's text."""
+    from kvtui.serve import images as img
+
+    parts: list = []
     chat, last_user = [], ""
-    for m in messages:
+    for index, m in enumerate(messages):
         if m.content is None or isinstance(m.content, str):
             text = m.content or ""
             chat.append({"role": m.role, "content": text})
         else:
             pieces, words = [], []
-            for part in m.content:
+            for j, part in enumerate(m.content):
                 if part.type == "text" and part.text is not None:
                     pieces.append(part.text)
                     words.append(part.text)
-                elif part.type == "prompt_embeds":
+                    continue
+                if part.type == "prompt_embeds":
+                    if spec is None:
+                        raise ApiError(400, f"{ENABLE_HINT} (it is off on this server)", param="messages")
                     data = getattr(part, "data", None)
                     if not isinstance(data, str) or not data:
                         raise ApiError(400, "a prompt_embeds content part needs `data`: base64 of torch.save bytes "
                                        "of a (num_tokens, hidden_size) tensor", param="messages")
-                    tensors.append(decode(data, spec))
-                    pieces.append(f"<|kvtui-prompt-embeds-{nonce}-{len(tensors) - 1}|>")
+                    parts.append(decode(data, spec))
+                elif img.is_image_part(part):
+                    param = f"messages[{index}].content[{j}]"
+                    if image_tokens is None:
+                        raise ApiError(400, f"this model takes no images; {img.NO_IMAGES_HINT}", param=param,
+                                       code="model_not_supported")
+                    url, uuid = img.part_url_and_uuid(part, param)
+                    parts.append(_decoded(img.decode_image(url, f"{param}.image_url.url"), uuid))
                 else:
-                    raise ApiError(400, f"content part of type {part.type!r} is not supported: send text or "
-                                   "prompt_embeds", param="messages")
+                    raise ApiError(400, f"content part of type {part.type!r} is not supported: send text, "
+                                   "image_url or prompt_embeds", param="messages")
+                pieces.append(f"<|kvtui-part-{nonce}-{len(parts) - 1}|>")
             chat.append({"role": m.role, "content": "".join(pieces)})
             text = "".join(words)
         if m.role == "user":
             last_user = text
-    return chat, tensors, last_user
+    return chat, parts, last_user
+
+
+def _decoded(picture, uuid: str | None) -> _Image:
+    """A decoded PIL picture as the engine takes it (kvtui.models.dinov2's hash and preprocessing)."""
+    from kvtui.models.dinov2 import image_hash, image_tensor
+
+    return _Image(image_hash(picture), image_tensor(picture), uuid)
 
 
 def _render(tokenizer, chat: list[dict], template: bool) -> str:

@@ -168,7 +168,8 @@ class ServeServer:
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
                                           self.metrics.model_name, self.loaded.model_id,
                                           getattr(self.loaded, "feature_extractor", None),
-                                          self._embeds_spec(session.engine.pool.max_len))
+                                          self._embeds_spec(session.engine.pool.max_len),
+                                          getattr(getattr(self.loaded, "image_encoder", None), "tokens", None))
         return session
 
     def _embeds_spec(self, max_len: int):
