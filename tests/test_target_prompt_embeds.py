@@ -18,7 +18,7 @@ from kvtui.record import read_recording
 from kvtui.scenario import load_scenario, plan_requests
 from kvtui.serve.server import ServeOptions, ServeServer
 from kvtui.target.embeds import chat_parts, completion_embeds, embedding_table
-from kvtui.target.openai import COMPLETIONS_PATH, CHAT_PATH
+from kvtui.target.openai import CHAT_PATH, COMPLETIONS_PATH
 from kvtui.target.options import TargetOptions
 from kvtui.target.session import TargetSession
 
