@@ -80,3 +80,25 @@ def test_mask_is_not_in_the_cache_key_b_after_a_reads_as_a(vllm_url):
     assert runs["b_after_a"]["cached_tokens"] == 2 * BLOCK
     assert runs["b_after_a"]["tokens"] == runs["a"]["tokens"] != r["oracle_b"]
     assert runs["b_after_a"]["logprobs"][0] == runs["a"]["logprobs"][0] != runs["b_alone"]["logprobs"][0]
+
+
+def test_target_run_of_the_prompt_embeds_scenario_is_clean(vllm_url, tmp_path):
+    """`kvtui run scenarios/prompt_embeds.yaml --target` against this server: 8 prompts sent as the default
+    model's own embedding rows (completions' prompt_embeds), each answered with its own passphrase and equal
+    to its solo run under a fresh cache_salt (measured: exit 0, 0 findings, 32 of 425 prompt tokens
+    cached, one 32-token block of the shared system prompt's rows)."""
+    import subprocess
+
+    from kvtui.events import Contamination
+    from kvtui.record import read_recording
+
+    rec = tmp_path / "run.jsonl"
+    out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(ROOT / "scenarios" / "prompt_embeds.yaml"),
+                          "--target", vllm_url, "--headless", "--record", str(rec)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    header, events, summary, _ = read_recording(rec)
+    assert header.engine["api"] == "completions" and header.engine["prompt_embeds"] is True
+    assert [e for e in events if isinstance(e, Contamination)] == []
+    assert summary.finish_reasons == {"stop": 8} and summary.reference_checked == 8
+    assert "own passphrase echoed           8/8" in out.stdout

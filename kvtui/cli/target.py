@@ -232,7 +232,7 @@ def new_target_session(spec, run: TargetRun, *, model: str | None, record: Path 
 
     tokenizer = load_tokenizer(model or spec.model)
     return TargetSession(spec, tokenizer, target_options(run), record_path=record, detectors=detectors,
-                         listeners=tuple(listeners), planned=planned)
+                         listeners=tuple(listeners), planned=planned, model=model or spec.model)
 
 
 def build_target_session(spec, scenario_path: Path, run: TargetRun, *, model: str | None, record: Path | None,

@@ -2,7 +2,8 @@
 
 The request body is built from a planned request (kvtui.scenario.PlannedRequest): the chat API sends
 the prompt's text as the user message (or the scenario's chat messages), the completions API sends the
-text, or the token ids when the prompt has none (synthetic prompts). Every request streams
+text, or the token ids when the prompt has none (synthetic prompts); a prompt sent as embedding rows
+goes as `prompt_embeds` (kvtui/target/embeds.py). Every request streams
 (`stream: true`, `stream_options: {include_usage: true}`) and, when asked, requests the top 5
 logprobs of each generated token.
 
@@ -117,7 +118,7 @@ def penalty_fields(s) -> dict:
 
 
 def request_body(planned, api: str, model: str | None, *, logprobs: bool, messages: list | None = None,
-                 temperature: float | None = None) -> tuple[str, dict]:
+                 temperature: float | None = None, prompt_embeds: str | None = None) -> tuple[str, dict]:
     """The path and JSON body for one planned request.
 
     Args:
@@ -127,6 +128,8 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
         logprobs: ask for the top-2 logprobs of each token.
         messages: chat messages to send instead of one user message with the prompt text.
         temperature: overrides the planned sampling temperature (the reference check sends 0).
+        prompt_embeds: completions only: base64 torch.save rows sent as `prompt_embeds` in place of the
+            prompt (kvtui/target/embeds.py), `prompt` then left out.
     """
     s = planned.sampling
     text = planned.metadata.get("prompt_text")
@@ -148,7 +151,10 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
         if logprobs:
             body.update(logprobs=True, top_logprobs=TOP_LOGPROBS)
         return CHAT_PATH, body
-    body["prompt"] = text if text is not None else list(planned.prompt_ids)
+    if prompt_embeds is not None:
+        body["prompt_embeds"] = prompt_embeds
+    else:
+        body["prompt"] = text if text is not None else list(planned.prompt_ids)
     if logprobs:
         body["logprobs"] = TOP_LOGPROBS
     return COMPLETIONS_PATH, body

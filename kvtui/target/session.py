@@ -37,6 +37,7 @@ from kvtui.metrics import SLO
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.sink import Listener, RunSink
+from kvtui.target.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
 from kvtui.target.server_probe import ServerProbe
@@ -76,7 +77,8 @@ class TargetSession(RunBase):
 
     def __init__(self, scenario, tokenizer, options: TargetOptions, *, record_path=None,
                  detectors: tuple[str, ...] = TARGET_DETECTORS, listeners: tuple[Listener, ...] = (),
-                 planned: list | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 planned: list | None = None, clock: Callable[[], float] = time.perf_counter,
+                 model: str | None = None) -> None:
         from kvtui.scenario import plan_requests
 
         unknown = sorted(set(detectors) - set(TARGET_DETECTORS))
@@ -92,6 +94,11 @@ class TargetSession(RunBase):
         self.api = options.api if options.api != "auto" else (
             "transcription" if self.pending and all(is_audio(p) for p in self.pending) else
             "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
+        self.embeds_table = None  # the scenario model's input embedding table, for prompts sent as rows
+        self._embeds: dict[str, object] = {}  # request id -> its prompt_embeds (the load and the solo run alike)
+        if any(p.embeds_mask is not None for p in self.pending):
+            self.api = self._embeds_api(options.api)
+            self.embeds_table = embedding_table(model or scenario.model)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
                             listeners=listeners)
@@ -113,6 +120,23 @@ class TargetSession(RunBase):
         self._clock = clock
         self._t0 = clock()
 
+    def _embeds_api(self, asked: str) -> str:
+        """The API of a plan sent as embedding rows: completions when every position is a row, chat for a
+        mixed mask (kvtui/target/embeds.py).
+
+        Raises:
+            ValueError: mask_pairs, a plan mixing both, or an --api that cannot carry the masks.
+        """
+        check_expressible(self.pending)
+        kinds = {"completions" if is_whole(p) else "chat" for p in self.pending if p.embeds_mask is not None}
+        if len(kinds) > 1 or any(p.embeds_mask is None for p in self.pending):
+            raise ValueError("a --target plan mixes prompts sent as embedding rows with other prompts")
+        api = kinds.pop()
+        if asked not in ("auto", api):
+            raise ValueError(f"--api {asked} cannot carry these prompt embeddings: they are sent to the {api} API "
+                             "(embeds: all as completions' prompt_embeds, a mixed mask as chat prompt_embeds parts)")
+        return api
+
     # -- what the run tells (kvtui.run.outcome.RunOutcome; the sink's properties: kvtui.run.base.RunBase) --
     faults_known = False  # a target server's faults are its own: fault_history says nothing
 
@@ -129,7 +153,8 @@ class TargetSession(RunBase):
                 self.scenario, model=ModelInfo(id=self.served_model or self.scenario.model, dtype="served"),
                 engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
                         "timeout_s": o.timeout_s,
-                        "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance},
+                        "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance,
+                        **({"prompt_embeds": True} if self.embeds_table is not None else {})},
                 clock="wall", detectors=self.detectors, measured=MEASURED, target=o.url)
         return self._header
 
@@ -272,6 +297,16 @@ class TargetSession(RunBase):
         return result
 
     def _body(self, p, temperature: float | None) -> tuple[str, dict]:
+        if p.embeds_mask is not None:  # the same rows, encoded once, for the load and the solo run
+            if p.request_id not in self._embeds:
+                self._embeds[p.request_id] = (completion_embeds(p, self.embeds_table) if is_whole(p) else
+                                              chat_parts(p, self.tokenizer, self.embeds_table))
+            data = self._embeds[p.request_id]
+            if isinstance(data, str):
+                return request_body(p, "completions", self.served_model, logprobs=self.options.logprobs,
+                                    temperature=temperature, prompt_embeds=data)
+            return request_body(p, "chat", self.served_model, logprobs=self.options.logprobs,
+                                messages=[{"role": "user", "content": data}], temperature=temperature)
         return request_body(p, self.api, self.served_model, logprobs=self.options.logprobs,
                             messages=self._messages(p), temperature=temperature)
 
