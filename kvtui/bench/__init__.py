@@ -3,7 +3,8 @@
 Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the batch curve), knobs
 (bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
 bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost), profile (where a decode step's time
-goes), transcribe (Whisper tiny.en transcription throughput against transformers and ctranslate2). Every
+goes), transcribe (Whisper tiny.en transcription throughput against transformers and ctranslate2), images
+(DINOv2-small per image, batched vs one at a time, the encoder cache's hits and savings). Every
 part writes its figures to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
 """
 
@@ -13,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, faults, knobs, overhead, peers, penalties, profile, transcribe
+from kvtui.bench import curve, detectors, faults, images, knobs, overhead, peers, penalties, profile, transcribe
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -28,6 +29,8 @@ PARTS = {
     "faults": (faults.run, faults.markdown, "the newer isolation faults on held-out random scenarios, on and off"),
     "transcribe": (transcribe.run, transcribe.markdown,
                    "Whisper tiny.en transcription: batched vs one at a time vs generate vs ctranslate2"),
+    "images": (images.run, images.markdown,
+               "the image encoder: per image, batched vs one at a time, and the encoder cache's hits and savings"),
 }
 
 

@@ -16,13 +16,13 @@ from kvtui.config import DType
 
 BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
                                                             "detectors", "profile", "penalties", "faults",
-                                                            "transcribe")}, type=str)
+                                                            "transcribe", "images")}, type=str)
 
 
 def bench(
     part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
                                                             "overhead, batch, knobs, peers, bf16, detectors, "
-                                                            "profile, penalties, faults, transcribe.")] = None,
+                                                            "profile, penalties, faults, transcribe, images.")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer repeats and shapes: under 10 minutes on 2 cores.")]
     = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
