@@ -131,13 +131,15 @@ def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
 
 
 def encoder_line(snap: Snapshot) -> Text:
-    """A speech model's encoder cache: entries kept (of capacity), those running requests hold, hits and
-    misses since the start, bytes of cross-attention K/V."""
+    """The encoder cache (a speech model's cross-attention K/V per audio, an image model's rows per
+    picture): entries kept (of capacity), those running requests hold, hits and misses since the start,
+    bytes held (kB below a megabyte)."""
     e = snap.encoder
     lookups = e.hits + e.misses
     rate = f"{e.hits / lookups:.0%}" if lookups else "-"
+    size = f"{e.nbytes / 1e6:.1f} MB" if e.nbytes >= 1e6 else f"{e.nbytes / 1e3:.1f} kB"
     return Text(f"encoder cache {e.entries}/{e.capacity} entries · {e.referenced} held · hits {e.hits}/{lookups} "
-                f"({rate}) · {e.nbytes / 1e6:.1f} MB", style="bold")
+                f"({rate}) · {size}", style="bold")
 
 
 # -- block map (paged KV) ---------------------------------------------------------------------------

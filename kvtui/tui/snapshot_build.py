@@ -35,7 +35,7 @@ def _request_view(state: DashboardState, r: _Request) -> RequestView:
         ttft_s=r.ttft_s, text_tail=tail, passphrase=r.passphrase, leaked=tuple(r.leaked),
         leak_sources=tuple(s for s in r.leaked.values() if s), echoed=bool(r.echoed),
         contamination=tuple(r.contamination), attention_mass=r.attention_mass, color=r.color, tenant=r.tenant,
-        blocks=r.blocks, text_focus=focus, matched=tuple(r.matched), sampling=r.sampling,
+        blocks=r.blocks, text_focus=focus, matched=tuple(r.matched), sampling=_tags(r),
     )
 
 
@@ -159,3 +159,9 @@ def _encoder(last) -> EncoderView | None:
         return None
     return EncoderView(last.encoder_entries, last.encoder_capacity or 0, last.encoder_referenced or 0,
                        last.encoder_hits or 0, last.encoder_misses or 0, last.encoder_bytes or 0)
+
+
+def _tags(r) -> str:
+    """A request row's tags: its pictures (img:<name>) and its per-row sampling state ("pen bias")."""
+    images = [f"img:{name.removesuffix('.png')}" for name in (r.image or "").split(",") if name]
+    return " ".join([*images, r.sampling] if r.sampling else images)
