@@ -754,6 +754,12 @@ class Summary(_Frozen):
     reference_cached: int | None = None
     reference_uncached_verified: int | None = None
     prompt_tokens_cached: int | None = None
+    # (v3) models with an encoder cache (Whisper's audio, an image model's pictures): lookups that found an
+    # entry / that ran the encoder, over the run; entries and bytes held after the last step
+    encoder_cache_hits: int | None = None
+    encoder_cache_misses: int | None = None
+    encoder_cache_entries: int | None = None
+    encoder_cache_bytes: int | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

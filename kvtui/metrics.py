@@ -227,6 +227,15 @@ class Metrics:
         self.prefix_hits += e.prefix_cache_hits or 0
         self.cross_tenant_hits += e.prefix_cache_cross_tenant_hits or 0
 
+    def encoder_fields(self) -> dict:
+        """Summary fields of the encoder cache, from the last step (its counts run since the engine started);
+        {} for a model without one."""
+        e = self.last
+        if e is None or e.encoder_hits is None:
+            return {}
+        return dict(encoder_cache_hits=e.encoder_hits, encoder_cache_misses=e.encoder_misses,
+                    encoder_cache_entries=e.encoder_entries, encoder_cache_bytes=e.encoder_bytes)
+
     def paged_fields(self) -> dict:
         """Summary fields of paged KV (None when the run used slots, or looked nothing up in the prefix cache)."""
         if not self.paged:
@@ -313,5 +322,6 @@ class Metrics:
             reference_uncached_verified=self.reference.uncached_verified if self.reference else None,
             reference_skipped_by_reason=self.reference.skipped_by_reason if self.reference else None,
             prompt_tokens_cached=self.cached_tokens, **self.paged_fields(), **self.server_prefix.fields(),
+            **self.encoder_fields(),
             **session_fields,
         )

@@ -138,7 +138,8 @@ def _failed_row(s: Summary) -> list[tuple[str, str]]:
 
 
 def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
-    """Paged KV figures: preemptions, prefix-cache hit rate (tokens) and cross-tenant hits; against a
+    """Paged KV figures: preemptions, prefix-cache hit rate (tokens) and cross-tenant hits; the encoder cache
+    (models with one: encoded, hits, entries held); against a
     target, the server's own prefix-cache counters and the cached prompt tokens it reported."""
     rows = []
     if s.num_preemptions_total is not None:
@@ -150,6 +151,12 @@ def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
                      + (" during the load, the server's counters)" if target else ")")))
     if s.prefix_cache_cross_tenant_hits is not None:
         rows.append(("cross-tenant prefix hits", f"{s.prefix_cache_cross_tenant_hits} tokens"))
+    if s.encoder_cache_hits is not None:
+        lookups = s.encoder_cache_hits + s.encoder_cache_misses
+        size = s.encoder_cache_bytes or 0
+        held = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+        rows.append(("encoder cache", f"{s.encoder_cache_misses} encoded, {s.encoder_cache_hits} hits of {lookups} "
+                                      f"lookups; {s.encoder_cache_entries} entries ({held}) held"))
     if s.prompt_tokens_cached is not None:
         rows.append(("cached prompt tokens", f"{s.prompt_tokens_cached} of {s.prompt_tokens} (the server's usage, "
                                              "per request)"))

@@ -420,3 +420,21 @@ def test_a_fault_that_finds_no_request_of_its_kind_is_refused_naming_what_the_sc
     assert result.exit_code == 2 and "fault stale_bitmask acts on the bitmask rows of structured output" in result.stderr
     assert invoke("validate", "scenarios/faults/cow_missing.yaml").exit_code == 0
     assert invoke("validate", "scenarios/faults/stale_bitmask.yaml").exit_code == 0
+
+
+def test_a_fault_for_another_kind_of_model_is_refused_first_naming_the_kind_it_needs(tmp_path):
+    """An image fault on a text model: one line naming the model's kind and the kind the fault needs, before
+    any engine setting is checked (no setting makes it act); validate says what run says."""
+    plain = write(tmp_path, SMALL, "plain.yaml")
+    for command in ("validate", "run"):
+        args = (command, str(plain), "--fault", "mm_hash_missing", "--model", "tiny-llama")
+        result = invoke(*args, "--headless") if command == "run" else invoke(*args)
+        assert result.exit_code == 2 and result.stderr.splitlines() == [
+            f"error: {plain}: --fault mm_hash_missing does not act on decoder-only models like tiny-llama; it acts "
+            "on image-text models (`kvtui faults` lists them)"], (command, result.stderr)
+
+
+def test_validate_refuses_image_prompts_for_a_text_model_given_with_model(tmp_path):
+    result = invoke("validate", "scenarios/images.yaml", "--model", "tiny-llama")
+    assert result.exit_code == 2 and "has no image encoder" in result.stderr and "dinov2-smollm2" in result.stderr
+    assert invoke("validate", "scenarios/images.yaml", "--model", "tiny-vision").exit_code == 0

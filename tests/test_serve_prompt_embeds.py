@@ -140,6 +140,7 @@ def bad_cases(tmp_marker: str) -> list[tuple[str, object, str]]:
         ("1-D", b64(torch.zeros(HIDDEN)), "shape"),
         ("3-D", b64(torch.zeros(2, 3, HIDDEN)), "shape"),
         ("integers", b64(torch.zeros(3, HIDDEN, dtype=torch.int64)), "int64"),
+        ("no values (meta device)", b64(torch.empty(3, HIDDEN, device="meta")), "device meta"),
         ("float64", b64(torch.zeros(3, HIDDEN, dtype=torch.float64)), "float64"),
         ("too narrow", b64(torch.zeros(3, 32)), f"hidden size is {HIDDEN}"),
         ("no rows", b64(torch.zeros(0, HIDDEN)), "no rows"),

@@ -195,6 +195,9 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
     from kvtui.models import ModelLoadError
     from kvtui.models.dinov2 import image_hash, image_tensor
 
+    if getattr(loaded, "image_encoder", None) is None:
+        console.print(f"  images: {name} has no image encoder; measuring dinov2-smollm2 instead "
+                      "(--model tiny-vision for a quick run)")
     try:
         vision = _vision(loaded)
     except ModelLoadError as e:

@@ -101,6 +101,22 @@ REQUEST_NEEDS = {"cow_missing": "a scenario with sampling.n of 2 or more",
                  "stale_bitmask": "a scenario with sampling.structured"}
 
 
+def refuse_misfit_faults(path: Path, spec, faults: tuple[str, ...], model: str | None) -> None:
+    """Exit 2 with one line for a --fault that does not act on the run's kind of model (an image fault on a
+    text model, a cross-attention fault on a text model), named with the fix; checked before the engine
+    settings, since no setting makes such a fault act. Models known by name only (a path is checked
+    when it is loaded)."""
+    from kvtui.faults import FAULTS, acts_on
+    from kvtui.scenario.plan import model_kind_of_name
+
+    name = model or spec.model
+    kind = model_kind_of_name(name)
+    wrong = next((f for f in faults if kind is not None and not acts_on(f, kind)), None)
+    if wrong:
+        fail(f"{path}: --fault {wrong} does not act on {kind} models like {name}; it acts on "
+             f"{' or '.join(FAULTS[wrong].models)} models (`kvtui faults` lists them)")
+
+
 def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tuple[str, ...] = (), *,
                        layout: str | None = None, clear_faults: bool = False,
                        prefix_caching: bool | None = None) -> None:

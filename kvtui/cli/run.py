@@ -11,7 +11,14 @@ import typer
 
 from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import finish_headless, install_stop_handlers
-from kvtui.cli.inputs import check_lengths, load_model, load_scenario, load_tokenizer, refuse_idle_faults
+from kvtui.cli.inputs import (
+    check_lengths,
+    load_model,
+    load_scenario,
+    load_tokenizer,
+    refuse_idle_faults,
+    refuse_misfit_faults,
+)
 from kvtui.cli.options import (
     DEFAULT_DETECTORS,
     DETECTORS_HELP,
@@ -112,6 +119,7 @@ def run(
         headless = True
     if prefix_caching is not None:
         spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
+    refuse_misfit_faults(scenario, spec, fault_names(fault), model)
     refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,
                        prefix_caching=prefix_caching)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,

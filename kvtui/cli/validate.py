@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtui.cli.console import out, say
-from kvtui.cli.inputs import check_lengths, load_scenario, refuse_idle_faults
+from kvtui.cli.inputs import check_lengths, load_scenario, refuse_idle_faults, refuse_misfit_faults
 from kvtui.cli.options import FaultChoice, fault_names
 from kvtui.config import Layout
 
@@ -31,6 +31,7 @@ def validate(
     import yaml
 
     spec = load_scenario(scenario)
+    refuse_misfit_faults(scenario, spec, fault_names(fault), model)
     refuse_idle_faults(scenario, spec, fault_names(fault), layout=layout)
     from kvtui.models import ModelLoadError, load_tokenizer
 
@@ -39,5 +40,5 @@ def validate(
     except ModelLoadError as e:
         say("note", f"request lengths not checked: {e}")
     else:
-        check_lengths(scenario, spec, tokenizer)
+        check_lengths(scenario, spec, tokenizer, model)
     out.print(yaml.safe_dump(spec.normalized(), sort_keys=False), end="", highlight=False, markup=False)

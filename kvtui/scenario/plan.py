@@ -246,6 +246,20 @@ def decoder_prompt(tokenizer, initial_prompt: str = "") -> list[int]:
     return ([prev] if prev is not None and prev != unk else []) + text + ids
 
 
+def model_kind_of_name(name: str) -> str | None:
+    """The kind of model a name loads (kvtui.faults: decoder-only, encoder-decoder, image-text), for the
+    names kvtui knows; None for a path (its kind shows when it is loaded)."""
+    from kvtui.models.loader import DEFAULT_ALIASES, VISION_NAMES, WHISPER_NAMES
+    from kvtui.models.tiny import TINY_NAMES
+
+    key = name.strip().lower()
+    if key in WHISPER_NAMES:
+        return ENCODER_DECODER
+    if key in VISION_NAMES:
+        return IMAGE_TEXT
+    return DECODER_ONLY if key in DEFAULT_ALIASES or key in TINY_NAMES else None
+
+
 def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     """One line when the prompts and the model do not go together (audio prompts need a speech model, a
     speech model needs audio prompts); "" when they do."""

@@ -119,6 +119,9 @@ def _read(data, spec: EmbedsSpec, param: str) -> torch.Tensor:
 def _checked(tensor: torch.Tensor, spec: EmbedsSpec, param: str) -> torch.Tensor:
     """`tensor` as [T, hidden] in the model's dtype, once its layout, shape, dtype and values pass."""
     expected = _expected(spec)
+    if tensor.device.type != "cpu":  # a meta (or other device's) tensor holds no values to read
+        raise ApiError(400, f"{param} is a tensor on device {tensor.device.type}; send one saved from the CPU, "
+                       f"{expected}", param=param)
     if tensor.layout != torch.strided:
         raise ApiError(400, f"{param} is a {tensor.layout} tensor; send a dense one, {expected}", param=param)
     if tensor.dim() == 3 and tensor.shape[0] == 1:
