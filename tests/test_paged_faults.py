@@ -5,7 +5,7 @@ workloads with prefix caching, tenants and tight pools, stay silent."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import CONTAMINATION, PAGED_LOADS, events_of, run, scenario
+from test_faults import CONTAMINATION, PAGED_LOADS, TEXT_DETECTORS, events_of, run, scenario
 
 from kvtui.events import Arrive
 from kvtui.faults import FAULTS
@@ -24,7 +24,7 @@ def test_every_listed_detector_fires_and_names_victim_and_source(tiny, name, lay
     session, events = _run_recorded(tiny, scenario(layout, faults=[name], kv="paged"))
     fault = FAULTS[name]
     counted = [e for e in session.contamination if e.counts]
-    for detector in fault.caught_by:
+    for detector in set(fault.caught_by) - TEXT_DETECTORS:  # the canary: on SmolLM2 (tiny-llama's text is random)
         assert any(e.detector == detector for e in counted), f"{name} ({layout}): {detector} silent"
     ran = {e.request_id for e in events if isinstance(e, Arrive)}
     named = [e for e in counted if e.kind in ("cross_request", "cross_tenant") and e.detector != "reference"]

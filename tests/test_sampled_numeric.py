@@ -161,12 +161,15 @@ def reports(loaded, spec):
 
 @pytest.mark.parametrize("seed", [1, 8])
 def test_bf16_sampled_runs_with_isolation_intact_report_only_numeric(tiny_bf16, seed):
-    """These two runs gave cross_request / corruption reports when only the top-2 logit gap decided."""
+    """These two runs gave cross_request / corruption reports when only the top-2 logit gap decided. No
+    counted report, on any CPU; every report they give is numeric, with its draw within the tolerance.
+    How many near ties flip depends on the CPU's kernels (on an Intel CPU with AMX these runs flipped some,
+    on an AMD EPYC without AMX none), so the count is not pinned: the labelling itself is pinned on
+    constructed draws by the tests above."""
     events = reports(tiny_bf16, scenario(seed, 1.0))
     assert [e for e in events if e.counts] == []
-    numeric = [e for e in events if e.kind == "numeric"]
-    assert numeric
-    for e in numeric:
+    assert {e.kind for e in events} <= {"numeric"}
+    for e in events:
         ev = e.evidence
         assert ev.draw_u is not None and ev.draw_shift <= ev.draw_tolerance and ev.logit_spread <= ev.tolerance
         assert ev.draw_tolerance == pytest.approx(ev.tolerance / 1.0)
@@ -217,10 +220,12 @@ def smollm2_bf16(smollm2):  # smollm2: skips when the model is not installed
 @pytest.mark.smollm
 def test_smollm2_bf16_sampled_run_with_isolation_intact_reports_only_numeric(smollm2_bf16):
     """One of the random sweep's runs (scripts/sweep_sampled.py, run 1): four of its five requests were
-    reported cross_request when only the top-2 logit gap decided."""
+    reported cross_request when only the top-2 logit gap decided. No counted report on any CPU; what it
+    reports is numeric. (On the Intel CPU it was measured on, 3 or more requests' near ties flipped; on an
+    AMD EPYC without AMX none did, so the count of numeric labels is the CPU's, not pinned here.)"""
     events = reports(smollm2_bf16, parse_scenario(SMOLLM_CLEAN))
     assert [e for e in events if e.counts] == []
-    assert len([e for e in events if e.kind == "numeric"]) >= 3
+    assert {e.kind for e in events} <= {"numeric"} and all(e.evidence.draw_u is not None for e in events)
 
 
 @pytest.mark.smollm

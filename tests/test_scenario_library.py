@@ -13,7 +13,7 @@ from test_scenario_plan import FakeTokenizer
 from kvtui.config import EngineConfig
 from kvtui.models import load_tokenizer
 from kvtui.scenario import load_scenario, parse_scenario, plan_requests
-from kvtui.scenario.prompts import AUDIO_KINDS
+from kvtui.scenario.prompts import AUDIO_KINDS, IMAGE_KINDS
 
 SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
 IDS = [p.stem for p in SCENARIOS]
@@ -32,7 +32,9 @@ def test_scenario_validates_and_plans(path: Path):
     assert s.name == path.stem
     assert isinstance(s.engine_config(device="cpu"), EngineConfig)
     speech = s.prompts.kind in AUDIO_KINDS  # planned with a Whisper tokenizer (the decoder prompt's two ids)
-    reqs = plan_requests(s, load_tokenizer("tiny-whisper") if speech else FakeTokenizer())
+    images = s.prompts.kind in IMAGE_KINDS  # planned with a chat template (the picture's place in the chat)
+    tokenizer = load_tokenizer("tiny-whisper") if speech else load_tokenizer("tiny-vision") if images else None
+    reqs = plan_requests(s, tokenizer or FakeTokenizer())
     assert 1 <= len(reqs) <= 80
     # small enough for SmolLM2 on 2 cores: a few thousand generated tokens at most
     assert sum(r.sampling.max_new_tokens for r in reqs) <= 3000

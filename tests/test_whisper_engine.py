@@ -111,7 +111,7 @@ def test_audio_problems_are_rejections(clips_audio, tiny):
     assert good.finish_reason.value == "length" and len(good.generated_ids) == 3
     llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
     r = llama.submit("x", RequestInput((1, 2, 3), audio=clips_audio[0]))
-    assert r.finish_reason.value == "rejected" and r.finish_detail == "audio given to a decoder-only model"
+    assert r.finish_reason.value == "rejected" and r.finish_detail.startswith("audio given to a decoder-only model")
 
 
 def test_decoder_only_steps_carry_no_encoder_fields(tiny):
