@@ -438,3 +438,14 @@ def test_validate_refuses_image_prompts_for_a_text_model_given_with_model(tmp_pa
     result = invoke("validate", "scenarios/images.yaml", "--model", "tiny-llama")
     assert result.exit_code == 2 and "has no image encoder" in result.stderr and "dinov2-smollm2" in result.stderr
     assert invoke("validate", "scenarios/images.yaml", "--model", "tiny-vision").exit_code == 0
+
+
+def test_image_prompts_against_a_target_are_refused_in_one_line_not_sent_as_text():
+    """kvtui's target client sends no image parts: an image scenario against a server would send the
+    prompt text alone and audit something else, so it is refused before anything is sent."""
+    result = invoke("run", "scenarios/images.yaml", "--target", "http://127.0.0.1:9", "--headless",
+                    "--model", "tiny-vision")
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        "error: scenarios/images.yaml: prompts kind image_passphrase cannot be sent to a --target yet: kvtui's "
+        "client sends no image parts; run it locally (--model dinov2-smollm2), or serve that model with `kvtui "
+        "serve` and send image_url parts (README, Serving)"]

@@ -96,6 +96,10 @@ class TargetSession(RunBase):
             "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
         self.embeds_table = None  # the scenario model's input embedding table, for prompts sent as rows
         self._embeds: dict[str, object] = {}  # request id -> its prompt_embeds (the load and the solo run alike)
+        if any(getattr(p.input, "images", ()) for p in self.pending):
+            raise ValueError("prompts kind image_passphrase cannot be sent to a --target yet: kvtui's client sends "
+                             "no image parts; run it locally (--model dinov2-smollm2), or serve that model with "
+                             "`kvtui serve` and send image_url parts (README, Serving)")
         if any(p.embeds_mask is not None for p in self.pending):
             self.api = self._embeds_api(options.api)
             self.embeds_table = embedding_table(model or scenario.model)
