@@ -106,6 +106,10 @@ class EngineConfig:
         enforce_eager: run the model through transformers' own modules instead of kvtui's fused
             forward (kvtui/engine/fused.py; Llama-family models only, the others always run the
             modules). Same answers; the fused forward is faster (docs/performance.md). vLLM's flag name.
+        batch_invariant: every row's logits bitwise independent of its neighbours and of the batch's
+            shape (kvtui/engine/invariant.py), so a solo rerun reproduces them exactly and the
+            reference detector counts any differing token, with no tolerance. Llama-family models on
+            the fused forward only; slower (docs/performance.md).
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -131,6 +135,7 @@ class EngineConfig:
     prefix_caching: bool = False
     watermark: float = 0.01
     enforce_eager: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in field order: the first bad field is the one named

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
+import torch
+
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.detect.canary import CanaryDetector
 from kvtui.detect.constraint import ConstraintDetector
@@ -78,7 +80,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
                   cost_model: str = "auto", serving: bool = False, planned: list | None = None,
-                  pacer: Pacer | None = None, enforce_eager: bool = False) -> "Session":
+                  pacer: Pacer | None = None, enforce_eager: bool = False,
+                  batch_invariant: bool | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -92,6 +95,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         pacer: the paced clock's Pacer (default: one on the real wall clock).
         enforce_eager: run the model's own transformers modules, not kvtui's fused forward
             (EngineConfig.enforce_eager).
+        batch_invariant: overrides the scenario's engine.batch_invariant when given
+            (EngineConfig.batch_invariant).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -103,9 +108,22 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     if enforce_eager:
         overrides["enforce_eager"] = True
+    if batch_invariant is not None:
+        overrides["batch_invariant"] = batch_invariant
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
                    cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)
+
+
+def auto_batch_invariant(loaded, config, detectors: tuple[str, ...]) -> bool:
+    """engine.batch_invariant left unset (null): on for a bfloat16 or float16 run whose reference detector
+    runs, on a model the mode runs (Llama-family, kvtui's fused forward); off otherwise. There, rounding
+    flips near ties batched against solo, and the mode makes the reference check exact for about 1.2x
+    (float32) to 1.4x (bfloat16) the step time (measured on a 2-core AMD EPYC, docs/performance.md)."""
+    from kvtui.engine import fused
+
+    low = loaded.dtype in (torch.bfloat16, torch.float16)
+    return low and "reference" in detectors and not config.enforce_eager and fused.supports(loaded.model)
 
 
 class Session(RunBase):
@@ -149,6 +167,9 @@ class Session(RunBase):
         self.tokenizer = loaded.tokenizer
         self.config = self._engine_config(engine_overrides, faults)
         self.detectors = self._check_detectors(detectors)
+        if scenario.engine.batch_invariant is None and "batch_invariant" not in (engine_overrides or {}):
+            self.config = replace(self.config, batch_invariant=auto_batch_invariant(loaded, self.config,
+                                                                                    self.detectors))
         self.cost_model = self._cost_model(cost_model)
         self.engine = self._make_engine()
         self.serving = serving
@@ -245,6 +266,8 @@ class Session(RunBase):
         loaded, modeled = self.loaded, self.clock in MODELED_CLOCKS
         config = asdict(self.config)
         config["faults"] = sorted(config["faults"])
+        if self.config.batch_invariant:
+            config["invariant_tile"] = self.engine.runner.tiles.size
         return run_header(
             self.scenario, model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                                            dtype=str(loaded.dtype).replace("torch.", ""), kind=loaded.kind),

@@ -34,6 +34,8 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     if engine.get("kv") == "paged":
         kv = f", paged KV: blocks of {engine.get('block_size')}" + (", prefix caching" if engine.get("prefix_caching")
                                                                       else "")
+    if engine.get("batch_invariant"):
+        kv += f", batch-invariant (tiles of {engine.get('invariant_tile', '?')})"
     title = (f"{header.scenario.get('name', '?')} on {header.model.id} "
              f"({header.clock} clock, {engine.get('layout', '?')} layout{kv})")
     if header.target:

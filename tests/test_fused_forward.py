@@ -22,20 +22,36 @@ def test_llama_models_take_the_fused_forward_and_others_the_modules(tiny):
     assert Engine(tiny["tiny-gpt2"].model, config).runner.forward_path == "modules"
 
 
-def test_the_models_own_linears_still_compute_the_same_after_the_relayout(tiny):
-    """The fused forward makes the model's q/k/v/o/gate/up/down weights views into its fused tensors:
-    the modules' forward (model.generate, --enforce-eager) gives the logits of a separate untouched
-    instance."""
-    model = tiny["tiny-llama"].model
-    Engine(model, EngineConfig(num_slots=1, max_len=64))  # builds (or reuses) the fused weights
+@pytest.mark.parametrize("input_major", [True, False])
+def test_the_models_own_linears_still_compute_the_same_after_the_relayout(input_major, monkeypatch):
+    """The fused forward makes the model's q/k/v/o/gate/up/down weights views into its fused tensors, in
+    either layout the CPU measurement may choose (forced here): the modules' forward (model.generate,
+    --enforce-eager) gives the logits of a separate untouched instance, and so does the fused step."""
+    from kvtui.engine import fused as fused_forward
+    from kvtui.models import build_tiny
+
+    model, _ = build_tiny("tiny-llama")  # a fresh instance: the layout is chosen when it is first fused
+    cfg = model.config
+    monkeypatch.setitem(fused_forward._LAYOUTS, (model.dtype, cfg.hidden_size, cfg.intermediate_size), input_major)
+    engine = Engine(model, EngineConfig(num_slots=1, max_len=64))
+    fused = model._kvtui_fused
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight.stride() == (1, attn.q_proj.in_features + 2 * attn.k_proj.out_features)
+    assert fused.input_major is input_major
+    assert attn.q_proj.weight.data_ptr() == fused.layers[0].qkv.data_ptr()  # a view, not a copy
+    width = attn.q_proj.in_features
+    assert attn.q_proj.weight.stride() == ((1, cfg.hidden_size + 2 * attn.k_proj.out_features) if input_major
+                                           else (width, 1))
     oracle = oracle_model("tiny-llama", "sdpa")
     ids = torch.tensor([[5, 9, 11, 40, 77, 3, 120]])
     with torch.inference_mode():
         ours = model(input_ids=ids).logits
         theirs = oracle(input_ids=ids).logits
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()
+    state = engine.submit("r", ids[0].tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    kept = []
+    engine.output.sample = lambda request, logits, *a, **k: kept.append(logits.clone()) or (0, None, "r", None)
+    engine.step()
+    assert state.prefill_done == 7 and torch.allclose(kept[0], theirs[0, -1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

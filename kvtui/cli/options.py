@@ -57,6 +57,15 @@ def enforce_eager_option():
                                         "models run fused by default, others always run the modules).")]
 
 
+def batch_invariant_option():
+    """--batch-invariant/--no-batch-invariant: override the scenario's engine.batch_invariant."""
+    return Annotated[Optional[bool], typer.Option(
+        "--batch-invariant/--no-batch-invariant", help="Every row's logits bitwise independent of the batch "
+        "(fixed row tiles, attention per query position), so the reference check counts any differing token "
+        "with no tolerance: exact verdicts in bfloat16 and float16. Slower; Llama-family models. Default: the "
+        "scenario's engine.batch_invariant.")]
+
+
 def target_option(help: str):
     """--target URL (default: none, kvtui's own engine)."""
     return Annotated[Optional[str], typer.Option("--target", help=help, rich_help_panel=TARGET_PANEL)]

@@ -32,6 +32,7 @@ from kvtui.cli.options import (
     Timeout,
     Tolerance,
     api_option,
+    batch_invariant_option,
     enforce_eager_option,
     fault_names,
     parse_detectors,
@@ -69,6 +70,7 @@ def run(
                                                            "runs), e.g. to compare a scenario with it on and off."
                                                            )] = None,
     enforce_eager: enforce_eager_option() = ENGINE.enforce_eager,
+    batch_invariant: batch_invariant_option() = None,
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
@@ -98,7 +100,8 @@ def run(
 
         command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
                                            clear_faults=clear_faults, device=device != ENGINE.device, clock=clock,
-                                           prefix_caching=prefix_caching is not None))
+                                           prefix_caching=prefix_caching is not None,
+                                           batch_invariant=batch_invariant is not None))
         run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
                                      max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
                                      logprobs=logprobs)
@@ -123,7 +126,8 @@ def run(
     refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,
                        prefix_caching=prefix_caching)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
-                   clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager)
+                   clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager,
+                   batch_invariant=batch_invariant)
     if not headless:
         from kvtui.models.hardware import bf16_note
 

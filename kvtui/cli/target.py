@@ -14,7 +14,8 @@ from kvtui.cli.finish import finish_headless, install_stop_handlers
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
-               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching"}
+               "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching",
+               "--batch-invariant": "batch_invariant"}
 
 
 @dataclass(frozen=True)

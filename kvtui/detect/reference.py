@@ -24,6 +24,10 @@ oldest is dropped unchecked, counted as skipped for the reason `queue_full`; che
 the run is stopped are skipped for the reason `stopped`. References are cached per (model, dtype,
 prompt, sampling) in an LRU of `cache_size` entries.
 
+In the batch-invariant mode (EngineConfig.batch_invariant; the clean engines run in it too) a solo
+rerun reproduces the batched logits bit for bit, so no divergence is numeric: every differing token
+is judged as a real one.
+
 Tolerances (logits): float32 1e-3 (batched-vs-solo noise measured here is under 1e-5), float16 0.1,
 bfloat16 0.5 (measured on SmolLM2: bf16 greedy batch 16 vs batch 1 agrees on only 9 of 16).
 """
@@ -189,6 +193,9 @@ class ReferenceDetector:
         self.loaded, self.tokenizer = loaded, tokenizer
         self.config = engine_config or EngineConfig()
         self.tolerance = numeric_tolerance(loaded.dtype)
+        self.exact = self.config.batch_invariant  # a solo rerun reproduces the logits: no divergence is numeric
+        if self.exact:
+            self.tolerance = 0.0
         self.queue: deque[PendingCheck] = deque()
         self.max_queue, self.batch, self.cache_size = max_queue, batch, cache_size
         self._cache: OrderedDict = OrderedDict()
@@ -333,7 +340,7 @@ class ReferenceDetector:
             near, draw_fields = self._sampled(check, _at(check.draws, index, None), _at(ref_draws, index, None))
         else:
             near, draw_fields = gap is not None and gap <= self.tolerance, {}
-        if near and not nonfinite:
+        if near and not nonfinite and not self.exact:
             kind, source, suspects = "numeric", None, ()
         else:
             attributed = self._attribute(check, index, should_stop)

@@ -1,7 +1,8 @@
 """Attention over pooled K/V, plugged into transformers through its extension points.
 
 `PooledCacheLayer` (a transformers `CacheLayerMixin`) writes each step's new K/V into the KV pool.
-The attention function registered as "kvtui" (`AttentionInterface`) then runs one of two paths:
+The attention function registered as "kvtui" (`AttentionInterface`) then runs one of two paths (in
+the batch-invariant mode, each query position alone on either path: kvtui/engine/invariant.py):
 
 own-range (the default): each chunk's queries attend to exactly its own request's keys, positions
     0 .. end-1 of its slot, read as a view of the pool (no copy); with paged KV, its blocks gathered
@@ -35,6 +36,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kvtui.engine.batching import BatchTensors, Segment
+from kvtui.engine.invariant import invariant_attention
 from kvtui.engine.kv_pool import KVPool
 
 ATTENTION_NAME = "kvtui"
@@ -51,6 +53,8 @@ class StepState:
         attn_sum: [R, Q, K] float32, attention probabilities summed over layers and heads.
         flow_terms: how many (layer x head) terms attn_sum sums (divide by it for a mean in [0, 1]).
         fp16: the fp16_cache fault: attention in float16, K/V cached through float16, pads cached.
+        invariant: the batch-invariant mode: each query position alone over the keys it may see
+            (kvtui/engine/invariant.py), on either path.
     """
 
     batch: BatchTensors
@@ -59,6 +63,7 @@ class StepState:
     attn_sum: torch.Tensor | None = None
     flow_terms: int = 0
     fp16: bool = False
+    invariant: bool = False
     _decode_rows: tuple | None = None  # (row, slot, end) per row when every row decodes one token (slots)
     _causal: dict | None = None  # segment -> its causal mask, built once per step
     _span: object = None  # the batched-decode plan (see span()), built once per step; False: none
@@ -203,6 +208,8 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
         return _masked(query, key, value, attention_mask, scaling, None), None
     if state.fp16:
         return _naive_fp16(query, key, value, attention_mask, scaling), None
+    if state.invariant:
+        return invariant_attention(query, key, value, scaling, state, own_keys), None
     if state.own_range:
         return _own_range(query, key, value, scaling, state), None
     return _masked(query, key, value, attention_mask, scaling, state), None

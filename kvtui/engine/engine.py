@@ -110,7 +110,7 @@ class Engine:
         # what requests feed the model besides token ids (engine/encoder_side.py); the scheduler owns it
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
                                                  encoder_capacity(config), enforce_eager=config.enforce_eager,
-                                                 image_encoder=image_encoder)
+                                                 image_encoder=image_encoder, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.kv, encoder, max_batch_size=config.max_batch_size,
                                    max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
                                    bucket_tolerance=config.bucket_tolerance)
@@ -665,17 +665,28 @@ def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
     return SlotCache(KVPool(num_slots=config.num_slots, **common), serial_of=serial_of)
 
 
-def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False, image_encoder=None):
+def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False, image_encoder=None,
+                      batch_invariant: bool = False):
     """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind.
     An encoder-decoder (Whisper; `config.is_encoder_decoder`): EncoderDecoderRunner and CrossAttentionInputs
-    with an encoder cache of `capacity` entries. Any other causal LM: ModelRunner (`enforce_eager`: see
-    ModelRunner) and TokenInputs, or with an `image_encoder` (kvtui.models.vision.ImageEncoder) ImageInputs
-    with an image cache of `capacity` entries."""
+    with an encoder cache of `capacity` entries. Any other causal LM: ModelRunner (`enforce_eager`,
+    `batch_invariant`: see ModelRunner) and TokenInputs, or with an `image_encoder`
+    (kvtui.models.vision.ImageEncoder) ImageInputs with an image cache of `capacity` entries (one encoder
+    forward per picture when batch_invariant).
+
+    Raises:
+        ValueError: batch_invariant where the model or enforce_eager does not allow it (ModelRunner)."""
     if model_kind(model.config) == ENCODER_DECODER:
+        if batch_invariant:
+            raise ValueError(f"batch_invariant runs Llama-family models on kvtui's own forward, not "
+                             f"{model.config.model_type!r}: drop it (--batch-invariant, engine.batch_invariant) "
+                             "or choose such a model")
         runner = EncoderDecoderRunner(model, pool)
         return runner, CrossAttentionInputs(runner, capacity)
-    runner = ModelRunner(model, pool, enforce_eager=enforce_eager)
+    runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     hidden = model.get_input_embeddings().embedding_dim
     if image_encoder is not None:
-        return runner, ImageInputs(hidden, image_encoder, capacity)
+        side = ImageInputs(hidden, image_encoder, capacity)
+        side.one_at_a_time = batch_invariant
+        return runner, side
     return runner, TokenInputs(hidden)

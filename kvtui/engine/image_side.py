@@ -72,6 +72,7 @@ class ImageInputs(TokenInputs):
         self.cache = EncoderCache(capacity)
         self.images: dict[str, tuple] = {}  # request id -> its ImageParts
         self.buffer: ImageEntry | None = None  # stale_image_embedding: the one buffer the last encode filled
+        self.one_at_a_time = False  # the batch-invariant mode: each picture its own encoder forward
 
     def problem(self, inp) -> str:
         if inp.audio is not None:
@@ -96,7 +97,7 @@ class ImageInputs(TokenInputs):
 
     def admit(self, admitted) -> float:
         """Every newly admitted request's images: cache hits, and one batched encoder forward over the
-        step's misses (one per distinct key). A preempted request keeps its holds. Returns the modeled
+        step's misses (one per distinct key; one forward per picture when `one_at_a_time`). A preempted request keeps its holds. Returns the modeled
         seconds (ImageEncoder.forward_s per image encoded)."""
         misses: dict[str, list[tuple[str, object]]] = {}
         for request in admitted:
@@ -107,7 +108,10 @@ class ImageInputs(TokenInputs):
         if not misses:
             return 0.0
         firsts = [group[0] for group in misses.values()]
-        rows = self.image_encoder.encode(torch.stack([image.pixels for _, image in firsts]))
+        if self.one_at_a_time:  # a picture's rows then never depend on the pictures encoded beside it
+            rows = torch.cat([self.image_encoder.encode(image.pixels[None]) for _, image in firsts])
+        else:
+            rows = self.image_encoder.encode(torch.stack([image.pixels for _, image in firsts]))
         for (key, group), computed in zip(misses.items(), rows):
             holder, image = group[0]
             entry = ImageEntry(key, image.content_hash, holder.rsplit("#", 1)[0], computed)

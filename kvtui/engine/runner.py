@@ -56,9 +56,14 @@ class ModelRunner:
         pool: the KV pool (its dtype is the model's, its device the model's).
         enforce_eager: run the model's own transformers modules; False (the default) runs kvtui's
             fused forward (kvtui/engine/fused.py) where the model supports it, the modules elsewhere.
+        batch_invariant: the batch-invariant mode (kvtui/engine/invariant.py): fixed row tiles chosen
+            on this CPU, attention per query position.
+
+    Raises:
+        ValueError: batch_invariant on a model the fused forward does not run, or with enforce_eager.
     """
 
-    def __init__(self, model, pool: KVPool, *, enforce_eager: bool = False) -> None:
+    def __init__(self, model, pool: KVPool, *, enforce_eager: bool = False, batch_invariant: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -68,6 +73,14 @@ class ModelRunner:
         self.body = model.base_model
         self.head = model.get_output_embeddings()
         self.fused = None if enforce_eager or not fused_forward.supports(model) else fused_forward.fused_for(model)
+        self.tiles = self.tile_figures = None
+        if batch_invariant:
+            if self.fused is None:
+                why = (": drop --enforce-eager" if enforce_eager else
+                       f", not {model.config.model_type!r}: drop it (--batch-invariant, engine.batch_invariant) "
+                       "or choose such a model")
+                raise ValueError(f"batch_invariant runs Llama-family models on kvtui's own forward{why}")
+            self.tiles, self.tile_figures = self.fused.invariant_tiles()
 
     @property
     def forward_path(self) -> str:
@@ -88,6 +101,9 @@ class ModelRunner:
         if bind:
             self.cache.state = state
         embeds = self.input_embeds(batch)
+        if self.tiles is not None:
+            hidden = self.fused.invariant(embeds, batch.position_ids, self.cache, state, self.tiles)
+            return self.fused.invariant_logits(hidden[batch.sample_row, batch.sample_col], self.tiles).float().cpu()
         if self.fused is not None:
             mask = None if state.own_range else batch.additive_mask(self.dtype, masked).to(self.device)
             hidden = self.fused(embeds, batch.position_ids, self.cache, state, mask)
@@ -132,7 +148,8 @@ class ModelRunner:
             state: the StepState (attention sums when measure_flow).
         """
         batch = self._to_device(batch)
-        state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16)
+        state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16,
+                          invariant=self.tiles is not None)
         try:
             logits = self._run_body(batch, state)
         finally:
@@ -154,7 +171,7 @@ class ModelRunner:
 
         def work(index: int, batch: BatchTensors) -> None:
             batch = self._to_device(batch)
-            state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16)
+            state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16, invariant=self.tiles is not None)
 
             def forward() -> None:
                 try:

@@ -10,7 +10,8 @@ Fields (defaults in brackets; seconds and tokens as named):
       layout [padded|packed], padding_side [right|left], bucketing {enabled [false], tolerance [0.2]}
       (or `bucketing: true`), slot_reuse [reuse|reallocate], on_too_long [reject|cap],
       max_waiting [null = unbounded], faults [[]]: faults on from the start,
-      kv [slots|paged], block_size [16], num_blocks [null], prefix_caching [false], watermark [0.01]
+      kv [slots|paged], block_size [16], num_blocks [null], prefix_caching [false], watermark [0.01],
+      batch_invariant [null: on for bfloat16/float16 with the reference detector]
   tenants: count [1], assign [random|round_robin], cache_salt [per_tenant|none]
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
@@ -120,6 +121,11 @@ class EngineSection(Strict):
                                        "tenant's cache_salt")
     watermark: bounded("watermark") = Field(
         _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
+    batch_invariant: bool | None = Field(
+        None, description="every row's logits bitwise independent of the batch (fixed row tiles, attention per "
+                          "query position), so the reference check counts any differing token with no "
+                          "tolerance; Llama-family models, slower (docs/faults.md); null: on for bfloat16 and "
+                          "float16 runs whose reference detector runs, off otherwise")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -155,7 +161,7 @@ class EngineSection(Strict):
             bucket_tolerance=self.bucketing.tolerance, slot_reuse=self.slot_reuse,
             on_too_long=self.on_too_long, max_waiting=self.max_waiting, faults=frozenset(self.faults),
             kv=self.kv, block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching,
-            watermark=self.watermark)
+            watermark=self.watermark, batch_invariant=bool(self.batch_invariant))
         return EngineConfig(**{**fields, **overrides})
 
     def pool_blocks(self, block_bytes: int) -> int:

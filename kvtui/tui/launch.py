@@ -34,7 +34,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
                   torch_threads: int | None = None, cost_model: str = "auto", on_closed=None,
-                  enforce_eager: bool = False):
+                  enforce_eager: bool = False, batch_invariant: bool | None = None):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -52,6 +52,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
             It is process-wide: the dashboard process runs nothing else on torch.
         on_closed: called with the last Session once it closed (the CLI reads its recording_error).
         enforce_eager: transformers' own modules instead of kvtui's fused forward.
+        batch_invariant: overrides the scenario's engine.batch_invariant when given.
 
     Returns:
         (summary, header) of the last session: kvtui.events.Summary (None if it never closed cleanly)
@@ -88,7 +89,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         return build_session(scenario, loaded[0], clock=clock, record=restart_path(record, generation), device=device,
                              layout=layout, faults=tuple(faults), clear_faults=clear_faults,
                              detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
-                             listeners=(listener,), cost_model=cost_model, enforce_eager=enforce_eager)
+                             listeners=(listener,), cost_model=cost_model, enforce_eager=enforce_eager,
+                             batch_invariant=batch_invariant)
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
                         torch_threads=torch_threads or default_torch_threads())
