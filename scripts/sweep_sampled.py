@@ -29,8 +29,19 @@ from collections import Counter
 import torch
 
 
-def random_scenario(rng: random.Random, model: str, dtype: str) -> str:
-    """The YAML text of one random sampled scenario with no faults."""
+MIX = [  # every sampling parameter the engine has, each as one group of the batch (scenario `sampling.mix`)
+    "{{fraction: 0.2, repetition_penalty: {rep}}}",
+    "{{fraction: 0.2, frequency_penalty: {freq}, presence_penalty: {pres}}}",
+    "{{fraction: 0.15, logit_bias: {{\"13\": -100, \"198\": -100, \"279\": 3}}, bad_words: [\" the\", \" and\"]}}",
+    "{{fraction: 0.15, min_tokens: {min_tokens}}}",
+]
+
+
+def random_scenario(rng: random.Random, model: str, dtype: str, every: bool = False,
+                    invariant: bool | None = None) -> str:
+    """The YAML text of one random sampled scenario with no faults; `every`: a sampling mix with every
+    sampling parameter (penalties, logit_bias, bad_words, min_tokens, stop strings, n > 1, structured
+    output); `invariant`: engine.batch_invariant (None: the default, on for bfloat16/float16)."""
     kv = rng.choice(["slots", "slots", "paged"])
     layout = rng.choice(["padded", "packed"])
     side = rng.choice(["left", "right"])
@@ -47,16 +58,24 @@ def random_scenario(rng: random.Random, model: str, dtype: str) -> str:
     temperature = rng.choice([0.5, 0.7, 0.8, 1.0, 1.2])
     top_k = rng.choice([0, 0, 20, 50])
     top_p = rng.choice([1.0, 1.0, 0.9, 0.95])
+    extra = ""
+    if every:
+        groups = [g.format(rep=rng.choice([1.1, 1.3]), freq=rng.choice([0.4, 0.8]), pres=rng.choice([0.3, 0.6]),
+                           min_tokens=rng.choice([4, 8])) for g in rng.sample(MIX, rng.randint(2, len(MIX)))]
+        extra = (f", n: 2, n_fraction: {rng.choice([0.25, 0.5])}, mix: [{', '.join(groups)}]"
+                 f", structured: {{fraction: 0.2, regex: '[A-Z]{{2,6}}-[0-9]{{2,4}}'}}"
+                 + (", stop: ['. ']" if rng.random() < 0.5 else ""))
+    knob = "" if invariant is None else f", batch_invariant: {str(invariant).lower()}"
     return f"""name: sweep
 seed: {rng.randint(0, 10_000)}
 max_requests: {n}
 model: {model}
 dtype: {dtype}
-engine: {{{pool}, max_len: 256, max_batch_size: {slots}, layout: {layout}, padding_side: {side}}}
+engine: {{{pool}, max_len: 256, max_batch_size: {slots}, layout: {layout}, padding_side: {side}{knob}}}
 arrivals: {{process: poisson, rate_per_s: {rng.choice([2.0, 8.0, 50.0])}}}
 prompts: {prompts}
 output_tokens: {out}
-sampling: {{temperature: {temperature}, top_k: {top_k}, top_p: {top_p}, ignore_eos: {str(rng.random() < 0.5).lower()}}}
+sampling: {{temperature: {temperature}, top_k: {top_k}, top_p: {top_p}, ignore_eos: {str(rng.random() < 0.5).lower()}{extra}}}
 """
 
 
@@ -69,6 +88,11 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="print each counted report")
     parser.add_argument("--faults", action="store_true", help="run the fault scenarios of scenarios/faults/")
     parser.add_argument("--temperature", type=float, default=0.8, help="with --faults: the sampling temperature")
+    parser.add_argument("--every", action="store_true", help="a sampling mix with every sampling parameter "
+                        "(penalties, logit_bias, bad_words, min_tokens, stop, n > 1, structured output)")
+    parser.add_argument("--batch-invariant", choices=["on", "off", "default"], default="default",
+                        help="engine.batch_invariant of every run (default: the engine's default, on for "
+                        "bfloat16/float16 with the reference detector)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from kvtui.models import load_model
@@ -81,7 +105,8 @@ def main(argv=None) -> int:
     totals, started, largest = Counter(), time.perf_counter(), {"shift": 0.0, "spread": 0.0}
     for i in range(args.runs):
         rng = random.Random(f"{args.seed}-{i}-{args.dtype}")
-        spec = parse_scenario(random_scenario(rng, args.model, args.dtype), source=f"sweep-{i}")
+        invariant = {"on": True, "off": False, "default": None}[args.batch_invariant]
+        spec = parse_scenario(random_scenario(rng, args.model, args.dtype, args.every, invariant), source=f"sweep-{i}")
         session = Session(spec, loaded, clock="virtual")
         session.run()
         reports = session.contamination
@@ -98,7 +123,8 @@ def main(argv=None) -> int:
               flush=True)
         for e in counted if args.verbose else ():
             print(f"      {e.victim} {e.kind} {e.detector} {e.evidence}", flush=True)
-    print(f"{args.dtype} {args.model}: runs {totals['runs']}, runs with counted reports {totals['bad_runs']}, "
+    print(f"{args.dtype} {args.model} batch-invariant {args.batch_invariant}{' every parameter' if args.every else ''}: "
+          f"runs {totals['runs']}, runs with counted reports {totals['bad_runs']}, "
           f"counted reports {totals['counted']}, numeric reports {totals['numeric']}; largest numeric "
           f"draw shift x temperature {largest['shift']:.3g}, logit spread {largest['spread']:.3g} "
           f"({time.perf_counter() - started:.0f} s)")
@@ -106,27 +132,46 @@ def main(argv=None) -> int:
 
 
 def fault_sweep(loaded, args) -> int:
-    """Each scenarios/faults/*.yaml sampled at args.temperature in args.dtype; 1 if one is not caught."""
+    """Each scenarios/faults/*.yaml sampled at args.temperature in args.dtype (its own model: the speech and
+    image faults' scenarios name theirs); one line per fault: counted reports, whether one names both
+    victim and source, the step of the first counted report; then the median of those steps. 1 if a
+    fault is not caught."""
     from pathlib import Path
+    from statistics import median
 
     from kvtui.faults import FAULTS
+    from kvtui.models import load_model
     from kvtui.scenario import load_scenario
     from kvtui.session import Session
 
-    missed, started = [], time.perf_counter()
+    models = {args.model: loaded}
+    missed, unsourced, firsts, started = [], [], [], time.perf_counter()
     for path in sorted(Path(__file__).resolve().parent.parent.glob("scenarios/faults/*.yaml")):
         spec = load_scenario(str(path))
         sampling = spec.sampling.model_copy(update={"temperature": args.temperature})
-        spec = spec.model_copy(update={"dtype": args.dtype, "sampling": sampling})
-        session = Session(spec, loaded, clock="virtual")
+        update = {"dtype": args.dtype, "sampling": sampling}
+        if args.batch_invariant != "default":
+            update["engine"] = spec.engine.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
+        spec = spec.model_copy(update=update)
+        name = spec.model if spec.model != "default" else args.model
+        if name not in models:
+            models[name] = load_model(name, dtype=args.dtype, progress=False)
+        session = Session(spec, models[name], clock="virtual")
         session.run()
         counted = [e for e in session.contamination if e.counts]
         numeric = [e for e in session.contamination if e.kind == "numeric"]
+        sourced = any(e.victim and e.source for e in counted)
+        first = min((e.step for e in counted), default=None)
         kind = FAULTS[path.stem].kind
         if not counted:  # caught: the run fails as `expect: {contamination: detected}` wants
             missed.append(path.stem)
+        elif not sourced:
+            unsourced.append(path.stem)
+        if first is not None:
+            firsts.append(first)
         print(f"{path.stem:24s} counted {len(counted):3d} numeric {len(numeric):3d} findings {len(session.metrics.findings)}"
-              f", of kind {kind} {session.summary.findings_by_kind.get(kind, 0)} "
+              f", of kind {kind} {session.summary.findings_by_kind.get(kind, 0)}, source named {'yes' if sourced else 'no'}"
+              f", first at step {first} "
               f"({', '.join(f'{k} {v}' for k, v in sorted(Counter(e.detector for e in counted).items()))})", flush=True)
         for e in session.contamination if args.verbose else ():
             if e.detector == "reference":
@@ -134,8 +179,10 @@ def fault_sweep(loaded, args) -> int:
                 print(f"      {e.victim} {e.kind} token {ev.token_index} draw shift {getattr(ev, 'draw_shift', None)} "
                       f"of {getattr(ev, 'draw_tolerance', None)}, logits moved {getattr(ev, 'logit_spread', None)} "
                       f"of {ev.tolerance}", flush=True)
-    print(f"{args.dtype} {args.model} temperature {args.temperature}: faults missed {len(missed)}"
-          f"{' (' + ', '.join(missed) + ')' if missed else ''} ({time.perf_counter() - started:.0f} s)")
+    print(f"{args.dtype} {args.model} temperature {args.temperature} batch-invariant {args.batch_invariant}: "
+          f"faults missed {len(missed)}{' (' + ', '.join(missed) + ')' if missed else ''}, caught without a "
+          f"source {len(unsourced)}{' (' + ', '.join(unsourced) + ')' if unsourced else ''}, median step of the "
+          f"first counted report {median(firsts) if firsts else None} ({time.perf_counter() - started:.0f} s)")
     return 1 if missed else 0
 
 
