@@ -187,3 +187,25 @@ def test_models_the_mode_cannot_run_are_refused_in_one_line(tiny):
     with pytest.raises(ValueError, match="batch_invariant runs Llama-family models on kvtui's own forward: drop --enforce-eager"):
         Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=1, max_len=32, batch_invariant=True,
                                                       enforce_eager=True))
+
+
+def test_the_command_line_refuses_the_mode_where_it_cannot_run(tmp_path):
+    """One line naming the flag and the fix, exit 2, for `run` and `serve` alike, and no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    kvtui = [sys.executable, "-m", "kvtui.cli"]
+    run = subprocess.run(kvtui + ["run", "scenarios/passphrase.yaml", "--headless", "--model", "tiny-gpt2",
+                                  "--batch-invariant"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: scenarios/passphrase.yaml: batch_invariant runs Llama-family models on kvtui's own forward, not "
+        "'gpt2': drop it (--batch-invariant, engine.batch_invariant) or choose such a model")
+    serve = subprocess.run(kvtui + ["serve", "--model", "tiny-gpt2", "--batch-invariant", "--port", "0"],
+                           capture_output=True, text=True, cwd=root, timeout=300)
+    assert serve.returncode == 2 and "Traceback" not in serve.stderr
+    assert serve.stderr.strip().splitlines()[-1] == (
+        "error: batch_invariant runs Llama-family models on kvtui's own forward, not 'gpt2': drop "
+        "--batch-invariant or choose such a model")

@@ -9,7 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from kvtui.cli.console import EXIT_RUNTIME, fail, out, say
-from kvtui.cli.options import DETECTORS_HELP, SERVE, FaultChoice, enforce_eager_option, fault_names, parse_detectors
+from kvtui.cli.options import (
+    DETECTORS_HELP,
+    SERVE,
+    FaultChoice,
+    batch_invariant_option,
+    enforce_eager_option,
+    fault_names,
+    parse_detectors,
+)
 from kvtui.config import KNOB_BOUNDS, DType, KVMode, Layout
 from kvtui.serve import API_KEY_ENV
 
@@ -65,6 +73,7 @@ def serve(
     max_request_bytes: Annotated[int, typer.Option(help="Largest request body taken, in bytes; bigger ones get "
                                                    "413 before they are parsed.", min=1)] = SERVE.max_request_bytes,
     enforce_eager: enforce_eager_option() = SERVE.enforce_eager,
+    batch_invariant: batch_invariant_option() = SERVE.batch_invariant,
     enable_prompt_embeds: Annotated[bool, typer.Option("--enable-prompt-embeds", help="Take prompt embeddings "
                                                        "(base64 torch.save tensors) in `prompt_embeds` of completions "
                                                        "and prompt_embeds parts of chat messages, as vLLM's flag; "
@@ -93,7 +102,7 @@ def serve(
                            max_waiting=max_waiting, detectors=parse_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
                            max_request_bytes=max_request_bytes, enforce_eager=enforce_eager,
-                           enable_prompt_embeds=enable_prompt_embeds)
+                           batch_invariant=batch_invariant, enable_prompt_embeds=enable_prompt_embeds)
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")
         dashboard = False

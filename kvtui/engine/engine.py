@@ -30,7 +30,7 @@ from kvtui.engine.paged import PagedCache
 from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
-from kvtui.engine.runner import ModelRunner, model_geometry
+from kvtui.engine.runner import ModelRunner, batch_invariant_problem, model_geometry
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import ENCODER_DECODER, FAULTS, FaultName, acts_on, check_fault_names, model_kind
@@ -678,9 +678,7 @@ def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False
         ValueError: batch_invariant where the model or enforce_eager does not allow it (ModelRunner)."""
     if model_kind(model.config) == ENCODER_DECODER:
         if batch_invariant:
-            raise ValueError(f"batch_invariant runs Llama-family models on kvtui's own forward, not "
-                             f"{model.config.model_type!r}: drop it (--batch-invariant, engine.batch_invariant) "
-                             "or choose such a model")
+            raise ValueError(batch_invariant_problem(model))
         runner = EncoderDecoderRunner(model, pool)
         return runner, CrossAttentionInputs(runner, capacity)
     runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant)

@@ -30,6 +30,17 @@ def model_geometry(model) -> tuple[int, int, int, int]:
     return layers, heads, kv_heads, head_dim
 
 
+def batch_invariant_problem(model, enforce_eager: bool = False) -> str | None:
+    """Why the batch-invariant mode cannot run `model` (a transformers model), or None: it runs on kvtui's
+    fused forward, so Llama-family causal LMs only, and not with enforce_eager."""
+    if enforce_eager:
+        return "batch_invariant runs Llama-family models on kvtui's own forward: drop --enforce-eager"
+    if not fused_forward.supports(model):
+        return (f"batch_invariant runs Llama-family models on kvtui's own forward, not {model.config.model_type!r}: "
+                "drop it (--batch-invariant, engine.batch_invariant) or choose such a model")
+    return None
+
+
 class _Turnstile:
     """Runs actions from several threads in ticket order (0, 1, 2, ...): `turnstile(ticket, action)` waits
     for the ticket's turn, runs the action, and passes the turn on even when the action raises."""
@@ -75,11 +86,9 @@ class ModelRunner:
         self.fused = None if enforce_eager or not fused_forward.supports(model) else fused_forward.fused_for(model)
         self.tiles = self.tile_figures = None
         if batch_invariant:
-            if self.fused is None:
-                why = (": drop --enforce-eager" if enforce_eager else
-                       f", not {model.config.model_type!r}: drop it (--batch-invariant, engine.batch_invariant) "
-                       "or choose such a model")
-                raise ValueError(f"batch_invariant runs Llama-family models on kvtui's own forward{why}")
+            problem = batch_invariant_problem(model, enforce_eager)
+            if problem:
+                raise ValueError(problem)
             self.tiles, self.tile_figures = self.fused.invariant_tiles()
 
     @property

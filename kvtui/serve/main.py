@@ -59,10 +59,16 @@ def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[
 def _load(server: ServeServer) -> None:
     from kvtui.models import ModelLoadError
 
+    from kvtui.engine.runner import batch_invariant_problem
+
     try:
         server.load()
     except (ValueError, ModelLoadError) as e:
         raise BadInput(str(e)) from None
+    problem = server.options.batch_invariant and batch_invariant_problem(server.loaded.model,
+                                                                         server.options.enforce_eager)
+    if problem:
+        raise BadInput(problem.replace("drop it (--batch-invariant, engine.batch_invariant)", "drop --batch-invariant"))
 
 
 def _recording_error(server: ServeServer, e: OSError) -> BadInput:

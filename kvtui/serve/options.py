@@ -45,5 +45,6 @@ class ServeOptions:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enforce_eager: bool = _ENGINE.enforce_eager
+    batch_invariant: bool | None = None  # None: the engine's default (on for bfloat16/float16 with reference)
     enable_prompt_embeds: bool = False  # take prompt_embeds in requests (kvtui/serve/embeds.py)
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)

@@ -162,7 +162,7 @@ class ServeServer:
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
                                 record=restart_path(self.options.record, generation), faults=self.options.faults,
                                 detectors=self.options.detectors, listeners=listeners, serving=True,
-                                enforce_eager=self.options.enforce_eager)
+                                enforce_eager=self.options.enforce_eager, batch_invariant=self.options.batch_invariant)
         self.session = session
         self.bridge.attach(session)
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
