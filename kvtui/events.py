@@ -166,7 +166,8 @@ class RunningEntry(_Frozen):
         ttft_s: time to first token (seconds) when this step sampled its first token, else None (recorded
             as a request.first_token event).
         sampled_with: the request whose per-row sampling state picked the token (its own unless a
-            fault moved the row arrays: row_state_misalign); None without a sample.
+            fault moved the row arrays: row_state_misalign; its own also when the state it used and its
+            own are both greedy with no stages, so the pick is argmax either way); None without a sample.
         penalized_with: the requests whose tokens the penalties counted (a history's owner when
             repetition_penalty reads its prompt, and each request whose sampled tokens it holds): only the
             request itself unless a fault mixed histories (row_state_misalign, penalty_shared_history);

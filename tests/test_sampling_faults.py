@@ -224,6 +224,17 @@ def test_row_state_misalign_names_the_departed_rows_state_and_the_one_ahead(tiny
     assert provenance_run(tiny, requests) == []
 
 
+def test_row_state_misalign_leaves_a_plain_row_under_a_plain_rows_state_silent(tiny):
+    """Plain greedy a and b, sampled c; a leaves: b picks with a's state, which is as plain as its own
+    (argmax either way: not reported); c picks with b's greedy state, losing its temperature (reported,
+    and it draws nothing: no generator in its tags)."""
+    requests = [("a", [5, 6, 7], _params(max_new_tokens=2)), ("b", [8, 9], _params(max_new_tokens=6)),
+                ("c", [10, 11, 12, 13], _params(max_new_tokens=6, temperature=1.0, seed=4))]
+    events = provenance_run(tiny, requests, faults=["row_state_misalign"])
+    assert [(e.victim, e.source, e.evidence.via, e.evidence.token_index, e.evidence.generator) for e in events] == [
+        ("c", "b", ("row_state",), 2, ())]
+
+
 def test_shared_rng_names_the_reseeding_and_drawing_requests_and_leaves_greedy_ones_silent(tiny):
     """Sampled a (seed 1), greedy g, sampled b (seed 2) join in this order: a reseeds the one generator,
     then b does. a's first draw comes from b's seed; b's first draw follows a's; g draws nothing."""

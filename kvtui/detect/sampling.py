@@ -4,7 +4,8 @@ engine tags each sampled token, as it tags each KV position with its writer (kvt
 
 - `sampled_with`: the request whose row state (params, bias, bans, min_tokens, temperature, stages)
   picked it; another request under row_state_misalign (the row arrays were cut at their end when a
-  row left, so a row behind it reads its neighbour's state);
+  row left, so a row behind it reads its neighbour's state), unless both states are greedy with no
+  stages (argmax either way: nothing of the other request decides the pick);
 - `penalized_with`: the requests whose tokens the penalties counted; others besides the request under
   penalty_shared_history (every row's history) and row_state_misalign (the neighbour's history, which
   the victim's tokens then feed);

@@ -108,7 +108,15 @@ class OutputProcessor:
         request.token_times_s.append(end_s)
         if request.first_token_s is None:
             request.first_token_s = end_s
-        return token, logprobs, SampledWith(state.owner, history, trail), reason
+        return token, logprobs, SampledWith(self._picked_by(request.request_id, state), history, trail), reason
+
+    def _picked_by(self, request_id: str, state: RowState) -> str:
+        """Whose row state picked `request_id`'s token: `state`'s owner, unless that state and the
+        request's own are both plain (greedy, no stages), when nothing of the owner decides the pick."""
+        if state.owner == request_id or not state.plain:
+            return state.owner
+        own = self.row_states.get(request_id)
+        return request_id if own is not None and own.plain else state.owner
 
     def _processed(self, state: RowState, logits: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...] | None]:
         """The row's logits [V] after its stages (the logits themselves when it has none), and the

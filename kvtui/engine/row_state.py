@@ -136,7 +136,9 @@ class SampledWith(NamedTuple):
     drawn_with). With isolation intact each names only the request itself.
 
     Attributes:
-        row_state: the request whose row state (params, stages, temperature) picked the token.
+        row_state: the request whose row state (params, stages, temperature) picked the token; the
+            request itself when the state it used and its own are both plain (RowState.plain: the
+            pick is argmax either way, nothing of the other request reaches it).
         history: the requests whose tokens the penalties counted: a history's owner when
             repetition_penalty reads its prompt, and each request whose sampled tokens it holds; None
             when no penalty applied (the row state has none).
@@ -187,6 +189,11 @@ class RowState:
                    frozenset() if p.ignore_eos else eos_ids, stages_for(p),
                    list(request.generated_ids), Counter(request.generated_ids),
                    fed_by=own if request.generated_ids else (), drawn_by=() if generator is None else own)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no stages: the state picks argmax(logits) and holds nothing of its request."""
+        return self.generator is None and not self.stages
 
     @property
     def penalized(self) -> bool:
