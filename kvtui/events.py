@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 from kvtui.faults import ContaminationKind
 
@@ -166,7 +166,18 @@ class RunningEntry(_Frozen):
         ttft_s: time to first token (seconds) when this step sampled its first token, else None (recorded
             as a request.first_token event).
         sampled_with: the request whose per-row sampling state picked the token (its own unless a
-            fault moved the row arrays: row_state_misalign); None without a sample.
+            fault moved the row arrays: row_state_misalign; its own also when the state it used and its
+            own are both greedy with no stages, so the pick is argmax either way); None without a sample.
+        penalized_with: the requests whose tokens the penalties counted (a history's owner when
+            repetition_penalty reads its prompt, and each request whose sampled tokens it holds): only the
+            request itself unless a fault mixed histories (row_state_misalign, penalty_shared_history);
+            None when no penalty applied or nothing was sampled.
+        drawn_with: the trail of the generator that drew a sampled token, before the draw: the request
+            that seeded it ("<unseeded>": a shared generator nobody seeded), then each other request
+            that drew from it since, in order of their first draw; (its own id,) unless a fault shared
+            generators (shared_rng, row_state_misalign); None for a greedy token or without a sample.
+        These three are the engine's provenance of the sampling state (kvtui.engine.row_state.SampledWith),
+        read by the sampling_provenance detector.
     """
 
     request_id: str
@@ -182,6 +193,9 @@ class RunningEntry(_Frozen):
     nonfinite: bool = Field(default=False, exclude=True)
     ttft_s: float | None = Field(default=None, exclude=True)
     sampled_with: str | None = Field(default=None, exclude=True)
+    # the engine's own tuples, kept as they are (no per-token copy by validation)
+    penalized_with: SkipValidation[tuple[str, ...] | None] = Field(default=None, exclude=True)
+    drawn_with: SkipValidation[tuple[str, ...] | None] = Field(default=None, exclude=True)
 
 
 class TaintEntry(_Frozen):
@@ -531,6 +545,18 @@ class ConstraintEvidence(_Frozen):
     bitmask_row: int | None = None  # grammar_bitmask: the bitmask buffer's row
 
 
+class SamplingEvidence(_Frozen):
+    """(v3) A token sampled with another request's sampling state (kvtui/detect/sampling.py): the
+    engine's tags of the token, and how the source reached the victim."""
+
+    via: tuple[Literal["row_state", "penalty_history", "generator"], ...]  # the tags that name the source
+    token_index: int  # the token's index in the victim's output
+    token_id: int
+    row_state: str | None = None  # the request whose row state picked the token
+    penalty_history: tuple[str, ...] = ()  # the requests whose tokens the penalties counted (none: no penalties)
+    generator: tuple[str, ...] = ()  # the generator's trail: who seeded it, then who else drew (none: greedy)
+
+
 class NoninterferenceEvidence(_Frozen):
     token_index: int
     baseline_text: str
@@ -544,9 +570,10 @@ EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
     "prefix_provenance": ProvenanceEvidence, "constraint": ConstraintEvidence,
+    "sampling_provenance": SamplingEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence, SamplingEvidence]
 
 
 class Contamination(_Frozen):

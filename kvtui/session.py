@@ -24,6 +24,7 @@ from kvtui.detect.constraint import ConstraintDetector
 from kvtui.detect.engine_signals import EngineSignalDetector
 from kvtui.detect.provenance import ProvenanceDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
+from kvtui.detect.sampling import SamplingProvenanceDetector
 from kvtui.engine import Engine
 from kvtui.events import (
     Contamination,
@@ -183,6 +184,7 @@ class Session(RunBase):
         self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
         self.constraint = (ConstraintDetector(loaded.eos_token_ids or ()) if "constraint" in self.detectors
                            else None)
+        self.sampling = SamplingProvenanceDetector() if "sampling_provenance" in self.detectors else None
         self.timeline = list(scenario.timeline)
         self.fault_switches = fault_switches
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.engine.now,
@@ -438,6 +440,8 @@ class Session(RunBase):
             self.emit(event)
         for event in self.constraint.on_step(report, t) if self.constraint is not None else ():
             self.emit(event)
+        for event in self.sampling.on_step(report, t) if self.sampling is not None else ():
+            self.emit(event)
         if self.canary is not None:
             for request_id, piece in pieces:
                 for event in self.canary.on_piece(request_id, piece, t, report.step):
@@ -453,6 +457,8 @@ class Session(RunBase):
             self.emit(finish)
             if self.constraint is not None:
                 self.constraint.on_finish(f.request_id)
+            if self.sampling is not None:
+                self.sampling.on_finish(f.request_id)
             steps, cobatched, earlier = self._trails.pop(f.request_id)
             if self.reference is not None and finish.completed:
                 self.reference.on_finish(PendingCheck(

@@ -17,6 +17,7 @@ from kvtui.events import (
     NoninterferenceEvidence,
     ProvenanceEvidence,
     ReferenceEvidence,
+    SamplingEvidence,
     Summary,
     TaintEvidence,
 )
@@ -230,23 +231,42 @@ def evidence_text(e: Contamination) -> str:
         before, after = differing_excerpts(ev.baseline_text, ev.text_with_neighbours_replaced)
         return f"token {ev.token_index} changed: {before!r} -> {after!r}"
     if isinstance(ev, ReferenceEvidence):
-        gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
-        batched, solo = differing_excerpts(ev.batched_text, ev.solo_text)
-        if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
-            return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
-                    f"{batched!r} vs {solo!r}")
-        if ev.draw_tolerance is not None:  # a sampled token: how far the draw's boundary and the logits moved
-            shift = "past the recorded ranks" if ev.draw_shift is None else \
-                f"{ev.draw_shift:.3g} of {ev.draw_tolerance:.3g}"
-            spread = "not comparable" if ev.logit_spread is None else f"{ev.logit_spread:.3g} of {ev.tolerance:.3g}"
-            why = f"draw shift {shift}, logits moved {spread}" if ev.draw_u is not None else "no draw recorded"
-        else:
-            why = f"gap {gap}"
-        return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
-                f"{batched!r} vs {solo!r}")
+        return _reference_text(ev)
     if isinstance(ev, ConstraintEvidence):
         return _constraint_text(ev)
+    if isinstance(ev, SamplingEvidence):
+        return _sampling_text(ev, e.source)
     return str(ev.model_dump())[:100]
+
+
+def _reference_text(ev: ReferenceEvidence) -> str:
+    gap = "n/a" if ev.top2_gap is None else f"{ev.top2_gap:.3g}"
+    batched, solo = differing_excerpts(ev.batched_text, ev.solo_text)
+    if ev.batched_token is None and (ev.batched_piece is not None or ev.solo_piece is not None):
+        return (f"token {ev.token_index}: {ev.batched_piece!r} vs solo {ev.solo_piece!r} (gap {gap}); "
+                f"{batched!r} vs {solo!r}")
+    if ev.draw_tolerance is not None:  # a sampled token: how far the draw's boundary and the logits moved
+        shift = "past the recorded ranks" if ev.draw_shift is None else \
+            f"{ev.draw_shift:.3g} of {ev.draw_tolerance:.3g}"
+        spread = "not comparable" if ev.logit_spread is None else f"{ev.logit_spread:.3g} of {ev.tolerance:.3g}"
+        why = f"draw shift {shift}, logits moved {spread}" if ev.draw_u is not None else "no draw recorded"
+    else:
+        why = f"gap {gap}"
+    return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
+            f"{batched!r} vs {solo!r}")
+
+
+def _sampling_text(ev: SamplingEvidence, source: str | None) -> str:
+    """e.g. "token 3 (564) sampled with r002's row state; generator seeded by r002, drawn by r004"."""
+    parts = []
+    if "row_state" in ev.via:
+        parts.append(f"sampled with {source}'s row state")
+    if "generator" in ev.via:
+        seeded, *drew = ev.generator
+        parts.append(f"generator seeded by {seeded}" + (f", drawn by {', '.join(drew)}" if drew else ""))
+    if "penalty_history" in ev.via:
+        parts.append(f"penalties counted {', '.join(ev.penalty_history)}")
+    return f"token {ev.token_index} ({ev.token_id}) " + "; ".join(parts)
 
 
 def _constraint_text(ev: ConstraintEvidence) -> str:

@@ -172,4 +172,5 @@ def test_serve_detectors_default_is_serve_options():
     from kvtui.serve.options import ServeOptions
 
     flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "detectors")
-    assert flag.default == ",".join(ServeOptions().detectors) == "reference,canary,attention_flow,slot_taint,constraint"
+    assert flag.default == ",".join(ServeOptions().detectors) == (
+        "reference,canary,attention_flow,slot_taint,constraint,sampling_provenance")

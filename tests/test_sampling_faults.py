@@ -5,7 +5,7 @@ mixing penalties, bias, bans, min_tokens and sampling (tiny-llama)."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import CONTAMINATION, run, scenario
+from test_faults import CONTAMINATION, SAMPLING_FAULTS, run, scenario
 
 from kvtui.detect.constraint import disallowed
 from kvtui.events import Contamination
@@ -41,7 +41,8 @@ def test_row_state_misalign_off_the_same_load_is_clean(tiny):
 @pytest.mark.parametrize("fault,victim_kind", [("shared_rng", "sampled"), ("penalty_shared_history", "penalized")])
 def test_the_victims_are_the_requests_that_carry_the_state(tiny, fault, victim_kind):
     """shared_rng damages only sampled requests (greedy ones draw nothing), penalty_shared_history only
-    penalized ones; each is cross_request: alone, with the same fault, the request gives its clean tokens."""
+    penalized ones; each is cross_request: alone, with the same fault, the request gives its clean tokens
+    (reference), and the engine's tags name who reached it (sampling_provenance)."""
     spec = scenario("padded", faults=[fault])
     params = planned_params(tiny, spec)
     session = run(tiny, spec)
@@ -49,8 +50,8 @@ def test_the_victims_are_the_requests_that_carry_the_state(tiny, fault, victim_k
     carriers = {r for r, p in params.items() if (not p.greedy if victim_kind == "sampled"
                                                  else p.repetition_penalty != 1.0 or p.presence_penalty)}
     assert reports and {e.victim for e in reports} <= carriers
-    assert all(e.kind == "cross_request" and e.detector == "reference" for e in reports)
-    assert len({e.victim for e in reports}) >= 3
+    assert all(e.kind == "cross_request" and e.detector in ("reference", "sampling_provenance") for e in reports)
+    assert len({e.victim for e in reports if e.detector == "reference"}) >= 3
 
 
 class _Entry:
@@ -177,3 +178,116 @@ def test_a_logit_bias_id_past_the_models_vocabulary_is_refused_before_the_run_in
         assert [line for line in done.stderr.splitlines() if line.strip()] == [
             f"error: {path}: sampling.mix.1.logit_bias: token id 300 is outside the model's vocabulary (259 tokens, "
             "ids 0 to 258); use token ids of this model's tokenizer"]
+
+
+# -- sampling_provenance: the engine's tags on each sampled token name the victim's source ------------
+def provenance_run(tiny, requests, faults=(), slots=3):
+    """Run `requests` ((id, prompt ids, SamplingParams), all queued before the first step, so they join
+    the rows in this order) on a tiny-llama engine; the sampling_provenance reports."""
+    from kvtui.config import EngineConfig
+    from kvtui.detect.sampling import SamplingProvenanceDetector
+    from kvtui.engine import Engine
+
+    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=slots, max_len=64, max_batch_size=slots,
+                                                           faults=frozenset(faults)), eos_token_ids=(), clock="virtual")
+    for request_id, prompt, params in requests:
+        engine.submit(request_id, prompt, params)
+    detector, events = SamplingProvenanceDetector(), []
+    for report in engine.run_until_done():
+        events += detector.on_step(report, report.t)
+        for f in report.finished:
+            detector.on_finish(f.request_id)
+    return events
+
+
+def _params(**kw):
+    from kvtui.engine import SamplingParams
+
+    return SamplingParams(**{"ignore_eos": True, **kw})
+
+
+def test_row_state_misalign_names_the_departed_rows_state_and_the_one_ahead(tiny):
+    """Rows a, b, c; a leaves after 2 tokens: the ids move up to [b, c] but the states are cut at the end
+    to [a's, b's], so b samples with the departed a's row state (and draws from a's generator) and c with
+    b's (b is greedy and penalized: c's tokens are picked by b's state, counted in b's history)."""
+    requests = [("a", [5, 6, 7], _params(max_new_tokens=2, temperature=1.0, seed=1)),
+                ("b", [8, 9], _params(max_new_tokens=6, repetition_penalty=2.0)),
+                ("c", [10, 11, 12, 13], _params(max_new_tokens=6))]
+    events = provenance_run(tiny, requests, faults=["row_state_misalign"])
+    assert [(e.victim, e.source, e.kind, e.evidence.via) for e in events] == [
+        ("b", "a", "cross_request", ("row_state", "generator")), ("c", "b", "cross_request", ("row_state", "penalty_history"))]
+    b, c = events
+    assert (b.evidence.token_index, b.evidence.row_state, b.evidence.generator, b.evidence.penalty_history) == (
+        2, "a", ("a",), ())  # a's state has no penalties; its generator only a had drawn from
+    assert (c.evidence.token_index, c.evidence.row_state, c.evidence.penalty_history, c.evidence.generator) == (
+        2, "b", ("b",), ())  # b's history (its prompt, its own 2 tokens) counted for c; greedy: no draw
+    assert provenance_run(tiny, requests) == []
+
+
+def test_row_state_misalign_leaves_a_plain_row_under_a_plain_rows_state_silent(tiny):
+    """Plain greedy a and b, sampled c; a leaves: b picks with a's state, which is as plain as its own
+    (argmax either way: not reported); c picks with b's greedy state, losing its temperature (reported,
+    and it draws nothing: no generator in its tags)."""
+    requests = [("a", [5, 6, 7], _params(max_new_tokens=2)), ("b", [8, 9], _params(max_new_tokens=6)),
+                ("c", [10, 11, 12, 13], _params(max_new_tokens=6, temperature=1.0, seed=4))]
+    events = provenance_run(tiny, requests, faults=["row_state_misalign"])
+    assert [(e.victim, e.source, e.evidence.via, e.evidence.token_index, e.evidence.generator) for e in events] == [
+        ("c", "b", ("row_state",), 2, ())]
+
+
+def test_shared_rng_names_the_reseeding_and_drawing_requests_and_leaves_greedy_ones_silent(tiny):
+    """Sampled a (seed 1), greedy g, sampled b (seed 2) join in this order: a reseeds the one generator,
+    then b does. a's first draw comes from b's seed; b's first draw follows a's; g draws nothing."""
+    requests = [("a", [5, 6, 7], _params(max_new_tokens=4, temperature=1.0, seed=1)),
+                ("g", [8, 9], _params(max_new_tokens=4)),
+                ("b", [10, 11, 12, 13], _params(max_new_tokens=4, temperature=1.0, seed=2))]
+    events = provenance_run(tiny, requests, faults=["shared_rng"])
+    assert [(e.victim, e.source, e.evidence.via, e.evidence.generator, e.evidence.token_index) for e in events] == [
+        ("a", "b", ("generator",), ("b",), 0), ("b", "a", ("generator",), ("b", "a"), 0)]
+    assert "g" not in {e.victim for e in events} | {e.source for e in events}
+    assert provenance_run(tiny, requests) == []
+
+
+def test_penalty_shared_history_names_the_rows_whose_tokens_the_penalties_counted(tiny):
+    """Penalized p beside plain q and r: p's repetition penalty reads every row's prompt from its first
+    token; q and r have no penalties, so nothing of p reaches them. When q leaves, r becomes p's first
+    other history."""
+    requests = [("p", [5, 6, 7], _params(max_new_tokens=6, repetition_penalty=2.0)),
+                ("q", [8, 9], _params(max_new_tokens=2)),
+                ("r", [10, 11, 12, 13], _params(max_new_tokens=6, temperature=1.0, seed=3))]
+    events = provenance_run(tiny, requests, faults=["penalty_shared_history"])
+    assert [(e.victim, e.source, e.evidence.via, e.evidence.token_index) for e in events] == [
+        ("p", "q", ("penalty_history",), 0), ("p", "r", ("penalty_history",), 2)]
+    assert events[0].evidence.penalty_history == ("p", "q", "r")
+    assert events[1].evidence.penalty_history == ("p", "r")  # q's row left; r's prompt and tokens remain
+    assert events[1].evidence.generator == ()  # p is greedy
+    assert provenance_run(tiny, requests) == []
+
+
+
+@pytest.mark.parametrize("fault", SAMPLING_FAULTS)
+@pytest.mark.parametrize("layout,kv", [("padded", "slots"), ("packed", "paged")])
+def test_every_sampling_fault_finding_names_a_source_that_carries_the_state(tiny, fault, layout, kv):
+    """On the truth-table load each reference victim's finding is joined by a sampling_provenance report
+    naming another request of the run (victim <- source); the sources fit the fault: under
+    row_state_misalign an earlier row's state, under shared_rng only sampled requests on both ends,
+    under penalty_shared_history only penalized victims. The same load with the fault off: no report."""
+    spec = scenario(layout, faults=[fault], kv=kv)
+    params = planned_params(tiny, spec)
+    session = run(tiny, spec)
+    reports = [e for e in session.contamination if e.detector == "sampling_provenance"]
+    assert reports and all(e.kind == "cross_request" and e.source in params and e.source != e.victim for e in reports)
+    findings = [f for f in session.metrics.findings if "reference" in f.detectors]
+    assert findings and all(f.sources and "sampling_provenance" in f.detectors for f in findings)
+    for e in reports:
+        victim, source = params[e.victim], params[e.source]
+        if fault == "row_state_misalign":
+            assert e.evidence.via[0] == "row_state" and e.evidence.row_state == e.source < e.victim
+        elif fault == "shared_rng":
+            assert e.evidence.via == ("generator",) and not victim.greedy and not source.greedy
+            assert e.source in e.evidence.generator
+        else:
+            assert e.evidence.via == ("penalty_history",) and (victim.repetition_penalty, victim.presence_penalty) == (2.0, 2.0)
+            assert e.source in e.evidence.penalty_history and e.victim in e.evidence.penalty_history
+    off = run(tiny, scenario(layout, faults=[fault], kv=kv, drop_faults=True))
+    assert [e for e in off.contamination if e.kind in CONTAMINATION] == []

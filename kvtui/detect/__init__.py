@@ -7,15 +7,16 @@ that happens with no other request present), `numeric` (a near tie flipped by nu
 variance; never counted as contamination). findings.py joins the reports on one victim.
 
 The detector classes are imported from their modules (canary, constraint, engine_signals,
-provenance, reference); this package itself imports no torch, so replaying a recording stays light.
+provenance, reference, sampling: sampling_provenance); this package itself imports no torch, so replaying a recording stays light.
 """
 
-DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance", "constraint")
+DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance", "constraint",
+                  "sampling_provenance")
 CONTAMINATION_KINDS = ("cross_request", "cross_tenant", "corruption")
 
 _LAZY = {"CanaryDetector": "canary", "EngineSignalDetector": "engine_signals", "ReferenceDetector": "reference",
          "numeric_tolerance": "reference", "Findings": "findings", "ProvenanceDetector": "provenance",
-         "ConstraintDetector": "constraint"}
+         "ConstraintDetector": "constraint", "SamplingProvenanceDetector": "sampling"}
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ from kvtui.engine.paged import PagedCache
 from kvtui.engine.parallel import Families, child_id, child_sampling
 from kvtui.engine.report import FinishedRequestReport, RunningEntry, StepEvent
 from kvtui.engine.request import FinishCode, FinishReason, RequestState, RequestStatus, SamplingParams
+from kvtui.engine.row_state import NOT_SAMPLED
 from kvtui.engine.runner import ModelRunner, batch_invariant_problem, model_geometry
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
@@ -516,12 +517,12 @@ class Engine:
                end_s: float) -> RunningEntry:
         """Sample `request`'s token from `logits` [V] (None: nothing to sample) and report its share."""
         cache_len = request.cache_len
-        token, gap, nonfinite, logprobs, owner = None, None, False, None, None
+        token, gap, nonfinite, logprobs, tags = None, None, False, None, NOT_SAMPLED
         if logits is not None:
             gap, finite = facts
             nonfinite = not finite
             try:
-                token, logprobs, owner, reason = self.output.sample(request, logits, gap, end_s, self.pool.max_len)
+                token, logprobs, tags, reason = self.output.sample(request, logits, gap, end_s, self.pool.max_len)
             except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)
@@ -532,7 +533,7 @@ class Engine:
         return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=cache_len,
                             query_tokens=query_tokens, token_id=token, phase=phase, top2_gap=gap, nonfinite=nonfinite,
                             ttft_s=request.ttft_s if first else None, blocks=place.blocks, logprobs=logprobs,
-                            sampled_with=owner)
+                            sampled_with=tags.row_state, penalized_with=tags.history, drawn_with=tags.generator)
 
     def _fork(self, lead: RequestState) -> list[tuple[RequestState, KVPlace]]:
         """Parallel sampling: the lead's prefill is done; each waiting sibling takes a copy of its KV

@@ -15,7 +15,7 @@ import torch
 
 from kvtui.engine.grammar import GrammarStage
 from kvtui.engine.request import FinishCode, FinishReason, RequestState
-from kvtui.engine.row_state import RowState, RowTable
+from kvtui.engine.row_state import RowState, RowTable, SampledWith
 from kvtui.engine.sampling import draw_token
 from kvtui.faults import FaultName
 
@@ -78,14 +78,16 @@ class OutputProcessor:
 
     def sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float, max_len: int):
         """Pick `request`'s next token from its logits [V] and note it. Returns (token, logprobs or None,
-        the request whose row state picked it, the FinishReason when it stops now or None); `max_len`:
-        the tokens one request may hold. Whatever raises leaves the request's tokens as they were."""
+        SampledWith: whose row state, penalty history and generator picked it, the FinishReason when it
+        stops now or None); `max_len`: the tokens one request may hold. Whatever raises leaves the
+        request's tokens as they were."""
         logits = self.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
         state = self.rows.state_of(request.request_id)
-        processed = self._processed(state, logits)
+        processed, history = self._processed(state, logits)
         shared = FaultName.SHARED_RNG in self.faults and state.generator is not None
         generator = self.rows.shared_rng if shared else state.generator
         token, draw = draw_token(processed, state.params, generator)
+        trail = None if draw is None else self.rows.note_draw(request.request_id, state, shared)
         if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
             gap = gaps_and_finite({0: processed})[0][0]
         logprobs = None
@@ -99,22 +101,33 @@ class OutputProcessor:
         except Exception:
             request.generated_ids.pop()
             raise
-        state.accept(token)
+        state.accept(token, request.request_id)
         request.top2_gaps.append(gap)
         if draw is not None and self.record_draws:
             request.draws.append(draw)
         request.token_times_s.append(end_s)
         if request.first_token_s is None:
             request.first_token_s = end_s
-        return token, logprobs, state.owner, reason
+        return token, logprobs, SampledWith(self._picked_by(request.request_id, state), history, trail), reason
 
-    def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
-        """The row's logits [V] after its stages (the logits themselves when it has none); under
-        penalty_shared_history the penalties read the whole batch's history."""
+    def _picked_by(self, request_id: str, state: RowState) -> str:
+        """Whose row state picked `request_id`'s token: `state`'s owner, unless that state and the
+        request's own are both plain (greedy, no stages), when nothing of the owner decides the pick."""
+        if state.owner == request_id or not state.plain:
+            return state.owner
+        own = self.row_states.get(request_id)
+        return request_id if own is not None and own.plain else state.owner
+
+    def _processed(self, state: RowState, logits: torch.Tensor) -> tuple[torch.Tensor, tuple[str, ...] | None]:
+        """The row's logits [V] after its stages (the logits themselves when it has none), and the
+        requests whose tokens its penalties counted (None: no penalties); under penalty_shared_history
+        the penalties read the whole batch's history."""
         if not state.stages:
-            return logits
-        shared = FaultName.PENALTY_SHARED_HISTORY in self.faults
-        return state.process(logits, self.rows.batch_history() if shared else None)
+            return logits, None
+        if FaultName.PENALTY_SHARED_HISTORY in self.faults:
+            owners = self.rows.batch_history_owners(state.params) if state.penalized else None
+            return state.process(logits, self.rows.batch_history()), owners
+        return state.process(logits), state.history_owners() if state.penalized else None
 
     def stop_reason(self, request: RequestState, token: int, max_len: int) -> FinishReason | None:
         """Why `request` stops after `token` (vLLM's order: min_tokens, EOS, a complete grammar, a stop

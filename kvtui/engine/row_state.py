@@ -15,6 +15,12 @@ Three isolation faults act here (kvtui/faults.py):
   global `manual_seed`), so a seeded request's draws depend on its neighbours'.
 - penalty_shared_history: penalties count the tokens of every row in the batch, not the row's own.
 
+Provenance: each token sampled here is tagged (`SampledWith`) with the request whose row state picked it,
+the requests whose tokens the penalties counted, and the trail of the generator that drew it (who
+seeded it, then every other request that drew from it), as the KV pool tags each position with its
+writer. With isolation intact all three name the request itself; the sampling_provenance detector
+(kvtui/detect/sampling.py) reports any other name.
+
 Order of the stages, as vLLM's V1 sampler: bad words, min_tokens, logit bias, then the penalties
 (repetition, frequency, presence), then temperature / top-k / top-p (sampling.py).
 """
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -122,6 +128,33 @@ def stages_for(params: SamplingParams) -> tuple[Stage, ...]:
     return tuple(stages)
 
 
+UNSEEDED = "<unseeded>"  # the shared generator's trail before any request seeded it (not a request id)
+
+
+class SampledWith(NamedTuple):
+    """Where one sampled token's sampling state came from (RunningEntry.sampled_with, penalized_with,
+    drawn_with). With isolation intact each names only the request itself.
+
+    Attributes:
+        row_state: the request whose row state (params, stages, temperature) picked the token; the
+            request itself when the state it used and its own are both plain (RowState.plain: the
+            pick is argmax either way, nothing of the other request reaches it).
+        history: the requests whose tokens the penalties counted: a history's owner when
+            repetition_penalty reads its prompt, and each request whose sampled tokens it holds; None
+            when no penalty applied (the row state has none).
+        generator: the trail of the generator that drew the token, as it was before this draw: the
+            request that seeded it (UNSEEDED for a shared generator nobody seeded yet), then each
+            other request that drew from it since, in order of their first draw; None for a greedy token.
+    """
+
+    row_state: str | None
+    history: tuple[str, ...] | None
+    generator: tuple[str, ...] | None
+
+
+NOT_SAMPLED = SampledWith(None, None, None)
+
+
 @dataclass
 class RowState:
     """One request's sampling state (see the module docstring).
@@ -131,6 +164,9 @@ class RowState:
         prompt: its prompt's token ids (a set); output_ids: the tokens fed into this state (its own
             output, unless a fault put another row's tokens here); counts: output token counts.
         stop_ids: the ids min_tokens masks (EOS unless ignore_eos); stages: its logits processors.
+        fed_by: the requests whose sampled tokens this state counted, in order of their first ((owner,)
+            unless a fault fed another row's tokens here); drawn_by: its generator's trail (the owner,
+            who seeded it, then each other request that drew from it; () when greedy).
     """
 
     owner: str
@@ -142,13 +178,34 @@ class RowState:
     output_ids: list[int] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
     seeded_shared: bool = False
+    fed_by: tuple[str, ...] = ()
+    drawn_by: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, request: RequestState, eos_ids: frozenset) -> "RowState":
-        p = request.sampling
-        return cls(request.request_id, p, make_generator(p), frozenset(request.prompt_ids),
+        p, own = request.sampling, (request.request_id,)
+        generator = make_generator(p)
+        return cls(request.request_id, p, generator, frozenset(request.prompt_ids),
                    frozenset() if p.ignore_eos else eos_ids, stages_for(p),
-                   list(request.generated_ids), Counter(request.generated_ids))
+                   list(request.generated_ids), Counter(request.generated_ids),
+                   fed_by=own if request.generated_ids else (), drawn_by=() if generator is None else own)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no stages: the state picks argmax(logits) and holds nothing of its request."""
+        return self.generator is None and not self.stages
+
+    @property
+    def penalized(self) -> bool:
+        """Whether penalties apply to this state's rows (repetition, frequency or presence)."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or bool(p.frequency_penalty or p.presence_penalty)
+
+    def history_owners(self) -> tuple[str, ...]:
+        """The requests whose tokens this state's own history gives the penalties: its owner when
+        repetition_penalty reads the prompt, and fed_by (fed_by itself, no new tuple, when they agree)."""
+        prompt_read = self.params.repetition_penalty != 1.0 and bool(self.prompt)
+        return (self.owner, *self.fed_by) if prompt_read and self.owner not in self.fed_by else self.fed_by
 
     @property
     def history(self) -> History:
@@ -161,8 +218,12 @@ class RowState:
             out = stage.apply(out, self, history or self.history)
         return out
 
-    def accept(self, token: int) -> None:
-        """Note a token sampled with this state (and tell the stages that keep state of their own)."""
+    def accept(self, token: int, by: str | None = None) -> None:
+        """Note a token sampled with this state by request `by` (default: its owner), and tell the
+        stages that keep state of their own."""
+        by = self.owner if by is None else by
+        if by not in self.fed_by:
+            self.fed_by = (*self.fed_by, by)
         self.output_ids.append(token)
         self.counts[token] += 1
         for stage in self.stages:
@@ -179,6 +240,7 @@ class RowTable:
         self.joined: list[RowState] = []  # each row's own state: the bookkeeping, always moved right
         self.states: list[RowState] = []  # the state array the sampler reads by row
         self.shared_rng = torch.Generator(device="cpu")
+        self.shared_trail: tuple[str, ...] = (UNSEEDED,)  # who seeded shared_rng last, then who drew since
 
     def sync(self, running: list[str], states: dict[str, RowState], *, misalign: bool, shared_rng: bool) -> None:
         """Make the rows the `running` requests (in order of joining): departed rows leave (a request id
@@ -203,6 +265,7 @@ class RowTable:
                 self.states.append(state)
                 if shared_rng and not state.seeded_shared and state.generator is not None:
                     self.shared_rng.manual_seed(state.params.seed)
+                    self.shared_trail = (request_id,)
                     state.seeded_shared = True
 
     def state_of(self, request_id: str) -> RowState:
@@ -217,3 +280,27 @@ class RowTable:
             prompt |= state.prompt
             counts.update(state.counts)
         return History(frozenset(prompt), counts)
+
+    def batch_history_owners(self, params: SamplingParams) -> tuple[str, ...]:
+        """penalty_shared_history: the requests whose tokens batch_history gives penalties under
+        `params`: each row's owner when repetition_penalty reads prompts, and each request whose sampled
+        tokens a row's state holds (in row order, each once)."""
+        prompts = params.repetition_penalty != 1.0
+        owners: dict[str, None] = {}
+        for state in self.states:
+            if prompts and state.prompt:
+                owners[state.owner] = None
+            owners.update(dict.fromkeys(state.fed_by))
+        return tuple(owners)
+
+    def note_draw(self, request_id: str, state: RowState, shared: bool) -> tuple[str, ...]:
+        """`request_id` drew a token with `state`'s generator (shared: with shared_rng). Returns the
+        generator's trail as it was before the draw (SampledWith.generator) and adds `request_id` to it
+        when it is not there yet (no new tuple once it is)."""
+        trail = self.shared_trail if shared else state.drawn_by
+        if request_id not in trail:
+            if shared:
+                self.shared_trail = (*trail, request_id)
+            else:
+                state.drawn_by = (*trail, request_id)
+        return trail

@@ -12,7 +12,7 @@ from kvtui.serve import DEFAULT_MAX_REQUEST_BYTES
 _ENGINE = EngineConfig()  # the engine knobs' defaults
 # The detectors a server runs by default, the default of `kvtui serve --detectors`. prefix_provenance is
 # not among them: name it in --detectors to check prefix-cache hits (--kv paged --prefix-caching).
-SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint")
+SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint", "sampling_provenance")
 
 
 @dataclass(frozen=True)
