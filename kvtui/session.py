@@ -166,11 +166,8 @@ class Session(RunBase):
         self.scenario, self.loaded, self.clock = scenario, loaded, self._check_clock(clock)
         self.pacer = (pacer or Pacer()) if clock == "paced" else None
         self.tokenizer = loaded.tokenizer
-        self.config = self._engine_config(engine_overrides, faults)
         self.detectors = self._check_detectors(detectors)
-        if scenario.engine.batch_invariant is None and "batch_invariant" not in (engine_overrides or {}):
-            self.config = replace(self.config, batch_invariant=auto_batch_invariant(loaded, self.config,
-                                                                                    self.detectors))
+        self.config = self._engine_config(engine_overrides, faults)
         self.cost_model = self._cost_model(cost_model)
         self.engine = self._make_engine()
         self.serving = serving
@@ -226,7 +223,10 @@ class Session(RunBase):
         if faults:
             base = self.scenario.engine_config(**overrides)
             overrides["faults"] = frozenset(base.faults) | check_fault_names(faults)
-        return self.scenario.engine_config(**overrides)
+        config = self.scenario.engine_config(**overrides)
+        if self.scenario.engine.batch_invariant is None and "batch_invariant" not in overrides:  # unset: auto
+            config = replace(config, batch_invariant=auto_batch_invariant(self.loaded, config, self.detectors))
+        return config
 
     def _cost_model(self, which: str):
         from kvtui.calibrate import load_cost_model

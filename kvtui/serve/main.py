@@ -57,9 +57,8 @@ def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[
 
 
 def _load(server: ServeServer) -> None:
-    from kvtui.models import ModelLoadError
-
     from kvtui.engine.runner import batch_invariant_problem
+    from kvtui.models import ModelLoadError
 
     try:
         server.load()
