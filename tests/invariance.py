@@ -11,12 +11,13 @@ from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 
 
-def run_keeping_logits(model, config: EngineConfig, requests: list[tuple[list[int], SamplingParams, int]]
-                       ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
-    """Run (prompt ids, sampling, join step) requests in one engine, each submitted once the engine has
-    run `join step` steps. Returns (request id -> generated ids, request id -> the [V] float32 logits
-    row of each generated token, as the forward gave it)."""
-    engine = Engine(model, config, eos_token_ids=())
+def run_keeping_logits(model, config: EngineConfig, requests: list[tuple[list[int], SamplingParams, int]],
+                       image_encoder=None) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Run (prompt ids or RequestInput, sampling, join step) requests in one engine (with `image_encoder`
+    for pictures), each submitted once the engine has run `join step` steps. Returns (request id ->
+    generated ids, request id -> the [V] float32 logits row of each generated token, as the forward gave
+    it)."""
+    engine = Engine(model, config, eos_token_ids=(), image_encoder=image_encoder)
     kept: dict[str, list[torch.Tensor]] = {}
     sample = engine.output.sample
 

@@ -209,3 +209,29 @@ def test_the_command_line_refuses_the_mode_where_it_cannot_run(tmp_path):
     assert serve.stderr.strip().splitlines()[-1] == (
         "error: batch_invariant runs Llama-family models on kvtui's own forward, not 'gpt2': drop "
         "--batch-invariant or choose such a model")
+
+
+def test_image_requests_batched_equal_solo_bit_for_bit():
+    """Pictures too: each is encoded in its own encoder forward in the mode, so a request's logits do not
+    depend on the pictures encoded beside it (tiny-vision in bfloat16, four requests over three pictures,
+    two arriving together, packed rows, chunked prefill)."""
+    pytest.importorskip("PIL", reason="Pillow decodes the pictures: pip install Pillow")
+    from kvtui.engine.inputs import ImagePart, RequestInput
+    from kvtui.models.dinov2 import image_hash, image_tensor
+    from kvtui.models.projector import CANARY_WORDS, canary_image, prompt_with_image
+
+    vision = load_model("tiny-vision", dtype="bfloat16", progress=False)
+    requests = []
+    for i, k in enumerate((0, 1, 2, 1)):
+        picture = canary_image(CANARY_WORDS[k], 0, k)
+        ids, positions = prompt_with_image(vision.tokenizer, "Repeat the word in the picture: <image>", 1)
+        inp = RequestInput(tuple(ids), images=(ImagePart(positions[0], 1, image_hash(picture), image_tensor(picture)),))
+        requests.append((inp, SamplingParams(max_new_tokens=4, ignore_eos=True), (0, 0, 1, 3)[i]))
+    config = EngineConfig(num_slots=4, max_batch_size=4, max_len=96, layout="packed", max_tokens_per_step=20,
+                          batch_invariant=True)
+    tokens, logits = run_keeping_logits(vision.model, config, requests, vision.image_encoder)
+    for i, request in enumerate(requests):
+        solo_tokens, solo_logits = run_keeping_logits(vision.model, solo_config(config, 96),
+                                                      [(request[0], request[1], 0)], vision.image_encoder)
+        assert tokens[f"r{i}"] == solo_tokens["r0"]
+        assert first_mismatch(logits[f"r{i}"], solo_logits["r0"]) is None
