@@ -79,7 +79,13 @@ class OutputProcessor:
     def sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float, max_len: int):
         """Pick `request`'s next token from its logits [V] and note it. Returns (token, logprobs or None,
         the request whose row state picked it, the FinishReason when it stops now or None); `max_len`:
-        the tokens one request may hold. Whatever raises leaves the request's tokens as they were."""
+        the tokens one request may hold. Whatever raises leaves the request's tokens as they were.
+
+        A forced request (RequestState.forced) draws as usual (one uniform a token), notes that choice
+        in chosen_ids with its gap and Draw, and emits the forced token, so its row state and grammar
+        advance on the forced tokens; it stops after the last one. A forced token its own processed
+        logits mask (-inf: grammar, bad_words, min_tokens, suppressed tokens) is not emitted: the request
+        stops there (token None, reason stop, finish_detail says why), nothing noted for that position."""
         logits = self.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
         state = self.rows.state_of(request.request_id)
         processed = self._processed(state, logits)
@@ -88,6 +94,12 @@ class OutputProcessor:
         token, draw = draw_token(processed, state.params, generator)
         if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
             gap = gaps_and_finite({0: processed})[0][0]
+        chosen, forced = token, request.forced
+        if forced is not None:  # teacher forcing: its own choice is noted, the forced token goes on
+            token = forced[len(request.generated_ids)]
+            if processed[token] == -torch.inf:  # its own grammar, bad_words or min_tokens masks it
+                request.finish_detail = f"forced token {token} is masked by the request's own logits processing"
+                return None, None, state.owner, FinishReason.STOP
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -101,6 +113,9 @@ class OutputProcessor:
             raise
         state.accept(token)
         request.top2_gaps.append(gap)
+        if forced is not None:
+            request.chosen_ids.append(chosen)
+            reason = reason or (FinishReason.LENGTH if len(request.generated_ids) >= len(forced) else None)
         if draw is not None and self.record_draws:
             request.draws.append(draw)
         request.token_times_s.append(end_s)
