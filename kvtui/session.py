@@ -78,7 +78,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                   layout: str | None = None, faults: tuple[str, ...] = (), clear_faults: bool = False,
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
                   cost_model: str = "auto", serving: bool = False, planned: list | None = None,
-                  pacer: Pacer | None = None, enforce_eager: bool = False) -> "Session":
+                  pacer: Pacer | None = None, enforce_eager: bool = False,
+                  progress: Callable[[str], None] | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -92,6 +93,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         pacer: the paced clock's Pacer (default: one on the real wall clock).
         enforce_eager: run the model's own transformers modules, not kvtui's fused forward
             (EngineConfig.enforce_eager).
+        progress: hears one line when the numeric tolerance is measured at load (see Session).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -105,7 +107,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["enforce_eager"] = True
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)
+                   cost_model=cost_model, serving=serving, planned=planned, pacer=pacer, progress=progress)
 
 
 class Session(RunBase):
@@ -131,6 +133,8 @@ class Session(RunBase):
             the plan before the run); None plans here.
         pacer: for clock="paced": the Pacer holding modeled time to the wall (default: a real one; tests
             pass one with a fake wall clock and sleep).
+        progress: hears one line when the reference detector measures this machine's numeric tolerance
+            (a bfloat16 / float16 model with no stored calibration; kvtui/detect/tolerance.py).
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
@@ -143,7 +147,8 @@ class Session(RunBase):
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
                  fault_switches: bool = True, cost_model: str = "default", serving: bool = False,
-                 planned: list | None = None, pacer: Pacer | None = None) -> None:
+                 planned: list | None = None, pacer: Pacer | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.scenario, self.loaded, self.clock = scenario, loaded, self._check_clock(clock)
         self.pacer = (pacer or Pacer()) if clock == "paced" else None
         self.tokenizer = loaded.tokenizer
@@ -157,7 +162,7 @@ class Session(RunBase):
         self._external_ready = threading.Event()
         self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config)
+        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config, progress=progress)
                           if "reference" in self.detectors else None)
         self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
         self.constraint = (ConstraintDetector(loaded.eos_token_ids or ()) if "constraint" in self.detectors
@@ -249,7 +254,8 @@ class Session(RunBase):
             self.scenario, model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                                            dtype=str(loaded.dtype).replace("torch.", ""), kind=loaded.kind),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None)
+            modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None,
+            reference_tolerance=self.reference.numeric.described if self.reference is not None else None)
 
     def now(self) -> float:
         """Seconds on the engine's clock."""

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     for i in range(args.runs):
         rng = random.Random(f"{args.seed}-{i}-{args.dtype}")
         spec = parse_scenario(random_scenario(rng, args.model, args.dtype), source=f"sweep-{i}")
-        session = Session(spec, loaded, clock="virtual")
+        session = Session(spec, loaded, clock="virtual", progress=print)
         session.run()
         reports = session.contamination
         counted = [e for e in reports if e.counts]
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     print(f"{args.dtype} {args.model}: runs {totals['runs']}, runs with counted reports {totals['bad_runs']}, "
           f"counted reports {totals['counted']}, numeric reports {totals['numeric']}; largest numeric "
           f"draw shift x temperature {largest['shift']:.3g}, logit spread {largest['spread']:.3g} "
-          f"({time.perf_counter() - started:.0f} s)")
+          f"({time.perf_counter() - started:.0f} s); {_tolerance(session)}")
     return 1 if totals["counted"] else 0
 
 
@@ -118,7 +118,7 @@ def fault_sweep(loaded, args) -> int:
         spec = load_scenario(str(path))
         sampling = spec.sampling.model_copy(update={"temperature": args.temperature})
         spec = spec.model_copy(update={"dtype": args.dtype, "sampling": sampling})
-        session = Session(spec, loaded, clock="virtual")
+        session = Session(spec, loaded, clock="virtual", progress=print)
         session.run()
         counted = [e for e in session.contamination if e.counts]
         numeric = [e for e in session.contamination if e.kind == "numeric"]
@@ -133,10 +133,18 @@ def fault_sweep(loaded, args) -> int:
                 ev = e.evidence
                 print(f"      {e.victim} {e.kind} token {ev.token_index} draw shift {getattr(ev, 'draw_shift', None)} "
                       f"of {getattr(ev, 'draw_tolerance', None)}, logits moved {getattr(ev, 'logit_spread', None)} "
-                      f"of {ev.tolerance}", flush=True)
+                      f"of {ev.tolerance}, numeric flips before it {getattr(ev, 'numeric_flips', None)}", flush=True)
     print(f"{args.dtype} {args.model} temperature {args.temperature}: faults missed {len(missed)}"
-          f"{' (' + ', '.join(missed) + ')' if missed else ''} ({time.perf_counter() - started:.0f} s)")
+          f"{' (' + ', '.join(missed) + ')' if missed else ''} ({time.perf_counter() - started:.0f} s); "
+          f"{_tolerance(session)}")
     return 1 if missed else 0
+
+
+def _tolerance(session) -> str:
+    """The numeric tolerance the reference detector labelled with, and where it came from."""
+    from kvtui.summary import tolerance_text
+
+    return tolerance_text(session.reference.numeric.described)
 
 
 if __name__ == "__main__":
