@@ -35,15 +35,6 @@ def calibration_path(model_id: str, dtype: str, device: str) -> Path:
     return cache_dir() / "calibration" / f"{safe}.json"
 
 
-def numeric_calibration_path(model: str, dtype: str, cpu: str, torch: str, threads: int) -> Path:
-    """Where the numeric tolerance measured for (model, dtype, CPU model name, torch version, torch
-    threads) lives (kvtui/detect/tolerance.py; `kvtui calibrate --numeric`)."""
-    from kvtui.models import cache_dir
-
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model}-{dtype}-{cpu}-torch{torch}-{threads}t")
-    return cache_dir() / "calibration" / f"numeric-{safe}.json"
-
-
 def load_cost_model(model_id: str, dtype: str, device: str) -> tuple[StepCostModel, dict]:
     """The stored fit for (model, dtype, device), or the built-in default. Returns (model, description
     for the recording header: source "calibrated" with its file, date and fit quality, or "default")."""

@@ -8,21 +8,28 @@ torch version and its threads; a constant tuned on one machine labels another ma
 contamination, or a fault's damage as rounding.
 
 `measure` runs a fixed set of prompts alone (sampled at temperature 1 with fixed seeds, so each keeps
-a Draw of every token), then batched in a few compositions, teacher-forced on each prompt's solo
-tokens (Engine.submit's `forced`), so every position is compared on the same context. At each
-position it takes the spread of the logits the two Draws list (the top 8 and those ranked near the
-draw: max minus min over tokens of batched minus solo logit, compare_draws' figure) and the change of
-the top-2 gap; the largest over all positions, times SAFETY, floored at the float32 tolerance, is the
-tolerance (logits). It is stored per (model, dtype, CPU, torch version, torch threads) beside the
-step-cost calibration and read by every later run (`kvtui calibrate --numeric` measures it anew).
+a Draw of every token), then batched in a few compositions (COMPOSITIONS: padded, left-padded with
+chunked prefill, paged and packed with chunked prefill), teacher-forced on each prompt's solo tokens
+(Engine.submit's `forced`), so every position is compared on the same context. At each position it
+takes the spread of the logits the two Draws list (the 8 most likely and those ranked near the draw:
+max minus min over tokens of batched minus solo logit, compare_draws' figure) and the change of the
+top-2 gap; the largest over all positions, times SAFETY, floored at the float32 tolerance, is the
+tolerance (logits). It is stored per (model, dtype, CPU model name, torch version, torch threads)
+beside the step-cost calibration and read by every later run (`kvtui calibrate --numeric` measures
+it anew).
 
-Why SAFETY = 3: the detector compares a run batched one way with a reference batched another way (the
-clean engine computes up to 8 references together), and each is within the measured spread of the
-solo run, so the two are within twice that; the rest covers positions the fixed prompts do not reach.
-Measured on SmolLM2-135M in bfloat16 on a 2-core AMD EPYC (avx512_bf16, no AMX), torch 1 thread, see
-docs/faults.md: the calibration's largest spread was 0.25 logits (about 5 s), a run of 24 prompts x 32
-tokens in 6 compositions reached 0.375, and the largest move of two batched compositions against each
-other 0.5.
+Why SAFETY = 2: the detector compares a run batched one way with a reference batched another way (the
+clean engine computes up to 8 references together); each lies within the measured spread of the solo
+run, so the two lie within twice it. Measured on SmolLM2-135M in bfloat16 on a 2-core AMD EPYC
+(avx512_bf16, no AMX), torch 2.13, 1 thread (docs/faults.md): this measurement's largest spread was
+0.5 logits over its 96 positions; 12 prompts x 16 tokens in 6 compositions (1,152 positions) gave 0.5
+as well, against the solo runs and between any two compositions, so the largest does not grow with the
+sample there. float32's largest spread there is 9.2e-5, far below its 1e-3.
+
+Cost: about 80 engine steps, most of one row. On the tiny models a few seconds; on SmolLM2 in bfloat16
+on that machine, loaded by other work, 71 s on transformers' modules and 383 s on kvtui's fused
+forward (whose input-major bfloat16 matrix multiplies are about 20x slower there than transformers'
+layout). Made once per machine and stored.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import math
 import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -167,10 +175,17 @@ def _run(loaded, overrides: dict, max_len: int, items) -> list:
     return states
 
 
+def numeric_calibration_path(model: str, dtype: str, cpu: str, torch: str, threads: int) -> Path:
+    """Where the tolerance measured for (model, dtype, CPU model name, torch version, torch threads) lives:
+    beside the step-cost fits of kvtui/calibrate.py (calibration_path), in the cache directory."""
+    from kvtui.models import cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model}-{dtype}-{cpu}-torch{torch}-{threads}t")
+    return cache_dir() / "calibration" / f"numeric-{safe}.json"
+
+
 def store(record: dict) -> str:
     """Write a measurement (from `measure`) where `load` finds it; returns the file's path."""
-    from kvtui.calibrate import numeric_calibration_path
-
     path = numeric_calibration_path(**{k: record[k] for k in ("model", "dtype", "cpu", "torch", "threads")})
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
@@ -181,8 +196,6 @@ def store(record: dict) -> str:
 
 def load(loaded) -> tuple[dict, str] | None:
     """The stored measurement for `loaded` on this machine and its file, or None."""
-    from kvtui.calibrate import numeric_calibration_path
-
     path = numeric_calibration_path(**machine_key(loaded))
     try:
         record = json.loads(path.read_text())
@@ -199,9 +212,10 @@ def reference_tolerance(loaded, *, progress=None) -> Tolerance:
     """The tolerance the reference detector labels with for `loaded` on this machine.
 
     float32 / float64: the built-in constant (rounding there is far below it). bfloat16 / float16: the
-    stored calibration; else measured now (`progress`, a callable taking one line, hears about it;
-    about 5 s for SmolLM2 on one thread, instant on the tiny models) and stored; else, when it cannot
-    be measured (an encoder-decoder model) the built-in constant, a last resort tuned on one CPU.
+    stored calibration; else measured now (`progress`, a callable taking one line, hears about it; see
+    the module docstring for its cost) and stored (kept in this process when the cache directory is not
+    writable); else, when it cannot be measured (an encoder-decoder model) the built-in constant, a
+    last resort tuned on one CPU.
     """
     dtype = loaded.dtype
     if dtype not in CALIBRATED_DTYPES:

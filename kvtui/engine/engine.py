@@ -196,10 +196,7 @@ class Engine:
         sequence 0 prefills the prompt and the others fork from it when its prefill samples; each
         draws with seed + i and is reported as a request of its own. `sequence_ids(request_id)` names
         them, `abort(request_id)` aborts them all. Returns sequence 0's state (the request's for n = 1).
-
-        `forced` (teacher forcing, n = 1 only): emit these tokens, one per position, while noting the
-        model's own choices in the state's chosen_ids (see OutputProcessor.sample); it stops after the
-        last one.
+        `forced`: teacher forcing, n = 1 only (RequestState.forced, OutputProcessor.sample).
 
         Raises:
             ValueError: request_id (or one of its sequence ids) already used; `forced` empty or with n > 1.
@@ -209,8 +206,7 @@ class Engine:
         kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
                   cache_salt=cache_salt)
         if forced is not None and (not forced or sampling.n != 1):
-            raise ValueError(f"forced tokens need n = 1 and at least one token, got n = {sampling.n}, "
-                             f"{len(forced)} tokens")
+            raise ValueError(f"forced tokens need n = 1 and at least one token, got n = {sampling.n}")
         if sampling.n == 1:
             return self._submit_one(request_id, prompt, sampling, forced=forced, **kw)
         ids = [child_id(request_id, i) for i in range(sampling.n)]

@@ -81,11 +81,8 @@ class OutputProcessor:
         the request whose row state picked it, the FinishReason when it stops now or None); `max_len`:
         the tokens one request may hold. Whatever raises leaves the request's tokens as they were.
 
-        A forced request (RequestState.forced) draws as usual (one uniform a token), notes that choice
-        in chosen_ids with its gap and Draw, and emits the forced token, so its row state and grammar
-        advance on the forced tokens; it stops after the last one. A forced token its own processed
-        logits mask (-inf: grammar, bad_words, min_tokens, suppressed tokens) is not emitted: the request
-        stops there (token None, reason stop, finish_detail says why), nothing noted for that position."""
+        A forced request (RequestState.forced) draws as usual, notes that choice in chosen_ids with its
+        gap and Draw, and emits the forced token (see _forced); it stops after the last one."""
         logits = self.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
         state = self.rows.state_of(request.request_id)
         processed = self._processed(state, logits)
@@ -95,11 +92,8 @@ class OutputProcessor:
         if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
             gap = gaps_and_finite({0: processed})[0][0]
         chosen, forced = token, request.forced
-        if forced is not None:  # teacher forcing: its own choice is noted, the forced token goes on
-            token = forced[len(request.generated_ids)]
-            if processed[token] == -torch.inf:  # its own grammar, bad_words or min_tokens masks it
-                request.finish_detail = f"forced token {token} is masked by the request's own logits processing"
-                return None, None, state.owner, FinishReason.STOP
+        if forced is not None and (token := self._forced(request, processed)) is None:
+            return None, None, state.owner, FinishReason.STOP
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -122,6 +116,18 @@ class OutputProcessor:
         if request.first_token_s is None:
             request.first_token_s = end_s
         return token, logprobs, state.owner, reason
+
+    @staticmethod
+    def _forced(request: RequestState, processed: torch.Tensor) -> int | None:
+        """Teacher forcing: the token to emit next, so the row state and grammar advance on the forced
+        tokens; None when the row's own processed logits [V] mask it (-inf: its grammar, bad_words,
+        min_tokens, suppressed tokens): the request then stops there (finish_detail says why), with
+        nothing noted for that position."""
+        token = request.forced[len(request.generated_ids)]
+        if processed[token] == -torch.inf:
+            request.finish_detail = f"forced token {token} is masked by the request's own logits processing"
+            return None
+        return token
 
     def _processed(self, state: RowState, logits: torch.Tensor) -> torch.Tensor:
         """The row's logits [V] after its stages (the logits themselves when it has none); under
