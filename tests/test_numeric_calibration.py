@@ -91,11 +91,20 @@ def test_a_constrained_rows_draws_keep_the_processed_logits_in_both_runs(tiny_bf
 def test_the_calibration_measures_a_positive_finite_spread_on_tiny_llama_in_bfloat16(tiny_bf16, cache):
     record = tolerance.measure(tiny_bf16)
     assert 0 < record["largest"] < math.inf
-    assert 0 < record["positions"] <= len(tolerance.PROMPTS) * tolerance.NEW_TOKENS * len(tolerance.COMPOSITIONS)
+    assert 1 <= record["rounds"] <= tolerance.MAX_ROUNDS
+    per_round = len(tolerance.PROMPTS) * tolerance.NEW_TOKENS * len(tolerance.COMPOSITIONS)
+    assert 0 < record["positions"] <= record["rounds"] * per_round
     assert record["tolerance"] == max(record["largest"] * tolerance.SAFETY, tolerance.FLOAT32)
     assert set(record["by_composition"]) == set(tolerance.COMPOSITIONS)
     assert (record["model"], record["dtype"], record["cpu"]) == ("tiny-llama", "bfloat16", tolerance.cpu_name())
     assert (record["torch"], record["threads"]) == (torch.__version__, torch.get_num_threads())
+
+
+def test_a_slow_measurement_stops_after_its_first_round(tiny_bf16, cache):
+    """More rounds only while the time spent is under the budget: SmolLM2 in bfloat16 on a slow CPU takes one."""
+    one = {"padded, batch 4": tolerance.COMPOSITIONS["padded, batch 4"]}
+    record = tolerance.measure(tiny_bf16, compositions=one, budget_s=0.0)
+    assert record["rounds"] == 1 and record["positions"] == len(tolerance.PROMPTS) * tolerance.NEW_TOKENS
 
 
 def test_a_measurement_is_stored_and_read_back_for_its_cpu_only(tiny_bf16, cache, monkeypatch):

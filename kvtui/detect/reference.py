@@ -122,7 +122,8 @@ def _top(draw: Draw) -> list[int]:
     return [t for t, r in zip(draw.logit_ids, draw.logit_ranks) if r < TOP_SHARED]
 
 
-def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None, base: float | None = None) -> float:
+def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None,
+                      base: float | None = None) -> float:
     """Logit tolerance of a sampled divergence in `dtype`: `base` (the run's logit tolerance, by default
     numeric_tolerance(dtype)) plus 2 units in the last place of the largest logit the two draws list.
 
@@ -146,20 +147,20 @@ def sampled_flip_is_numeric(batched: Draw | None, solo: Draw | None, temperature
     (`tolerance`: logits, sampled_tolerance of the run's dtype).
 
     Why these bounds: the run's tolerance is the largest move of one logit relative to another that
-    batch rounding makes (measured on the machine for bfloat16 and float16, kvtui/detect/tolerance.py:
-    the same figure the greedy rule holds the top-2 gap to, plus the rounding of the logits
-    themselves, see sampled_tolerance). A boundary of the
-    cumulative distribution (the mass of the ranks above it, against the rest) has log-odds
-    logsumexp(above / T) - logsumexp(rest / T). When the logits move by d, each logsumexp moves by a
-    softmax-weighted mean of d / T, so their difference moves by at most (max d - min d) / T: the
-    same rounding moves a boundary by at most tolerance / T. Measured on SmolLM2 on an Intel CPU with
-    AMX with the old constant tolerances (30 bfloat16 and 20 float16 random sampled runs with isolation
-    intact, scripts/sweep_sampled.py: 121
-    and 49 divergences, all numeric): boundaries moved by up to 0.15 / T and logits by 0.5 relative
-    in bfloat16 (tolerance 0.75 to 1.0), by 0.022 / T and 0.0625 in float16 (about 0.13 to 0.16). The
-    divergences the library's faults caused, sampled in bfloat16, moved the logits by 1 or more, left
-    the other run's top tokens out, or moved the boundary past the tolerance, and stay
-    counted. No draw (a reference that ended first), different uniforms or non-finite logits: False.
+    batch rounding makes (for bfloat16 and float16 measured on the machine, kvtui/detect/tolerance.py;
+    the same figure the greedy rule holds the top-2 gap to), plus the rounding of the logits
+    themselves (sampled_tolerance). A boundary of the cumulative distribution (the mass of the ranks
+    above it, against the rest) has log-odds logsumexp(above / T) - logsumexp(rest / T). When the
+    logits move by d, each logsumexp moves by a softmax-weighted mean of d / T, so their difference
+    moves by at most (max d - min d) / T: the same rounding moves a boundary by at most tolerance / T.
+    Measured on SmolLM2 on an Intel CPU with AMX, under the old constant tolerances (30 bfloat16 and
+    20 float16 random sampled runs with isolation intact, scripts/sweep_sampled.py: 121 and 49
+    divergences, all numeric): boundaries moved by up to 0.15 / T and logits by 0.5 relative in
+    bfloat16 (tolerance 0.75 to 1.0), by 0.022 / T and 0.0625 in float16 (about 0.13 to 0.16); on a
+    2-core AMD EPYC without AMX (10 bfloat16 runs) by up to 0.22 / T and 0.5. The divergences the
+    library's faults caused, sampled in bfloat16, moved the logits by 1 or more, left the other run's
+    top tokens out, or moved the boundary past the tolerance, and stay counted. No draw (a reference
+    that ended first), different uniforms or non-finite logits: False.
     """
     moved = compare_draws(batched, solo)
     return moved is not None and moved[0] <= tolerance / temperature and moved[1] <= tolerance
