@@ -73,6 +73,9 @@ class Header(_Frozen):
     measured: tuple[str, ...] = ()
     modeled: tuple[str, ...] = ()
     cost_model: dict[str, Any] | None = None  # the virtual clock's step-cost fit (v2)
+    # (v3) the reference detector's numeric tolerance: value (logits), source (calibrated, measured or
+    # built-in), and for a calibration its file, CPU, torch version and threads (kvtui/detect/tolerance.py)
+    reference_tolerance: dict[str, Any] | None = None
     target: str | None = None  # the HTTP server driven by `kvtui run --target` (v2)
 
 
@@ -466,7 +469,8 @@ def _step_v2(data: dict, engine: dict | None) -> dict:
 
 # -- contamination ------------------------------------------------------------------------------------
 class ReferenceEvidence(_Frozen):
-    """The first token where a request's batched output differs from its solo run."""
+    """The token where a request's batched output differs from its solo run: the first divergence, or
+    the first one not numeric after numeric flips (kvtui/detect/reference.py)."""
 
     token_index: int
     batched_token: int | None
@@ -483,6 +487,11 @@ class ReferenceEvidence(_Frozen):
     draw_shift: float | None = None  # (v2, sampled) log-odds move of a CDF boundary that explains the flip
     logit_spread: float | None = None  # (v2, sampled) relative move of the logits listed by both runs
     draw_tolerance: float | None = None  # (v2, sampled) tolerance / temperature: the largest numeric shift
+    # (v3) when the first divergence was a numeric flip and the rest was checked teacher-forced on the
+    # batched tokens: that first divergence, and the flips judged numeric there (before token_index in a
+    # counted report; all of the request's in a numeric one); None: the first divergence alone was judged
+    first_divergence: int | None = None
+    numeric_flips: int | None = None
 
 
 class CanaryEvidence(_Frozen):

@@ -82,7 +82,8 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
                   cost_model: str = "auto", serving: bool = False, planned: list | None = None,
                   pacer: Pacer | None = None, enforce_eager: bool = False,
-                  batch_invariant: bool | None = None) -> "Session":
+                  batch_invariant: bool | None = None,
+                  progress: Callable[[str], None] | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
     Args:
@@ -98,6 +99,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
             (EngineConfig.enforce_eager).
         batch_invariant: overrides the scenario's engine.batch_invariant when given
             (EngineConfig.batch_invariant).
+        progress: hears one line when the numeric tolerance is measured at load (see Session).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -113,7 +115,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["batch_invariant"] = batch_invariant
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
-                   cost_model=cost_model, serving=serving, planned=planned, pacer=pacer)
+                   cost_model=cost_model, serving=serving, planned=planned, pacer=pacer, progress=progress)
 
 
 def auto_batch_invariant(loaded, config, detectors: tuple[str, ...]) -> bool:
@@ -150,6 +152,8 @@ class Session(RunBase):
             the plan before the run); None plans here.
         pacer: for clock="paced": the Pacer holding modeled time to the wall (default: a real one; tests
             pass one with a fake wall clock and sleep).
+        progress: hears one line when the reference detector measures this machine's numeric tolerance
+            (a bfloat16 / float16 model with no stored calibration; kvtui/detect/tolerance.py).
 
     Raises:
         ValueError: an unknown detector or fault, or a bad engine value.
@@ -162,7 +166,8 @@ class Session(RunBase):
                  engine_overrides: dict | None = None, listeners: tuple[Listener, ...] = (),
                  detectors: tuple[str, ...] = DETECTOR_NAMES, faults: tuple[str, ...] = (),
                  fault_switches: bool = True, cost_model: str = "default", serving: bool = False,
-                 planned: list | None = None, pacer: Pacer | None = None) -> None:
+                 planned: list | None = None, pacer: Pacer | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.scenario, self.loaded, self.clock = scenario, loaded, self._check_clock(clock)
         self.pacer = (pacer or Pacer()) if clock == "paced" else None
         self.tokenizer = loaded.tokenizer
@@ -176,7 +181,7 @@ class Session(RunBase):
         self._external_ready = threading.Event()
         self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
         self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config)
+        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config, progress=progress)
                           if "reference" in self.detectors else None)
         self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
         self.constraint = (ConstraintDetector(loaded.eos_token_ids or ()) if "constraint" in self.detectors
@@ -274,7 +279,8 @@ class Session(RunBase):
             self.scenario, model=ModelInfo(id=loaded.model_id, path=loaded.source_path, sha256=loaded.source_sha256,
                                            dtype=str(loaded.dtype).replace("torch.", ""), kind=loaded.kind),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
-            modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None)
+            modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None,
+            reference_tolerance=self.reference.numeric.described if self.reference is not None else None)
 
     def now(self) -> float:
         """Seconds on the engine's clock."""

@@ -49,8 +49,20 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     table.add_column("metric", style="bold")
     table.add_column("value")
     for name, value in (_target_rows(summary) if header.target else _rows(summary)):
+        if name == "reference checks" and header.reference_tolerance:  # which tolerance labelled numeric flips
+            value += f"; {tolerance_text(header.reference_tolerance)}"
         table.add_row(name, value)
     console.print(table)
+
+
+def tolerance_text(described: dict) -> str:
+    """'numeric tolerance 0.75 logits (calibrated on AMD EPYC)', from a header's reference_tolerance
+    (kvtui/detect/tolerance.py): the figure and where it came from."""
+    if described.get("source") == "batch-invariant":
+        return "no numeric tolerance (batch-invariant: a solo rerun reproduces the logits)"
+    where = {"calibrated": "calibrated", "measured": "measured at load"}.get(described.get("source"), "built-in")
+    on = f" on {described['cpu']}" if described.get("cpu") else ""
+    return f"numeric tolerance {described.get('tolerance', 0):.3g} logits ({where}{on})"
 
 
 def finish_counts(s: Summary) -> str:
@@ -252,7 +264,7 @@ def _reference_text(ev: ReferenceEvidence) -> str:
         why = f"draw shift {shift}, logits moved {spread}" if ev.draw_u is not None else "no draw recorded"
     else:
         why = f"gap {gap}"
-    return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}); "
+    return (f"token {ev.token_index}: {ev.batched_token} vs solo {ev.solo_token} ({why}){_flips(ev)}; "
             f"{batched!r} vs {solo!r}")
 
 
@@ -267,6 +279,16 @@ def _sampling_text(ev: SamplingEvidence, source: str | None) -> str:
     if "penalty_history" in ev.via:
         parts.append(f"penalties counted {', '.join(ev.penalty_history)}")
     return f"token {ev.token_index} ({ev.token_id}) " + "; ".join(parts)
+
+
+def _flips(ev: ReferenceEvidence) -> str:
+    """', after 2 numeric flips from token 3' (a divergence found past numeric flips, teacher-forced);
+    ', 2 numeric flips, none counted' (a numeric report whose continuation was checked); '' otherwise."""
+    if ev.numeric_flips is None:
+        return ""
+    if ev.first_divergence is not None and ev.token_index != ev.first_divergence:
+        return f", after {ev.numeric_flips} numeric flips from token {ev.first_divergence}"
+    return f", {ev.numeric_flips} numeric flips, none counted" if ev.numeric_flips else ""
 
 
 def _constraint_text(ev: ConstraintEvidence) -> str:

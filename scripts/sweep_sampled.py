@@ -28,7 +28,6 @@ from collections import Counter
 
 import torch
 
-
 MIX = [  # every sampling parameter the engine has, each as one group of the batch (scenario `sampling.mix`)
     "{{fraction: 0.2, repetition_penalty: {rep}}}",
     "{{fraction: 0.2, frequency_penalty: {freq}, presence_penalty: {pres}}}",
@@ -107,7 +106,7 @@ def main(argv=None) -> int:
         rng = random.Random(f"{args.seed}-{i}-{args.dtype}")
         invariant = {"on": True, "off": False, "default": None}[args.batch_invariant]
         spec = parse_scenario(random_scenario(rng, args.model, args.dtype, args.every, invariant), source=f"sweep-{i}")
-        session = Session(spec, loaded, clock="virtual")
+        session = Session(spec, loaded, clock="virtual", progress=print)
         session.run()
         reports = session.contamination
         counted = [e for e in reports if e.counts]
@@ -127,7 +126,7 @@ def main(argv=None) -> int:
           f"runs {totals['runs']}, runs with counted reports {totals['bad_runs']}, "
           f"counted reports {totals['counted']}, numeric reports {totals['numeric']}; largest numeric "
           f"draw shift x temperature {largest['shift']:.3g}, logit spread {largest['spread']:.3g} "
-          f"({time.perf_counter() - started:.0f} s)")
+          f"({time.perf_counter() - started:.0f} s); {_tolerance(session)}")
     return 1 if totals["counted"] else 0
 
 
@@ -156,7 +155,7 @@ def fault_sweep(loaded, args) -> int:
         name = spec.model if spec.model != "default" else args.model
         if name not in models:
             models[name] = load_model(name, dtype=args.dtype, progress=False)
-        session = Session(spec, models[name], clock="virtual")
+        session = Session(spec, models[name], clock="virtual", progress=print)
         session.run()
         counted = [e for e in session.contamination if e.counts]
         numeric = [e for e in session.contamination if e.kind == "numeric"]
@@ -178,12 +177,20 @@ def fault_sweep(loaded, args) -> int:
                 ev = e.evidence
                 print(f"      {e.victim} {e.kind} token {ev.token_index} draw shift {getattr(ev, 'draw_shift', None)} "
                       f"of {getattr(ev, 'draw_tolerance', None)}, logits moved {getattr(ev, 'logit_spread', None)} "
-                      f"of {ev.tolerance}", flush=True)
+                      f"of {ev.tolerance}, numeric flips before it {getattr(ev, 'numeric_flips', None)}", flush=True)
     print(f"{args.dtype} {args.model} temperature {args.temperature} batch-invariant {args.batch_invariant}: "
           f"faults missed {len(missed)}{' (' + ', '.join(missed) + ')' if missed else ''}, caught without a "
           f"source {len(unsourced)}{' (' + ', '.join(unsourced) + ')' if unsourced else ''}, median step of the "
-          f"first counted report {median(firsts) if firsts else None} ({time.perf_counter() - started:.0f} s)")
+          f"first counted report {median(firsts) if firsts else None} ({time.perf_counter() - started:.0f} s); "
+          f"{_tolerance(session)}")
     return 1 if missed else 0
+
+
+def _tolerance(session) -> str:
+    """The numeric tolerance the reference detector labelled with, and where it came from."""
+    from kvtui.summary import tolerance_text
+
+    return tolerance_text(session.reference.numeric.described)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtui.cli.console import err, out
+from kvtui.cli.console import err, fail, out
 from kvtui.cli.inputs import load_model
 from kvtui.cli.options import DTYPE, ENGINE, MODEL
 from kvtui.config import DType
@@ -49,15 +49,41 @@ def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model to calibrate for.")] = MODEL,
     dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
     device: Annotated[str, typer.Option(help="torch device.")] = ENGINE.device,
+    numeric: Annotated[bool, typer.Option("--numeric", help="Measure instead how far batching moves the logits "
+                                          "in this dtype on this CPU: the reference detector's numeric tolerance.")]
+    = False,
 ) -> None:
     """Fit the virtual clock's step-cost model to this machine (a few seconds of engine steps) and store
-    it for the model, dtype and device; virtual-clock runs of that model use it from then on."""
+    it for the model, dtype and device; virtual-clock runs of that model use it from then on. With
+    --numeric, measure the batched-against-solo logit spread instead and store it for the model, dtype,
+    CPU, torch version and threads; reference checks of bfloat16 and float16 runs label with it."""
+    loaded = load_model(model, dtype, device)
+    if numeric:
+        return _calibrate_numeric(loaded)
     from kvtui.calibrate import calibrate
 
-    loaded = load_model(model, dtype, device)
     data = calibrate(loaded, device=device, console=err)
     c = data["coefficients"]
     out.print(f"step seconds = {c['base_s']:.4f} + {c['per_row_s']:.2e} x rows + {c['per_token_s']:.2e} x tokens "
               f"+ {c['per_key_s']:.2e} x keys  (R^2 {data['r2']:.3f}, {len(data['samples'])} shapes, "
               f"{data['seconds']:.0f} s)")
     out.print(f"stored in {data['file']}; `kvtui run --cost-model default` ignores it")
+
+
+def _calibrate_numeric(loaded) -> None:
+    """`kvtui calibrate --numeric`: measure, store and print the numeric tolerance (kvtui/detect/tolerance.py)."""
+    from kvtui.detect.tolerance import CALIBRATED_DTYPES, measure, store
+
+    if loaded.dtype not in CALIBRATED_DTYPES:
+        out.print(f"{str(loaded.dtype).replace('torch.', '')} keeps the built-in tolerance (1e-3 logits, far above its "
+                  "batch rounding); --numeric measures bfloat16 and float16")
+        return
+    try:
+        record = measure(loaded, progress=lambda line: err.print(f"  {line}"))
+    except ValueError as e:
+        fail(str(e))
+    path = store(record)
+    out.print(f"numeric tolerance {record['tolerance']:.3g} logits = {record['safety']:g} x largest spread "
+              f"{record['largest']:.3g} ({record['positions']} positions, {record['cpu']}, torch {record['torch']}, "
+              f"{record['threads']} threads, {record['seconds']:.0f} s)")
+    out.print(f"stored in {path}; reference checks of {record['model']} in {record['dtype']} on this CPU use it")

@@ -138,7 +138,8 @@ def run(
         return
     loaded = load_model(model or spec.model, dtype or spec.dtype, device)
     planned = check_lengths(scenario, spec, loaded.tokenizer, model)
-    session = _session(spec, scenario, loaded, planned=planned, **{**options, "clock": clock or "virtual"})
+    session = _session(spec, scenario, loaded, planned=planned, progress=lambda line: say("note", line),
+                       **{**options, "clock": clock or "virtual"})
     stopped = install_stop_handlers(session)
     summary = _run_headless(session, record, quiet)
     from kvtui.summary import print_contamination, print_summary

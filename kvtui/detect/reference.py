@@ -1,17 +1,34 @@
 """reference: each completed request's tokens vs the same request run in a clean engine (fresh pool,
 no faults, same sampling seed).
 
-The first divergent token is reported with both texts; the rest of the request is not compared
-(after it the two runs continue from different tokens). A greedy token is a near tie flipped by
-numerical batch variance, kind `numeric` and not contamination, when the top-2 logit gap at it (the
-smaller of the checked and the reference run's) is within the dtype's tolerance. A sampled token is
-numeric when the uniform both runs drew fell where rounding moved a boundary of the cumulative
-distribution, and the distribution around it moved no more than rounding does
-(sampled_flip_is_numeric). A non-finite logit at or before the divergence is never numeric.
+The first divergent token is judged. A greedy token is a near tie flipped by numerical batch variance,
+kind `numeric` and not contamination, when the top-2 logit gap at it (the smaller of the checked and
+the reference run's) is within the run's tolerance. A sampled token is numeric when the uniform both
+runs drew fell where rounding moved a boundary of the cumulative distribution, and the distribution
+around it moved no more than rounding does (sampled_flip_is_numeric). A non-finite logit at or before
+the divergence is never numeric, nor a position the reference did not reach.
+
+Past a numeric flip the free-running reference continues from another token, so the request is run
+once more in the clean engine teacher-forced on the batched tokens (Engine.submit's `forced`): at every
+position the clean engine makes its own choice (greedy argmax, or its draw with the request's own
+generator: the same uniforms) and keeps its gap and Draw, but is fed the batched token, so penalties,
+min_tokens, bad_words and the grammar advance exactly as in the batched run. Every position where its
+choice differs from the batched token is judged the same way; the first that is not numeric is
+reported and counted (its evidence names the first divergence and the numeric flips before it), so
+damage that starts inside the tolerance is still caught. A request with only numeric flips gets one
+`numeric` report. Forced references are cached per (prompt, sampling, output tokens).
+
+The tolerance (logits; kvtui/detect/tolerance.py): float32 keeps 1e-3 (its batched-vs-solo noise is
+under 1e-4 on SmolLM2); bfloat16 and float16 use the batched-against-solo spread measured on the
+machine that runs the checks (per model, dtype, CPU, torch and threads, stored; measured at load when
+missing), since their rounding depends on the CPU's kernels. TOLERANCE's low-precision figures (tuned
+on an Intel CPU with AMX) are only a last resort, when no measurement can be made.
 
 Who caused a real divergence: the request is run once more, alone, with the faults that were on
-during its life. If that run gives the same tokens, the damage happens with no other request
-present: kind `corruption`. If not, something of another request reached it: kind
+during its life (free-running for a first divergence; teacher-forced on the batched tokens for one
+found past numeric flips). If that run gives the same tokens (teacher-forced: its own choice at the
+divergent token is the batched one), the damage happens with no other request present: kind
+`corruption`. If not, something of another request reached it: kind
 `cross_request`, with the suspects in the evidence (the requests co-batched at the divergent step,
 and the earlier owners of its slot) and as source the only suspect when there is one; the
 session joins it with the other detectors' reports on the same victim (kvtui/detect/findings.py).
@@ -22,14 +39,11 @@ the engine's critical path: the session drains the queue when the engine is idle
 the virtual clock, and at the end (interruptible). At most `max_queue` checks wait; beyond that the
 oldest is dropped unchecked, counted as skipped for the reason `queue_full`; checks still waiting when
 the run is stopped are skipped for the reason `stopped`. References are cached per (model, dtype,
-prompt, sampling) in an LRU of `cache_size` entries.
+prompt, sampling, forced tokens) in an LRU of `cache_size` entries.
 
 In the batch-invariant mode (EngineConfig.batch_invariant; the clean engines run in it too) a solo
 rerun reproduces the batched logits bit for bit, so no divergence is numeric: every differing token
-is judged as a real one.
-
-Tolerances (logits): float32 1e-3 (batched-vs-solo noise measured here is under 1e-5), float16 0.1,
-bfloat16 0.5 (measured on SmolLM2: bf16 greedy batch 16 vs batch 1 agrees on only 9 of 16).
+is judged as a real one, and no tolerance is measured.
 """
 
 from __future__ import annotations
@@ -38,21 +52,26 @@ import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from kvtui.config import EngineConfig
+from kvtui.detect.tolerance import BUILT_IN, Tolerance, logit_spread, reference_tolerance
 from kvtui.engine import Engine
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.sampling import Draw
 from kvtui.events import Contamination, ReferenceEvidence, SkipReason
 
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 0.1, torch.bfloat16: 0.5}
+TOLERANCE = BUILT_IN  # the built-in tolerances (logits); bfloat16 / float16 runs use a measured one
 
 
 def numeric_tolerance(dtype: torch.dtype) -> float:
-    """Top-2 logit gap under which a divergence counts as numeric for `dtype` (logits)."""
-    return TOLERANCE.get(dtype, 0.5)
+    """The built-in top-2 logit gap under which a divergence counts as numeric for `dtype` (logits).
+
+    For float32 it is what runs use; for bfloat16 and float16 only a last resort (they were tuned on an
+    Intel CPU with AMX): runs use the tolerance measured on their own machine (reference_tolerance)."""
+    return BUILT_IN.get(dtype, 0.5)
 
 
 TOP_SHARED = 4  # each run's most likely tokens that the other run must list
@@ -87,8 +106,11 @@ def compare_draws(batched: Draw | None, solo: Draw | None) -> tuple[float, float
             swapped places); inf when the uniforms differ or a rank lies past what a draw kept.
         spread: how much the logits of the tokens both runs list (those ranked near the draw and the
             most likely ones) moved relative to each other: max minus min of (batched - solo logit),
-            logits; inf when one is not finite, or when a run's TOP_SHARED most likely tokens are
-            not all listed by the other (they moved far in rank: another distribution, not rounding).
+            logits. Both Draws keep the logits after the row's processing (penalties, bias, bad_words,
+            min_tokens, the grammar bitmask), so a token masked (-inf) in both runs is left out; inf
+            when a token is finite in one run and not in the other, or when a run's TOP_SHARED most
+            likely tokens are not all listed by the other (they moved far in rank: another
+            distribution, not rounding).
     """
     if batched is None or solo is None:
         return None
@@ -96,19 +118,18 @@ def compare_draws(batched: Draw | None, solo: Draw | None) -> tuple[float, float
         return math.inf, math.inf
     shift = max(_reach(batched, solo.rank), _reach(solo, batched.rank))
     ours, theirs = batched.logit_of(), solo.logit_of()
-    moves = [z - theirs[t] for t, z in ours.items() if t in theirs]
     shared = all(t in theirs for t in _top(batched)) and all(t in ours for t in _top(solo))
-    spread = max(moves) - min(moves) if shared and all(map(math.isfinite, moves)) else math.inf
-    return shift, spread
+    return shift, (logit_spread(ours, theirs) if shared else math.inf)
 
 
 def _top(draw: Draw) -> list[int]:
     return [t for t, r in zip(draw.logit_ids, draw.logit_ranks) if r < TOP_SHARED]
 
 
-def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None) -> float:
-    """Logit tolerance of a sampled divergence in `dtype`: numeric_tolerance(dtype) plus 2 units in the
-    last place of the largest logit the two draws list.
+def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None,
+                      base: float | None = None) -> float:
+    """Logit tolerance of a sampled divergence in `dtype`: `base` (the run's logit tolerance, by default
+    numeric_tolerance(dtype)) plus 2 units in the last place of the largest logit the two draws list.
 
     The logits reach the sampler rounded to the dtype, so each run's logit is off by up to half a unit
     in the last place (ulp = finfo(dtype).eps x 2^floor(log2 |z|)): one token's difference between the
@@ -118,7 +139,7 @@ def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | Non
     values = [abs(z) for d in (batched, solo) if d is not None for z in d.logits if math.isfinite(z)]
     largest = max(values, default=0.0)
     ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(largest)) if largest > 0 else 0.0
-    return numeric_tolerance(dtype) + 2 * ulp
+    return (numeric_tolerance(dtype) if base is None else base) + 2 * ulp
 
 
 def sampled_flip_is_numeric(batched: Draw | None, solo: Draw | None, temperature: float, tolerance: float) -> bool:
@@ -129,19 +150,21 @@ def sampled_flip_is_numeric(batched: Draw | None, solo: Draw | None, temperature
     logits near the draw and at the top moved by at most `tolerance` relative to each other
     (`tolerance`: logits, sampled_tolerance of the run's dtype).
 
-    Why these bounds: the dtype's tolerance is the largest move of one logit relative to another
-    that its batch rounding makes (numeric_tolerance: the same figure the greedy rule holds the top-2
-    gap to, plus the rounding of the logits themselves, see sampled_tolerance). A boundary of the
-    cumulative distribution (the mass of the ranks above it, against the rest) has log-odds
-    logsumexp(above / T) - logsumexp(rest / T). When the logits move by d, each logsumexp moves by a
-    softmax-weighted mean of d / T, so their difference moves by at most (max d - min d) / T: the
-    same rounding moves a boundary by at most tolerance / T. Measured on SmolLM2 (30
-    bfloat16 and 20 float16 random sampled runs with isolation intact, scripts/sweep_sampled.py: 121
-    and 49 divergences, all numeric): boundaries moved by up to 0.15 / T and logits by 0.5 relative
-    in bfloat16 (tolerance 0.75 to 1.0), by 0.022 / T and 0.0625 in float16 (about 0.13 to 0.16). The
-    divergences the library's faults caused, sampled in bfloat16, moved the logits by 1 or more, left
-    the other run's top tokens out, or moved the boundary past the tolerance, and stay
-    counted. No draw (a reference that ended first), different uniforms or non-finite logits: False.
+    Why these bounds: the run's tolerance is the largest move of one logit relative to another that
+    batch rounding makes (for bfloat16 and float16 measured on the machine, kvtui/detect/tolerance.py;
+    the same figure the greedy rule holds the top-2 gap to), plus the rounding of the logits
+    themselves (sampled_tolerance). A boundary of the cumulative distribution (the mass of the ranks
+    above it, against the rest) has log-odds logsumexp(above / T) - logsumexp(rest / T). When the
+    logits move by d, each logsumexp moves by a softmax-weighted mean of d / T, so their difference
+    moves by at most (max d - min d) / T: the same rounding moves a boundary by at most tolerance / T.
+    Measured on SmolLM2 on an Intel CPU with AMX, under the old constant tolerances (30 bfloat16 and
+    20 float16 random sampled runs with isolation intact, scripts/sweep_sampled.py: 121 and 49
+    divergences, all numeric): boundaries moved by up to 0.15 / T and logits by 0.5 relative in
+    bfloat16 (tolerance 0.75 to 1.0), by 0.022 / T and 0.0625 in float16 (about 0.13 to 0.16); on a
+    2-core AMD EPYC without AMX (10 bfloat16 runs) by up to 0.22 / T and 0.5. The divergences the
+    library's faults caused, sampled in bfloat16, moved the logits by 1 or more, left the other run's
+    top tokens out, or moved the boundary past the tolerance, and stay counted. No draw (a reference
+    that ended first), different uniforms or non-finite logits: False.
     """
     moved = compare_draws(batched, solo)
     return moved is not None and moved[0] <= tolerance / temperature and moved[1] <= tolerance
@@ -186,16 +209,23 @@ class ReferenceDetector:
         max_queue: most checks waiting; beyond, the oldest is skipped and counted.
         batch: references computed together in one clean engine.
         cache_size: references kept (LRU).
+        tolerance: the numeric tolerance (kvtui.detect.tolerance.Tolerance); None: reference_tolerance
+            (bfloat16 / float16: this machine's calibration, measured now when there is none, which
+            `progress`, a callable taking one line, hears about).
+
+    Attributes:
+        tolerance: logits (see the module docstring); numeric: the Tolerance with its source.
     """
 
     def __init__(self, loaded, tokenizer, *, engine_config: EngineConfig | None = None, max_queue: int = 64,
-                 batch: int = 8, cache_size: int = 256) -> None:
+                 batch: int = 8, cache_size: int = 256, tolerance: Tolerance | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.loaded, self.tokenizer = loaded, tokenizer
         self.config = engine_config or EngineConfig()
-        self.tolerance = numeric_tolerance(loaded.dtype)
         self.exact = self.config.batch_invariant  # a solo rerun reproduces the logits: no divergence is numeric
-        if self.exact:
-            self.tolerance = 0.0
+        self.numeric = (Tolerance(0.0, "batch-invariant", {"tolerance": 0.0, "source": "batch-invariant"}) if self.exact
+                        else tolerance or reference_tolerance(loaded, progress=progress))
+        self.tolerance = self.numeric.value
         self.queue: deque[PendingCheck] = deque()
         self.max_queue, self.batch, self.cache_size = max_queue, batch, cache_size
         self._cache: OrderedDict = OrderedDict()
@@ -244,13 +274,14 @@ class ReferenceDetector:
                 take = min(self._interrupted, len(self.queue))
             checks = [self.queue.popleft() for _ in range(take)]
             references = self._references([(c.input or c.prompt_ids, c.sampling) for c in checks], should_stop)
-            if references is None:  # stopped mid-batch: put them back, at the front
+            forced = None if references is None else self._forced(checks, references, should_stop)
+            if forced is None:  # stopped mid-batch: put them back, at the front
                 self.queue.extendleft(reversed(checks))
                 self._interrupted = take
                 break
             self._interrupted = 0
-            for n, (check, reference) in enumerate(zip(checks, references)):
-                found = self._compare(check, reference, t, should_stop)
+            for n, (check, reference, continued) in enumerate(zip(checks, references, forced)):
+                found = self._compare(check, reference, t, should_stop, continued)
                 if found is None:  # stopped in the check's fault replay: it and the rest wait again
                     self.queue.extendleft(reversed(checks[n:]))
                     return events
@@ -263,11 +294,13 @@ class ReferenceDetector:
         return events
 
     # -- references ---------------------------------------------------------------------------
-    def _references(self, items, should_stop=None) -> list[tuple[list[int], list[float]]] | None:
-        """(tokens, top-2 gaps) of each (prompt, sampling) in a clean engine, from the LRU cache or computed
-        together; None when `should_stop()` turned true meanwhile. A prompt: a RequestInput or token ids."""
+    def _references(self, items, should_stop=None) -> list[tuple[list[int], list[float], list]] | None:
+        """(tokens, top-2 gaps, draws) of each (prompt, sampling) or (prompt, sampling, forced tokens) in a
+        clean engine, from the LRU cache or computed together; None when `should_stop()` turned true
+        meanwhile. A prompt: a RequestInput or token ids. With forced tokens the tokens are the model's own
+        choices at each forced position (see _run)."""
         items = [_item(it) for it in items]
-        keys = [(self.loaded.model_id, str(self.loaded.dtype), p.identity, s) for p, s in items]
+        keys = [(self.loaded.model_id, str(self.loaded.dtype), p.identity, s, f) for p, s, f in items]
         missing = [i for i, key in enumerate(keys) if key not in self._cache]
         if missing:
             computed = self._run([items[i] for i in missing], frozenset(), should_stop)
@@ -283,29 +316,47 @@ class ReferenceDetector:
             self._cache.popitem(last=False)
         return results
 
-    def _run(self, items, faults: frozenset, should_stop=None) -> list[tuple[list[int], list[float]]] | None:
-        """Run (prompt, sampling) items together with `faults` on and no EOS, so each covers its
-        max_new_tokens (comparisons stop at the checked output's length). Without faults the clean engine
-        is kept between calls (its pool grows to the longest request seen, so a long run does not allocate
-        a pool per check); with faults a fresh engine replays the request alone.
+    def _forced(self, checks: list[PendingCheck], references: list, should_stop=None) -> list | None:
+        """Each check's teacher-forced reference (the clean engine fed the check's own output: its choice
+        at every position, as _references), or None for a check whose first divergence is not a numeric
+        flip (there is nothing to continue); None when `should_stop()` turned true meanwhile."""
+        wanted = [i for i, (c, r) in enumerate(zip(checks, references)) if self._numeric_start(c, r)]
+        runs = self._references([(checks[i].input or checks[i].prompt_ids, checks[i].sampling, checks[i].output_ids)
+                                 for i in wanted], should_stop) if wanted else []
+        if runs is None:
+            return None
+        out: list = [None] * len(checks)
+        for i, run in zip(wanted, runs):
+            out[i] = run
+        return out
 
-        Returns None when `should_stop()` turned true between steps; the clean run is then kept as it
-        is, and a later call with the same items resumes it instead of starting over."""
+    def _run(self, items, faults: frozenset, should_stop=None) -> list[tuple[list[int], list[float], list]] | None:
+        """Run (prompt, sampling[, forced tokens]) items together with `faults` on and no EOS, so each covers
+        its max_new_tokens (comparisons stop at the checked output's length). Without faults the clean
+        engine is kept between calls (its pool grows to the longest request seen, so a long run does not
+        allocate a pool per check); with faults a fresh engine replays the request alone.
+
+        Returns (tokens, top-2 gaps, draws) per item; a forced item (Engine.submit's `forced`) emits the
+        given tokens and returns its own choice at each position (shorter when its own logits processing
+        masks a forced token: it stops there). None when `should_stop()` turned true between steps; the
+        clean run is then kept as it is, and a later call with the same items resumes it instead of
+        starting over."""
         items = [_item(it) for it in items]
-        key = tuple((p.identity, s) for p, s in items)
+        key = tuple((p.identity, s, f) for p, s, f in items)
         if not faults and self._resume is not None and self._resume[0] == key:
             engine, states = self._resume[1], self._resume[2]
         else:
-            max_len = max(len(p.prompt_ids) + s.max_new_tokens for p, s in items)
+            max_len = max(len(p.prompt_ids) + s.max_new_tokens for p, s, _ in items)
             engine = self._clean_engine(max_len) if not faults else self._engine(len(items), max_len, faults)
-            states = [engine.submit(f"reference-{i}", p, s) for i, (p, s) in enumerate(items)]
+            states = [engine.submit(f"reference-{i}", p, s, forced=f) for i, (p, s, f) in enumerate(items)]
         self._resume = None
         while engine.has_unfinished():
             if should_stop is not None and should_stop():
                 self._resume = (key, engine, states) if not faults else None
                 return None
             engine.step()
-        return [(list(s.generated_ids), list(s.top2_gaps), list(s.draws)) for s in states]
+        return [(list(s.chosen_ids if s.forced else s.generated_ids), list(s.top2_gaps), list(s.draws))
+                for s in states]
 
     def _engine(self, slots: int, max_len: int, faults: frozenset) -> Engine:
         config = replace(self.config, num_slots=slots, max_batch_size=slots, max_len=max_len, kv_budget_bytes=None,
@@ -326,57 +377,90 @@ class ReferenceDetector:
         return engine
 
     # -- comparison ---------------------------------------------------------------------------
-    def _compare(self, check: PendingCheck, reference, t: float, should_stop=None) -> list[Contamination] | None:
+    def _compare(self, check: PendingCheck, reference, t: float, should_stop=None,
+                 forced=None) -> list[Contamination] | None:
         """The check's report (none when it equals its reference); None when `should_stop()` turned
-        true during the replay that attributes a divergence (the check is then not done)."""
-        output, (ref, ref_gaps, ref_draws) = list(check.output_ids), reference
-        index = _first_difference(output, ref)
-        if index is None:
+        true during the replay that attributes a divergence (the check is then not done).
+
+        `forced`: the teacher-forced reference (_forced) when the first divergence is a numeric flip:
+        every later position where its choice differs from the output is judged the same way, and the
+        first that is not numeric is reported (counted) instead of the flip."""
+        output = list(check.output_ids)
+        first = _first_difference(output, reference[0])
+        if first is None:
             return []
-        nonfinite = any(not math.isfinite(g) for g in check.gaps[: index + 1])
-        gap = None if nonfinite else min(_at(check.gaps, index), _at(ref_gaps, index))
-        sampled = not getattr(check.sampling, "greedy", True)
-        if sampled:
-            near, draw_fields = self._sampled(check, _at(check.draws, index, None), _at(ref_draws, index, None))
-        else:
-            near, draw_fields = gap is not None and gap <= self.tolerance, {}
-        if near and not nonfinite and not self.exact:
+        index, verdict, solo, flips = first, self._judge(check, first, reference), reference, 0
+        if verdict.numeric and forced is not None:
+            for j in _differences(output, forced[0]):
+                judged = self._judge(check, j, forced)
+                if not judged.numeric:
+                    index, verdict, solo = j, judged, forced
+                    break
+                flips += 1
+        if verdict.numeric:
             kind, source, suspects = "numeric", None, ()
-        else:
-            attributed = self._attribute(check, index, should_stop)
+        else:  # a first divergence: replayed free-running as before; one after numeric flips: teacher-forced
+            attributed = self._attribute(check, index, should_stop, forced=flips > 0)
             if attributed is None:
                 return None
             kind, source, suspects = attributed
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        solo_ids = solo[0][: len(output)] if solo is reference else output[:index] + solo[0][index: index + 1]
         evidence = ReferenceEvidence(**{
-            "token_index": index, "batched_token": output[index], "solo_token": _at(ref, index, None),
-            "top2_gap": None if gap is None else round(gap, 6), "tolerance": self.tolerance,
-            "batched_text": decode(output), "solo_text": decode(ref[: len(output)]), "nonfinite": nonfinite,
-            "suspects": suspects, **draw_fields})
+            "token_index": index, "batched_token": output[index], "solo_token": _at(solo[0], index, None),
+            "top2_gap": None if verdict.gap is None else round(verdict.gap, 6), "tolerance": self.tolerance,
+            "batched_text": decode(output), "solo_text": decode(solo_ids), "nonfinite": verdict.nonfinite,
+            "suspects": suspects, **verdict.fields,
+            **({} if forced is None else {"first_divergence": first, "numeric_flips": flips})})
         step = check.steps[index] if index < len(check.steps) else -1
         return [Contamination(t=t, step=step, detector="reference", kind=kind, victim=check.request_id,
                               source=source, evidence=evidence)]
 
+    def _numeric_start(self, check: PendingCheck, reference) -> bool:
+        """Whether the check's first divergence from its free-running reference is a numeric flip."""
+        first = _first_difference(list(check.output_ids), reference[0])
+        return first is not None and self._judge(check, first, reference).numeric
+
+    def _judge(self, check: PendingCheck, index: int, reference) -> "_Verdict":
+        """Whether the divergence at `index` from `reference` (tokens, gaps, draws) is a numeric flip:
+        greedy, the smaller top-2 gap of the two runs within the tolerance; sampled,
+        sampled_flip_is_numeric. Never numeric past the reference's end or after a non-finite logit."""
+        tokens, gaps, draws = reference
+        nonfinite = any(not math.isfinite(g) for g in check.gaps[: index + 1])
+        gap = None if nonfinite else min(_at(check.gaps, index), _at(gaps, index))
+        fields: dict = {}
+        if not getattr(check.sampling, "greedy", True):
+            near, fields = self._sampled(check, _at(check.draws, index, None), _at(draws, index, None))
+        else:
+            near = gap is not None and gap <= self.tolerance
+        return _Verdict(near and not nonfinite and index < len(tokens), gap, nonfinite, fields)
+
     def _sampled(self, check: PendingCheck, draw: Draw | None, solo: Draw | None) -> tuple[bool, dict]:
         """A sampled divergence: numeric or not (sampled_flip_is_numeric), and the evidence's draw fields."""
-        temperature, tolerance = check.sampling.temperature, sampled_tolerance(self.loaded.dtype, draw, solo)
+        temperature = check.sampling.temperature
+        tolerance = sampled_tolerance(self.loaded.dtype, draw, solo, base=self.tolerance)
         moved = compare_draws(draw, solo)
         fields = dict(draw_u=None if draw is None else draw.u, tolerance=round(tolerance, 6),
                       draw_tolerance=round(tolerance / temperature, 6), draw_shift=_finite(moved and moved[0]),
                       logit_spread=_finite(moved and moved[1]))
         return sampled_flip_is_numeric(draw, solo, temperature, tolerance), fields
 
-    def _attribute(self, check: PendingCheck, index: int, should_stop=None
+    def _attribute(self, check: PendingCheck, index: int, should_stop=None, forced: bool = False
                    ) -> tuple[str, str | None, tuple[str, ...]] | None:
         """corruption when the request alone, with the same faults, diverges the same way; else
         cross_request with its suspects (and the source when there is only one). None when
-        `should_stop()` turned true during that replay (a quit does not wait for it)."""
-        replayed = self._run([(check.input or check.prompt_ids, check.sampling)], frozenset(check.faults), should_stop)
+        `should_stop()` turned true during that replay (a quit does not wait for it).
+
+        The same way: the replay gives the same tokens; with `forced` (a divergence after numeric flips)
+        the replay is teacher-forced on the output too, and its own choice at `index` is the output's."""
+        output = list(check.output_ids)
+        replayed = self._run([(check.input or check.prompt_ids, check.sampling, tuple(output) if forced else None)],
+                             frozenset(check.faults), should_stop)
         if replayed is None:
             return None
         alone = replayed[0][0]
-        output = list(check.output_ids)
-        if _first_difference(output, alone) is None:
+        same = _at(alone, index, None) == output[index] if forced else _first_difference(output, alone) is None
+        if same:
             return "corruption", None, ()
         suspects = set(check.cobatched[index] if index < len(check.cobatched) else ()) | set(check.earlier_owners)
         suspects.discard(check.request_id)
@@ -384,15 +468,37 @@ class ReferenceDetector:
         return "cross_request", ordered[0] if len(ordered) == 1 else None, ordered
 
 
+class _Verdict(NamedTuple):
+    """A judged divergence: numeric or not, the top-2 gap (None after a non-finite logit), whether a
+    logit up to it was non-finite, and the evidence's draw fields (sampled tokens)."""
+
+    numeric: bool
+    gap: float | None
+    nonfinite: bool
+    fields: dict
+
+
 def _item(item: tuple) -> tuple:
-    """(RequestInput, sampling) of a (prompt, sampling) pair whose prompt is a RequestInput or token ids."""
-    return RequestInput.of(item[0]), item[1]
+    """(RequestInput, sampling, forced tokens or None) of a (prompt, sampling[, forced]) item whose prompt
+    is a RequestInput or token ids."""
+    forced = item[2] if len(item) > 2 and item[2] is not None else None
+    return RequestInput.of(item[0]), item[1], None if forced is None else tuple(forced)
 
 
 def _first_difference(output: list[int], reference: list[int]) -> int | None:
     """Index of the first token of `output` that differs from `reference` (None: none differs)."""
-    return next((i for i, (a, b) in enumerate(zip(output, reference)) if a != b),
-                None if len(reference) >= len(output) else len(reference))
+    return next(_differences(output, reference), None)
+
+
+def _differences(output: list[int], reference: list[int]):
+    """Indices of the tokens of `output` that differ from `reference`, in order; past the reference's end
+    only the first index (it ended there)."""
+    for i, token in enumerate(output):
+        if i >= len(reference):
+            yield i
+            return
+        if reference[i] != token:
+            yield i
 
 
 def _at(values, index: int, default=math.inf):

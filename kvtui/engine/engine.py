@@ -182,7 +182,7 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: RequestInput | list[int], sampling: SamplingParams | None = None, *,
                arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
-               cache_salt: str | None = None) -> RequestState:
+               cache_salt: str | None = None, forced: tuple[int, ...] | None = None) -> RequestState:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
@@ -197,16 +197,19 @@ class Engine:
         sequence 0 prefills the prompt and the others fork from it when its prefill samples; each
         draws with seed + i and is reported as a request of its own. `sequence_ids(request_id)` names
         them, `abort(request_id)` aborts them all. Returns sequence 0's state (the request's for n = 1).
+        `forced`: teacher forcing, n = 1 only (RequestState.forced, OutputProcessor.sample).
 
         Raises:
-            ValueError: request_id (or one of its sequence ids) already used.
+            ValueError: request_id (or one of its sequence ids) already used; `forced` empty or with n > 1.
         """
         sampling = sampling or SamplingParams()
         prompt = RequestInput.of(prompt)
         kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
                   cache_salt=cache_salt)
+        if forced is not None and (not forced or sampling.n != 1):
+            raise ValueError(f"forced tokens need n = 1 and at least one token, got n = {sampling.n}")
         if sampling.n == 1:
-            return self._submit_one(request_id, prompt, sampling, **kw)
+            return self._submit_one(request_id, prompt, sampling, forced=forced, **kw)
         ids = [child_id(request_id, i) for i in range(sampling.n)]
         if request_id in self.families.members or any(i in self.requests for i in ids):
             raise ValueError(f"duplicate {request_id = }")
@@ -225,13 +228,14 @@ class Engine:
 
     def _submit_one(self, request_id: str, prompt: RequestInput, sampling: SamplingParams, *, arrival_s: float,
                     metadata, tenant, cache_salt, parent_id: str | None = None, index: int = 0,
-                    queue: bool = True) -> RequestState:
+                    queue: bool = True, forced: tuple[int, ...] | None = None) -> RequestState:
         """Register one sequence; check it and queue it (queue=False: a sibling held to fork later)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id = }")
         request = RequestState(request_id=request_id, prompt_ids=list(prompt.prompt_ids), sampling=sampling, input=prompt,
                                arrival_s=arrival_s, metadata=dict(metadata or {}), tenant=tenant,
-                               cache_salt=cache_salt, parent_id=parent_id, index=index)
+                               cache_salt=cache_salt, parent_id=parent_id, index=index,
+                               forced=None if forced is None else tuple(int(t) for t in forced))
         self.requests[request_id] = request
         self._serial[request_id] = self._next_serial
         self._names[self._next_serial] = request_id

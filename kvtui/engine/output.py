@@ -78,9 +78,10 @@ class OutputProcessor:
 
     def sample(self, request: RequestState, logits: torch.Tensor, gap: float, end_s: float, max_len: int):
         """Pick `request`'s next token from its logits [V] and note it. Returns (token, logprobs or None,
-        SampledWith: whose row state, penalty history and generator picked it, the FinishReason when it
-        stops now or None); `max_len`: the tokens one request may hold. Whatever raises leaves the
-        request's tokens as they were."""
+        SampledWith: whose row state, penalty history and generator picked it, the FinishReason or None);
+        `max_len`: the tokens one request may hold. Whatever raises leaves its tokens as they were. A forced
+        request (RequestState.forced) draws as usual, notes that choice in chosen_ids, emits the forced
+        token (_forced) and stops after the last one."""
         logits = self.adjust_logits(logits, len(request.generated_ids))  # Whisper: suppressed tokens
         state = self.rows.state_of(request.request_id)
         processed, history = self._processed(state, logits)
@@ -90,6 +91,9 @@ class OutputProcessor:
         trail = None if draw is None else self.rows.note_draw(request.request_id, state, shared)
         if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
             gap = gaps_and_finite({0: processed})[0][0]
+        chosen, forced = token, request.forced
+        if forced is not None and (token := self._forced(request, processed)) is None:
+            return None, None, SampledWith(state.owner, history, trail), FinishReason.STOP
         logprobs = None
         if request.sampling.logprobs is not None:
             logprobs = token_logprobs(logits, token, request.sampling.logprobs)
@@ -103,12 +107,27 @@ class OutputProcessor:
             raise
         state.accept(token, request.request_id)
         request.top2_gaps.append(gap)
+        if forced is not None:
+            request.chosen_ids.append(chosen)
+            reason = reason or (FinishReason.LENGTH if len(request.generated_ids) >= len(forced) else None)
         if draw is not None and self.record_draws:
             request.draws.append(draw)
         request.token_times_s.append(end_s)
         if request.first_token_s is None:
             request.first_token_s = end_s
         return token, logprobs, SampledWith(self._picked_by(request.request_id, state), history, trail), reason
+
+    @staticmethod
+    def _forced(request: RequestState, processed: torch.Tensor) -> int | None:
+        """Teacher forcing: the token to emit next, so the row state and grammar advance on the forced
+        tokens; None when the row's own processed logits [V] mask it (-inf: its grammar, bad_words,
+        min_tokens, suppressed tokens): the request then stops there (finish_detail says why), with
+        nothing noted for that position."""
+        token = request.forced[len(request.generated_ids)]
+        if processed[token] == -torch.inf:
+            request.finish_detail = f"forced token {token} is masked by the request's own logits processing"
+            return None
+        return token
 
     def _picked_by(self, request_id: str, state: RowState) -> str:
         """Whose row state picked `request_id`'s token: `state`'s owner, unless that state and the

@@ -237,6 +237,11 @@ class RequestState:
             rows, images, audio); its prompt_ids equal `prompt_ids`.
         parent_id: parallel sampling (n > 1): the id the caller submitted; this sequence is its child
             `index` (request_id `f"{index}_{parent_id}"`, as vLLM names them). None for n = 1.
+        forced: teacher forcing (the reference detector's continuation past a numeric flip): the tokens
+            to emit, one per position, whatever the model picks; the request stops after the last one.
+            None: it emits its own choices. chosen_ids: with `forced`, the model's own choice at each
+            position (greedy argmax, or its draw with its own generator; its top2_gaps and draws are of
+            that choice's logits).
     """
 
     request_id: str
@@ -269,6 +274,8 @@ class RequestState:
     parent_id: str | None = None
     index: int = 0
     input: RequestInput | None = None
+    forced: tuple[int, ...] | None = None
+    chosen_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.input is None:

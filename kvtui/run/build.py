@@ -16,7 +16,7 @@ from kvtui.events import Arrive, Finish, Header, ModelInfo, ReferenceStatus
 
 def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detectors: tuple[str, ...],
                measured: tuple[str, ...], modeled: tuple[str, ...] = (), cost_model: dict | None = None,
-               target: str | None = None) -> Header:
+               target: str | None = None, reference_tolerance: dict | None = None) -> Header:
     """The recording's first line: the versions that made it, the scenario (normalized, its hash and
     seed) and what the caller says of the model, the engine (or the server's options) and the clock."""
     import torch  # here: a target run loads no model, and its CLI should not wait for torch before it must
@@ -26,7 +26,8 @@ def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detector
         kvtui_version=kvtui.__version__, created_unix_s=time.time(), python=platform.python_version(),
         torch=torch.__version__, transformers=transformers.__version__, scenario=scenario.normalized(),
         scenario_hash=scenario.content_hash(), seed=scenario.seed, model=model, engine=engine, clock=clock,
-        detectors=tuple(detectors), measured=measured, modeled=modeled, cost_model=cost_model, target=target)
+        detectors=tuple(detectors), measured=measured, modeled=modeled, cost_model=cost_model, target=target,
+        reference_tolerance=reference_tolerance)
 
 
 def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None) -> Arrive:
