@@ -203,3 +203,18 @@ def test_a_fault_whose_first_divergence_looks_numeric_is_still_caught(tiny, firs
 
 def test_a_clean_run_gives_nothing_to_continue(tiny, first_flips_numeric):
     assert reports(tiny["tiny-llama"], scenario("")) == []
+
+
+def test_a_token_its_grammar_forced_is_no_nonfinite_logit(tiny):
+    """A structured-output row whose grammar allows one token records a top-2 gap of +inf (the runner-up
+    is masked): that is no non-finite logit, so a later near tie still counts as numeric. A NaN gap (the
+    forward's logits were not finite) still makes every later divergence real. Seen in bfloat16 sweeps
+    with a regex: 'DORACM-157' vs 'DORACM-13' was counted cross_request because the '-' was forced."""
+    from kvtui.detect.tolerance import Tolerance
+
+    detector = ReferenceDetector(tiny["tiny-llama"], None, tolerance=Tolerance(0.5, "built-in"))
+    greedy = SamplingParams(max_new_tokens=2)
+    forced_then_tie = PendingCheck("r", (1, 2), (5, 7), (float("inf"), 0.2), greedy)
+    assert detector._judge(forced_then_tie, 1, ([5, 8], [float("inf"), 0.25], [])).numeric
+    broken = PendingCheck("r", (1, 2), (5, 7), (float("nan"), 0.2), greedy)
+    assert not detector._judge(broken, 1, ([5, 8], [float("inf"), 0.25], [])).numeric

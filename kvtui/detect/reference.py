@@ -426,7 +426,7 @@ class ReferenceDetector:
         greedy, the smaller top-2 gap of the two runs within the tolerance; sampled,
         sampled_flip_is_numeric. Never numeric past the reference's end or after a non-finite logit."""
         tokens, gaps, draws = reference
-        nonfinite = any(not math.isfinite(g) for g in check.gaps[: index + 1])
+        nonfinite = any(math.isnan(g) for g in check.gaps[: index + 1])  # +inf: one token allowed, no tie
         gap = None if nonfinite else min(_at(check.gaps, index), _at(gaps, index))
         fields: dict = {}
         if not getattr(check.sampling, "greedy", True):

@@ -526,7 +526,8 @@ class Engine:
             gap, finite = facts
             nonfinite = not finite
             try:
-                token, logprobs, tags, reason = self.output.sample(request, logits, gap, end_s, self.pool.max_len)
+                token, logprobs, tags, reason = self.output.sample(request, logits, gap if finite else math.nan, end_s,
+                                                                   self.pool.max_len)
             except Exception as e:  # this request's own step failed: it alone ends, the batch goes on
                 self._finish(request, FinishReason.ERROR, f"sampling failed: {type(e).__name__}: {e}",
                              FinishCode.INTERNAL_ERROR)

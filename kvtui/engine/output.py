@@ -89,7 +89,7 @@ class OutputProcessor:
         generator = self.rows.shared_rng if shared else state.generator
         token, draw = draw_token(processed, state.params, generator)
         trail = None if draw is None else self.rows.note_draw(request.request_id, state, shared)
-        if processed is not logits or request.sampling.structured is not None:  # the gap among what it may pick
+        if (processed is not logits or request.sampling.structured is not None) and gap == gap:  # NaN: not finite
             gap = gaps_and_finite({0: processed})[0][0]
         chosen, forced = token, request.forced
         if forced is not None and (token := self._forced(request, processed)) is None:
