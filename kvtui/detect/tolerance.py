@@ -132,8 +132,8 @@ def measure(loaded, *, prompts=PROMPTS, new_tokens: int = NEW_TOKENS, compositio
     by, positions, rounds = dict.fromkeys(compositions, 0.0), 0, 0
     while rounds < MAX_ROUNDS and (rounds == 0 or time.perf_counter() - started < budget_s):
         if progress is not None:
-            progress(f"round {rounds + 1}: {len(ids)} prompts x {new_tokens} tokens alone, then in "
-                     f"{len(compositions)} batches teacher-forced on those tokens")
+            progress(f"round {rounds + 1}: {len(ids)} prompts x {new_tokens} tokens alone, then batched "
+                     f"{len(compositions)} ways")
         seeds = range(rounds * len(ids), (rounds + 1) * len(ids))
         for name, moves in _round(loaded, ids, new_tokens, compositions, seeds).items():
             by[name], positions = max([by[name], *moves]), positions + len(moves)
