@@ -15,7 +15,8 @@ Prints one line per scenario (its reports, counted and numeric) and a total line
     OMP_NUM_THREADS=1 python scripts/sweep_sampled.py --faults --dtype bfloat16 --temperature 0.8
 
 runs each fault scenario of scenarios/faults/ instead, sampled at --temperature in --dtype: one line per
-fault (counted reports, by detector, and the fault's kind found or not); exit 1 if a fault went uncaught.
+fault (counted reports, by detector, and the fault's kind found or not; a fault that does not act on the
+model's kind is skipped); exit 1 if a fault went uncaught.
 """
 
 from __future__ import annotations
@@ -109,12 +110,15 @@ def fault_sweep(loaded, args) -> int:
     """Each scenarios/faults/*.yaml sampled at args.temperature in args.dtype; 1 if one is not caught."""
     from pathlib import Path
 
-    from kvtui.faults import FAULTS
+    from kvtui.faults import FAULTS, acts_on
     from kvtui.scenario import load_scenario
     from kvtui.session import Session
 
     missed, started = [], time.perf_counter()
     for path in sorted(Path(__file__).resolve().parent.parent.glob("scenarios/faults/*.yaml")):
+        if not acts_on(path.stem, loaded.kind):  # a Whisper or image fault: the engine refuses it on this model
+            print(f"{path.stem:24s} skipped: it acts on {', '.join(FAULTS[path.stem].models)} models", flush=True)
+            continue
         spec = load_scenario(str(path))
         sampling = spec.sampling.model_copy(update={"temperature": args.temperature})
         spec = spec.model_copy(update={"dtype": args.dtype, "sampling": sampling})
