@@ -15,7 +15,8 @@ Prints one line per scenario (its reports, counted and numeric) and a total line
     OMP_NUM_THREADS=1 python scripts/sweep_sampled.py --faults --dtype bfloat16 --temperature 0.8
 
 runs each fault scenario of scenarios/faults/ instead, sampled at --temperature in --dtype: one line per
-fault (counted reports, by detector, and the fault's kind found or not); exit 1 if a fault went uncaught.
+fault (counted reports, by detector, and the fault's kind found or not; a fault that does not act on the
+model's kind is skipped); exit 1 if a fault went uncaught.
 """
 
 from __future__ import annotations

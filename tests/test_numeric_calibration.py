@@ -159,3 +159,16 @@ output_tokens: 4
     console = Console(record=True, width=200)
     print_summary(summary, session.header(), console)
     assert f"numeric tolerance 0.75 logits (calibrated on {tolerance.cpu_name()})" in console.export_text()
+
+
+def test_kvtui_calibrate_numeric_stores_the_measurement(tiny_bf16, cache):
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+
+    done = CliRunner().invoke(app, ["calibrate", "--numeric", "--model", "tiny-llama", "--dtype", "bfloat16"])
+    assert done.exit_code == 0, done.output
+    assert "numeric tolerance" in done.stdout and "round 1:" in done.stderr
+    assert tolerance.load(tiny_bf16) is not None  # where a bfloat16 run of tiny-llama on this CPU reads it
+    float32 = CliRunner().invoke(app, ["calibrate", "--numeric", "--model", "tiny-llama"])
+    assert float32.exit_code == 0 and "keeps the built-in tolerance" in float32.stdout

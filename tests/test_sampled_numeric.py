@@ -100,6 +100,34 @@ def test_two_tokens_tied_in_low_precision_that_swap_places_are_numeric():
     assert not sampled_flip_is_numeric(batched, solo, params.temperature, FP32)
 
 
+def test_a_top_token_the_other_run_does_not_list_bounds_the_spread():
+    """A flat head (twenty tokens within 0.2 logits): rounding lowers the batched run's 4th token by 0.15 in the
+    solo run, to rank 10, past the 8 most likely the solo Draw lists and the ranks near its draw (u = 0.034).
+    Its logit there is at most the solo run's 8th, which bounds its move: the spread is the smallest move the
+    two records allow (this one was counted as not comparable, a false alarm of bfloat16 runs). In a peaked
+    head the same bound is large: a top token gone from the other run's list is counted there."""
+    params = SamplingParams(temperature=1.0, seed=3)
+    assert first_uniform(3) < 0.05
+    flat = torch.full((V,), -20.0)
+    flat[:20] = torch.linspace(0.2, 0.0, 20)  # token i has rank i
+    rounded = flat.clone()
+    rounded[3] -= 0.15
+    _, batched = draw(flat, params)
+    _, solo = draw(rounded, params)
+    assert 3 in batched.logit_of() and 3 not in solo.logit_of()
+    assert compare_draws(batched, solo)[1] == pytest.approx(flat[3].item() - flat[8].item(), abs=1e-6)
+    assert sampled_flip_is_numeric(batched, solo, 1.0, BF16)
+    peaked = torch.full((V,), -20.0)
+    peaked[:20] = torch.linspace(6.0, 0.0, 20)
+    gone = peaked.clone()
+    gone[3] = -10.0
+    _, batched = draw(peaked, params)
+    _, solo = draw(gone, params)
+    bound = peaked[3].item() - peaked[8].item()  # the solo run's 8th most likely is token 8
+    assert compare_draws(batched, solo)[1] == pytest.approx(bound, abs=1e-6) and bound > 1.0
+    assert not sampled_flip_is_numeric(batched, solo, 1.0, BF16)
+
+
 def test_different_uniforms_are_never_numeric():
     logits = logits_for({5: 0.5, 9: 0.5})
     _, batched = draw(logits, SamplingParams(temperature=1.0, seed=1))

@@ -85,5 +85,5 @@ def _calibrate_numeric(loaded) -> None:
     path = store(record)
     out.print(f"numeric tolerance {record['tolerance']:.3g} logits = {record['safety']:g} x largest spread "
               f"{record['largest']:.3g} ({record['positions']} positions, {record['cpu']}, torch {record['torch']}, "
-              f"{record['threads']} threads, {record['seconds']:.0f} s)")
+              f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}, {record['seconds']:.0f} s)")
     out.print(f"stored in {path}; reference checks of {record['model']} in {record['dtype']} on this CPU use it")

@@ -60,7 +60,7 @@ from kvtui.config import EngineConfig
 from kvtui.detect.tolerance import BUILT_IN, Tolerance, logit_spread, reference_tolerance
 from kvtui.engine import Engine
 from kvtui.engine.inputs import RequestInput
-from kvtui.engine.sampling import Draw
+from kvtui.engine.sampling import DRAW_TOP, Draw
 from kvtui.events import Contamination, ReferenceEvidence, SkipReason
 
 TOLERANCE = BUILT_IN  # the built-in tolerances (logits); bfloat16 / float16 runs use a measured one
@@ -74,7 +74,7 @@ def numeric_tolerance(dtype: torch.dtype) -> float:
     return BUILT_IN.get(dtype, 0.5)
 
 
-TOP_SHARED = 4  # each run's most likely tokens that the other run must list
+TOP_SHARED = 4  # each run's most likely tokens whose move the spread accounts for, listed by the other run or not
 
 
 def _log_odds(p: float) -> float:
@@ -106,11 +106,14 @@ def compare_draws(batched: Draw | None, solo: Draw | None) -> tuple[float, float
             swapped places); inf when the uniforms differ or a rank lies past what a draw kept.
         spread: how much the logits of the tokens both runs list (those ranked near the draw and the
             most likely ones) moved relative to each other: max minus min of (batched - solo logit),
-            logits. Both Draws keep the logits after the row's processing (penalties, bias, bad_words,
-            min_tokens, the grammar bitmask), so a token masked (-inf) in both runs is left out; inf
-            when a token is finite in one run and not in the other, or when a run's TOP_SHARED most
-            likely tokens are not all listed by the other (they moved far in rank: another
-            distribution, not rounding).
+            logits (logit_spread). Both Draws keep the logits after the row's processing (penalties,
+            bias, bad_words, min_tokens, the grammar bitmask), so a token masked (-inf) in both runs
+            is left out. A run's TOP_SHARED most likely tokens count even when the other run does
+            not list them: there they rank below its DRAW_TOP listed most likely tokens, so their
+            logit is at most the lowest of those, which bounds their move (the spread is then the
+            smallest one both records allow; rounding in a flat distribution reorders ranks 4 and 9).
+            inf when a token is finite in one run and not in the other, or when no token is listed
+            by both.
     """
     if batched is None or solo is None:
         return None
@@ -118,12 +121,24 @@ def compare_draws(batched: Draw | None, solo: Draw | None) -> tuple[float, float
         return math.inf, math.inf
     shift = max(_reach(batched, solo.rank), _reach(solo, batched.rank))
     ours, theirs = batched.logit_of(), solo.logit_of()
-    shared = all(t in theirs for t in _top(batched)) and all(t in ours for t in _top(solo))
-    return shift, (logit_spread(ours, theirs) if shared else math.inf)
+    if not any(t in theirs for t in ours):
+        return shift, math.inf
+    # a top token the other run does not list moved by at least (at most) this much: its logit there is
+    # at most the other run's lowest listed top logit
+    above = [ours[t] - _floor(solo) for t in _top(batched) if t not in theirs]
+    below = [_floor(batched) - theirs[t] for t in _top(solo) if t not in ours]
+    return shift, logit_spread(ours, theirs, above, below)
 
 
 def _top(draw: Draw) -> list[int]:
     return [t for t, r in zip(draw.logit_ids, draw.logit_ranks) if r < TOP_SHARED]
+
+
+def _floor(draw: Draw) -> float:
+    """The logit at rank DRAW_TOP - 1, the lowest of the most likely tokens a Draw lists: every token it
+    does not list has at most this logit (-inf when it is masked: NaN in the Draw)."""
+    z = next(z for z, r in zip(draw.logits, draw.logit_ranks) if r == min(DRAW_TOP, len(draw.logit_ranks)) - 1)
+    return -math.inf if math.isnan(z) else z
 
 
 def sampled_tolerance(dtype: torch.dtype, batched: Draw | None, solo: Draw | None,
@@ -162,9 +177,9 @@ def sampled_flip_is_numeric(batched: Draw | None, solo: Draw | None, temperature
     divergences, all numeric): boundaries moved by up to 0.15 / T and logits by 0.5 relative in
     bfloat16 (tolerance 0.75 to 1.0), by 0.022 / T and 0.0625 in float16 (about 0.13 to 0.16); on a
     2-core AMD EPYC without AMX (10 bfloat16 runs) by up to 0.22 / T and 0.5. The divergences the
-    library's faults caused, sampled in bfloat16, moved the logits by 1 or more, left the other run's
-    top tokens out, or moved the boundary past the tolerance, and stay counted. No draw (a reference
-    that ended first), different uniforms or non-finite logits: False.
+    library's faults caused, sampled in bfloat16, moved the logits by 1 or more or moved the boundary
+    past the tolerance, and stay counted. No draw (a reference that ended first), different uniforms,
+    records with no token in common or a token finite in one run only: False.
     """
     moved = compare_draws(batched, solo)
     return moved is not None and moved[0] <= tolerance / temperature and moved[1] <= tolerance

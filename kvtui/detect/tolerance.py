@@ -132,8 +132,8 @@ def measure(loaded, *, prompts=PROMPTS, new_tokens: int = NEW_TOKENS, compositio
     by, positions, rounds = dict.fromkeys(compositions, 0.0), 0, 0
     while rounds < MAX_ROUNDS and (rounds == 0 or time.perf_counter() - started < budget_s):
         if progress is not None:
-            progress(f"round {rounds + 1}: {len(ids)} prompts x {new_tokens} tokens alone, then in "
-                     f"{len(compositions)} batches teacher-forced on those tokens")
+            progress(f"round {rounds + 1}: {len(ids)} prompts x {new_tokens} tokens alone, then batched "
+                     f"{len(compositions)} ways")
         seeds = range(rounds * len(ids), (rounds + 1) * len(ids))
         for name, moves in _round(loaded, ids, new_tokens, compositions, seeds).items():
             by[name], positions = max([by[name], *moves]), positions + len(moves)
@@ -171,15 +171,17 @@ def position_moves(batched, solo) -> list[float]:
     return moves
 
 
-def logit_spread(ours: dict[int, float], theirs: dict[int, float]) -> float:
+def logit_spread(ours: dict[int, float], theirs: dict[int, float], above=(), below=()) -> float:
     """How far two runs' logits of the same tokens moved relative to each other: max minus min of
     (ours - theirs) over the tokens both list (token id -> logit; logits; 0 for one token or none). A
     token non-finite in both (masked by the same deterministic stage: grammar, min_tokens, bad_words; a
-    Draw keeps NaN for it) is left out; one finite in one run only gives inf."""
+    Draw keeps NaN for it) is left out; one finite in one run only gives inf. `above` / `below`: moves
+    known only as bounds (a token one run does not list moved by at least / at most this much): the
+    spread is then the smallest these allow."""
     moves = [z - theirs[t] for t, z in ours.items() if t in theirs and (math.isfinite(z) or math.isfinite(theirs[t]))]
-    if not all(map(math.isfinite, moves)):
+    if not all(map(math.isfinite, [*moves, *above, *below])) or (not moves and (above or below)):
         return math.inf
-    return max(moves) - min(moves) if moves else 0.0
+    return max([*moves, *above]) - min([*moves, *below]) if moves else 0.0
 
 
 def _run(loaded, overrides: dict, max_len: int, items) -> list:
