@@ -29,7 +29,7 @@ from kvtui.engine.request import SamplingParams
 CUM_OFFSETS = (-2048, -1536, -1024, -768, -512, -384, -256, -192, -128, -96, -64, -48, -32, -24, -16, -12,
                *range(-9, 9), 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 DRAW_LOGIT_RANKS = 8
-DRAW_TOP = 16  # a rounding move can push a flat distribution's 4th token past rank 8 (seen in bfloat16)
+DRAW_TOP = 8
 
 
 @dataclass(frozen=True)
