@@ -49,7 +49,9 @@ def test_the_models_own_linears_still_compute_the_same_after_the_relayout(input_
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5), (ours - theirs).abs().max()
     state = engine.submit("r", ids[0].tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True))
     kept = []
-    engine.output.sample = lambda request, logits, *a, **k: kept.append(logits.clone()) or (0, None, "r", None)
+    sample = engine.output.sample
+    engine.output.sample = lambda request, logits, *a, **k: kept.append(logits.clone()) or sample(request, logits,
+                                                                                                   *a, **k)
     engine.step()
     assert state.prefill_done == 7 and torch.allclose(kept[0], theirs[0, -1], atol=1e-5, rtol=1e-5)
 

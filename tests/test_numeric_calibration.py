@@ -147,7 +147,7 @@ seed: 1
 max_requests: 2
 model: tiny-llama
 dtype: bfloat16
-engine: {slots: 2, max_len: 64}
+engine: {slots: 2, max_len: 64, batch_invariant: false}
 prompts: {kind: synthetic, prompt_tokens: {dist: uniform, min: 3, max: 8}}
 output_tokens: 4
 """)
