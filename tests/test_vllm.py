@@ -2,10 +2,10 @@
 copy of SmolLM2: the passphrase scenario runs clean with every reference run verified uncached by the
 server's own count, and the timing audit tells salted tenants (kept apart) from unsalted ones (exit 1).
 
-One server for the whole module (scripts/serve-vllm-cpu.sh, a free port, one OpenMP thread), stopped at
-the end; the module is one xdist group, so one worker runs it. Skipped, with the reason, when vLLM CPU is
-not installed. The first start on a machine compiles for 3-5 minutes; later starts took 2-5 minutes on the shared
-2 cores here, and the whole module 4-12 minutes (load average 3 to 12).
+One server for both vLLM modules (tests/conftest.py vllm_url: scripts/serve-vllm-cpu.sh's server on a free
+port, one OpenMP thread, prompt embeddings on, 32-token blocks), stopped at the end; the modules are one
+xdist group, so one worker runs them. Skipped, with the reason, when vLLM CPU is not installed. The first
+start on a machine compiles for 3-5 minutes; later starts took 2-5 minutes on the shared 2 cores here.
 """
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import vllm_server
+from helpers import VLLM_BLOCK
 
 from kvtui.record import read_recording
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 ROOT = Path(__file__).parent.parent
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
-    yield from vllm_server(tmp_path_factory)
 
 
 def kvtui(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -54,11 +49,12 @@ def test_passphrase_scenario_is_clean_and_every_reference_uncached(vllm_url, tmp
 def test_timing_audit_with_salts_holds(vllm_url):
     out = kvtui("audit", "scenarios/passphrase.yaml", "--timing", "--target", vllm_url, "--probes", "8")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "probes of 128 tokens a block (vllm:cache_config_info)" in out.stderr
+    assert f"probes of {VLLM_BLOCK} tokens a block (vllm:cache_config_info)" in out.stderr
     rows = table_rows(out.stdout)
     assert "0 of 8 (0 cached tokens)" in rows["different salts"]
-    assert "8 of 8 (1024 cached tokens)" in rows["same salt (control)"]  # vLLM shares within one salt
-    assert "8 of 8 (1024 cached tokens)" in rows["no salt"]
+    shared = 8 * VLLM_BLOCK  # each probe takes its one secret block beyond the public one
+    assert f"8 of 8 ({shared} cached tokens)" in rows["same salt (control)"]  # vLLM shares within one salt
+    assert f"8 of 8 ({shared} cached tokens)" in rows["no salt"]
 
 
 def test_timing_audit_without_salts_is_caught(vllm_url):

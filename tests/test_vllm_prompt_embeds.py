@@ -4,8 +4,8 @@ token ids as hashed, equal prompt_embeds tensor) while the model's inputs differ
 zero-vector embeddings in A and `<|endoftext|>` text in B), sent by scripts/vllm_prompt_embeds_probe.py.
 See docs/vllm-prompt-embeds.md.
 
-One server for the module, started as tests/test_vllm.py starts its own, in the same xdist group so one
-worker runs them one after the other. Skipped, with the reason, when vLLM CPU is not installed.
+The server is the one tests/test_vllm.py uses too (tests/conftest.py vllm_url, started once for both
+modules, which are one xdist group). Skipped, with the reason, when vLLM CPU is not installed.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import vllm_server
+from helpers import VLLM_BLOCK
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
 ROOT = Path(__file__).parent.parent
-BLOCK = 32
-EXTRA_ARGS = ["--enable-prompt-embeds", "--block-size", str(BLOCK)]
+BLOCK = VLLM_BLOCK
 
 
 def load_probe():
@@ -30,11 +29,6 @@ def load_probe():
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
-    yield from vllm_server(tmp_path_factory, tuple(EXTRA_ARGS))
 
 
 def test_mask_is_not_in_the_cache_key_b_after_a_reads_as_a(vllm_url):

@@ -109,9 +109,10 @@ def ct2_run(model, features: torch.Tensor, prompt: list[int], eot: int,
     return seconds, [list(r.sequences_ids[0]) + [eot] for r in results]
 
 
-def run(loaded, *, name: str, quick: bool, console) -> dict:
+def run(loaded, *, name: str, quick: bool, console, repeats: int | None = None, warmup: bool = True) -> dict:
     """Seconds, clips/s and tokens/s of each system on the shipped clips; {"skipped": why} without
-    Whisper tiny.en."""
+    Whisper tiny.en. `repeats` timed rounds (default 3 with `quick`, else 5), after one untimed warm-up
+    round unless `warmup` is False (a check of the tokens alone needs one round and no warm-up)."""
     from kvtui.engine.encoder_cache import audio_input
     from kvtui.models import ModelLoadError, load_model
     from kvtui.models import whisper as wh
@@ -135,10 +136,10 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         "transformers_generate": lambda: generate_run(reference, features, eot, n),
         **({"ctranslate2": lambda: ct2_run(ct2, features, prompt, eot, n)} if ct2 is not None else {}),
     }
-    repeats = 3 if quick else 5
+    repeats = repeats or (3 if quick else 5)
     samples: dict[str, list[float]] = {k: [] for k in runs}
     outputs: dict[str, list[list[int]]] = {}
-    for k in runs:  # warm-up, not counted
+    for k in runs if warmup else ():  # warm-up, not counted
         runs[k]()
     for r in range(repeats):  # interleaved
         console.print(f"  transcribe: repeat {r + 1}/{repeats}")
