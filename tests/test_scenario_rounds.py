@@ -3,6 +3,7 @@ the gate in both runners: kvtui's own session (virtual clock) and a `--target` s
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from fake_openai import FakeOpenAI
 
@@ -92,3 +93,53 @@ def test_target_session_sends_each_round_once_the_rounds_before_finished():
     assert session.summary.finish_reasons == {"stop": 10}
     gates_hold(arrives, finishes, plan_requests(s, TOK))
     assert fake.max_in_flight == 3  # the last round's three at once, never more
+
+
+# -- rounds' cancel: the client cuts a request mid-answer ---------------------------------------------
+CANCELS = "{process: rounds, rounds: [{size: 1, count: 2}, {size: 3, count: 2, cancel: 2, cancel_after: 2}]}"
+
+
+def test_cancel_marks_the_first_requests_of_each_round():
+    plan = plan_requests(spec(CANCELS), TOK)
+    assert [p.cancel_after for p in plan] == [None, None, 2, 2, None, 2, 2, None]
+    with pytest.raises(ScenarioError, match="cancel 4 is over the round's size 3"):
+        spec("{process: rounds, rounds: [{size: 3, cancel: 4}]}")
+
+
+def test_local_session_aborts_a_cancelled_request_after_its_tokens(tiny):
+    events = []
+    Session(spec(CANCELS), tiny["tiny-llama"], clock="virtual", listeners=(events.append,),
+            detectors=("canary",)).run()
+    finishes = {e.request_id: e for e in events if isinstance(e, Finish)}
+    assert {r for r, f in finishes.items() if f.finish_reason == "abort"} == {"r002", "r003", "r005", "r006"}
+    assert all(len(finishes[r].output_ids) == 2 for r in ("r002", "r003", "r005", "r006"))
+    assert {len(finishes[r].output_ids) for r in ("r000", "r001", "r004", "r007")} == {6}
+
+
+class _Hosts(httpx.AsyncBaseTransport):
+    """A transport that notes each request's host and path and hands it to the fake server."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner, self.seen = inner, []
+
+    async def handle_async_request(self, request):
+        self.seen.append((request.url.host, request.url.path))
+        return await self.inner.handle_async_request(request)
+
+
+def test_target_session_cuts_cancelled_streams_and_sends_solo_runs_to_the_reference_server():
+    fake = FakeOpenAI(delay_s=0.01)
+    hosts = _Hosts(fake.transport())
+    events = []
+    session = TargetSession(spec(CANCELS), TOK, TargetOptions(url="http://load", transport=hosts,
+                                                              reference_url="http://control"),
+                            listeners=(events.append,))
+    session.run()
+    finishes = {e.request_id: e for e in events if isinstance(e, Finish)}
+    cut = {r for r, f in finishes.items() if f.finish_reason == "abort"}
+    assert cut == {"r002", "r003", "r005", "r006"}
+    assert all("cancelled by the client after 2 tokens" in finishes[r].detail for r in cut)
+    assert session.summary.finish_reasons == {"abort": 4, "stop": 4}
+    completions = [host for host, path in hosts.seen if path.endswith("/completions")]
+    # 8 load requests to the target, then the 4 completed ones sent again alone to the control
+    assert completions == ["load"] * 8 + ["control"] * 4 and session.reference_checked == 4

@@ -85,6 +85,14 @@ def run(
     logprobs: Annotated[bool, typer.Option("--logprobs/--no-logprobs", help="With --target: ask for top "
                                            "logprobs (labels reference divergences).",
                                            rich_help_panel=TARGET_PANEL)] = TARGET.logprobs,
+    reference_target: Annotated[Optional[str], typer.Option(
+        "--reference-target", help="With --target: send the reference (solo) runs to this server instead, e.g. "
+        "the same server and model with its prompt cache off.", rich_help_panel=TARGET_PANEL)] = None,
+    llama_server: Annotated[Optional[str], typer.Option(
+        "--llama-server", help="Start llama.cpp's llama-server (scripts/build-llama-server.sh) with these "
+        "arguments, e.g. '-np 2 --cache-reuse 256', on --model (tiny-qwen35moe, default or a .gguf), and a "
+        "control with one slot and the prompt cache off for the reference runs; run against them as "
+        "--target, then stop both.", rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI. With --target, drive a real
     inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
@@ -95,24 +103,17 @@ def run(
     recording stopped, or no request completed); 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     spec = load_scenario(scenario)
-    if target is not None:
+    if target is not None or llama_server is not None or reference_target is not None:
         from kvtui.cli import target as command
 
         command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
                                            clear_faults=clear_faults, device=device != ENGINE.device, clock=clock,
                                            prefix_caching=prefix_caching is not None,
                                            batch_invariant=batch_invariant is not None))
-        run_spec = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
-                                     max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance,
-                                     logprobs=logprobs)
-        chosen = command.target_detectors(parse_detectors(detectors), explicit=detectors != DEFAULT_DETECTORS)
-        if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
-            say("note", "not a terminal: running headless (pass --headless to silence this).")
-            headless = True
-        if not headless:
-            command.dashboard_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen)
-        else:
-            command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
+        client = dict(api=api, served_model=served_model, max_concurrency=max_concurrency, timeout_s=timeout,
+                      tolerance=tolerance, logprobs=logprobs)
+        _on_target(spec, scenario, target, reference_target, llama_server, client, model=model, record=record,
+                   detectors=detectors, headless=headless, quiet=quiet)
         return
     off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
     faults = fault_names(fault) + off
@@ -150,6 +151,37 @@ def run(
         say("warning", f"{len(session.unapplied_timeline)} timeline event(s) came after the run's end and were not "
                        f"applied (first at {session.unapplied_timeline[0].at_s:g} s)")
     finish_headless(spec, session, record, stopped, expect_override="none" if clear_faults and not faults else None)
+
+
+def _on_target(spec, scenario: Path, target: str | None, reference_target: str | None, llama_server: str | None,
+               client: dict, *, model: str | None, record: Path | None, detectors: str, headless: bool,
+               quiet: bool) -> None:
+    """The --target run (the dashboard, or headless), against `target` or the llama-server pair that
+    --llama-server starts and stops; the solo runs go to `reference_target` / the pair's control."""
+    from kvtui.cli import target as command
+
+    if reference_target is not None and target is None:
+        fail("--reference-target goes with --target (or --llama-server, which starts its own control)")
+    if llama_server is not None and target is not None:
+        fail("--llama-server starts the server itself: drop --target (or drop --llama-server)")
+    chosen = command.target_detectors(parse_detectors(detectors), explicit=detectors != DEFAULT_DETECTORS)
+    if not headless and not (sys.stdout.isatty() and sys.stderr.isatty()):
+        say("note", "not a terminal: running headless (pass --headless to silence this).")
+        headless = True
+
+    def drive(url: str, reference: str | None) -> None:
+        run_spec = command.TargetRun(url=command.check_url(url), **client,
+                                     reference_url=reference and command.check_url(reference))
+        if not headless:
+            command.dashboard_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen)
+        else:
+            command.run_target(spec, scenario, run_spec, model=model, record=record, detectors=chosen, quiet=quiet)
+
+    if llama_server is None:
+        drive(target, reference_target)
+        return
+    with command.started_llama_server(llama_server, model or spec.model) as (url, reference):
+        drive(url, reference)
 
 
 def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):

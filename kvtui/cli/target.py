@@ -3,6 +3,8 @@ and exit code. kvtui/cli/run.py and kvtui/cli/audit.py hand over here when `--ta
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ class TargetRun:
     timeout_s: float
     tolerance: float
     logprobs: bool
+    reference_url: str | None = None
 
 
 def check_url(url: str) -> str:
@@ -218,7 +221,33 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
 def target_options(run: TargetRun) -> TargetOptions:
     """The session options of a `--target` run."""
     return TargetOptions(url=run.url, api=run.api, served_model=run.served_model, max_concurrency=run.max_concurrency,
-                         timeout_s=run.timeout_s, tolerance=run.tolerance, logprobs=run.logprobs)
+                         timeout_s=run.timeout_s, tolerance=run.tolerance, logprobs=run.logprobs,
+                         reference_url=run.reference_url)
+
+
+@contextlib.contextmanager
+def started_llama_server(args_text: str, model: str) -> Iterator[tuple[str, str]]:
+    """`kvtui run --llama-server ARGS`: llama-server on `model`'s GGUF with ARGS and its cache-off control
+    (kvtui.target.llama_server.LlamaServerPair); yields (server URL, control URL) and stops both after.
+    Bad ARGS or model: one line, exit 2; a server that does not start: one line and its log tail, exit 3."""
+    from kvtui.models import ModelLoadError
+    from kvtui.target.llama_server import LlamaServerError, LlamaServerPair, model_gguf
+
+    try:
+        gguf = model_gguf(model)
+        pair = LlamaServerPair(gguf, args_text)
+    except (ModelLoadError, ValueError) as e:
+        fail(f"--llama-server: {e}")
+    say("note", f"starting llama-server {' '.join(pair.args)} on {gguf} and its control "
+                "(-np 1 --cache-ram 0) for the reference runs")
+    try:
+        pair.__enter__()
+    except LlamaServerError as e:
+        fail(f"--llama-server: {e}", EXIT_RUNTIME)
+    try:
+        yield pair.server.url, pair.control.url
+    finally:
+        pair.__exit__(None, None, None)
 
 
 def new_target_session(spec, run: TargetRun, *, model: str | None, record: Path | None,

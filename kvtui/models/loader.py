@@ -24,6 +24,10 @@ ACCEPTED = (
     "use default (alias smollm2), tiny-llama, tiny-gpt2, whisper-tiny.en, tiny-whisper, dinov2-smollm2, "
     "tiny-vision, a local Hugging Face model directory, or a path to a .gguf file"
 )
+# kvtui.models.hybrid.HYBRID_NAME, spelled out so that importing the loader does not import it
+HYBRID_NAME = "tiny-qwen35moe"
+HYBRID_ENGINE_ONLY = (f"{HYBRID_NAME} (gated-delta recurrent layers) runs on llama.cpp's server, not on kvtui's "
+                      f"engine: kvtui run SCENARIO --model {HYBRID_NAME} --llama-server '-np 2'")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -77,6 +81,8 @@ def load_model(
     """
     torch_dtype = parse_dtype(dtype)
     key = name.strip().lower()
+    if key == HYBRID_NAME:
+        raise ModelLoadError(HYBRID_ENGINE_ONLY)
     with quiet_progress_bars():
         if key in DEFAULT_ALIASES:
             loaded = _load_default(torch_dtype, progress)
@@ -104,6 +110,8 @@ def check_model_available(name: str) -> None:
         ModelLoadError: as load_model would, in one line.
     """
     key = name.strip().lower()
+    if key == HYBRID_NAME:
+        raise ModelLoadError(HYBRID_ENGINE_ONLY)
     if key in DEFAULT_ALIASES:
         _default.default_model_path()
         return

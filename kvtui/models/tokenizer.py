@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, prepare_tokenizer
-from kvtui.models.loader import ACCEPTED, DEFAULT_ALIASES, WHISPER_NAMES
+from kvtui.models.loader import ACCEPTED, DEFAULT_ALIASES, HYBRID_NAME, WHISPER_NAMES
 from kvtui.models.tiny import TINY_NAMES, build_tiny_tokenizer
 from kvtui.models.types import ModelLoadError, one_line
 
@@ -31,7 +31,7 @@ def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
     key = name.strip().lower()
     if key in TINY_NAMES or key == "tiny-vision":  # tiny-vision: tiny-llama with an image encoder
         return build_tiny_tokenizer()
-    if key == "dinov2-smollm2":  # SmolLM2 with an image encoder
+    if key in ("dinov2-smollm2", HYBRID_NAME):  # SmolLM2 with an image encoder; the hybrid has SmolLM2's tokenizer
         key = "default"
     if key in WHISPER_NAMES:
         from kvtui.models import whisper as _whisper

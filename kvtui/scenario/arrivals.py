@@ -154,6 +154,17 @@ class RoundSpec(Strict):
 
     size: Annotated[int, Field(ge=1, le=10_000)] = Field(description="requests per round, arriving together")
     count: Annotated[int, Field(ge=1, le=MAX_PLANNED)] = Field(1, description="rounds of this size, one after another")
+    cancel: Annotated[int, Field(ge=0, le=10_000)] = Field(
+        0, description="requests of each round that the client cancels mid-answer (the round's first ones): "
+        "a disconnect, as a user closing the tab, which leaves the server a half-finished answer")
+    cancel_after: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        3, description="generated tokens after which a cancelled request is cut")
+
+    @pydantic.model_validator(mode="after")
+    def _cancel_fits(self):
+        if self.cancel > self.size:
+            raise Problem(f"cancel {self.cancel} is over the round's size {self.size}", "lower cancel", ("cancel",))
+        return self
 
 
 class Rounds(Strict):
@@ -162,7 +173,9 @@ class Rounds(Strict):
     run in the order listed: `[{size: 1, count: 12}, {size: 2, count: 20}]` sends 12 requests one at a
     time, each once the previous one finished, then 20 rounds of 2 at once. Arrival times therefore
     depend on how fast requests finish (on the engine's clock locally, the wall clock against a
-    `--target` server), not on the seed alone."""
+    `--target` server), not on the seed alone. With `cancel: k` the first k requests of each round of
+    that entry are cancelled by their client once they have `cancel_after` generated tokens (against a
+    server the stream is closed; locally the engine aborts them); they finish `abort`."""
 
     process: Literal["rounds"]
     rounds: Annotated[list[RoundSpec], Field(min_length=1, max_length=1000)] = Field(
@@ -191,6 +204,7 @@ class Arrival:
     chat: bool = True
     tenant: str | None = None  # scripted: its tenant
     round: int | None = None  # rounds: its round (0, 1, ...); it arrives once every earlier round finished
+    cancel_after: int | None = None  # rounds' cancel: the client cuts it after this many generated tokens
 
 
 @dataclass(frozen=True)
@@ -278,7 +292,8 @@ def arrivals(spec, rng: random.Random, changes: Sequence[tuple[float, dict]] = (
         k = 0
         for block in spec.rounds:
             for _ in range(block.count):
-                yield from (Arrival(0.0, round=k) for _ in range(block.size))
+                yield from (Arrival(0.0, round=k, cancel_after=block.cancel_after if j < block.cancel else None)
+                            for j in range(block.size))
                 k += 1
     else:
         raise TypeError(f"unknown arrival spec {type(spec).__name__}")

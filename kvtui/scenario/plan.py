@@ -58,6 +58,8 @@ class PlannedRequest:
         tenant: who sends it (None: the only tenant); cache_salt: its tenant's salt (see tenants.py).
         round: `process: rounds` only: its round (0, 1, ...). It is sent once every request of an earlier
             round has finished, and its arrival_s (0 in the plan) becomes that moment.
+        cancel_after: `process: rounds` with `cancel`: the client cancels the request once it has this
+            many generated tokens (it finishes `abort`); None: it runs to its end.
         audio_path: a speech request's clip (a 16 kHz WAV file), read when the request is submitted; None
             for text.
         input: what the request feeds the model when it is more than prompt_ids and a clip path
@@ -78,6 +80,7 @@ class PlannedRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     round: int | None = None
+    cancel_after: int | None = None
     audio_path: str | None = None
     input: object = None
     embeds_mask: tuple[bool, ...] | None = None
@@ -389,6 +392,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
                 include_stop_str_in_output=s.include_stop_str_in_output, n=extra[0], structured=extra[1]),
                 tokenizer, words),
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
+            cancel_after=arrival.cancel_after,
             audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
             embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None),
         )

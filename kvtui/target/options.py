@@ -31,6 +31,8 @@ class TargetOptions:
         transport: an httpx transport to use instead of the network (tests).
         uncached_load: send every load request past the server's prefix cache too, as the reference
             runs are (the noninterference audit: its runs must not read each other's KV).
+        reference_url: base URL of the server the reference (solo) runs go to, e.g. a second instance
+            of the same server and model with its prompt cache off; None: the target itself.
     """
 
     url: str
@@ -43,3 +45,4 @@ class TargetOptions:
     logprobs: bool = True
     transport: httpx.AsyncBaseTransport | None = None
     uncached_load: bool = False
+    reference_url: str | None = None

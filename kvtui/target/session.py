@@ -17,6 +17,7 @@ run as checked only when the server did not say it took prompt tokens from its c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +48,10 @@ from kvtui.target.transcription import is_audio, transcribe_request, transcripti
 TARGET_DETECTORS = ("reference", "canary")
 MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _ClientCancel(Exception):
+    """Raised from a stream's chunk callback to cut a request the scenario cancels (rounds' `cancel`)."""
 
 
 class TargetError(Exception):
@@ -158,6 +163,7 @@ class TargetSession(RunBase):
                 engine={"api": self.api, "server": self.server_kind, "max_concurrency": o.max_concurrency,
                         "timeout_s": o.timeout_s,
                         "served_model": self.served_model, "logprobs": o.logprobs, "tolerance": o.tolerance,
+                        **({"reference_url": o.reference_url} if o.reference_url else {}),
                         **({"prompt_embeds": True} if self.embeds_table is not None else {})},
                 clock="wall", detectors=self.detectors, measured=MEASURED, target=o.url)
         return self._header
@@ -281,9 +287,13 @@ class TargetSession(RunBase):
                         body = uncached(body, self.server_kind)
                     await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
                                          result=result,
-                                         on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece))
+                                         on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
+                                                                                  p.cancel_after))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
+        except _ClientCancel:
+            result.finish_reason = "abort"
+            result.error = f"cancelled by the client after {p.cancel_after} tokens (the scenario's rounds cancel)"
         finally:
             self.in_flight.pop(p.request_id, None)
         self.results[p.request_id] = result
@@ -326,12 +336,14 @@ class TargetSession(RunBase):
         item = prompts[index] if index is not None and prompts else None
         return item if isinstance(item, list) else None
 
-    def _on_chunk(self, request_id: str, result: StreamResult, piece: str) -> None:
+    def _on_chunk(self, request_id: str, result: StreamResult, piece: str, cancel_after: int | None = None) -> None:
         if len(result.chunk_times_s) == 1:
             self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
         if self.canary is not None and piece:
             for event in self.canary.on_piece(request_id, piece, self.now(), -1):
                 self.emit(event)
+        if cancel_after is not None and max(len(result.tokens), len(result.chunk_times_s)) >= cancel_after:
+            raise _ClientCancel  # leaves the stream: the connection closes, as a client going away
 
     def _finish(self, p, r: StreamResult) -> None:
         reason = r.finish_reason if r.finish_reason in FINISH_REASONS else "stop"
@@ -371,13 +383,20 @@ class TargetSession(RunBase):
         self.reference_skips[SkipReason.SAMPLED] += completed - len(greedy)
         self._reference_status(pending=len(greedy))
         if greedy:
-            self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again, one at a time"))
-        for k, (rid, batched) in enumerate(greedy):
-            if self.stop_requested:
-                self.reference_skips[SkipReason.STOPPED] += 1
-            else:
-                await self._reference_one(client, rid, batched)
-            self._reference_status(pending=len(greedy) - k - 1)
+            where = f" to {self.options.reference_url}" if self.options.reference_url else ""
+            self.emit(Marker(t=self.now(), text=f"reference check: {len(greedy)} prompts sent again{where}, one at a "
+                             "time"))
+        async with contextlib.AsyncExitStack() as stack:
+            if self.options.reference_url:  # a control server (e.g. its prompt cache off) answers the solo runs
+                client = await stack.enter_async_context(httpx.AsyncClient(
+                    base_url=self.options.reference_url.rstrip("/"), transport=self.options.transport,
+                    timeout=httpx.Timeout(self.options.timeout_s)))
+            for k, (rid, batched) in enumerate(greedy):
+                if self.stop_requested:
+                    self.reference_skips[SkipReason.STOPPED] += 1
+                else:
+                    await self._reference_one(client, rid, batched)
+                self._reference_status(pending=len(greedy) - k - 1)
 
     async def _reference_one(self, client: httpx.AsyncClient, rid: str, batched: StreamResult) -> None:
         """One solo run, past the server's prefix cache; compared only when the server did not say it
