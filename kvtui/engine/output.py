@@ -17,6 +17,7 @@ from kvtui.engine.grammar import GrammarStage
 from kvtui.engine.request import FinishCode, FinishReason, RequestState
 from kvtui.engine.row_state import RowState, RowTable, SampledWith
 from kvtui.engine.sampling import draw_token
+from kvtui.engine.stops import StopScan
 from kvtui.faults import FaultName
 
 
@@ -150,7 +151,8 @@ class OutputProcessor:
 
     def stop_reason(self, request: RequestState, token: int, max_len: int) -> FinishReason | None:
         """Why `request` stops after `token` (vLLM's order: min_tokens, EOS, a complete grammar, a stop
-        string, max_new_tokens, the slot's max_len), or None."""
+        string, max_new_tokens, the slot's max_len), or None. Stop strings are checked from the
+        min_tokens-th token on (that check only notes how much text min_tokens passes over)."""
         params = request.sampling
         if len(request.generated_ids) < params.min_tokens:  # vLLM: no stop before min_tokens
             return FinishReason.LENGTH if request.cache_len + 1 > max_len else None
@@ -167,15 +169,18 @@ class OutputProcessor:
         return None
 
     def _stop_string(self, request: RequestState) -> bool:
-        """Whether the text so far holds a stop string; if so, note which and where the returned text
-        ends (before the earliest stop string, or after it with include_stop_str_in_output)."""
+        """Whether a stop string completes at the request's newest token, searched as vLLM searches
+        (engine/stops.py: only the text this token added plus the overlap, nothing of the first
+        min_tokens tokens' text); if so, note which and where the returned text ends (before it, or
+        after it with include_stop_str_in_output)."""
+        params = request.sampling
+        if request.stop_scan is None:
+            request.stop_scan = StopScan(params.stop, params.min_tokens, params.include_stop_str_in_output)
         text = self.tokenizer.decode(request.generated_ids, skip_special_tokens=True)
-        found = [(text.find(s), s) for s in request.sampling.stop if s in text]
-        if not found:
+        found = request.stop_scan.update(text, len(request.generated_ids))
+        if found is None:
             return False
-        index, stop = min(found)
-        request.stop_str = stop
-        request.text_end = index + len(stop) if request.sampling.include_stop_str_in_output else index
+        request.stop_str, request.text_end = found
         return True
 
 

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvtui.engine.inputs import RequestInput
+from kvtui.engine.stops import StopScan
 
 
 class RequestStatus(str, enum.Enum):
@@ -97,9 +98,12 @@ class SamplingParams:
     and one token is drawn with a generator seeded by `seed`, owned by the request alone, so the draw
     does not depend on the request's slot or its neighbours in the batch.
 
-    A request stops at EOS (unless ignore_eos), at max_new_tokens, or when its text contains one of
-    `stop`; as in the OpenAI API and vLLM, the returned text then ends before the stop string (with
-    it when include_stop_str_in_output), while the token ids keep the token that completed it.
+    A request stops at EOS (unless ignore_eos), at max_new_tokens, or when a token completes one of
+    `stop` in its text; as in the OpenAI API and vLLM, the returned text then ends before the stop
+    string (with it when include_stop_str_in_output), while the token ids keep the token that
+    completed it. Stop strings are searched as vLLM searches them (engine/stops.py): only in text
+    decoded after the first `min_tokens` tokens (plus a stop string's length - 1 before it), so one
+    that occurs earlier neither ends the request nor cuts its text.
 
     `logprobs` asks for log-probabilities (natural log, from log_softmax of the float32 logits, before
     penalties, bias, temperature, top-k or top-p, as vLLM's default raw logprobs): None = off (nothing
@@ -112,10 +116,11 @@ class SamplingParams:
     (count > 0) x presence from each token's logit, counted over the request's own output tokens;
     `repetition_penalty` > 0 (1 = off) divides a positive logit and multiplies a negative one of every
     token in its prompt or output (HF / vLLM); `logit_bias` adds a bias in [-100, 100] to a token id's
-    logit ((id, bias) pairs); `min_tokens` masks EOS (unless ignore_eos) and stop strings until that
-    many tokens were generated; `bad_words` are strings never to generate, `bad_words_ids` their token
-    sequences (sampling.resolve_bad_words fills them from a tokenizer): the last token of a sequence is
-    banned when the output ends with the sequence's other tokens.
+    logit ((id, bias) pairs); `min_tokens` masks EOS (unless ignore_eos) until that many tokens were
+    generated and keeps stop strings from being searched in their text; `bad_words` are strings never
+    to generate, `bad_words_ids` their token sequences (sampling.resolve_bad_words fills them from a
+    tokenizer): the last token of a sequence is banned when the output ends with the sequence's other
+    tokens.
 
     Parallel sampling (`n`, vLLM's and OpenAI's name): the engine runs `n` sequences of the prompt,
     prefilled once and forked (see Engine.submit); sequence i draws with its own generator seeded
@@ -224,7 +229,8 @@ class RequestState:
             when greedy.
         stop_str: the stop string that ended it, if one did.
         text_end: characters of the decoded output to return (it ends before, or with, the stop
-            string), or None for the whole text.
+            string), or None for the whole text. stop_scan: its stop-string search so far
+            (engine/stops.py; None until its first check).
         faults_seen: the isolation faults active in any step it took part in.
         metadata: caller's data carried along untouched (e.g. the passphrase canary).
         tenant: who sent it (None: the only tenant); cache_salt: its tenant's prefix-cache salt, part
@@ -264,6 +270,7 @@ class RequestState:
     draws: list = field(default_factory=list)
     stop_str: str | None = None
     text_end: int | None = None
+    stop_scan: StopScan | None = None
     faults_seen: frozenset = frozenset()
     metadata: dict = field(default_factory=dict)
     tenant: str | None = None

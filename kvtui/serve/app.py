@@ -272,8 +272,8 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
                 e.param = body.structured_param()
             raise
         if body.stream:
-            texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
-                     for _ in range(sampling.n)]
+            texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output,
+                                sampling.min_tokens) for _ in range(sampling.n)]
             events = _stream(ctx, stream, first, formatter, texts, include_usage=body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream",
                                      background=BackgroundTask(ctx.bridge.abort, request_id))

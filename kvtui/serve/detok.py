@@ -7,7 +7,9 @@ Rules (as vLLM's incremental detokenizer):
 - with stop strings (and include_stop_str_in_output off) the last `max(len(stop)) - 1` characters are
   held, since the engine cuts the returned text before a stop string that the next tokens may complete;
 - the token that completes a stop string ends the text where the engine ends it (before the stop
-  string, or after it with include_stop_str_in_output), as the engine's check on the same text does;
+  string, or after it with include_stop_str_in_output): the same search as the engine's
+  (kvtui/engine/stops.py, vLLM's: only the text each token adds plus the overlap, nothing in the first
+  min_tokens tokens' text), so a stop string the engine passes over never holds the stream back;
 - when the request finishes, the rest of the engine's returned text (stop string cut) is sent, so the
   concatenated stream equals the non-streamed text.
 
@@ -18,7 +20,7 @@ first token it sees (SentencePiece) still yields the text the whole output decod
 
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"
+from kvtui.engine.stops import REPLACEMENT, StopScan
 
 
 class TextStream:
@@ -26,12 +28,14 @@ class TextStream:
 
     Args:
         tokenizer: the model's tokenizer (decode with skip_special_tokens, as the engine's text).
-        stop: the request's stop strings; include_stop: SamplingParams.include_stop_str_in_output.
+        stop: the request's stop strings; include_stop: SamplingParams.include_stop_str_in_output;
+        min_tokens: SamplingParams.min_tokens (no stop string is searched in its tokens' text).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop, self.include_stop = tuple(stop), include_stop
+        self._scan = StopScan(self.stop, min_tokens, include_stop)
         self.hold = max((len(s) for s in stop), default=1) - 1 if stop and not include_stop else 0
         self._ids: list[int] = []
         self._prefix = 0  # start of the decoding window
@@ -60,13 +64,10 @@ class TextStream:
         return delta
 
     def _stop_end(self, visible: str) -> int:
-        """How much of `visible` may be sent: up to a stop string it now holds (the request ends at this
-        token), else all but the held characters."""
-        found = [(i, s) for s in self.stop if (i := visible.find(s, len(self.sent))) >= 0]
-        if not found:
-            return len(visible) - self.hold
-        index, stop = min(found)
-        return index + len(stop) if self.include_stop else index
+        """How much of `visible` may be sent: up to a stop string that this token completes (the
+        request ends at it), else all but the held characters."""
+        found = self._scan.update(visible, len(self._ids))
+        return len(visible) - self.hold if found is None else found[1]
 
     def finish(self, final_text: str) -> str:
         """The rest of `final_text` (the engine's returned text) after what was sent."""
