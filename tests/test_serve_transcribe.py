@@ -1,15 +1,19 @@
 """`kvtui serve` with a speech model: OpenAI's /v1/audio/transcriptions through the official `openai`
 client, checked against transformers' own `generate` on a separate tiny-whisper instance (greedy, the
 same clip's log-mel features); its errors in OpenAI's shape naming the field; the text endpoints
-refusing a speech model and the transcription endpoint a text model; WAV decoding and resampling
-against closed-form signals; `kvtui run --target` auditing a transcription server. The `whisper` tests
+refusing a speech model and the transcription endpoint a text model; decoding (WAV, FLAC, OGG, MP3
+written at test time by soundfile itself) and resampling against closed-form signals; hostile headers
+refused from the header alone, in well under a second and bounded memory; `kvtui run --target`
+auditing a transcription server. The `whisper` tests
 run Whisper tiny.en on a shipped clip and audit scenarios/transcribe.yaml through a served model."""
 
 from __future__ import annotations
 
 import io
+import json
 import math
 import re
+import struct
 import subprocess
 import sys
 import wave
@@ -19,10 +23,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 
 from kvtui.engine.encoder_cache import audio_input
 from kvtui.models import whisper as wh
-from kvtui.serve.audio import AudioError, decode_wav, resample
+from kvtui.serve import audio
+from kvtui.serve.audio import AudioError, decode_audio, resample
 from kvtui.serve.server import ServeOptions, ServeServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +55,9 @@ def oracle():
     model, tokenizer = wh.build_tiny_whisper()
     fe = wh.build_feature_extractor()
 
-    def transcribe(path: Path) -> tuple[list[int], str]:
-        features = audio_input(wh.read_wav(path), fe).features
+    def transcribe(clip: Path | np.ndarray) -> tuple[list[int], str]:
+        """A clip's path, or its samples (float32 at 16 kHz)."""
+        features = audio_input(wh.read_wav(clip) if isinstance(clip, Path) else clip, fe).features
         out = model.generate(features[None], max_new_tokens=MAX_LEN - 2, return_dict_in_generate=True)
         ids = out.sequences[0, 2:].tolist()
         return ids, tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -118,6 +125,23 @@ def test_a_stereo_upload_transcribes_as_its_mono_clip(whisper_server, oracle):
     assert r.status_code == 200 and r.json()["text"] == oracle(CLIP)[1]
 
 
+def wav_header(rate: int, data: bytes, *, channels: int = 1, bits: int = 16) -> bytes:
+    """A PCM WAV file written field by field, so its header can say what no writer would (a rate of 0 Hz)."""
+    block = channels * bits // 8
+    fmt = struct.pack("<IHHIIHH", 16, 1, channels, rate, rate * block % 2**32, block, bits)
+    return b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+
+
+def encoded(samples: np.ndarray, rate: int, fmt: str, subtype: str | None = None) -> bytes:
+    """`samples` written by soundfile (libsndfile) as `fmt` ("FLAC", "OGG", "MP3", "AIFF", ...)."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=fmt, subtype=subtype)
+    return buffer.getvalue()
+
+
+LOSSY = [("OGG", "VORBIS"), ("OGG", "OPUS"), ("MP3", "MPEG_LAYER_III")]
+
+
 def post(server, data: dict, files=None) -> httpx.Response:
     files = files if files is not None else {"file": ("a.wav", CLIP.read_bytes(), "audio/wav")}
     return httpx.post(server.url + "/v1/audio/transcriptions", data=data, files=files, timeout=300)
@@ -127,6 +151,15 @@ def post(server, data: dict, files=None) -> httpx.Response:
     ({"model": "tiny-whisper"}, {"file": ("a.mp3", b"ID3\x03\x00" + bytes(64))}, "file", "is an mp3 file"),
     ({"model": "tiny-whisper"}, {"file": ("a.wav", b"RIFF\x10\x00\x00\x00WAVEjunk")}, "file", "not a readable WAV"),
     ({"model": "tiny-whisper"}, {"file": ("a.wav", b"")}, "file", "is empty"),
+    ({"model": "tiny-whisper"}, {"file": ("a.wav", wav_header(0, bytes(4000)))}, "file", "not a readable WAV"),
+    ({"model": "tiny-whisper"}, {"file": ("a.wav", wav_header(1_000_003, bytes(4000)))}, "file",
+     "sample rate is 1000003 Hz"),
+    ({"model": "tiny-whisper"}, {"file": ("a.webm", b"\x1aE\xdf\xa3" + bytes(64))}, "file", "is a webm file"),
+    ({"model": "tiny-whisper"}, {"file": ("a.m4a", b"\0\0\0\x20ftypM4A " + bytes(64))}, "file", "is an mp4 file"),
+    ({"model": "tiny-whisper"}, {"file": ("a.aiff", encoded(np.zeros(800, np.float32), 16000, "AIFF"))}, "file",
+     "is AIFF audio"),
+    ({"model": "tiny-whisper"}, {"file": ("a.wav", wav_bytes(np.zeros(31 * 4000, np.float32), 4000))}, "file",
+     "lasts 31.0 s"),
     ({"model": "tiny-whisper", "response_format": "srt"}, None, "response_format", "needs timestamps"),
     ({"model": "tiny-whisper", "response_format": "xml"}, None, "response_format", "is not one of"),
     ({"model": "tiny-whisper", "language": "fr"}, None, "language", "English-only"),
@@ -141,6 +174,114 @@ def test_bad_uploads_are_400_naming_the_field(whisper_server, data, files, param
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and needle in error["message"] and error["type"] == "invalid_request_error"
+    assert "\n" not in error["message"] and "BytesIO" not in error["message"]  # one line, libsndfile's words only
+
+
+def test_flac_ogg_and_mp3_uploads_transcribe_as_the_library_decodes_them(whisper_server, oracle):
+    """The clip written by soundfile as FLAC (lossless: the WAV's transcript), and as OGG Vorbis, OGG Opus
+    and MP3 (lossy: the transcript of the samples soundfile itself reads back)."""
+    c, samples = client(whisper_server), wh.read_wav(CLIP)
+    flac = encoded(samples, 16000, "FLAC")
+    assert c.audio.transcriptions.create(model="tiny-whisper", file=("a.flac", flac)).text == oracle(CLIP)[1]
+    for fmt, subtype in LOSSY:
+        data = encoded(samples, 16000, fmt, subtype)
+        theirs, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+        assert rate == 16000 or subtype == "OPUS"  # Opus always decodes at 48 kHz
+        if rate != 16000:
+            theirs = resample(theirs, rate, 16000)
+        got = c.audio.transcriptions.create(model="tiny-whisper", file=(f"a.{fmt.lower()}", data)).text
+        assert got == oracle(theirs)[1], subtype
+
+
+def test_decoding_other_formats_rates_and_channels():
+    """FLAC equals the WAV sample for sample; the lossy formats keep the clip's length and shape
+    (correlation > 0.98); 44.1 kHz stereo comes back at 16 kHz mono."""
+    samples = wh.read_wav(CLIP)
+    assert np.array_equal(decode_audio(encoded(samples, 16000, "FLAC")), samples)
+    for fmt, subtype in LOSSY:
+        got = decode_audio(encoded(samples, 16000, fmt, subtype))
+        assert abs(len(got) - len(samples)) <= 16, subtype
+        n = min(len(got), len(samples))
+        assert np.corrcoef(got[:n], samples[:n])[0, 1] > 0.98, subtype
+    stereo = resample(samples, 16000, 44100)
+    got = decode_audio(encoded(np.stack([stereo, stereo], axis=1), 44100, "FLAC", "PCM_24"))
+    assert abs(len(got) - len(samples)) <= 1 and np.corrcoef(got[:len(samples)], samples[:len(got)])[0, 1] > 0.999
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: wav_header(1_000_003, bytes(4000)), "sample rate is 1000003 Hz"),
+    (lambda: wav_header(3_999, bytes(4000)), "sample rate is 3999 Hz"),
+    (lambda: encoded(np.zeros(4 * 48000, np.float32), 48000, "FLAC"), "lasts 4.0 s"),
+    (lambda: encoded(np.zeros((8000, 8), np.float32), 8000, "FLAC"), "decodes to 0 MiB (8 channels of 8000 frames)"),
+])
+def test_bounds_are_checked_from_the_header_before_any_sample_is_decoded(monkeypatch, make, needle):
+    """Rate, duration and decoded size are refused from soundfile.info alone (its read is never called);
+    duration and size with the bounds lowered, so a small file stands for a large one."""
+    data = make()
+    monkeypatch.setattr(audio, "MAX_AUDIO_SECONDS", 3.0)
+    monkeypatch.setattr(audio, "MAX_DECODED_BYTES", 200_000)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("decoded before the header was checked")
+
+    monkeypatch.setattr(audio.soundfile, "read", no_read)
+    with pytest.raises(AudioError, match=re.escape(needle)):
+        decode_audio(data, "file a")
+
+
+HOSTILE_CHILD = """
+import json, resource, sys, time, tracemalloc
+from kvtui.serve.audio import AudioError, decode_audio
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+decode_audio(open(sys.argv[1], "rb").read())  # the libraries' first calls, before measuring
+base, out = peak_rss(), {}
+tracemalloc.start()
+for path in sys.argv[2:]:
+    data = open(path, "rb").read()
+    tracemalloc.reset_peak()
+    t = time.perf_counter()
+    try:
+        verdict = f"decoded {len(decode_audio(data, 'file'))} samples"
+    except AudioError as e:
+        verdict = str(e)
+    out[path] = {"seconds": time.perf_counter() - t, "traced_peak": tracemalloc.get_traced_memory()[1],
+                 "verdict": verdict}
+print(json.dumps({"cases": out, "rss_growth": peak_rss() - base}))
+"""
+
+
+def test_hostile_headers_cost_under_a_second_and_bounded_memory(tmp_path):
+    """Uploads whose headers ask for absurd work, decoded in a fresh process (so its peak RSS is the
+    decoder's own): a 4 KB clip at 8001 Hz (the rates' gcd is 1: the old windowed sinc built a 16000-phase
+    kernel, 21.9 s and 5 GB), a header saying 1,000,003 Hz (128 GB for that kernel), one saying 0 Hz
+    (a bare 500 before), 64 channels, and a data chunk claiming 4 GB in a 4 KB file. Each takes under a
+    second, Python-side allocations (tracemalloc, numpy's included) peak under 1 MiB, and the process's
+    peak RSS grows by under 32 MiB."""
+    hostile = {"8001hz": wav_header(8001, bytes(4000)), "1000003hz": wav_header(1_000_003, bytes(4000)),
+               "0hz": wav_header(0, bytes(4000)), "64ch": wav_header(16000, bytes(4096), channels=64)}
+    claims = bytearray(wav_header(16000, bytes(4000)))
+    claims[40:44] = struct.pack("<I", 0xFFFFFFF0)
+    hostile["4gb-claim"] = bytes(claims)
+    paths = []
+    for name, data in hostile.items():
+        assert len(data) < 4200
+        paths.append(tmp_path / f"{name}.wav")
+        paths[-1].write_bytes(data)
+    out = subprocess.run([sys.executable, "-c", HOSTILE_CHILD, str(CLIP)] + [str(p) for p in paths],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    cases = {Path(p).stem: c for p, c in result["cases"].items()}
+    assert cases["8001hz"]["verdict"] == "decoded 4000 samples"  # 0.25 s at 8001 Hz -> 16 kHz
+    assert cases["4gb-claim"]["verdict"] == "decoded 2000 samples"  # what the file holds, not what it claims
+    assert "1000003 Hz" in cases["1000003hz"]["verdict"] and "not a readable WAV" in cases["0hz"]["verdict"]
+    assert cases["64ch"]["verdict"] == "decoded 32 samples"
+    assert {name: c["seconds"] < 1.0 and c["traced_peak"] < 2**20 for name, c in cases.items()} == \
+        dict.fromkeys(cases, True), cases
+    assert result["rss_growth"] < 32 * 2**20, result
 
 
 def test_a_wrong_model_is_404_and_a_json_body_is_400(whisper_server):
@@ -172,10 +313,10 @@ def test_wav_decoding_of_every_sample_width():
     t = np.arange(1600) / 16000
     x = (0.5 * np.sin(2 * math.pi * 440 * t)).astype(np.float32)
     for width, step in ((1, 1 / 128), (2, 1 / 32768), (3, 1 / 2 ** 23), (4, 1 / 2 ** 31)):
-        got = decode_wav(wav_bytes(x, 16000, width=width, channels=2), "f")
+        got = decode_audio(wav_bytes(x, 16000, width=width, channels=2), "f")
         assert got.shape == x.shape and np.max(np.abs(got - x)) <= step / 2 + 1e-7, width
     with pytest.raises(AudioError, match="lasts 31.0 s"):
-        decode_wav(wav_bytes(np.zeros(31 * 8000, np.float32), 8000), "f")
+        decode_audio(wav_bytes(np.zeros(31 * 8000, np.float32), 8000), "f")
 
 
 @pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
@@ -230,6 +371,22 @@ def test_whisper_tiny_en_transcribes_a_shipped_clip_and_passes_an_audit(whisper_
     assert re.search(r"own passphrase echoed +12/12", out.stdout)
     assert re.search(r"reference checks +12 checked", out.stdout)
     assert re.search(r"contamination findings +0", out.stdout)
+
+
+@pytest.mark.whisper
+def test_whisper_tiny_en_hears_the_clip_in_flac_ogg_and_mp3_at_other_rates(whisper_en):
+    """The shipped clip re-encoded by soundfile: FLAC at 44.1 kHz stereo, OGG Vorbis at 16 kHz, MP3 at
+    22.05 kHz; Whisper tiny.en hears its passphrase in each."""
+    samples = wh.read_wav(CLIP)
+    at_44k, at_22k = resample(samples, 16000, 44100), resample(samples, 16000, 22050)
+    uploads = {"a.flac": encoded(np.stack([at_44k, at_44k], axis=1), 44100, "FLAC", "PCM_16"),
+               "a.ogg": encoded(samples, 16000, "OGG", "VORBIS"), "a.mp3": encoded(at_22k, 22050, "MP3")}
+    options = ServeOptions(model="whisper-tiny.en", port=0, slots=3, max_len=448, detectors=("canary",))
+    with ServeServer(options) as server:
+        c = client(server)
+        heard = {name: c.audio.transcriptions.create(model="whisper-tiny.en", file=(name, data)).text
+                 for name, data in uploads.items()}
+    assert all("silver rabbit 19" in text.lower() for text in heard.values()), heard
 
 
 @pytest.mark.parametrize("name", ["tiny-whisper", pytest.param("whisper-tiny.en", marks=pytest.mark.whisper)])

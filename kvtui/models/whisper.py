@@ -395,27 +395,31 @@ def build_tiny_whisper(*, seed: int = TINY_SEED) -> tuple[WhisperForConditionalG
 # --- audio -----------------------------------------------------------------------------------------
 
 def read_wav(path: Path) -> np.ndarray:
-    """A 16 kHz mono 16-bit PCM WAV file as float32 samples in [-1, 1), shape [samples].
+    """A 16 kHz mono 16-bit PCM WAV file as float32 samples in [-1, 1), shape [samples] (read by
+    libsndfile through `soundfile`; its header is checked before any sample is read).
 
     Raises:
         OSError: the file cannot be read.
         ValueError: not a WAV file, or not 16 kHz mono 16-bit (convert it, e.g. with
             `sox IN -r 16000 -c 1 -b 16 OUT.wav`), or longer than 30 s.
     """
-    import wave
+    import soundfile
 
-    try:
-        with wave.open(str(path), "rb") as wav:
-            rate, channels, width, frames = wav.getframerate(), wav.getnchannels(), wav.getsampwidth(), wav.getnframes()
-            data = wav.readframes(frames)
-    except (wave.Error, EOFError) as exc:
-        raise ValueError(f"{path} is not a readable WAV file ({exc})") from None
-    if (rate, channels, width) != (SAMPLE_RATE, 1, 2):
-        raise ValueError(f"{path} is {rate} Hz, {channels} channel(s), {8 * width}-bit: Whisper needs 16000 Hz mono "
-                         "16-bit (convert with: sox IN -r 16000 -c 1 -b 16 OUT.wav)")
-    if frames > MAX_AUDIO_SECONDS * SAMPLE_RATE:
-        raise ValueError(f"{path} lasts {frames / SAMPLE_RATE:.1f} s: at most {MAX_AUDIO_SECONDS:.0f} s")
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    with open(path, "rb") as f:  # OSError as it is
+        try:
+            info = soundfile.info(f)
+        except (soundfile.SoundFileError, RuntimeError) as exc:
+            reason = getattr(exc, "error_string", None) or exc
+            raise ValueError(f"{path} is not a readable WAV file ({reason})") from None
+        rate, channels = info.samplerate, info.channels
+        if (info.format, rate, channels, info.subtype) not in (("WAV", SAMPLE_RATE, 1, "PCM_16"),):
+            raise ValueError(f"{path} is {rate} Hz, {channels} channel(s), {info.format} {info.subtype}: Whisper "
+                             "needs 16000 Hz mono 16-bit WAV (convert with: sox IN -r 16000 -c 1 -b 16 OUT.wav)")
+        if info.frames > MAX_AUDIO_SECONDS * SAMPLE_RATE:
+            raise ValueError(f"{path} lasts {info.frames / SAMPLE_RATE:.1f} s: at most {MAX_AUDIO_SECONDS:.0f} s")
+        f.seek(0)
+        samples, _ = soundfile.read(f, frames=info.frames, dtype="float32")
+    return samples
 
 
 def log_mel(feature_extractor: WhisperFeatureExtractor, samples: np.ndarray) -> torch.Tensor:

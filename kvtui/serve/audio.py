@@ -1,106 +1,119 @@
-"""Audio uploads for `/v1/audio/transcriptions`: a WAV file's bytes to 16 kHz mono float32 samples.
+"""Audio uploads for `/v1/audio/transcriptions`: a file's bytes to 16 kHz mono float32 samples.
 
-WAV (RIFF, PCM 8/16/24/32-bit integer, any rate, any channel count) is read with the standard
-library's `wave` module; channels are averaged; a rate other than 16 kHz is resampled with a
-Hann-windowed sinc filter (`resample`), the method of torchaudio's `functional.resample`
-(`sinc_interp_hann`, 6 zero crossings, rolloff 0.99), written here because torchaudio is not a
-dependency. Other containers (mp3, ogg, flac, webm) are refused with a 400 naming the field `file`
-and saying how to convert.
+Decoding is libsndfile's, through `soundfile` (its wheel bundles the library): WAV (integer or float
+PCM), FLAC, OGG (Vorbis, Opus) and MP3, the formats of OpenAI's endpoint that libsndfile reads.
+Channels are averaged; another rate is resampled to 16 kHz by `soxr` (libsoxr, "HQ"), whose cost
+grows with the samples in and out, not with the ratio of the two rates (an upload at 8001 Hz costs
+what one at 8000 Hz does).
+
+Everything the decoder will allocate is checked from the file's header (`soundfile.info`) before a
+sample is decoded: the format, the sample rate (MIN_RATE_HZ to MAX_RATE_HZ), the duration (at most
+MAX_AUDIO_SECONDS, one Whisper window) and the decoded size (frames x channels x 4 bytes, at most
+MAX_DECODED_BYTES); the read asks for no more than the checked frames, so nothing past them is
+decoded whatever the body holds. Anything else (mp4, webm, a file cut short,
+a header libsndfile refuses) is an AudioError with one line saying what the file is and what to
+upload instead; the server answers it with a 400 naming the field `file`.
 """
 
 from __future__ import annotations
 
 import io
-import math
-import wave
 
 import numpy as np
-import torch
+import soundfile
+import soxr
 
 from kvtui.models.whisper import MAX_AUDIO_SECONDS, SAMPLE_RATE
 
-# How the other formats OpenAI's endpoint takes begin: told apart only to say what the file is.
-_MAGIC = {b"ID3": "mp3", b"\xff\xfb": "mp3", b"\xff\xf3": "mp3", b"OggS": "ogg", b"fLaC": "flac",
-          b"\x1aE\xdf\xa3": "webm"}
+FORMATS = {"WAV": "WAV", "WAVEX": "WAV", "FLAC": "FLAC", "OGG": "OGG", "MP3": "MP3"}  # libsndfile's names
+READS = "WAV, FLAC, OGG (Vorbis, Opus) and MP3"
+UPLOAD = "upload WAV, FLAC, OGG (Vorbis, Opus) or MP3 audio"
+MIN_RATE_HZ, MAX_RATE_HZ = 4_000, 192_000
+MAX_DECODED_BYTES = 64 * 2**20  # float32 frames x channels: 30 s of 192 kHz stereo fits
+CONVERT = "convert it, e.g. with `ffmpeg -i IN -ar 16000 -ac 1 OUT.wav`"
+# How files begin, to say what an unreadable upload is.
+_MAGIC = ((b"RIFF", "WAV"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"), (b"\xff\xf3", "mp3"), (b"\xff\xf2", "mp3"),
+          (b"OggS", "ogg"), (b"fLaC", "flac"), (b"\x1aE\xdf\xa3", "webm"))
 
 
 class AudioError(ValueError):
     """The upload is not audio this server can read; the message says why and how to fix it."""
 
 
-def decode_wav(data: bytes, name: str = "file") -> np.ndarray:
-    """The WAV file `data` as float32 samples in [-1, 1) at 16 kHz mono, shape [samples].
+def decode_audio(data: bytes, name: str = "file") -> np.ndarray:
+    """The audio file `data` as float32 samples at 16 kHz mono, shape [samples].
 
     Args:
-        name: the upload's file name, for messages.
+        name: how messages call the upload (e.g. "file a.wav").
 
     Raises:
-        AudioError: empty, not WAV (mp3, ogg, ... named), not integer PCM, no samples, or longer than
-            30 s (one Whisper window; this server does not split long audio).
+        AudioError: empty; not a format listed in READS; a header libsndfile refuses; a sample rate
+            outside MIN_RATE_HZ..MAX_RATE_HZ; no samples; longer than MAX_AUDIO_SECONDS; more than
+            MAX_DECODED_BYTES decoded; a body that fails to decode.
     """
     if not data:
-        raise AudioError(f"{name} is empty: upload a WAV file")
-    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        kind = next((k for magic, k in _MAGIC.items() if data.startswith(magic)), None)
-        what = f"an {kind} file" if kind in ("mp3", "ogg") else f"a {kind} file" if kind else "not a WAV file"
-        raise AudioError(f"{name} is {what}: this server reads WAV (PCM) only; convert it, e.g. with "
-                         "`ffmpeg -i IN -ar 16000 -ac 1 OUT.wav`")
+        raise AudioError(f"{name} is empty: {UPLOAD}")
     try:
-        with wave.open(io.BytesIO(data), "rb") as wav:
-            rate, channels, width = wav.getframerate(), wav.getnchannels(), wav.getsampwidth()
-            frames = wav.readframes(wav.getnframes())
-    except (wave.Error, EOFError) as e:
-        raise AudioError(f"{name} is not a readable WAV file ({e}): upload 16-bit PCM WAV") from None
-    samples = _pcm(frames, width, channels, name)
-    if samples.size == 0:
+        info = soundfile.info(io.BytesIO(data))
+    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError, EOFError) as e:
+        raise AudioError(_unreadable(data, name, e)) from None
+    frames = _check_header(info, name)
+    try:  # at most the checked frames: soundfile never reads past the count it is given
+        samples, _ = soundfile.read(io.BytesIO(data), frames=frames, dtype="float32", always_2d=True)
+    except (soundfile.SoundFileError, RuntimeError, ValueError, TypeError, EOFError, MemoryError) as e:
+        raise AudioError(f"{name} ({info.format} {info.subtype}) fails to decode ({_reason(e)}): {CONVERT}") from None
+    if len(samples) == 0:
         raise AudioError(f"{name} holds no audio samples")
-    if samples.size / rate > MAX_AUDIO_SECONDS:
-        raise AudioError(f"{name} lasts {samples.size / rate:.1f} s: at most {MAX_AUDIO_SECONDS:.0f} s per "
-                         "request (one Whisper window); cut it into shorter files")
-    return resample(samples, rate, SAMPLE_RATE)
+    return resample(samples.mean(axis=1, dtype=np.float32), info.samplerate, SAMPLE_RATE)
 
 
-def _pcm(frames: bytes, width: int, channels: int, name: str) -> np.ndarray:
-    """Interleaved integer PCM frames -> float32 mono [samples] in [-1, 1)."""
-    usable = len(frames) - len(frames) % (width * channels)
-    raw = np.frombuffer(frames[:usable], dtype=np.uint8)
-    if width == 1:  # 8-bit WAV is unsigned
-        values = (raw.astype(np.float32) - 128.0) / 128.0
-    elif width in (2, 4):
-        values = np.frombuffer(raw.tobytes(), dtype=f"<i{width}").astype(np.float32) / float(2 ** (8 * width - 1))
-    elif width == 3:  # 24-bit: sign-extend three little-endian bytes
-        b = raw.reshape(-1, 3).astype(np.int32)
-        ints = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-        values = (np.where(ints >= 1 << 23, ints - (1 << 24), ints)).astype(np.float32) / float(1 << 23)
-    else:
-        raise AudioError(f"{name} has {8 * width}-bit samples: upload 8/16/24/32-bit integer PCM WAV")
-    return values.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+def _check_header(info, name: str) -> int:
+    """The frames the header says the file holds, once its format, rate, duration and decoded size are
+    within bounds; AudioError naming the first that is not."""
+    kind = FORMATS.get(info.format)
+    if kind is None:
+        raise AudioError(f"{name} is {info.format} audio ({info.format_info}): this server reads {READS}; {CONVERT}")
+    rate = info.samplerate
+    if not MIN_RATE_HZ <= rate <= MAX_RATE_HZ:
+        raise AudioError(f"{name} says its sample rate is {rate} Hz: this server takes {MIN_RATE_HZ} to "
+                         f"{MAX_RATE_HZ} Hz; {CONVERT}")
+    frames, channels = int(info.frames), int(info.channels)
+    if frames <= 0:
+        raise AudioError(f"{name} holds no audio samples")
+    if frames > MAX_AUDIO_SECONDS * rate:
+        raise AudioError(f"{name} lasts {frames / rate:.1f} s: at most {MAX_AUDIO_SECONDS:.0f} s per request (one "
+                         "Whisper window); cut it into shorter files")
+    decoded = frames * channels * 4
+    if decoded > MAX_DECODED_BYTES:
+        raise AudioError(f"{name} decodes to {decoded / 2**20:.0f} MiB ({channels} channels of {frames} frames): at "
+                         f"most {MAX_DECODED_BYTES // 2**20} MiB; upload mono or stereo")
+    return frames
 
 
-def resample(samples: np.ndarray, orig_hz: int, new_hz: int, *, zero_crossings: int = 6,
-             rolloff: float = 0.99) -> np.ndarray:
-    """`samples` (float32 [n] at `orig_hz`) at `new_hz`: float32 [ceil(n * new_hz / orig_hz)].
+def _reason(e: BaseException) -> str:
+    """libsndfile's own words for an error (soundfile adds the BytesIO object's repr around them)."""
+    text = getattr(e, "error_string", None) or str(e) or type(e).__name__
+    return text.strip().rstrip(".")
 
-    Band-limited interpolation with a Hann-windowed sinc low-pass at `rolloff` times the lower Nyquist
-    frequency, as torchaudio.functional.resample (method "sinc_interp_hann"; after J. O. Smith,
-    "Digital Audio Resampling", ccrma.stanford.edu/~jos/resample/). The rates are reduced by their gcd
-    and one polyphase kernel [new, 1, width] runs as a strided conv1d.
-    """
+
+def _unreadable(data: bytes, name: str, e: BaseException) -> str:
+    """One line on an upload libsndfile cannot open: what it looks like, why, what to upload."""
+    kind = next((k for magic, k in _MAGIC if data.startswith(magic)), None)
+    if data[4:8] == b"ftyp":
+        kind = "mp4"
+    if kind == "WAV":
+        return f"{name} is not a readable WAV file ({_reason(e)}): {UPLOAD}"
+    article = "an" if kind in ("mp3", "mp4", "ogg") else "a"
+    if kind in ("webm", "mp4"):
+        return f"{name} is {article} {kind} file: this server reads {READS}; {CONVERT}"
+    if kind is not None:
+        return f"{name} is {article} {kind} file that cannot be decoded ({_reason(e)}); {CONVERT}"
+    return f"{name} is not audio this server can read ({_reason(e)}): {UPLOAD}"
+
+
+def resample(samples: np.ndarray, orig_hz: int, new_hz: int) -> np.ndarray:
+    """`samples` (float32 [n] at `orig_hz`) at `new_hz` (float32, about n x new_hz / orig_hz samples), by
+    libsoxr at its "HQ" quality: cost in proportion to the samples in and out, whatever the rates."""
     if orig_hz == new_hz:
-        return samples.astype(np.float32, copy=False)
-    g = math.gcd(orig_hz, new_hz)
-    orig, new = orig_hz // g, new_hz // g
-    base = min(orig, new) * rolloff
-    width = math.ceil(zero_crossings * orig / base)
-    idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, None] / orig
-    t = (torch.arange(0, -new, -1, dtype=torch.float64)[:, None, None] / new + idx) * base
-    t = t.clamp(-zero_crossings, zero_crossings)
-    window = torch.cos(t * math.pi / zero_crossings / 2) ** 2
-    t = t * math.pi
-    kernel = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / t) * window * (base / orig)
-    x = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)).double()
-    n = x.numel()
-    padded = torch.nn.functional.pad(x[None, None], (width, width + orig))
-    out = torch.nn.functional.conv1d(padded, kernel, stride=orig)  # [1, new, frames]
-    out = out.transpose(1, 2).reshape(-1)[: math.ceil(new * n / orig)]
-    return out.float().numpy()
+        return np.ascontiguousarray(samples, dtype=np.float32)
+    return soxr.resample(np.ascontiguousarray(samples, dtype=np.float32), orig_hz, new_hz, quality="HQ")

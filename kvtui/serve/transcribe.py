@@ -1,6 +1,6 @@
 """OpenAI's `POST /v1/audio/transcriptions` for a speech model (Whisper): a multipart upload in, a transcript out.
 
-Form fields, as OpenAI's API: `file` (required; WAV, see serve/audio.py), `model` (the served name or
+Form fields, as OpenAI's API: `file` (required; WAV, FLAC, OGG or MP3, see serve/audio.py), `model` (the served name or
 kvtui's model id), `response_format` `json` (default: `{"text"}`), `text` (plain text) or
 `verbose_json` (`{"task", "language", "duration", "text", "segments": [one segment of the whole
 clip], "usage"}`; the model has no timestamp tokens, so the segment spans the whole clip),
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models.whisper import SAMPLE_RATE
-from kvtui.serve.audio import AudioError, decode_wav
+from kvtui.serve.audio import AudioError, decode_audio
 from kvtui.serve.bridge import NotAccepting
 from kvtui.serve.protocol import ApiError
 
@@ -58,7 +58,7 @@ def add_transcription_route(app: FastAPI, state) -> None:
         upload = form.get("file")
         data = await upload.read()
         try:
-            samples = await state.off_loop(decode_wav, data, f"file {upload.filename or '(unnamed)'}")
+            samples = await state.off_loop(decode_audio, data, f"file {upload.filename or '(unnamed)'}")
         except AudioError as e:
             raise ApiError(400, str(e), param="file", code="invalid_audio") from None
         from kvtui.engine.encoder_cache import audio_input
@@ -95,7 +95,7 @@ def _fields(form, ctx) -> dict:
                        "model (kvtui serve --model whisper-tiny.en)", param="model", code="model_not_supported")
     upload = form.get("file")
     if upload is None or isinstance(upload, str):
-        raise ApiError(400, "file: required, the audio as a file upload (WAV)", param="file")
+        raise ApiError(400, "file: required, the audio as a file upload (WAV, FLAC, OGG or MP3)", param="file")
     model = form.get("model")
     if not model:
         raise ApiError(400, "model: required (this server serves `" + ctx.model_name + "`)", param="model")
