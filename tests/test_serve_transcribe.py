@@ -208,6 +208,15 @@ def test_decoding_other_formats_rates_and_channels():
     assert abs(len(got) - len(samples)) <= 1 and np.corrcoef(got[:len(samples)], samples[:len(got)])[0, 1] > 0.999
 
 
+def test_a_float_wav_holding_nan_is_refused():
+    """Float WAV can carry NaN or inf, which would turn every log-mel feature into NaN."""
+    samples = np.zeros(1600, np.float32)
+    assert np.array_equal(decode_audio(encoded(samples, 16000, "WAV", "FLOAT")), samples)
+    samples[100] = np.nan
+    with pytest.raises(AudioError, match="not finite numbers"):
+        decode_audio(encoded(samples, 16000, "WAV", "FLOAT"), "file a")
+
+
 @pytest.mark.parametrize("make,needle", [
     (lambda: wav_header(1_000_003, bytes(4000)), "sample rate is 1000003 Hz"),
     (lambda: wav_header(3_999, bytes(4000)), "sample rate is 3999 Hz"),

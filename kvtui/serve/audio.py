@@ -49,7 +49,7 @@ def decode_audio(data: bytes, name: str = "file") -> np.ndarray:
     Raises:
         AudioError: empty; not a format listed in READS; a header libsndfile refuses; a sample rate
             outside MIN_RATE_HZ..MAX_RATE_HZ; no samples; longer than MAX_AUDIO_SECONDS; more than
-            MAX_DECODED_BYTES decoded; a body that fails to decode.
+            MAX_DECODED_BYTES decoded; a body that fails to decode; a sample that is NaN or inf.
     """
     if not data:
         raise AudioError(f"{name} is empty: {UPLOAD}")
@@ -64,6 +64,8 @@ def decode_audio(data: bytes, name: str = "file") -> np.ndarray:
         raise AudioError(f"{name} ({info.format} {info.subtype}) fails to decode ({_reason(e)}): {CONVERT}") from None
     if len(samples) == 0:
         raise AudioError(f"{name} holds no audio samples")
+    if not np.isfinite(samples).all():  # float WAV may hold NaN or inf, which would make every feature NaN
+        raise AudioError(f"{name} holds samples that are not finite numbers (NaN or inf): {UPLOAD}")
     return resample(samples.mean(axis=1, dtype=np.float32), info.samplerate, SAMPLE_RATE)
 
 
