@@ -313,10 +313,13 @@ def check_fault_names(names) -> frozenset[str]:
     Raises:
         ValueError: naming the first unknown fault and the known list.
     """
+    from kvtui.names import did_you_mean
+
     names = frozenset(names)
     unknown = sorted(names - set(FAULTS))
     if unknown:
-        raise ValueError(f"unknown fault {unknown[0]!r}; known: {', '.join(FAULT_NAMES)} (see `kvtui faults`)")
+        raise ValueError(f"unknown fault {unknown[0]!r}{did_you_mean(unknown[0], FAULT_NAMES)}; known: "
+                         f"{', '.join(FAULT_NAMES)} (see `kvtui faults`)")
     return names
 
 

@@ -18,6 +18,7 @@ ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "kvtui"
 
 RANK = {
+    "names": -1,  # the did-you-mean rule: imports nothing of kvtui, so every room may use it
     "kvtui": 0, "config": 0, "faults": 0, "memory": 0,  # plain facts: names, defaults, bounds
     "events": 1,  # the event types every room speaks (the engine returns its StepEvent)
     "models": 2, "engine": 3,

@@ -9,6 +9,7 @@ run in finish. This module makes the Typer app and the console entry point.
 from __future__ import annotations
 
 import os
+import re
 
 import typer
 
@@ -21,6 +22,7 @@ from kvtui.cli.replay import replay
 from kvtui.cli.run import run
 from kvtui.cli.serve import serve
 from kvtui.cli.validate import validate
+from kvtui.names import did_you_mean
 
 app = typer.Typer(
     name="kvtui",
@@ -34,6 +36,19 @@ for _command in (run, replay, validate, faults, audit, serve):  # in the order `
 app.command("model")(model_cmd)
 app.command()(bench)
 app.command("calibrate")(calibrate_cmd)
+
+
+_NOT_ONE_OF = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")
+
+
+def with_suggestion(message: str) -> str:
+    """A choice option's error ("'stale_slots' is not one of 'shared_cache', ...", as typer words it) with
+    the closest choice named after the value: "'stale_slots' (did you mean 'stale_slot'?) is not one of ..."."""
+    found = _NOT_ONE_OF.search(message)
+    if found is None:
+        return message
+    hint = did_you_mean(found["value"], re.findall(r"'([^']*)'", found["choices"]))
+    return message[:found.end("value") + 1] + hint + message[found.end("value") + 1:]
 
 
 def main() -> int:
@@ -52,7 +67,7 @@ def main() -> int:
         return EXIT_BAD_INPUT
     except click_errors.UsageError as e:
         command = f"kvtui {e.ctx.info_name}" if e.ctx and e.ctx.parent else "kvtui"
-        message = e.format_message().replace("Value error, ", "")
+        message = with_suggestion(e.format_message().replace("Value error, ", ""))
         say("error", f"{message} (see `{command} --help`)")
         return EXIT_BAD_INPUT
     except (typer.Abort, KeyboardInterrupt):  # a second Ctrl-C while a run was stopping

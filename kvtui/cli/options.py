@@ -14,6 +14,7 @@ from kvtui.cli.console import fail
 from kvtui.config import EngineConfig
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.faults import FAULT_NAMES
+from kvtui.names import did_you_mean
 from kvtui.serve.options import ServeOptions
 from kvtui.target.options import TargetOptions
 
@@ -42,7 +43,8 @@ def parse_detectors(text: str) -> tuple[str, ...]:
     chosen = () if text.strip() == "none" else tuple(d.strip() for d in text.split(",") if d.strip())
     unknown = [d for d in chosen if d not in DETECTOR_NAMES]
     if unknown:
-        fail(f"--detectors: unknown detector {unknown[0]!r}; use some of {', '.join(DETECTOR_NAMES)} or 'none'")
+        fail(f"--detectors: unknown detector {unknown[0]!r}{did_you_mean(unknown[0], DETECTOR_NAMES)}; use some of "
+             f"{', '.join(DETECTOR_NAMES)} or 'none'")
     return chosen
 
 

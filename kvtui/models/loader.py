@@ -14,6 +14,7 @@ from kvtui.models.chat import CHATML_TEMPLATE, eos_token_ids, prepare_tokenizer
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant
 from kvtui.models.tiny import TINY_NAMES, build_tiny
 from kvtui.models.types import LoadedModel, ModelLoadError, one_line, quiet_progress_bars
+from kvtui.names import did_you_mean
 
 DEFAULT_ALIASES = ("default", "smollm2")
 # kvtui.models.whisper.WHISPER_NAMES, spelled out so that importing the loader does not import
@@ -28,6 +29,14 @@ ACCEPTED = (
 HYBRID_NAME = "tiny-qwen35moe"
 HYBRID_ENGINE_ONLY = (f"{HYBRID_NAME} (gated-delta recurrent layers) runs on llama.cpp's server, not on kvtui's "
                       f"engine: kvtui run SCENARIO --model {HYBRID_NAME} --llama-server '-np 2'")
+KNOWN_NAMES = (*DEFAULT_ALIASES, *TINY_NAMES, *WHISPER_NAMES, *VISION_NAMES, HYBRID_NAME)
+
+
+def unknown_model(name: str) -> ModelLoadError:
+    """The error for a model name kvtui does not know (and no such path), with the closest known name."""
+    return ModelLoadError(f"unknown model {name!r}{did_you_mean(name.strip().lower(), KNOWN_NAMES)}: {ACCEPTED}")
+
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -135,7 +144,7 @@ def check_model_available(name: str) -> None:
         return
     if path.is_dir():
         raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
-    raise ModelLoadError(f"unknown model {name!r}: {ACCEPTED}")
+    raise unknown_model(name)
 
 
 def _load_vision(key: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
@@ -202,7 +211,7 @@ def _load_path(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
         return _loaded(model, tokenizer, name, str(path), None)
     if path.is_dir():
         raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
-    raise ModelLoadError(f"unknown model {name!r}: {ACCEPTED}")
+    raise unknown_model(name)
 
 
 def _load_gguf(path: Path, sha: str, dtype: torch.dtype, progress: bool, *, model_id: str, stem: str,

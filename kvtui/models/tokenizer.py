@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, prepare_tokenizer
-from kvtui.models.loader import ACCEPTED, DEFAULT_ALIASES, HYBRID_NAME, WHISPER_NAMES
+from kvtui.models.loader import DEFAULT_ALIASES, HYBRID_NAME, WHISPER_NAMES, unknown_model
 from kvtui.models.tiny import TINY_NAMES, build_tiny_tokenizer
 from kvtui.models.types import ModelLoadError, one_line
 
@@ -50,7 +50,7 @@ def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
         return _gguf_tokenizer(path, path.stem, CHATML_TEMPLATE)
     if path.is_dir() and (path / "config.json").is_file():
         return _read(path, {}, CHATML_TEMPLATE, f"cannot read the tokenizer of {path}")
-    raise ModelLoadError(f"unknown model {name!r}: {ACCEPTED}")
+    raise unknown_model(name)
 
 
 def _gguf_tokenizer(path: Path, stem: str, template: str) -> PreTrainedTokenizerBase:

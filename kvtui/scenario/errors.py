@@ -7,7 +7,6 @@ the formatter can read the fix and an optional sub-path below the field that rai
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 import reprlib
@@ -16,6 +15,8 @@ import typing
 from collections.abc import Callable, Sequence
 
 import pydantic
+
+from kvtui.names import did_you_mean
 
 
 class ScenarioError(Exception):
@@ -62,14 +63,6 @@ def short(value: object) -> str:
         return _short.repr(value)
     except Exception:  # a value whose repr fails must not hide the real error
         return f"<{type(value).__name__}>"
-
-
-def did_you_mean(word: object, choices: Sequence[str]) -> str:
-    """' (did you mean 'x'?)' for a close match, else ''."""
-    if not isinstance(word, str):
-        return ""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 _EXPONENT = re.compile(r"([-+]?)(\d+)(?:\.(\d*))?[eE]([-+]?)(\d+)")

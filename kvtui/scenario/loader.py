@@ -12,6 +12,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from kvtui.names import closest
 from kvtui.scenario.arrivals import PROCESS_NAMES
 from kvtui.scenario.errors import ScenarioError, allowed_keys_for, describe, path_part, short, type_name
 from kvtui.scenario.lengths import DIST_NAMES
@@ -35,7 +36,8 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ScenarioError([f"{path}: (file): not found; check the path (ready scenarios are in scenarios/)"]) from None
+        raise ScenarioError([f"{path}: (file): not found{_nearby(p)}; check the path (ready scenarios are in "
+                             "scenarios/)"]) from None
     except IsADirectoryError:
         raise ScenarioError([f"{path}: (file): is a folder; give a .yaml file inside it"]) from None
     except UnicodeError:
@@ -43,6 +45,20 @@ def load_scenario(path: str | Path) -> Scenario:
     except (OSError, ValueError) as e:
         raise ScenarioError([f"{path}: (file): cannot be read ({type(e).__name__}); check permissions"]) from None
     return parse_scenario(text, source=str(path), base_dir=p.parent)
+
+
+def _nearby(path: Path) -> str:
+    """' (did you mean 'scenarios/passphrase.yaml'?)' for the scenario file whose name is closest to the one
+    given, in its folder, else in scenarios/; '' when none is close."""
+    for folder in (path.parent, Path("scenarios")):
+        try:
+            names = {f.name: f for f in folder.iterdir() if f.suffix in (".yaml", ".yml")} if folder.is_dir() else {}
+        except OSError:
+            continue
+        close = closest(path.name, names)
+        if close is not None:
+            return f" (did you mean '{names[close]}'?)"
+    return ""
 
 
 def parse_scenario(text: str, source: str = "<string>", base_dir: str | Path | None = None) -> Scenario:

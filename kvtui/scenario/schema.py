@@ -43,9 +43,10 @@ from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, T
 from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
+from kvtui.names import did_you_mean
 from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson, Rounds
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
-from kvtui.scenario.errors import Problem, did_you_mean, printable
+from kvtui.scenario.errors import Problem, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
 from kvtui.scenario.sampling import Mix, PenaltyFields, check_mix

@@ -16,8 +16,9 @@ import pydantic
 from pydantic import Field, TypeAdapter
 
 from kvtui.config import KNOB_BOUNDS, Layout, PaddingSide, SlotReuse, TooLong
+from kvtui.names import did_you_mean
 from kvtui.scenario.base import FAULT_NAMES, MAX_RATE, MAX_SECONDS, Strict
-from kvtui.scenario.errors import Problem, describe, did_you_mean, short
+from kvtui.scenario.errors import Problem, describe, short
 
 _strict = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
 
