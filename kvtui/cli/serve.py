@@ -90,10 +90,6 @@ def serve(
 
     if kv != "paged" and (prefix_caching or block_size is not None):
         fail(f"{'--prefix-caching' if prefix_caching else '--block-size'} needs paged KV: add --kv paged")
-    from kvtui.models.hardware import bf16_note
-
-    if note := bf16_note(dtype, device):
-        say("note", note)
     max_len = max_len or SPEECH_MAX_LEN.get(model, SERVE.max_len)
     options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
                            faults=fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,

@@ -42,11 +42,17 @@ def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[
         BadInput: the address cannot be bound, the model cannot load, a bad engine value or recording path.
     """
     server = ServeServer(options)
+    _check(server)  # a bad name or value is its one line, before anything starts or is said
     try:
         server.start_http()
     except OSError as e:
-        raise BadInput(f"--host/--port: {e}; choose another --port") from None
+        raise BadInput(f"--host/--port: cannot listen on {options.host}:{options.port} ({e.strerror or e}); "
+                       "check --host or choose another --port") from None
     try:
+        from kvtui.models.hardware import bf16_note
+
+        if bf16 := bf16_note(options.dtype, options.device):
+            note(bf16)
         note(f"loading {options.model}; {server.url}/health answers 503 until it is ready")
         _load(server)
         if dashboard:
@@ -54,6 +60,17 @@ def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[
         return _plain(server, note)
     finally:
         server.stop()
+
+
+def _check(server: ServeServer) -> None:
+    """The options' cheap checks (server.check: fault names and fits, engine values, the model's name or
+    path), as BadInput."""
+    from kvtui.models import ModelLoadError
+
+    try:
+        server.check()
+    except (ValueError, ModelLoadError) as e:
+        raise BadInput(str(e)) from None
 
 
 def _load(server: ServeServer) -> None:

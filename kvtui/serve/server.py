@@ -15,6 +15,7 @@ Threads:
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 import time
@@ -63,6 +64,26 @@ def serve_scenario(options: ServeOptions):
             from None
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening, as uvicorn would bind it (SO_REUSEADDR, so a
+    port in TIME_WAIT is taken; port 0: a free one).
+
+    Raises:
+        OSError: the host does not resolve, or the address cannot be bound (e.g. "Address already in use").
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class ServeServer:
     """One `kvtui serve` in this process (tests start several, each on its own port).
 
@@ -94,22 +115,27 @@ class ServeServer:
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def start_http(self, timeout_s: float = 30.0) -> None:
-        """Start uvicorn in a background thread and wait until it listens.
+        """Bind the address, then start uvicorn on that socket in a background thread and wait until it
+        serves. kvtui binds it itself, so an address in use is one OSError here and uvicorn, which
+        would log its own error line first, never tries.
 
         Raises:
-            OSError: the address cannot be bound (in use, not permitted).
+            OSError: the address cannot be bound (in use, not permitted), its strerror saying which.
         """
+        sock = listening_socket(self.options.host, self.options.port)
         config = uvicorn.Config(self.app, host=self.options.host, port=self.options.port, log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=5)
         self._http = uvicorn.Server(config)
-        self._http_thread = threading.Thread(target=self._http.run, name="kvtui-serve-http", daemon=True)
+        self._http_thread = threading.Thread(target=self._http.run, kwargs={"sockets": [sock]},
+                                             name="kvtui-serve-http", daemon=True)
         self._http_thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._http.started:
             if not self._http_thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(f"cannot listen on {self.options.host}:{self.options.port} (in use, or not permitted)")
+                sock.close()
+                raise OSError(f"cannot serve on {self.options.host}:{self.options.port}")
             time.sleep(0.01)
-        self._port = self._http.servers[0].sockets[0].getsockname()[1]
+        self._port = sock.getsockname()[1]
 
     @property
     def port(self) -> int:
@@ -122,13 +148,22 @@ class ServeServer:
         return f"http://{self.options.host}:{self.port}"
 
     # -- model and session --------------------------------------------------------------------------
-    def load(self) -> None:
-        """Load the model and prepare the serving session's factory (the session itself is made by
-        `start_engine` or the dashboard).
+    def check(self) -> None:
+        """What load() checks before it reads any weights: the fault names and where they act, the engine
+        values, the model's name or path (when the default loader loads it).
 
         Raises:
-            ValueError: a bad engine value or fault/detector name; kvtui.models.ModelLoadError.
+            ValueError: a bad engine value or fault name; kvtui.models.ModelLoadError: an unknown model
+                or one that is not installed.
         """
+        self._checked_scenario()
+        if self._load is _load_model:
+            from kvtui.models import check_model_available
+
+            check_model_available(self.options.model)
+
+    def _checked_scenario(self):
+        """The serving scenario the options make, once its faults can act in its engine (ValueError if not)."""
         from kvtui.faults import check_fault_names, fault_misfit
 
         check_fault_names(self.options.faults)
@@ -140,7 +175,16 @@ class ServeServer:
                 raise ValueError(f"--fault {name}: {why.removeprefix(f'fault {name} ')}, so it would never fire; "
                                  "`kvtui faults` lists where each fault acts (--layout, --kv and --prefix-caching "
                                  "pick where)")
-        self.scenario = scenario
+        return scenario
+
+    def load(self) -> None:
+        """Load the model and prepare the serving session's factory (the session itself is made by
+        `start_engine` or the dashboard).
+
+        Raises:
+            ValueError: a bad engine value or fault/detector name; kvtui.models.ModelLoadError.
+        """
+        self.scenario = self._checked_scenario()
         self.loaded = self._load(self.options)
         paged = self.scenario.engine.kv == "paged"
         self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id,
