@@ -191,6 +191,8 @@ def read_recording(path: str | Path) -> tuple[Header, list, Summary | None, bool
         try:
             data = json.loads(line)
         except json.JSONDecodeError:
+            if header is None:  # not even a header: not a recording (a scenario file, most likely)
+                raise RecordingError(_not_json(path, number)) from None
             truncated = True
             break
         if number == 1:
@@ -210,6 +212,20 @@ def read_recording(path: str | Path) -> tuple[Header, list, Summary | None, bool
     if header is None:
         raise RecordingError(f"{path}: empty recording")
     return header, events, summary, truncated or summary is None
+
+
+def _not_json(path: Path, number: int) -> str:
+    """Why a file whose first line is not JSON is no recording: a scenario file says how to run it."""
+    import yaml
+
+    try:
+        scenario = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError:
+        scenario = None
+    if path.suffix in (".yaml", ".yml") or isinstance(scenario, dict) and {"name", "arrivals", "prompts"} & set(scenario):
+        return (f"{path} is a scenario file, not a recording: run it with `kvtui run {path}` (add --headless "
+                f"--record runs/NAME.jsonl to record a run that kvtui replay plays)")
+    return f"{path}:{number}: not a kvtui recording (not JSON; a recording is JSON Lines, a header first)"
 
 
 def _header(path: Path, data) -> Header:
