@@ -86,10 +86,14 @@ def check_fit(scenario, planned) -> FitReport:
 
 def fit_lines(scenario, planned, source: str) -> tuple[list[str], list[str]]:
     """(errors, warnings): one error line when no planned request fits the engine (the run would test
-    nothing), else one warning line when some do not; each names the file, the field and the fix."""
+    nothing), else one warning line when some do not; each names the file, the field and the fix. The
+    same for min_tokens above the requests' output lengths (min_tokens_lines)."""
+    errors, warnings = min_tokens_lines(scenario, planned, source)
+    if errors:
+        return errors, warnings
     report = check_fit(scenario, planned)
     if not report.num_rejected:
-        return [], []
+        return [], warnings
     e = scenario.engine
     cause, _ = report.rejected.most_common(1)[0]
     what = {
@@ -109,9 +113,31 @@ def fit_lines(scenario, planned, source: str) -> tuple[list[str], list[str]]:
     field = "engine.num_blocks" if cause == "blocks" else "prompts" if cause == "empty" else "engine.max_len"
     if report.num_rejected == report.total:
         return [f"{source}: {field}: none of the {report.total} planned requests fits the engine: each has {what}, "
-                f"so every one would be rejected and the run would test nothing; {fix}"], []
-    return [], [f"{source}: {field}: {report.num_rejected} of the {report.total} planned requests have {what} and "
-                f"will be rejected; {fix}"]
+                f"so every one would be rejected and the run would test nothing; {fix}"], warnings
+    return [], warnings + [f"{source}: {field}: {report.num_rejected} of the {report.total} planned requests have "
+                           f"{what} and will be rejected; {fix}"]
+
+
+def min_tokens_lines(scenario, planned, source: str) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for min_tokens above output lengths: a request's min_tokens is capped at its own
+    output length (SamplingParams needs min_tokens <= max_new_tokens), which is refused in one line when it
+    happens to every planned request (min_tokens would mean nothing) and warned about when to some."""
+    capped = [p for p in planned if p.min_tokens_asked > p.sampling.max_new_tokens]
+    if not capped:
+        return [], []
+    asked = max(p.min_tokens_asked for p in capped)
+    s = scenario.sampling
+    field = "sampling.min_tokens" if s.min_tokens == asked else next(
+        (f"sampling.mix.{i}.min_tokens" for i, e in enumerate(s.mix) if e.min_tokens == asked), "sampling.min_tokens")
+    lengths = sorted(p.sampling.max_new_tokens for p in capped)
+    span = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    if len(capped) == len(planned):
+        return [f"{source}: {field}: {asked} is above the output length of every planned request ({span} tokens), "
+                f"so each would be held to its own length, not to {asked}; lower {field} to {lengths[0]} or less, "
+                "or raise output_tokens"], []
+    return [], [f"{source}: {field}: {asked} is above the output length of {len(capped)} of the {len(planned)} "
+                f"planned requests ({span} tokens); their min_tokens is capped at their length; lower {field} to "
+                f"{lengths[0]} or raise output_tokens"]
 
 
 def _span(report: FitReport) -> str:

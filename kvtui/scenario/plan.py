@@ -34,7 +34,7 @@ from kvtui.scenario.prompts import (
     to_id_list,
     user_chat,
 )
-from kvtui.scenario.sampling import pick_entry, request_fields
+from kvtui.scenario.sampling import asked_min_tokens, pick_entry, request_fields
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.tenants import TenantPlan
 
@@ -70,6 +70,8 @@ class PlannedRequest:
             (the session builds the rows from the engine's embedding table); None: token ids only.
         embeds_rows_of: the ids whose embedding rows fill the tensor (default prompt_ids): `mask_pairs`' second
             request carries its first's tensor.
+        min_tokens_asked: the min_tokens its sampling section or mix entry asks; sampling.min_tokens is that
+            capped at its output length (kvtui.scenario.fit.min_tokens_lines says when a cap happened).
     """
 
     request_id: str
@@ -85,6 +87,7 @@ class PlannedRequest:
     input: object = None
     embeds_mask: tuple[bool, ...] | None = None
     embeds_rows_of: list[int] | None = None
+    min_tokens_asked: int = 0
 
     @property
     def image_label(self) -> str | None:
@@ -394,7 +397,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
             cancel_after=arrival.cancel_after,
             audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
-            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None),
+            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None), min_tokens_asked=asked_min_tokens(s, entry),
         )
         for i, ((arrival, ids, meta, n_out, tenant, extra), entry) in enumerate(zip(planned, entries))
     ]

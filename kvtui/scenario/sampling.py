@@ -62,7 +62,9 @@ class PenaltyFields(Strict):
     logit_bias: LogitBias | None = Field(
         None, description='OpenAI: token id -> bias in [-100, 100] added to its logit, e.g. {"42": -100} bans 42')
     min_tokens: Annotated[int, Field(ge=0, le=100_000)] | None = Field(
-        None, description="vLLM: no EOS or stop string before this many tokens (capped at the output length)")
+        None, description="vLLM: no EOS before this many tokens, and no stop string in their text; above every "
+                          "planned request's output length it is refused, above some a warning names how many "
+                          "are capped at their length")
     bad_words: Words | None = Field(
         None, description="vLLM: words never to generate (tokenized as written and with a leading space)")
 
@@ -112,6 +114,12 @@ def pick_entry(mix, rng) -> MixEntry | None:
     return None
 
 
+def asked_min_tokens(section, entry: MixEntry | None) -> int:
+    """The min_tokens a request is asked for: its mix entry's when set, else the section's (0 when neither)."""
+    value = getattr(entry, "min_tokens", None) if entry is not None else None
+    return (section.min_tokens if value is None else value) or 0
+
+
 def request_fields(section, entry: MixEntry | None, max_new_tokens: int) -> dict:
     """The SamplingParams fields of one request: the section's, with its mix entry's set fields over them."""
     def get(name, default):
@@ -125,4 +133,4 @@ def request_fields(section, entry: MixEntry | None, max_new_tokens: int) -> dict
         frequency_penalty=get("frequency_penalty", 0.0), presence_penalty=get("presence_penalty", 0.0),
         repetition_penalty=get("repetition_penalty", 1.0),
         logit_bias=tuple(sorted(get("logit_bias", {}).items())),
-        min_tokens=min(get("min_tokens", 0), max_new_tokens), bad_words=tuple(get("bad_words", [])))
+        min_tokens=min(asked_min_tokens(section, entry), max_new_tokens), bad_words=tuple(get("bad_words", [])))
