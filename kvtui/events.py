@@ -774,6 +774,9 @@ class Summary(_Frozen):
     stopped_early: bool = False
     requests_not_submitted: int = 0
     requests_completed: int | None = None  # (v2) stop or length
+    # (v3) parallel sampling: requests submitted, when some ran as n > 1 sequences (requests_finished and the
+    # other per-request figures count sequences); None when every request ran as one
+    requests_submitted: int | None = None
     requests_in_flight: int | None = None  # (v2) arrived, not finished when the recording ended
     findings_by_kind: dict[str, int] | None = None  # (v2)
     reference_checked: int | None = None  # (v2) requests compared with their solo run

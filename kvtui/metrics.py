@@ -154,6 +154,8 @@ class Metrics:
         self.contamination: Counter = Counter()  # (kind, detector) -> events
         self.findings = Findings()  # reports joined per victim
         self.arrived = 0
+        self.arrived_alone = 0  # arrivals that are a whole request (n = 1)
+        self.parents: set[str] = set()  # parallel sampling: the requests whose sequences arrived
         self.reference: ReferenceStatus | None = None
         self.canary_requests = 0
         self.canary_echoed = 0
@@ -184,6 +186,10 @@ class Metrics:
             self.findings.add(event)
         elif isinstance(event, Arrive):
             self.arrived += 1
+            if event.parent is None:
+                self.arrived_alone += 1
+            else:
+                self.parents.add(event.parent)
         elif isinstance(event, ReferenceStatus):
             self.reference = event
         elif isinstance(event, ServerSample):
@@ -316,6 +322,7 @@ class Metrics:
                 CounterEntry(kind=kind, detector=detector, value=n)
                 for (kind, detector), n in sorted(self.contamination.items())),
             findings_by_kind=self.findings.by_kind(), requests_in_flight=self.arrived - self.requests_finished,
+            requests_submitted=self.arrived_alone + len(self.parents) if self.parents else None,
             reference_checked=self.reference.checked if self.reference else None,
             reference_skipped=self.reference.skipped if self.reference else None,
             reference_cached=self.reference.cached if self.reference else None,

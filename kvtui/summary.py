@@ -48,7 +48,7 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     table = Table(show_header=False, box=None)
     table.add_column("metric", style="bold")
     table.add_column("value")
-    for name, value in (_target_rows(summary) if header.target else _rows(summary)):
+    for name, value in (_target_rows(summary, header) if header.target else _rows(summary, header=header)):
         if name == "reference checks" and header.reference_tolerance and header.model.dtype != "float32":
             # which tolerance labelled numeric flips (float32's is always the built-in 1e-3)
             value += f"; {tolerance_text(header.reference_tolerance)}"
@@ -75,11 +75,41 @@ def finish_counts(s: Summary) -> str:
     return ", ".join(parts) or "-"
 
 
-def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
+def requests_text(s: Summary) -> str:
+    """'8 (stop 8)'; with parallel sampling '6 submitted, 10 sequences finished (length 10): ...', since each
+    of a request's n sequences finishes, and counts in the figures, on its own."""
     reasons = finish_counts(s)
+    if s.requests_submitted is None:
+        return f"{s.requests_finished} ({reasons})"
+    return (f"{s.requests_submitted} submitted, {s.requests_finished} sequences finished ({reasons}): a request with "
+            "n > 1 runs as n sequences, and the rows below count sequences")
+
+
+def canary_blind(s: Summary, header: Header | None) -> bool:
+    """Whether the canary could witness nothing: passphrase prompts ran with the canary on, yet no answer held
+    a passphrase at all, its own (none echoed) or another request's (no canary report). A model that
+    repeats no passphrase (random weights, a model that ignores the prompt) would not repeat a leaked one
+    either, so the canary's silence says nothing about isolation."""
+    if not s.passphrase_requests or s.passphrase_echoed:
+        return False
+    if header is not None and header.detectors and "canary" not in header.detectors:
+        return False  # the canary did not run: nothing to call blind
+    return not any(c.detector == "canary" and c.value for c in s.contamination_events_total)
+
+
+def passphrase_text(s: Summary, header: Header | None) -> str:
+    """'8/8'; when the canary was blind, also that it was and why, and what that leaves the findings."""
+    echoed = f"{s.passphrase_echoed}/{s.passphrase_requests}"
+    if not canary_blind(s, header):
+        return echoed
+    return (f"{echoed}: the canary was blind: no answer held a passphrase, its own or another's, so it could "
+            "witness no leak; findings rest on the other detectors, and a source none of them names shows as ?")
+
+
+def _rows(s: Summary, target: bool = False, header: Header | None = None) -> list[tuple[str, str]]:
     ttft, tpot = s.time_to_first_token_seconds, s.time_per_output_token_seconds
     rows = [
-        ("requests", f"{s.requests_finished} ({reasons})"),
+        ("requests", requests_text(s)),
         *_failed_row(s),
         ("prompt tokens", str(s.prompt_tokens)),
         ("generated tokens", str(s.generated_tokens)),
@@ -96,7 +126,7 @@ def _rows(s: Summary, target: bool = False) -> list[tuple[str, str]]:
     ]
     rows += _paged_rows(s, target)
     if s.passphrase_requests:
-        rows.append(("own passphrase echoed", f"{s.passphrase_echoed}/{s.passphrase_requests}"))
+        rows.append(("own passphrase echoed", passphrase_text(s, header)))
     if s.stopped_early:
         rows.append(("stopped early", f"yes ({s.requests_not_submitted} requests not submitted)"))
     if s.requests_in_flight:
@@ -183,9 +213,10 @@ ENGINE_ONLY_ROWS = ("duration", "prefill / decode tokens/s", "padding ratio (mea
                     "peak slot occupancy", "peak KV usage")
 
 
-def _target_rows(s: Summary) -> list[tuple[str, str]]:
+def _target_rows(s: Summary, header: Header | None = None) -> list[tuple[str, str]]:
     """A server timed from outside: the engine-only rows (steps, padding, slots) give way to client-side
-    request figures and the server's own gauges."""
+    request figures and the server's own gauges. A transcription server's output is counted in words (its
+    transcripts split at spaces: the endpoint returns text, no token counts), and its rows say so."""
     itl, e2e = s.inter_token_latency_seconds, s.e2e_request_latency_seconds
     extra = {
         "output tokens/s": [("duration", f"{s.duration_s:.2f} s"),
@@ -195,11 +226,21 @@ def _target_rows(s: Summary) -> list[tuple[str, str]]:
         + ([("server peak KV usage / waiting", f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}")]
            if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak else []),
     }
+    words = header is not None and header.engine.get("api") == "transcription"
     rows = []
-    for row in _rows(s, target=True):
-        if row[0] not in ENGINE_ONLY_ROWS:
-            rows += [row] + extra.get(row[0], [])
+    for name, value in _rows(s, target=True, header=header):
+        if name not in ENGINE_ONLY_ROWS:
+            row = WORD_ROWS[name](value) if words and name in WORD_ROWS else (name, value)
+            rows += [row] + extra.get(name, [])
     return rows
+
+
+# a transcription target's rows: its output is words (the transcript split at spaces), not tokens
+WORD_ROWS = {
+    "generated tokens": lambda value: ("generated words", f"{value} (transcripts split at spaces: the transcription "
+                                                          "API returns text, not tokens)"),
+    "output tokens/s": lambda value: ("output words/s", value),
+}
 
 
 EXCERPT_CHARS = 40  # characters of each text a changed-answer report shows

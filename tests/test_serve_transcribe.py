@@ -363,6 +363,10 @@ def test_cli_run_target_audits_a_transcription_server(whisper_server, oracle, tm
     for i, rid in enumerate(sorted(finishes)):
         assert finishes[rid].output_text == oracle(planned[i % len(planned)])[1]
     assert re.search(r"contamination findings +0", out.stdout)
+    # the endpoint returns text: the summary counts words, and says so, never "tokens"
+    words = sum(len(f.output_text.split()) for f in finishes.values())
+    assert re.search(rf"generated words +{words} \(transcripts split at spaces", out.stdout), out.stdout
+    assert "generated tokens" not in out.stdout and "output words/s" in out.stdout
 
 
 @pytest.mark.whisper
