@@ -142,3 +142,13 @@ def test_modules_named_in_the_docs_exist():
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")}  # docs may name the test that pins a rule
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "scripts").glob("*.py")}
     assert sorted(names - files) == []
+
+
+def test_readme_fault_count_and_names_are_the_catalogues():
+    """The README's `kvtui faults` sentence gives the catalogue's count and names every fault (it said twelve
+    while the catalogue held 21 and more)."""
+    readme = text("README.md")
+    found = re.search(r"`kvtui faults` lists (\d+) named faults(.+?)\n\n", readme, re.S)
+    assert found is not None, "README: the sentence '`kvtui faults` lists N named faults' is gone"
+    assert int(found.group(1)) == len(FAULTS)
+    assert set(re.findall(r"`(\w+)`", found.group(2))) >= set(FAULTS)
