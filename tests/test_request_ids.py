@@ -97,15 +97,17 @@ def test_bad_sections_are_one_line_naming_the_field(section, line):
 
 
 # -- a server keyed by the client's id (transformers serve 5.24's failure) ------------------------------------
-class DiesOnDuplicate:
-    """Chat completions keyed by x-request-id. A request whose id is already in flight kills the worker,
-    as transformers serve --continuous-batching 5.24 does: the earlier request with that id never gets
-    another chunk, the new one gets 503, every other stream in flight ends with an error event, and from
-    then on every request and /health get 503. With `fatal=False` ids are opaque (a correct server)."""
+class KeyedByClientId:
+    """Chat completions keyed by x-request-id. `on_duplicate` says what a request whose id is already in
+    flight does: "die" kills the worker, as transformers serve --continuous-batching 5.24 does (the earlier
+    request with that id never gets another chunk, the new one gets 503, every other stream in flight ends
+    with an error event, and from then on every request and /health get 503); "misroute" takes the earlier
+    request's place (the new client gets the earlier one's answer, the earlier client nothing more, as
+    kvtui serve's request_id_keyed); None: ids are opaque (a correct server)."""
 
-    def __init__(self, fatal: bool = True) -> None:
-        self.fatal, self.dead, self.stalled = fatal, False, set()
-        self.in_flight: set[str] = set()
+    def __init__(self, on_duplicate: str | None = "die") -> None:
+        self.on_duplicate, self.dead, self.stalled = on_duplicate, False, set()
+        self.in_flight: dict[str, str] = {}  # id -> the passphrase of the request streaming under it
         self.seen: list[tuple[str | None, dict]] = []  # (x-request-id, body) of every chat request
 
     def app(self) -> FastAPI:
@@ -128,17 +130,21 @@ class DiesOnDuplicate:
             key = rid or str(uuid.uuid4())
             if self.dead:
                 return JSONResponse({"error": f"worker is dead and cannot accept request {key}"}, status_code=503)
-            if self.fatal and key in self.in_flight:
+            phrase = PASSPHRASE.search(json.dumps(body["messages"])).group(0)
+            if self.on_duplicate == "die" and key in self.in_flight:
                 self.dead = True
                 self.stalled.add(key)
                 return JSONResponse({"error": f"worker died during request {key}"}, status_code=503)
-            phrase = PASSPHRASE.search(json.dumps(body["messages"])).group(0)
-            self.in_flight.add(key)
+            if self.on_duplicate == "misroute" and key in self.in_flight:
+                self.stalled.add(key)  # the earlier client waits for ever; this one streams its answer
+                return StreamingResponse(self._stream(None, self.in_flight[key]), media_type="text/event-stream")
+            self.in_flight[key] = phrase
             return StreamingResponse(self._stream(key, phrase), media_type="text/event-stream")
 
         return api
 
-    async def _stream(self, key: str, phrase: str):
+    async def _stream(self, key: str | None, phrase: str):
+        await asyncio.sleep(0.05)  # a duplicate sent at once arrives while this one is in flight
         try:
             for piece in ("The", " passphrase", " is", f" {phrase}", "."):
                 if key in self.stalled:
@@ -151,7 +157,7 @@ class DiesOnDuplicate:
             yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}]})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.in_flight.discard(key)
+            self.in_flight.pop(key, None)
 
 
 @contextmanager
@@ -178,7 +184,7 @@ def reports(events) -> dict[str, tuple[str, str | None]]:
 
 
 def test_a_server_that_dies_on_a_duplicate_id_is_caught_with_victims_and_sources(tmp_path):
-    fake = DiesOnDuplicate()
+    fake = KeyedByClientId("die")
     (tmp_path / "pair.yaml").write_text(PAIR)
     record = tmp_path / "run.jsonl"
     with serving(fake.app()) as url:
@@ -215,7 +221,7 @@ def test_a_server_that_dies_on_a_duplicate_id_is_caught_with_victims_and_sources
 
 
 def test_a_server_with_opaque_ids_passes_and_every_place_carries_the_id(tmp_path):
-    fake = DiesOnDuplicate(fatal=False)
+    fake = KeyedByClientId(None)
     text = PAIR.replace("{ids: duplicate, size: 2}", "{ids: near_duplicate}").replace(
         "[{size: 2, count: 1}, {size: 4, count: 1}, {size: 2, count: 1}]", "[{size: 4, count: 1}, {size: 4, count: 1}]")
     spec = parse_scenario(text.replace("request_ids: {", "request_ids: {send_as: [header, user, request_id], "))
@@ -297,3 +303,27 @@ def test_request_id_keyed_gives_the_second_client_the_first_answer_and_hangs_the
     assert f"1 answer to the wrong client ({victim} got {source}'s); 1 hung ({source}: no whole answer within 15 s " \
         "(not even the response headers))" in summary.request_id_audit
     assert summary.request_id_audit.endswith("afterwards 1 of 1 later request with fresh ids answered, GET /health 200")
+
+
+def test_a_server_that_hands_a_duplicate_the_first_answer_names_the_pair_it_mixed_up():
+    """A near-duplicate group over x-request-id: the whitespace variant arrives as the very id (HTTP drops
+    the space), takes the first request's place and its answer; case and suffix variants stay apart."""
+    fake = KeyedByClientId("misroute")
+    text = PAIR.replace("{ids: duplicate, size: 2}", "{ids: near_duplicate}").replace(
+        "[{size: 2, count: 1}, {size: 4, count: 1}, {size: 2, count: 1}]", "[{size: 4, count: 1}, {size: 4, count: 1}]")
+    spec = parse_scenario(text)
+    events: list = []
+    with serving(fake.app()) as url:
+        summary = TargetSession(spec, TOK, TargetOptions(url=url), detectors=("canary",),
+                                listeners=(events.append,)).run()
+    plan = {p.request_id: p for p in plan_requests(spec, TOK)}
+    assert [plan[r].client_id.variant for r in ("r004", "r005", "r006", "r007")] == [None, "case", "whitespace", "suffix"]
+    arrived = [b["messages"][0]["content"] for _, b in fake.seen]
+    first, second = sorted(("r004", "r006"), key=lambda r: arrived.index(plan[r].metadata["prompt_text"]))
+    assert reports(events) == {second: ("cross_request", first), first: ("hung", second)}
+    leak = next(e for e in events if isinstance(e, Contamination) and e.detector == "canary")
+    assert leak.evidence.leaked == plan[first].metadata["passphrase"]
+    assert summary.finish_reasons == {"stop": 7, "error": 1} and summary.findings_by_kind == {"cross_request": 1, "hung": 1}
+    assert f"; 1 answer to the wrong client ({second} got {first}'s); 1 hung ({first}: no whole answer within 1.5 s (" \
+        in summary.request_id_audit
+

@@ -17,7 +17,8 @@ and GET /health, then turns what the clients saw into findings (Contamination ev
 
 Sources. A group of colliding requests is a cause when it came to grief (a member hung, was lost, or sent
 or got a wrong answer) and was sent before any request of the run was lost (the server still served when
-it took them). A request of a cause group that hung or was lost names the other requests of its group;
+it took them). A request of a cause group that hung or was lost names the requests of its group the
+canary saw it mixed up with (the one that got its answer), else the other requests of its group;
 any other request that hung or was lost (one with an id of its own, or of a group sent after the server
 began to fail) names the cause groups' requests. With no cause group, a request that failed is a plain
 failed request, no finding.
@@ -162,13 +163,19 @@ class RequestIdAudit:
                 continue
             cid = self.client_of.get(rid)
             own = cid is not None and cid.group in causes
-            sources = self.colliders(rid) if own else tuple(r for g in causes for r in self.groups[g] if r != rid)
+            sources = self._own_sources(rid) if own else tuple(r for g in causes for r in self.groups[g] if r != rid)
             if not sources:
                 continue  # failed with no collision that came first: a plain failed request
             events.append(self._report(rid, outcome, sources, t))
         if self.stopped_serving and any(o.kind is None and o.text == "answered" for o in self.outcomes.values()):
             events += self._stopped(causes, t)
         return events
+
+    def _own_sources(self, rid: str) -> tuple[str, ...]:
+        """The requests of `rid`'s group that took its answer or gave it theirs (the canary's pairs), else
+        every other request of its group (which of them the server mixed it up with is not visible)."""
+        mixed = {s if v == rid else v for v, s in self.misrouted if rid in (v, s)}
+        return tuple(r for r in self.colliders(rid) if r in mixed) or self.colliders(rid)
 
     def overlapped(self, rid: str) -> bool:
         """Whether one of the requests sharing `rid`'s id was in flight while it was."""
@@ -234,11 +241,11 @@ class RequestIdAudit:
         kinds = Counter(self.client_of[r].kind for members in self.groups.values() if len(members) > 1 for r in members[:1])
         shared = sum(len(m) for m in self.groups.values() if len(m) > 1)
         overlapping = sum(1 for rid in self.client_of if self.overlapped(rid))
-        groups = ", ".join(f"{n} {k.replace('_', '-')}" for k, n in sorted(kinds.items()))
+        groups = ", ".join(_count(n, f"{k.replace('_', '-')} group") for k, n in sorted(kinds.items()))
         parts = [f"request-id audit ({where}): {shared} of {len(results)} requests shared an id with another "
-                 f"({groups} groups; {overlapping} overlapped one in flight)"]
+                 f"({groups}; {overlapping} overlapped one in flight)"]
         wrong = ", ".join(f"{v} got {s}'s" for v, s in self.misrouted[:SHOWN]) + (" ..." if len(self.misrouted) > SHOWN else "")
-        parts.append(f"{len(self.misrouted)} answers to the wrong client" + (f" ({wrong})" if wrong else ""))
+        parts.append(_count(len(self.misrouted), "answer") + " to the wrong client" + (f" ({wrong})" if wrong else ""))
         for kind in ("hung", "lost", "refused"):
             named = sorted(r for r, o in self.outcomes.items() if o.kind == kind)
             if named or kind != "refused":
@@ -248,7 +255,7 @@ class RequestIdAudit:
         return "; ".join(parts)
 
     def _after(self) -> str:
-        probes = f"{self.probes_answered} of {len(self.probes)} later requests with fresh ids answered"
+        probes = f"{self.probes_answered} of {_count(len(self.probes), 'later request')} with fresh ids answered"
         failed = next((r for _, _, r in self.probes if r.finish_reason not in COMPLETED), None)
         if failed is not None:
             probes += f" (first: {classify(failed, self.wait_s).text[:160]})"
@@ -260,6 +267,11 @@ class RequestIdAudit:
                 health += f" {self.health_text[:80]}"
         verdict = "then the server stopped serving other clients: " if self.stopped_serving else "afterwards "
         return verdict + probes + health
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 answer', '2 answers'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _names(rids: list[str], outcomes: dict[str, Outcome]) -> str:
