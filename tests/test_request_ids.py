@@ -105,8 +105,8 @@ class KeyedByClientId:
     request's place (the new client gets the earlier one's answer, the earlier client nothing more, as
     kvtui serve's request_id_keyed); None: ids are opaque (a correct server)."""
 
-    def __init__(self, on_duplicate: str | None = "die") -> None:
-        self.on_duplicate, self.dead, self.stalled = on_duplicate, False, set()
+    def __init__(self, on_duplicate: str | None = "die", health: bool = True) -> None:
+        self.on_duplicate, self.dead, self.stalled, self.has_health = on_duplicate, False, set(), health
         self.in_flight: dict[str, str] = {}  # id -> the passphrase of the request streaming under it
         self.seen: list[tuple[str | None, dict]] = []  # (x-request-id, body) of every chat request
 
@@ -119,6 +119,8 @@ class KeyedByClientId:
 
         @api.get("/health")
         async def health():
+            if not self.has_health:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
             return JSONResponse({"status": "unhealthy"} if self.dead else {"status": "ok"},
                                 status_code=503 if self.dead else 200)
 
@@ -326,4 +328,18 @@ def test_a_server_that_hands_a_duplicate_the_first_answer_names_the_pair_it_mixe
     assert summary.finish_reasons == {"stop": 7, "error": 1} and summary.findings_by_kind == {"cross_request": 1, "hung": 1}
     assert f"; 1 answer to the wrong client ({second} got {first}'s); 1 hung ({first}: no whole answer within 1.5 s (" \
         in summary.request_id_audit
+
+
+def test_a_server_without_health_is_judged_by_its_probes_alone():
+    """No /health (404 before the load as after it): not a finding; a dead worker still is, by its probes."""
+    spec = parse_scenario(PAIR)
+    events: list = []
+    with serving(KeyedByClientId("die", health=False).app()) as url:
+        summary = TargetSession(spec, TOK, TargetOptions(url=url), detectors=("canary",),
+                                listeners=(events.append,)).run()
+    found = reports(events)
+    assert "GET /health" not in found and found["probe0"][0] == found["probe1"][0] == "stopped_serving"
+    assert summary.findings_by_kind == {"hung": 1, "lost": 5, "stopped_serving": 2}
+    assert summary.request_id_audit.endswith(', GET /health 404 {"detail":"Not Found"} (before the load: 404, so not '
+                                             'judged)')
 

@@ -66,8 +66,8 @@ class Outcome:
 
 
 def classify(result: StreamResult, wait_s: float) -> Outcome:
-    """hung (timed out), refused (a 4xx), lost (any other failure) or answered (kind None)."""
-    waited = (result.end_s if result.end_s is not None and not result.timed_out else None)
+    """hung (timed out), refused (a 4xx), lost (any other failure) or answered (kind None); `waited_s` is
+    the wait for a hung one (the caller knows the others' times)."""
     if result.finish_reason in COMPLETED or result.finish_reason not in ("error", "abort"):
         return Outcome(None, "answered", None, result.status)
     if result.finish_reason == "abort":
@@ -78,7 +78,7 @@ def classify(result: StreamResult, wait_s: float) -> Outcome:
                 f"HTTP {result.status}, no chunk" if result.status is not None else "not even the response headers")
         return Outcome("hung", f"no whole answer within {wait_s:g} s ({came})", wait_s, result.status)
     kind = "refused" if result.status is not None and 400 <= result.status < 500 else "lost"
-    return Outcome(kind, (result.error or "failed")[:300], waited, result.status)
+    return Outcome(kind, (result.error or "failed")[:300], None, result.status)
 
 
 class RequestIdAudit:
@@ -99,6 +99,7 @@ class RequestIdAudit:
         self.probes: list[tuple[str, str, StreamResult]] = []  # (probe name, its id, what came)
         self.health_status: int | None = None
         self.health_text = ""
+        self.health_before: int | None = None  # GET /health's status before the load (None: no answer)
         self.outcomes: dict[str, Outcome] = {}
         self.spans: dict[str, tuple[float, float]] = {}
         self.misrouted: list[tuple[str, str]] = []  # (victim, source) of the canary's reports
@@ -114,7 +115,21 @@ class RequestIdAudit:
             return ()
         return tuple(r for r in self.groups[cid.group] if r != rid)
 
-    # -- after the load --------------------------------------------------------------------------------
+    # -- before and after the load -----------------------------------------------------------------------
+    async def health(self, client: httpx.AsyncClient) -> tuple[int | None, str]:
+        """GET /health: its status (None when no answer came) and text (or the error), bounded."""
+        try:
+            response = await client.get("/health", timeout=min(self.wait_s, 10.0))
+            return response.status_code, response.text.strip()[:200]
+        except httpx.HTTPError as e:
+            return None, f"{type(e).__name__}: {e}"[:200]
+
+    async def before_load(self, client: httpx.AsyncClient) -> None:
+        """GET /health before the first request: a server without a /health that answers 200 is not judged
+        by it after the load."""
+        if self.spec.health:
+            self.health_before, _ = await self.health(client)
+
     async def probe(self, client: httpx.AsyncClient, send: Callable) -> None:
         """The probes, one at a time, then GET /health. `send(planned, headers, fields, timeout_s)` sends
         one request as the run sends its load and returns its StreamResult."""
@@ -125,21 +140,25 @@ class RequestIdAudit:
                                 self.wait_s)
             self.probes.append((f"probe{k}", value, result))
         if self.spec.health:
-            try:
-                response = await client.get("/health", timeout=min(self.wait_s, 10.0))
-                self.health_status, self.health_text = response.status_code, response.text.strip()[:200]
-            except httpx.HTTPError as e:
-                self.health_status, self.health_text = None, f"{type(e).__name__}: {e}"[:200]
+            self.health_status, self.health_text = await self.health(client)
 
     @property
     def probes_answered(self) -> int:
         return sum(r.finish_reason in COMPLETED for _, _, r in self.probes)
 
     @property
+    def health_failed(self) -> bool:
+        """/health answered 200 before the load and otherwise (or not at all) after it."""
+        return self.spec.health and self.health_before == 200 and self.health_status != 200
+
+    def probe_failed(self, result: StreamResult) -> bool:
+        """A probe that hung or was lost (a 4xx is a refusal of the request, not of the server)."""
+        return classify(result, self.wait_s).kind in ("hung", "lost")
+
+    @property
     def stopped_serving(self) -> bool:
-        """A probe got no whole answer, or /health answered other than 200 (or not at all)."""
-        health_bad = self.spec.health and self.health_status != 200
-        return self.probes_answered < len(self.probes) or health_bad
+        """A probe hung or was lost, or /health stopped answering 200."""
+        return any(self.probe_failed(r) for _, _, r in self.probes) or self.health_failed
 
     # -- findings --------------------------------------------------------------------------------------
     def findings(self, results: dict[str, StreamResult], spans: dict[str, tuple[float, float]],
@@ -207,7 +226,8 @@ class RequestIdAudit:
                 client_id=cid.value if cid else "", sent_as=tuple(self.spec.send_as),
                 group=cid.label if cid else "", shares_id_with=self.colliders(rid),
                 overlapped=self.overlapped(rid),
-                outcome=outcome.text, waited_s=outcome.waited_s, status=outcome.status))
+                outcome=outcome.text, waited_s=outcome.waited_s if outcome.kind == "hung" else _waited(self.spans, rid),
+                status=outcome.status))
 
     def _stopped(self, causes: list[int], t: float) -> list[Contamination]:
         """One stopped_serving report per failed probe, and one for /health when it did not answer 200."""
@@ -218,14 +238,16 @@ class RequestIdAudit:
                       health_status=self.health_status)
         events = []
         for name, value, result in self.probes:
-            if result.finish_reason in COMPLETED:
+            if not self.probe_failed(result):
                 continue
             outcome = classify(result, self.wait_s)
+            waited = outcome.waited_s if outcome.kind == "hung" else (
+                result.end_s - result.sent_s if result.end_s is not None else None)
             events.append(Contamination(
                 t=t, step=-1, detector=DETECTOR, kind="stopped_serving", victim=name, source=",".join(suspects) or None,
                 evidence=RequestIdEvidence(client_id=value, group="probe", outcome=outcome.text,
-                                           waited_s=outcome.waited_s, status=outcome.status, **common)))
-        if self.spec.health and self.health_status != 200:
+                                           waited_s=waited, status=outcome.status, **common)))
+        if self.health_failed:
             said = f"HTTP {self.health_status}: {self.health_text}" if self.health_status is not None else self.health_text
             events.append(Contamination(
                 t=t, step=-1, detector=DETECTOR, kind="stopped_serving", victim="GET /health",
@@ -265,8 +287,15 @@ class RequestIdAudit:
                 f", GET /health no answer ({self.health_text[:80]})"
             if self.health_status not in (None, 200) and self.health_text:
                 health += f" {self.health_text[:80]}"
+            if self.health_before != 200:
+                health += f" (before the load: {self.health_before or 'no answer'}, so not judged)"
         verdict = "then the server stopped serving other clients: " if self.stopped_serving else "afterwards "
         return verdict + probes + health
+
+
+def _waited(spans: dict[str, tuple[float, float]], rid: str) -> float | None:
+    """Seconds from `rid`'s send to its end (its error), when known."""
+    return spans[rid][1] - spans[rid][0] if rid in spans else None
 
 
 def _count(n: int, noun: str) -> str:

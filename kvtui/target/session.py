@@ -195,6 +195,8 @@ class TargetSession(RunBase):
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), transport=self.options.transport,
                                      timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
             await self._resolve_model(client)
+            if self.id_audit is not None:
+                await self.id_audit.before_load(client)  # /health as it answers before any request
             self._t0 = self._clock()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             probe = ServerProbe(client, self.in_flight)
