@@ -121,6 +121,9 @@ class TargetSession(RunBase):
         self.warnings = timeline_warnings(scenario)
         self.id_audit = None  # the request-id audit (a scenario's request_ids), when the plan carries client ids
         if scenario.request_ids is not None and any(p.client_id is not None for p in self.pending):
+            if self.api == "transcription":
+                raise ValueError("request_ids: clients' request ids go with chat and completions requests; an audio "
+                                 "scenario's uploads carry none: drop the section, or use text prompts")
             self.id_audit = RequestIdAudit(scenario.request_ids, scenario.seed, self.pending)
             self.warnings += overlap_warnings(self.pending)
         self.spans: dict[str, tuple[float, float]] = {}  # request id -> (sent, ended), for the request-id audit
