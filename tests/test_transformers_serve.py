@@ -104,6 +104,38 @@ def test_control_with_ids_of_the_servers_choosing_every_answer_is_right(server, 
 @pytest.mark.transformers_serve
 @pytest.mark.smollm
 @pytest.mark.xdist_group("transformers_serve")
+def test_the_bench_peer_body_runs_the_workload_at_its_forced_lengths(server):
+    """kvtui bench --part peers sends transformers serve the workload as text with a generation_config
+    forcing each output length, and without ignore_eos (which it refuses with 422): every request
+    streams back exactly its length in tokens (one token per chunk)."""
+    import json
+
+    import httpx
+
+    from kvtui.bench.peers import Workload, transformers_serve_body
+    from kvtui.models import load_model
+
+    tokenizer = load_model("default", progress=False).tokenizer
+    work = Workload(prompts=[tokenizer.encode("The capital of France is"), tokenizer.encode("Once upon a time")],
+                    outputs=[5, 9], arrivals=[0.0, 0.0])
+    body = transformers_serve_body(tokenizer, work, server.model_name)
+    for i in range(2):
+        sent = {"prompt": None, "max_tokens": work.outputs[i], "temperature": 0, "ignore_eos": True, "stream": True,
+                **body(i)}
+        sent = {k: v for k, v in sent.items() if v is not None}
+        assert "ignore_eos" not in sent and sent["prompt"] == tokenizer.decode(work.prompts[i])
+        with httpx.Client(timeout=120) as client, client.stream("POST", f"{server.url}/v1/completions",
+                                                                 json=sent) as response:
+            assert response.status_code == 200
+            chunks = [json.loads(line[6:])["choices"][0] for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert sum(1 for c in chunks if c.get("text")) == work.outputs[i], chunks
+        assert chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.transformers_serve
+@pytest.mark.smollm
+@pytest.mark.xdist_group("transformers_serve")
 def test_two_overlapping_requests_with_one_x_request_id_kill_the_server(server, tmp_path):
     record = tmp_path / "audit.jsonl"
     out = kvtui("run", "scenarios/request_ids.yaml", "--target", server.url, "--headless", "--record", str(record))

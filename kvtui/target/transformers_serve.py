@@ -59,6 +59,7 @@ class TransformersServer:
         self.stop_timeout_s = stop_timeout_s
         self.url = f"http://127.0.0.1:{self.port}"
         self.pgid: int | None = None
+        self.model_name: str | None = None
         self.start_s: float | None = None
 
     def start(self) -> None:
@@ -84,6 +85,10 @@ class TransformersServer:
             self.stop()
             raise RuntimeError(f"transformers serve did not start (exit {done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        import httpx
+
+        listed = httpx.get(f"{self.url}/v1/models", timeout=30).json().get("data") or [{}]
+        self.model_name = listed[0].get("id")
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
