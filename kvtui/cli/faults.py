@@ -15,7 +15,8 @@ def faults() -> None:
     for column in ("fault", "what it breaks", "layouts", "kv", "caught by"):
         table.add_column(column)
     for f in FAULTS.values():
-        name = f.name + (" *" if f.name in DEFAULT_ISOLATION_OFF else "")
+        name = f.name + (" *" if f.name in DEFAULT_ISOLATION_OFF else "") + (" †" if f.scope == "server" else "")
         table.add_row(name, f.breaks, ", ".join(f.layouts), ", ".join(f.kv), ", ".join(f.caught_by))
-    table.caption = "* in the default set of --isolation off and the dashboard's i key"
+    table.caption = ("* in the default set of --isolation off and the dashboard's i key; † acts in kvtui serve's "
+                     "HTTP layer, not the engine: `kvtui serve --fault NAME`, caught by a --target run with request_ids")
     out.print(table)

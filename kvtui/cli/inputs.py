@@ -106,9 +106,13 @@ def refuse_misfit_faults(path: Path, spec, faults: tuple[str, ...], model: str |
     text model, a cross-attention fault on a text model), named with the fix; checked before the engine
     settings, since no setting makes such a fault act. Models known by name only (a path is checked
     when it is loaded)."""
-    from kvtui.faults import FAULTS, acts_on
+    from kvtui.faults import FAULTS, acts_on, server_faults
     from kvtui.scenario.plan import model_kind_of_name
 
+    for served in server_faults(faults):
+        fail(f"{path}: --fault {served} acts in kvtui serve's HTTP layer, not in kvtui's engine, so a local run "
+             f"cannot show it; serve with `kvtui serve --fault {served}` and audit that server with `kvtui run "
+             "scenarios/request_ids.yaml --target http://127.0.0.1:8000 --headless`")
     name = model or spec.model
     kind = model_kind_of_name(name)
     wrong = next((f for f in faults if kind is not None and not acts_on(f, kind)), None)
@@ -130,7 +134,9 @@ def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tupl
     e = spec.engine
     for name, where, why in idle_faults(spec, faults + off, layout, prefix_caching, scenario_faults=not clear_faults):
         fault = FAULTS[name]
-        if e.kv not in fault.kv:
+        if fault.scope == "server":
+            need = f"`kvtui serve --fault {name}` and a --target run against it"
+        elif e.kv not in fault.kv:
             need = f"a scenario with engine.kv: {fault.kv[0]}"
         elif "prefix_caching" in fault.needs and not e.prefix_caching:
             need = "--prefix-caching (or engine.prefix_caching: true)"

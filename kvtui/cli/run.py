@@ -93,6 +93,11 @@ def run(
         "arguments, e.g. '-np 2 --cache-reuse 256', on --model (tiny-qwen35moe, default or a .gguf), and a "
         "control with one slot and the prompt cache off for the reference runs; run against them as "
         "--target, then stop both.", rich_help_panel=TARGET_PANEL)] = None,
+    request_ids: Annotated[Optional[str], typer.Option(
+        "--request-ids", help="With --target: the request-id audit. Each client sends a request id of its own "
+        "choosing in these places (comma-separated: header = x-request-id, user, request_id), grouped as the "
+        "scenario's request_ids says or, without that section, in pairs that share one id; after the load, "
+        "probes with fresh ids and GET /health.", rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI. With --target, drive a real
     inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
@@ -103,7 +108,7 @@ def run(
     recording stopped, or no request completed); 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     spec = load_scenario(scenario)
-    if target is not None or llama_server is not None or reference_target is not None:
+    if target is not None or llama_server is not None or reference_target is not None or request_ids is not None:
         from kvtui.cli import target as command
 
         command.refuse_engine_options(dict(fault=fault, isolation=isolation == "off", layout=layout, dtype=dtype,
@@ -113,8 +118,11 @@ def run(
         client = dict(api=api, served_model=served_model, max_concurrency=max_concurrency, timeout_s=timeout,
                       tolerance=tolerance, logprobs=logprobs)
         _on_target(spec, scenario, target, reference_target, llama_server, client, model=model, record=record,
-                   detectors=detectors, headless=headless, quiet=quiet)
+                   detectors=detectors, headless=headless, quiet=quiet, request_ids=request_ids)
         return
+    if spec.request_ids is not None:
+        say("note", f"{scenario}: request_ids act over HTTP, in a --target run (e.g. against `kvtui serve`); this "
+                    "local run ignores them")
     off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
     faults = fault_names(fault) + off
     chosen = parse_detectors(detectors)
@@ -155,10 +163,17 @@ def run(
 
 def _on_target(spec, scenario: Path, target: str | None, reference_target: str | None, llama_server: str | None,
                client: dict, *, model: str | None, record: Path | None, detectors: str, headless: bool,
-               quiet: bool) -> None:
+               quiet: bool, request_ids: str | None = None) -> None:
     """The --target run (the dashboard, or headless), against `target` or the llama-server pair that
-    --llama-server starts and stops; the solo runs go to `reference_target` / the pair's control."""
+    --llama-server starts and stops; the solo runs go to `reference_target` / the pair's control.
+    `request_ids`: a --request-ids value (the request-id audit's places)."""
     from kvtui.cli import target as command
+
+    if request_ids is not None and target is None and llama_server is None:
+        fail("--request-ids applies to --target runs (request ids travel over HTTP); add --target URL, e.g. a "
+             "`kvtui serve` at http://127.0.0.1:8000")
+    if request_ids is not None:
+        spec = command.with_request_ids(scenario, spec, request_ids)
 
     if reference_target is not None and target is None:
         fail("--reference-target goes with --target (or --llama-server, which starts its own control)")

@@ -99,6 +99,12 @@ def serve(
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
                            max_request_bytes=max_request_bytes, enforce_eager=enforce_eager,
                            batch_invariant=batch_invariant, enable_prompt_embeds=enable_prompt_embeds)
+    from kvtui.faults import FAULTS, server_faults
+
+    for name in server_faults(options.faults):
+        say("note", f"--fault {name} acts in the HTTP layer ({FAULTS[name].acts_in.split(':')[0]}), after the engine: "
+                    "the engine's answers stay right and its detectors see nothing; a client-side audit sees it "
+                    "(`kvtui run scenarios/request_ids.yaml --target URL --headless`)")
     if dashboard and not (sys.stdout.isatty() and sys.stderr.isatty()):
         say("note", "not a terminal: serving without the dashboard.")
         dashboard = False

@@ -51,6 +51,26 @@ def check_url(url: str) -> str:
     return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
+def with_request_ids(path: Path, spec, places: str):
+    """The scenario with its request_ids section sending ids in `places` (a --request-ids value: a
+    comma-separated list of header, user, request_id); the section's defaults (pairs of requests sharing
+    one id) when it has none. Exits 2 with one line for a place kvtui does not know."""
+    from kvtui.scenario.request_ids import SEND_AS, RequestIds
+
+    chosen = [p.strip() for p in places.split(",") if p.strip()]
+    unknown = next((p for p in chosen if p not in SEND_AS), None)
+    if unknown is not None or not chosen or len(set(chosen)) != len(chosen):
+        bad = f"unknown place {unknown!r}" if unknown is not None else "give each place once"
+        fail(f"--request-ids {places!r}: {bad}; use some of {', '.join(SEND_AS)}, comma-separated "
+             "(e.g. --request-ids header,user)")
+    base = spec.request_ids.model_dump() if spec.request_ids is not None else {}
+    section = RequestIds.model_validate({**base, "send_as": chosen})
+    copy = spec.model_copy(update={"request_ids": section})
+    copy._base_dir = spec.base_dir
+    copy._warnings = list(spec.warnings)
+    return copy
+
+
 def refuse_engine_options(given: dict[str, object]) -> None:
     """Exit 2 naming the first engine-only option given with --target (a remote server's engine is its own)."""
 

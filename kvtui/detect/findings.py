@@ -6,7 +6,7 @@ holds the owner's passphrase) and reference (its tokens left its solo run). Coun
 call one leak four; a finding is the victim, the kind and the sources its witnesses name.
 
 The kind of a finding is the most specific its witnesses report: cross_tenant over cross_request
-over corruption over unknown (a reference divergence that names no source joins a cross_request
+over corruption (and the request-id audit's hung, lost, stopped_serving) over unknown (a reference divergence that names no source joins a cross_request
 finding when another detector names one for the same victim). Numeric reports are never findings.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvtui.events import Contamination
 
-RANK = {"cross_tenant": 3, "cross_request": 2, "corruption": 1, "unknown": 0}
+RANK = {"cross_tenant": 3, "cross_request": 2, "corruption": 1, "hung": 1, "lost": 1, "stopped_serving": 1, "unknown": 0}
 
 
 @dataclass

@@ -34,6 +34,7 @@ from kvtui.scenario.prompts import (
     to_id_list,
     user_chat,
 )
+from kvtui.scenario.request_ids import ClientId, assign_ids
 from kvtui.scenario.sampling import asked_min_tokens, pick_entry, request_fields
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.tenants import TenantPlan
@@ -70,6 +71,8 @@ class PlannedRequest:
             (the session builds the rows from the engine's embedding table); None: token ids only.
         embeds_rows_of: the ids whose embedding rows fill the tensor (default prompt_ids): `mask_pairs`' second
             request carries its first's tensor.
+        client_id: the request id its client sends (the scenario's `request_ids`, kvtui/scenario/request_ids.py);
+            None: the client sends none (the server picks its own).
         min_tokens_asked: the min_tokens its sampling section or mix entry asks; sampling.min_tokens is that
             capped at its output length (kvtui.scenario.fit.min_tokens_lines says when a cap happened).
     """
@@ -87,6 +90,7 @@ class PlannedRequest:
     input: object = None
     embeds_mask: tuple[bool, ...] | None = None
     embeds_rows_of: list[int] | None = None
+    client_id: ClientId | None = None
     min_tokens_asked: int = 0
 
     @property
@@ -384,6 +388,8 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
     mix_rng = random.Random(derive_seed(seed, "sampling_mix"))
     entries = [pick_entry(s.mix, mix_rng) if s.mix else None for _ in planned]
     words: dict = {}  # bad words -> token ids, tokenized once
+    ids_spec = scenario.request_ids
+    client_ids = assign_ids(ids_spec, seed, len(planned)) if ids_spec is not None else [None] * len(planned)
     return [
         PlannedRequest(
             request_id=f"r{i:0{width}d}",
@@ -397,7 +403,9 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
             metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
             cancel_after=arrival.cancel_after,
             audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
-            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None), min_tokens_asked=asked_min_tokens(s, entry),
+            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None), client_id=client_id,
+            min_tokens_asked=asked_min_tokens(s, entry),
         )
-        for i, ((arrival, ids, meta, n_out, tenant, extra), entry) in enumerate(zip(planned, entries))
+        for i, ((arrival, ids, meta, n_out, tenant, extra), entry, client_id)
+        in enumerate(zip(planned, entries, client_ids))
     ]

@@ -13,6 +13,7 @@ Fields (defaults in brackets; seconds and tokens as named):
       kv [slots|paged], block_size [16], num_blocks [null], prefix_caching [false], watermark [0.01],
       batch_invariant [null: on for bfloat16/float16 with the reference detector]
   tenants: count [1], assign [random|round_robin], cache_salt [per_tenant|none]
+  request_ids [null]: clients' own request ids, a --target audit (request_ids.py)
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
   output_tokens [32]: a length distribution (lengths.py): max new tokens per request
@@ -49,6 +50,7 @@ from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
+from kvtui.scenario.request_ids import RequestIds
 from kvtui.scenario.sampling import Mix, PenaltyFields, check_mix
 from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import TimelineEvent, bounded
@@ -178,6 +180,9 @@ def check_fault_fits(name: str, engine: EngineSection, where: tuple, layout: str
     """A fault must act in the engine's KV mode, have what it needs (prefix caching) and act in the layout
     in effect when it is switched on (`layout`, default engine.layout). Raises Problem naming what it needs."""
     fault = FAULTS[name]
+    if fault.scope == "server":
+        raise Problem(f"fault {name} acts in kvtui serve's HTTP layer, not in kvtui's engine", f"drop it here; serve "
+                      f"with `kvtui serve --fault {name}` and audit that server with `kvtui run --target`", where)
     if engine.kv not in fault.kv:
         raise Problem(f"fault {name} acts with kv: {' or '.join(fault.kv)} only", f"set engine.kv: {fault.kv[0]} "
                       f"or drop {name}", where)
@@ -305,6 +310,9 @@ class Scenario(Strict):
         "float32", description="weights, KV cache and activations")
     engine: EngineSection = Field(EngineSection(), description="see engine")
     tenants: Tenants = Field(Tenants(), description="see tenants")
+    request_ids: RequestIds | None = Field(
+        None, description="clients choose their own request ids, duplicates among them (see request_ids); a "
+                          "`kvtui run --target` audit, ignored by a local run; null: kvtui sends none")
     arrivals: ArrivalSpec = Field(
         Poisson(process="poisson", rate_per_s=1.0), description="when requests arrive: one of the processes "
                                                                 "under arrivals, chosen by `process`")

@@ -41,6 +41,7 @@ from kvtui.scenario.prompts import (
     SyntheticPrompts,
     SystemPromptPrompts,
 )
+from kvtui.scenario.request_ids import DuplicateIds, NearDuplicateIds, RequestIds, UniqueIds
 from kvtui.scenario.sampling import MixEntry
 from kvtui.scenario.schema import (
     SLO,
@@ -118,6 +119,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
                  "requests before finish).", [Constant, Poisson, Gamma, Burst, Trace, Scripted, Rounds,
                                               Stage, ScriptedRequest, RoundSpec]),
     ("tenants", "", [Tenants]),
+    ("request_ids", "", [RequestIds, UniqueIds, DuplicateIds, NearDuplicateIds]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
                                                               SystemPromptPrompts, MultiTurnPrompts,
                                                               SpokenPassphrasePrompts, AudioPrompts,
@@ -135,10 +137,10 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             StructuredSection: "sampling.structured",
             MixEntry: "sampling.mix entry",
-            Tenants: "tenants",
+            Tenants: "tenants", RequestIds: "request_ids",
             SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage",
             ScriptedRequest: "scripted request", RoundSpec: "round"}
-UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions"}
+UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions", "ids": "request_ids"}
 
 
 def heading(model: type[pydantic.BaseModel]) -> str:
@@ -285,7 +287,7 @@ def render() -> str:
             continue
         lines += [f"## {title}", ""] + ([text, ""] if text else [])
         for i, model in enumerate(models):
-            level = "##" if i == 0 and len(models) == 1 or model in (EngineSection, TimelineEvent) else "###"
+            level = "##" if i == 0 and len(models) == 1 or model in (EngineSection, TimelineEvent, RequestIds) else "###"
             section = model_section(model, level)
             lines += section[2:] if level == "##" else section
     lines += ["### Knobs", "", "`set` keys; the `engine.` prefix may be left out (`max_batch_size: 2`).", ""]

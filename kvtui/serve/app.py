@@ -53,6 +53,9 @@ from kvtui.serve.waiting import wait_disconnect as _wait_disconnect
 # the request's canary, so the canary detector can see it leak into another client's answer.
 PASSPHRASE = re.compile(r"\b[A-Z]+-[A-Z]+-\d{2}\b")
 TOKENIZE_WORKERS = 2  # threads that tokenize prompts and render chat templates (requests queue for them)
+# The id a client may give its request. kvtui routes answers by its own ids (`chatcmpl-<n>-<hex>`) and hands
+# this one to the bridge only for the fault request_id_keyed (serve/bridge.py).
+CLIENT_ID_HEADER = "x-request-id"
 
 
 @dataclass
@@ -257,7 +260,8 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
         metadata["user"] = body.user
     try:
         stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata, tenant=_tenant(body),
-                                   cache_salt=body.cache_salt, input=given)
+                                   cache_salt=body.cache_salt, input=given,
+                                   client_key=request.headers.get(CLIENT_ID_HEADER))
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
     formatter = Formatter(chat=chat, request_id=request_id, model=ctx.model_name, tokenizer=ctx.tokenizer,

@@ -11,6 +11,14 @@ its stream (`cached_tokens`) before its first token is queued.
 Parallel sampling (`n > 1`): the engine runs the request as n sequences `f"{i}_{request_id}"`; the
 bridge routes all of them to the request's one stream, each TokenOut with its sequence's `index`, each
 sequence's own Finish (`RequestStream.index_of` tells its index), and the stream is done after n.
+
+Requests are routed by kvtui's own ids (`chatcmpl-<n>-<hex>`, made by the server), never by an id the
+client sent, so two clients that send one `x-request-id` each get their own answer. The fault
+request_id_keyed (kvtui/faults.py; `kvtui serve --fault request_id_keyed`) breaks exactly that, as a
+server that keys its map of waiting clients by the client's id does: a request registers its stream under
+its client's x-request-id, a later request with the same id replaces the entry, and a request's first
+output claims whatever stream the entry holds then. Of two overlapping requests A and B with one id, A's
+answer goes to B's client (as B's own), B's answer to nobody, and A's client waits for ever.
 """
 
 from __future__ import annotations
@@ -40,10 +48,12 @@ class Closed:
 class RequestStream:
     """One request's inbox, read by its handler on the event loop `loop`."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, n: int = 1,
+                 client_key: str | None = None) -> None:
         from kvtui.engine.parallel import child_id
 
         self.request_id = request_id
+        self.client_key = client_key  # the client's x-request-id (routed by only under request_id_keyed)
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cached_tokens: int | None = None  # prompt tokens from the prefix cache; None: no prefix cache
@@ -54,6 +64,15 @@ class RequestStream:
     def index_of(self, request_id: str) -> int:
         """The choice index of one of its sequences' engine ids."""
         return self.indices[request_id]
+
+    def sequence_id(self, index: int) -> str:
+        """The engine id of its sequence `index` (the inverse of index_of; its first sequence's for an
+        index it does not have)."""
+        return next((rid for rid, i in self.indices.items() if i == index), next(iter(self.indices)))
+
+    def own_index(self, index: int) -> int:
+        """`index` if it is one of its choices, else 0 (another request's output delivered to it)."""
+        return index if index < self.n else 0
 
     def put(self, item) -> None:
         """From any thread: queue `item` for the handler."""
@@ -73,11 +92,18 @@ class EngineBridge:
     `on_event` must be one of the session's listeners (it runs in the engine thread).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, faults: tuple[str, ...] = ()) -> None:
+        from kvtui.faults import FaultName
+
         self._lock = threading.Lock()
         self.session = None
         self.accepting = False
-        self.streams: dict[str, RequestStream] = {}
+        self.streams: dict[str, RequestStream] = {}  # engine id -> the stream of the request it belongs to
+        # request_id_keyed: the client's x-request-id -> the stream registered last under it, and each
+        # request (its stream's request_id) -> the stream its output goes to, claimed at its first output
+        self.keyed = FaultName.REQUEST_ID_KEYED in faults
+        self._by_client: dict[str, RequestStream] = {}
+        self._claimed: dict[str, RequestStream | None] = {}
 
     def attach(self, session) -> None:
         """Serve through `session` (a serving Session whose listeners include `on_event`)."""
@@ -90,7 +116,7 @@ class EngineBridge:
             self.accepting = False
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict, *, tenant: str | None = None,
-               cache_salt: str | None = None, input=None) -> RequestStream:
+               cache_salt: str | None = None, input=None, client_key: str | None = None) -> RequestStream:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
 
         Args:
@@ -99,18 +125,22 @@ class EngineBridge:
                 it is part of its first block's key, so it reuses only blocks computed under the same salt.
             input: a kvtui.engine.inputs.RequestInput when the request feeds more than prompt_ids (an
                 upload's audio, prompt embeddings, images); None: prompt_ids.
+            client_key: the id the client sent (its x-request-id), None without one; only the fault
+                request_id_keyed routes by it.
 
         Raises:
             NotAccepting: loading or stopping.
         """
         from kvtui.scenario import PlannedRequest
 
-        stream = RequestStream(request_id, asyncio.get_running_loop(), n=sampling.n)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), n=sampling.n, client_key=client_key)
         with self._lock:
             if not self.accepting or self.session is None:
                 raise NotAccepting()
             for sequence_id in stream.indices:
                 self.streams[sequence_id] = stream
+            if self.keyed and client_key:
+                self._by_client[client_key] = stream  # a later request with this id takes the entry over
             if self.session.config.kv == "paged" and self.session.config.prefix_caching:
                 stream.cached_tokens = 0
             planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
@@ -143,6 +173,16 @@ class EngineBridge:
         """Requests submitted and not yet finished (one per request, whatever its n)."""
         return len({id(s) for s in self.streams.values()})
 
+    def _route(self, owner: RequestStream | None) -> RequestStream | None:
+        """The stream a request's output goes to: its own; under request_id_keyed, the stream its client's
+        id held when the request's first output came (claimed once; None when another request had
+        claimed it first: the output goes to nobody). Call with the lock held."""
+        if owner is None or not self.keyed or not owner.client_key:
+            return owner
+        if owner.request_id not in self._claimed:
+            self._claimed[owner.request_id] = self._by_client.pop(owner.client_key, None)
+        return self._claimed[owner.request_id]
+
     def on_event(self, event) -> None:
         """Session listener (engine thread): route tokens and finishes to their handlers."""
         if isinstance(event, StepEvent):
@@ -151,16 +191,26 @@ class EngineBridge:
                 if stream is not None and not stream.cached_tokens:
                     stream.cached_tokens = hit.hit_tokens
             for r in event.running:
-                stream = self.streams.get(r.request_id) if r.token_id is not None else None
+                owner = self.streams.get(r.request_id) if r.token_id is not None else None
+                with self._lock:
+                    stream = self._route(owner)
                 if stream is not None:
-                    stream.put(TokenOut(r.token_id, r.logprobs, stream.index_of(r.request_id)))
+                    stream.put(TokenOut(r.token_id, r.logprobs, stream.own_index(owner.index_of(r.request_id))))
         elif isinstance(event, Finish):
             with self._lock:
-                stream = self.streams.pop(event.request_id, None)
+                owner = self.streams.pop(event.request_id, None)
+                stream = self._route(owner)
+                if owner is not None and owner.request_id in self._claimed and not any(
+                        s is owner for s in self.streams.values()):
+                    del self._claimed[owner.request_id]  # every sequence of it finished
+            if stream is not None and stream is not owner:  # delivered as the other request's own
+                event = event.model_copy(update={"request_id": stream.sequence_id(owner.index_of(event.request_id))})
             if stream is not None:
                 stream.put(event)
         elif isinstance(event, Summary):  # the session closed: whatever it never took is answered now
             with self._lock:
                 left, self.streams, self.accepting = self.streams, {}, False
+                self._by_client.clear()
+                self._claimed.clear()
             for stream in {id(s): s for s in left.values()}.values():
                 stream.put(Closed())

@@ -100,7 +100,9 @@ class ServeServer:
         self.warn = warn or _warn
         self.state = ServerState()
         self.app = create_app(self.state, api_key=options.api_key, max_request_bytes=options.max_request_bytes)
-        self.bridge = EngineBridge()
+        from kvtui.faults import server_faults
+
+        self.bridge = EngineBridge(server_faults(options.faults))
         self._load = load or _load_model
         self.loaded = None
         self.metrics: ServeMetrics | None = None
@@ -148,6 +150,14 @@ class ServeServer:
         return f"http://{self.options.host}:{self.port}"
 
     # -- model and session --------------------------------------------------------------------------
+    @property
+    def engine_faults(self) -> tuple[str, ...]:
+        """The --fault names that act in the engine; the others (scope "server": request_id_keyed) act in
+        the bridge, which the constructor set up with them."""
+        from kvtui.faults import server_faults
+
+        return tuple(n for n in self.options.faults if n not in server_faults(self.options.faults))
+
     def check(self) -> None:
         """What load() checks before it reads any weights: the fault names and where they act, the engine
         values, the model's name or path (when the default loader loads it).
@@ -169,7 +179,7 @@ class ServeServer:
         check_fault_names(self.options.faults)
         scenario = serve_scenario(self.options)
         engine = scenario.engine  # the flags and any extra engine fields, as the session will run them
-        for name in self.options.faults:  # a fault that cannot act here would never fire
+        for name in self.engine_faults:  # a fault that cannot act here would never fire
             why = fault_misfit(name, engine.layout, engine.kv, engine.prefix_caching)
             if why:
                 raise ValueError(f"--fault {name}: {why.removeprefix(f'fault {name} ')}, so it would never fire; "
@@ -204,7 +214,7 @@ class ServeServer:
         listeners = ((listener,) if listener else ()) + (self.bridge.on_event, self.metrics.on_event,
                                                          self._recording_failed)
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
-                                record=restart_path(self.options.record, generation), faults=self.options.faults,
+                                record=restart_path(self.options.record, generation), faults=self.engine_faults,
                                 detectors=self.options.detectors, listeners=listeners, serving=True,
                                 enforce_eager=self.options.enforce_eager, batch_invariant=self.options.batch_invariant)
         self.session = session

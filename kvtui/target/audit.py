@@ -34,7 +34,10 @@ class TargetSubject:
     the reference check's logprob tolerance (kvtui.target.solo_check.first_divergence)."""
 
     def __init__(self, spec, tokenizer, options: TargetOptions) -> None:
-        self.spec, self.tokenizer = spec, tokenizer
+        # clients send no ids of their own here: a server that mixes up duplicated ids (the request-id audit
+        # of `kvtui run --target`) would make the three runs' answers differ for that reason alone
+        self.spec = spec.model_copy(update={"request_ids": None}) if spec.request_ids is not None else spec
+        self.tokenizer = tokenizer
         self.options = replace(options, uncached_load=True)
 
     def run(self, planned: list | None) -> AuditRun:

@@ -80,6 +80,8 @@ class StreamResult:
         cached_tokens: prompt tokens the server took from its prefix cache (KV it had computed before),
             from `usage.prompt_tokens_details.cached_tokens` (vLLM with --enable-prompt-tokens-details,
             llama.cpp, OpenAI) or llama.cpp's `timings.cache_n`; None when the server said nothing.
+        status: the HTTP status of the response, None when none came (no answer, a refused connection).
+        timed_out: the answer did not end within the request's limit (the request was given up).
     """
 
     sent_s: float
@@ -93,6 +95,8 @@ class StreamResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    status: int | None = None
+    timed_out: bool = False
 
     @property
     def text(self) -> str:
@@ -165,7 +169,7 @@ ChunkCallback = Callable[[StreamResult, str], None]
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, timeout_s: float | None,
                          clock: Callable[[], float] = time.perf_counter, result: StreamResult | None = None,
-                         on_chunk: ChunkCallback | None = None) -> StreamResult:
+                         on_chunk: ChunkCallback | None = None, headers: dict | None = None) -> StreamResult:
     """Send one streaming request and read it to the end. Never raises for a server or network
     failure: the result then has finish_reason "error" and the error text.
 
@@ -175,6 +179,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
         result: the StreamResult to fill (its sent_s is reset to the send time), so a caller that
             cancels the request keeps what arrived; a new one when None.
         on_chunk: called after each chunk with the result so far and the chunk's text.
+        headers: more request headers (the request-id audit's x-request-id).
 
     The request goes out with `Connection: close`: llama.cpp's server closes the connection after every
     stream, so a pooled connection reused at once fails (see kvtui.target.llama_server).
@@ -182,8 +187,9 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
     result = result if result is not None else StreamResult(sent_s=0.0)
     result.sent_s = clock()
     try:
-        await asyncio.wait_for(_read_stream(client, path, body, result, clock, on_chunk), timeout_s)
+        await asyncio.wait_for(_read_stream(client, path, body, result, clock, on_chunk, headers or {}), timeout_s)
     except asyncio.TimeoutError:
+        result.timed_out = True
         return _failed(result, f"timeout: no complete answer within {timeout_s:g} s")
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         return _failed(result, f"{type(e).__name__}: {e}".strip())
@@ -193,8 +199,9 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
 
 
 async def _read_stream(client: httpx.AsyncClient, path: str, body: dict, result: StreamResult,
-                       clock: Callable[[], float], on_chunk: ChunkCallback | None) -> None:
-    async with client.stream("POST", path, json=body, headers={"Connection": "close"}) as response:
+                       clock: Callable[[], float], on_chunk: ChunkCallback | None, headers: dict) -> None:
+    async with client.stream("POST", path, json=body, headers={**headers, "Connection": "close"}) as response:
+        result.status = response.status_code
         if response.status_code != 200:
             detail = (await response.aread()).decode("utf-8", "replace").strip()
             _failed(result, f"HTTP {response.status_code}: {detail[:300]}")

@@ -12,6 +12,11 @@ Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDe
 sends each completed greedy request again alone after the load (kvtui.target.solo_check), past the
 server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
 run as checked only when the server did not say it took prompt tokens from its cache.
+
+A scenario with `request_ids` makes each client send an id of its own choosing (kvtui/target/request_ids.py):
+every request then waits at most `request_ids.wait_s`, and after the load come the audit's probes and
+GET /health, its findings (hung, lost, stopped_serving) and its one summary line; the reference checks
+are skipped when the server stopped serving.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import httpx
 
@@ -41,6 +47,7 @@ from kvtui.run.sink import Listener, RunSink
 from kvtui.target.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
+from kvtui.target.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.target.server_probe import ServerProbe
 from kvtui.target.solo_check import reference_event, uncached
 from kvtui.target.transcription import is_audio, transcribe_request, transcription_form
@@ -112,6 +119,14 @@ class TargetSession(RunBase):
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
                             listeners=listeners)
         self.warnings = timeline_warnings(scenario)
+        self.id_audit = None  # the request-id audit (a scenario's request_ids), when the plan carries client ids
+        if scenario.request_ids is not None and any(p.client_id is not None for p in self.pending):
+            if self.api == "transcription":
+                raise ValueError("request_ids: clients' request ids go with chat and completions requests; an audio "
+                                 "scenario's uploads carry none: drop the section, or use text prompts")
+            self.id_audit = RequestIdAudit(scenario.request_ids, scenario.seed, self.pending)
+            self.warnings += overlap_warnings(self.pending)
+        self.spans: dict[str, tuple[float, float]] = {}  # request id -> (sent, ended), for the request-id audit
         self.timeline = [e for e in scenario.timeline if e.marker]
         self.fault_history: list = []  # a target's faults are its own: none known to the client
         self.results: dict[str, StreamResult] = {}
@@ -183,6 +198,8 @@ class TargetSession(RunBase):
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), transport=self.options.transport,
                                      timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
             await self._resolve_model(client)
+            if self.id_audit is not None:
+                await self.id_audit.before_load(client)  # /health as it answers before any request
             self._t0 = self._clock()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             probe = ServerProbe(client, self.in_flight)
@@ -192,7 +209,14 @@ class TargetSession(RunBase):
             try:
                 await self._wait_all(await self._drive(client))
                 await self._sample(probe)  # the load's end: the server's counters before the references
-                if "reference" in self.detectors and not self.stop_requested:
+                if self.id_audit is not None and not self.stop_requested:
+                    await self._audit_ids(client)
+                if "reference" in self.detectors and not self.stop_requested and self._server_stopped():
+                    self.reference_skips[SkipReason.SERVER_STOPPED] += sum(
+                        r.finish_reason in ("stop", "length") and self.planned[rid].sampling.temperature == 0
+                        for rid, r in self.results.items())
+                    self._reference_status(pending=0)
+                elif "reference" in self.detectors and not self.stop_requested:
                     await self._references(client)
                 elif "reference" in self.detectors:
                     self.reference_skips[SkipReason.STOPPED] += sum(r.finish_reason in ("stop", "length")
@@ -272,6 +296,13 @@ class TargetSession(RunBase):
                 return
             self.emit(Marker(t=self.now(), text=item.marker))
 
+    @property
+    def request_timeout_s(self) -> float:
+        """One request's limit: --timeout, lowered to request_ids.wait_s in a request-id audit."""
+        if self.id_audit is None:
+            return self.options.timeout_s
+        return min(self.options.timeout_s, self.id_audit.wait_s)
+
     async def _one(self, client: httpx.AsyncClient, cap: asyncio.Semaphore, p) -> None:
         """One request: wait for a place under the cap, stream it, emit its first token and finish."""
         result = StreamResult(sent_s=self.now())
@@ -285,10 +316,12 @@ class TargetSession(RunBase):
                     path, body = self._body(p, temperature=None)
                     if self.options.uncached_load:
                         body = uncached(body, self.server_kind)
-                    await stream_request(client, path, body, timeout_s=self.options.timeout_s, clock=self.now,
-                                         result=result,
+                    send_as = self.id_audit.spec.send_as if self.id_audit is not None else ()
+                    await stream_request(client, path, {**body, **id_fields(p.client_id, send_as)},
+                                         timeout_s=self.request_timeout_s, clock=self.now, result=result,
                                          on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
-                                                                                  p.cancel_after))
+                                                                                  p.cancel_after),
+                                         headers=id_headers(p.client_id, send_as))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
         except _ClientCancel:
@@ -349,6 +382,7 @@ class TargetSession(RunBase):
         reason = r.finish_reason if r.finish_reason in FINISH_REASONS else "stop"
         detail = r.error or ("" if reason == r.finish_reason else f"server finish_reason {r.finish_reason!r}")
         end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
+        self.spans[p.request_id] = (r.sent_s, end)
         ids = tuple(t.id for t in r.tokens) if r.tokens and all(t.id is not None for t in r.tokens) else ()
         if self.canary is not None:
             for event in self.canary.on_finish(p.request_id, r.text, end, -1):
@@ -425,6 +459,32 @@ class TargetSession(RunBase):
         if event is not None:
             self.emit(event)
 
+    async def _audit_ids(self, client: httpx.AsyncClient) -> None:
+        """The request-id audit after the load: probes with fresh ids and /health, then its findings."""
+        audit = self.id_audit
+        self.emit(Marker(t=self.now(), text=f"request-id audit: {len(audit.prompts)} requests with fresh ids, one at "
+                                            f"a time{', then GET /health' if audit.spec.health else ''}"))
+        await audit.probe(client, partial(self._send_probe, client))
+        for name, value, result in audit.probes:
+            said = "answered" if result.finish_reason in ("stop", "length") else result.error or result.finish_reason
+            self.emit(Marker(t=self.now(), text=f"request-id audit: {name} ({value}): {said}"))
+        canary = [e for e in self.contamination if e.detector == "canary"]
+        for event in audit.findings(self.results, self.spans, canary, self.now()):
+            self.emit(event)
+
+    async def _send_probe(self, client: httpx.AsyncClient, planned, headers: dict, fields: dict,
+                          timeout_s: float) -> StreamResult:
+        """One request of the audit's probes: `planned`'s prompt with the probe's id, alone."""
+        path, body = self._body(planned, temperature=None)
+        return await stream_request(client, path, {**body, **fields},
+                                    timeout_s=min(timeout_s, self.options.timeout_s), clock=self.now,
+                                    headers=headers)
+
+    def _server_stopped(self) -> bool:
+        """The request-id audit found that the server stopped serving (no solo run could be sent)."""
+        return self.id_audit is not None and bool(self.id_audit.probes or self.id_audit.spec.health) and \
+            self.id_audit.stopped_serving
+
     def _reference_counts(self) -> dict:
         return {"checked": self.reference_checked, "skipped_by_reason": self.reference_skips, "pending": 0,
                 "cached": self.reference_cached, "uncached_verified": self.reference_uncached_verified}
@@ -444,7 +504,9 @@ class TargetSession(RunBase):
     def close(self) -> Summary:
         """Write the summary line and close the recording (once)."""
         aborted = any(r.finish_reason == "abort" for r in self.results.values())
-        return self._close_run(work_left=bool(self.pending) or aborted, requests_not_submitted=len(self.pending))
+        line = self.id_audit.line(self.results) if self.id_audit is not None and self.id_audit.outcomes else None
+        return self._close_run(work_left=bool(self.pending) or aborted, requests_not_submitted=len(self.pending),
+                               request_id_audit=line)
 
 
 async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:
@@ -481,6 +543,23 @@ def check_reachable(options: TargetOptions) -> None:
             await first_model(client, options.url, options.served_model)
 
     asyncio.run(ask())
+
+
+def overlap_warnings(planned) -> list[str]:
+    """Lines about request-id groups whose requests do not arrive together (different times, or rounds):
+    they may not be in flight at once, and a duplicate id then tests little."""
+    by_group: dict[int, list] = {}
+    for p in planned:
+        if p.client_id is not None:
+            by_group.setdefault(p.client_id.group, []).append(p)
+    apart = [g for g, members in sorted(by_group.items()) if len(members) > 1
+             and len({(m.round, m.arrival_s if m.round is None else 0.0) for m in members}) > 1]
+    if not apart:
+        return []
+    first = by_group[apart[0]]
+    return [f"request_ids: {len(apart)} id groups arrive at different times (e.g. group {apart[0]}: "
+            f"{', '.join(m.request_id for m in first)}), so their requests may not overlap; put each group in one "
+            "round of `process: rounds` or one burst"]
 
 
 def timeline_warnings(scenario) -> list[str]:

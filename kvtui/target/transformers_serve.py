@@ -1,0 +1,119 @@
+"""`transformers serve --continuous-batching` as scripts/serve-transformers.sh starts it: transformers' own
+OpenAI-compatible server, from the transformers kvtui runs on, serving kvtui's converted default model on
+the CPU. Found, started on a free port and stopped, for the tests and the audits that run against it.
+
+The server runs in its own process group; stopping it sends SIGTERM to the group, then SIGKILL to
+whatever is left after `stop_timeout_s` (a server whose batching worker died can stay up after SIGTERM,
+held by a client connection that will never be answered).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtui.target.vllm_cpu import SCRIPTS, free_port
+
+
+def find_transformers_serve(python: str = sys.executable) -> str | None:
+    """Why transformers serve cannot run with `python` here, or None when it can: the script beside the
+    sources, and transformers' serving package with fastapi, uvicorn and openai importable."""
+    if not (SCRIPTS / "serve-transformers.sh").is_file():
+        return f"{SCRIPTS / 'serve-transformers.sh'} is missing (kvtui installed without its scripts/ folder)"
+    probe = subprocess.run([python, "-c", "import transformers.cli.serving.server, fastapi, uvicorn, openai"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        return ("transformers serve cannot run here (it needs fastapi, uvicorn and openai): pip install -e '.[test]' "
+                f"({(probe.stderr.strip().splitlines() or ['?'])[-1]})")
+    return None
+
+
+class TransformersServer:
+    """scripts/serve-transformers.sh --detach for kvtui's default model, as a context manager.
+
+    Args:
+        port: TCP port (None: a free one). threads: OpenMP threads for the model.
+        num_blocks / block_size: the continuous-batching KV cache (--cb-num-blocks, --cb-block-size).
+        wait_s: how long to wait for /health. log: the server's output file (None: the script's default).
+        model: a Hugging Face model folder (None: kvtui's converted default model).
+        python: the interpreter whose transformers serves (default: this one).
+
+    Attributes (after start): url (http://127.0.0.1:PORT), start_s (seconds the start took), model_name
+    (what /v1/models lists: the model folder's path).
+
+    Raises (start):
+        RuntimeError: it cannot run here, or the server did not become healthy (the script's message).
+    """
+
+    def __init__(self, *, port: int | None = None, threads: int = 1, num_blocks: int = 64, block_size: int = 16,
+                 wait_s: int = 180, log: Path | None = None, model: str | Path | None = None,
+                 python: str = sys.executable, stop_timeout_s: float = 10.0) -> None:
+        self.port = port or free_port()
+        self.threads, self.num_blocks, self.block_size = threads, num_blocks, block_size
+        self.wait_s, self.log, self.model, self.python = wait_s, log, model, python
+        self.stop_timeout_s = stop_timeout_s
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pgid: int | None = None
+        self.model_name: str | None = None
+        self.start_s: float | None = None
+
+    def start(self) -> None:
+        """Run the script with --detach; returns once /health answers 200."""
+        reason = find_transformers_serve(self.python)
+        if reason:
+            raise RuntimeError(reason)
+        with tempfile.TemporaryDirectory() as tmp:
+            pid_file = Path(tmp) / "pgid"
+            args = ["bash", str(SCRIPTS / "serve-transformers.sh"), "--port", str(self.port), "--threads",
+                    str(self.threads), "--num-blocks", str(self.num_blocks), "--block-size", str(self.block_size),
+                    "--wait", str(self.wait_s), "--python", self.python, "--detach", "--pid-file", str(pid_file)]
+            if self.log is not None:
+                args += ["--log", str(self.log)]
+            if self.model is not None:
+                args += ["--model", str(self.model)]
+            t0 = time.perf_counter()
+            done = subprocess.run(args, capture_output=True, text=True, timeout=self.wait_s + 60)
+            self.start_s = time.perf_counter() - t0
+            if pid_file.is_file():
+                self.pgid = int(pid_file.read_text().strip())
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"transformers serve did not start (exit {done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        import httpx
+
+        listed = httpx.get(f"{self.url}/v1/models", timeout=30).json().get("data") or [{}]
+        self.model_name = listed[0].get("id")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
+        if self.pgid is None:
+            return
+        pgid, self.pgid = self.pgid, None
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> TransformersServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
