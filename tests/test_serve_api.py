@@ -183,3 +183,38 @@ def test_ignored_fields_are_named_in_vllms_log_line(server, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "kvtui.serve"]
     assert [line[:len(IGNORED)] for line in lines] == [IGNORED, IGNORED]  # the third held no unknown field
     assert [ast.literal_eval(line[len(IGNORED):]) for line in lines] == [{"foo", "best_of_n"}, {"messages[0].name"}]
+
+
+# -- metrics ---------------------------------------------------------------------------------------------
+def test_cache_config_info_has_no_block_size_under_slot_kv(server):
+    info = parse_info(httpx.get(server.url + "/metrics").text)["vllm:cache_config_info"]
+    assert info == {"enable_prefix_caching": "False"}
+
+
+PROMPT = "count my prompt once per sequence, please"
+
+
+def _counts_each_sequence(target: ServeServer, length: int) -> None:
+    for _ in range(2):  # the second time from the prefix cache where there is one
+        before = counter(target, "vllm:prompt_tokens_total")
+        answer = client(target).completions.create(model="tiny-llama", prompt=PROMPT, n=4, max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+        assert answer.usage.prompt_tokens == length
+        assert counter(target, "vllm:prompt_tokens_total") - before == 4 * length
+
+
+@pytest.mark.parametrize("engine", [{}, {"slots": 2}, {"slots": 2, "kv": "paged", "prefix_caching": True}])
+def test_prompt_tokens_count_each_sequences_prompt_as_vllm_does(server, engine):
+    """vLLM's v1 IterationStats adds a request's prompt length at its first token, once per child request: n
+    times for n > 1, however the prompt was computed. Here 4 sequences forked from one prefill on 4 slots, 4
+    on 2 slots (2 of them prefill again) and 4 on a paged server whose prefix cache holds the prompt the
+    second time all count it 4 times; usage counts it once."""
+    length = len(tokens(server, PROMPT))
+    if not engine:
+        _counts_each_sequence(server, length)
+        before = counter(server, "vllm:prompt_tokens_total")
+        client(server).completions.create(model="tiny-llama", prompt=[PROMPT, "short"], n=2, max_tokens=2)
+        assert counter(server, "vllm:prompt_tokens_total") - before == 2 * (length + len(tokens(server, "short")))
+        return
+    with ServeServer(ServeOptions(model="tiny-llama", port=0, max_len=512, detectors=(), **engine)) as other:
+        _counts_each_sequence(other, length)
