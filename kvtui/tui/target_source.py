@@ -64,6 +64,16 @@ class TargetSource(Source):
             return "CLOSING"
         return "ARRIVALS HELD" if self.paused else "LIVE"
 
+    def refusal(self, action: str) -> str | None:
+        """Holding arrivals (space) needs a run that started and has not ended."""
+        if action != "pause":
+            return None
+        if self.session is None:
+            return "the run has not started (see the events panel): nothing to hold yet; q quits"
+        if self.summary is not None or self.session.stop_requested:
+            return "the run is over: no arrivals left to hold; q quits"
+        return None
+
     def attach(self, app: App) -> bool:
         if not super().attach(app):
             return False

@@ -1,0 +1,254 @@
+"""The dashboard's keys where the run cannot go on, driven by Pilot on live tiny-llama sessions: every key
+acts or says why it cannot now (loading, closing, done), the fault picker marks and refuses faults the run's
+layout or KV mode cannot act on and never confirms a fault that is not applied, a restart keeps the faults
+picked by key, the help fits and scrolls at 100x30, SIGTERM exits 143 with the summary, and `kvtui serve
+--dashboard`'s quit interrupts the engine as Ctrl-C does."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets import Static
+
+from kvtui.events import FaultSwitch, StepEvent
+from kvtui.record import read_recording
+from kvtui.tui.app import KvtuiApp, screen_text
+from kvtui.tui.live import LiveSource
+from kvtui.tui.screens import HELP, FaultPicker, HelpScreen
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+LIVE_DETECTORS = ("canary", "attention_flow", "slot_taint")  # the reference detector's reruns cost seconds
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from kvtui.models import load_model
+
+    return load_model("tiny-llama", progress=False)
+
+
+def live_source(loaded, record: Path, scenario: str = "tui_short.yaml", **engine) -> LiveSource:
+    from kvtui.record import restart_path
+    from kvtui.scenario import load_scenario
+    from kvtui.session import build_session
+
+    spec = load_scenario(DATA / scenario)
+
+    def make(listener, generation):
+        return build_session(spec, loaded, clock="wall", record=restart_path(record, generation),
+                             listeners=(listener,), detectors=LIVE_DETECTORS, **engine)
+
+    return LiveSource(make)
+
+
+async def until(predicate, pilot, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await pilot.pause(0.05)
+
+
+def noting(app: KvtuiApp) -> list[str]:
+    """The app's notifications, as they are raised (the toasts' text)."""
+    notes: list[str] = []
+    real = app.notify
+
+    def notify(message, **kwargs):
+        notes.append(str(message))
+        return real(message, **kwargs)
+
+    app.notify = notify
+    return notes
+
+
+def fault_switches(path: Path) -> list[tuple[str, bool, float]]:
+    _, events, _, _ = read_recording(path)
+    return [(e.name, e.on, e.t) for e in events if isinstance(e, FaultSwitch)]
+
+
+# -- keys once the run is over -------------------------------------------------------------------------
+def test_every_key_after_the_run_ended_says_why_and_changes_nothing(loaded, tmp_path):
+    record = tmp_path / "done.jsonl"
+    source = live_source(loaded, record)
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            notes = noting(app)
+            await until(lambda: source.done and " DONE " in screen_text(app), pilot)
+            pending, seq = list(source.session.pending), source.state.seq
+            for key in ("i", "f", "b", "space", "n", "plus", "minus"):
+                await pilot.press(key)
+                await pilot.pause(0.1)
+                assert not isinstance(app.screen, FaultPicker)
+            await pilot.pause(0.3)
+            text = screen_text(app)
+            await pilot.press("q")
+        return notes, text, pending, seq
+
+    notes, text, pending, seq = asyncio.run(run())
+    assert notes[:7] == ["the run is over (DONE): nothing more runs; r restarts it, q quits"] * 7
+    assert "isolation ON" in text.splitlines()[0] and " DONE " in text.splitlines()[0]  # `i` flipped nothing
+    assert source.session.pending == pending and not source.paused and source.state.seq == seq
+    assert fault_switches(record) == []
+
+
+def test_the_picker_applies_nothing_when_the_run_ended_while_it_was_open(loaded, tmp_path):
+    record = tmp_path / "picker.jsonl"
+    source = live_source(loaded, record, "tui_long.yaml")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            notes = noting(app)
+            await until(lambda: source.state.step >= 2, pilot)
+            await pilot.press("space")
+            await until(lambda: source.parked, pilot)
+            await pilot.press("f", *["down"] * 5, "space")  # stale_slot
+            assert "on after apply: stale_slot" in screen_text(app)
+            source._queue(source._finish, control=False)  # the run ends (its summary written) meanwhile
+            await until(lambda: source.done, pilot)
+            await pilot.press("enter")
+            await pilot.pause(0.5)
+            await pilot.press("q")
+        return notes
+
+    notes = asyncio.run(run())
+    assert notes[0] == "not applied: the run is over (DONE): nothing more runs; r restarts it, q quits"
+    assert source.session.engine.faults == frozenset() and fault_switches(record) == []
+
+
+def test_keys_while_the_model_loads_say_so(tmp_path):
+    release = threading.Event()
+    source = LiveSource(lambda listener, generation: None, prepare=lambda: release.wait(30),
+                        loading_text="loading the model (tiny-llama)…")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            notes = noting(app)
+            header = screen_text(app).splitlines()[0]  # the first frame, before the source's first snapshot
+            await until(lambda: "loading the model" in screen_text(app), pilot, 5)
+            for key in ("i", "f", "b", "space", "r"):
+                await pilot.press(key)
+            release.set()
+            source.request_stop()
+            await pilot.press("q")
+        return header, notes
+
+    header, notes = asyncio.run(run())
+    assert "LOADING" in header and "LIVE" not in header
+    assert notes[:5] == ["the model is still loading; keys act once the run starts"] * 5
+
+
+def test_n_while_running_says_it_steps_while_paused(loaded, tmp_path):
+    source = live_source(loaded, tmp_path / "n.jsonl", "tui_long.yaml")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            notes = noting(app)
+            await until(lambda: source.state.step >= 1, pilot)
+            await pilot.press("n")
+            await pilot.press("q")
+        return notes
+
+    assert asyncio.run(run())[0] == "n takes one step while paused: space pauses first"
+
+
+# -- the fault picker and restart ----------------------------------------------------------------------
+@pytest.mark.parametrize("layout, misfit, why", [
+    ("padded", "no_request_mask", "acts in the packed layout only, not padded"),
+    ("packed", "unmasked_cache_padding", "acts in the padded layout only, not packed"),
+])
+def test_the_picker_marks_and_refuses_faults_that_cannot_act_in_the_run(loaded, tmp_path, layout, misfit, why):
+    source = live_source(loaded, tmp_path / "misfit.jsonl", "tui_long.yaml", layout=layout)
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(lambda: source.state.step >= 1 and app.snapshot is not None and app.snapshot.layout == layout,
+                        pilot)
+            await pilot.press("space")
+            await pilot.press("f")
+            listed = screen_text(app)
+            picker = app.screen
+            index = picker.names.index(misfit)
+            await pilot.press(*["down"] * index, "space")
+            await pilot.pause(0.3)
+            refused = str(picker.query_one("#picker-choice", Static).render())
+            await pilot.press("enter")
+            await pilot.pause(0.3)
+            await pilot.press("q")
+        return picker, listed, refused
+
+    picker, listed, refused = asyncio.run(run())
+    assert f"{misfit:<24} ✗ {why}" in listed
+    assert "block_refcount           ✗ acts with kv: paged only, not slots" in listed
+    assert f"{misfit} is not applied: fault {misfit} {why}, so it would never fire" in refused
+    assert "on after apply: none (isolation ON)" in refused
+    assert set(picker.misfits) >= {misfit, "unsalted_prefix", "block_refcount"} and "stale_slot" not in picker.misfits
+    assert source.session.engine.faults == frozenset()
+
+
+def test_restart_keeps_the_faults_picked_by_key(loaded, tmp_path):
+    record = tmp_path / "restart.jsonl"
+    source = live_source(loaded, record, "tui_long.yaml")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            notes = noting(app)
+            await until(lambda: source.state.step >= 1, pilot)
+            await pilot.press("space")
+            await pilot.press("f", *["down"] * 5, "space", "enter")  # stale_slot
+            await until(lambda: source.session.engine.faults == {"stale_slot"}, pilot)
+            await pilot.press("r")
+            await until(lambda: source.generation == 1 and source.session.engine.faults == {"stale_slot"}, pilot)
+            await until(lambda: "isolation OFF: stale_slot" in screen_text(app).splitlines()[0], pilot)
+            await pilot.press("space")
+            await until(lambda: source.state.step >= 2, pilot)
+            await pilot.press("q")
+            await until(lambda: app.return_value is not None, pilot, 60)
+        return notes
+
+    notes = asyncio.run(run())
+    assert notes[-2:] == ["restarting the scenario with the faults picked by key: stale_slot", "closing the session…"]
+    _, events, _, _ = read_recording(tmp_path / "restart.restart1.jsonl")
+    kinds = [type(e).__name__ for e in events if isinstance(e, (FaultSwitch, StepEvent))]
+    assert kinds[:2] == ["FaultSwitch", "StepEvent"]  # on before the restart's first step ...
+    assert [(e.name, e.on) for e in events if isinstance(e, FaultSwitch)] == [("stale_slot", True)]  # ... and kept
+    assert any(line.text == "restart #1 keeps the faults picked by key: stale_slot" for line in source.state.log)
+
+
+# -- help ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [(100, 30), (100, 20)])
+def test_help_fits_and_scrolls(size):
+    from kvtui.tui.replay import ReplaySource
+
+    last = HELP.splitlines()[-1].strip()  # "… r restarts a run that has ended, q quits."
+
+    async def run():
+        app = KvtuiApp(ReplaySource.from_file(ROOT / "recordings" / "passphrase_demo.jsonl", start_paused=True))
+        async with app.run_test(size=size) as pilot:
+            await pilot.press("question_mark")
+            await pilot.pause(0.3)
+            assert isinstance(app.screen, HelpScreen)
+            first = screen_text(app)
+            await pilot.press("end")
+            await pilot.pause(0.3)
+            scrolled = screen_text(app)
+            await pilot.press("escape", "q")
+        return first, scrolled
+
+    first, scrolled = asyncio.run(run())
+    assert "q    quit (live: the recording gets its summary)" in scrolled and last in scrolled
+    if size == (100, 30):  # everything at once
+        assert "kvtui dashboard" in first and last in first and "space    pause / resume" in first
+    else:  # the top first, the rest by scrolling
+        assert "kvtui dashboard" in first and last not in first and "kvtui dashboard" not in scrolled
