@@ -7,6 +7,15 @@ picked by key, the help fits and scrolls at 100x30, SIGTERM exits 143 with the s
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -252,3 +261,85 @@ def test_help_fits_and_scrolls(size):
         assert "kvtui dashboard" in first and last in first and "space    pause / resume" in first
     else:  # the top first, the rest by scrolling
         assert "kvtui dashboard" in first and last not in first and "kvtui dashboard" not in scrolled
+
+
+# -- start, SIGTERM, serve --------------------------------------------------------------------------------
+def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkeypatch):
+    """kvtui run (dashboard) loads the tokenizer, and with it torch, before it takes the screen: seconds.
+    A spinner says so before the first check that imports anything heavy."""
+    import types
+
+    from typer.testing import CliRunner
+
+    import kvtui.cli.run as command
+    from kvtui.cli import app as cli
+
+    order: list[str] = []
+
+    class Status:
+        def __init__(self, text):
+            order.append(f"status: {text}")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            order.append("status closed")
+
+    tty = types.SimpleNamespace(isatty=lambda: True)
+    monkeypatch.setattr(command, "sys", types.SimpleNamespace(stdout=tty, stderr=tty))
+    monkeypatch.setattr(command.err, "status", Status)
+    monkeypatch.setattr(command, "refuse_misfit_faults", lambda *a: order.append("model kind checked"))
+    monkeypatch.setattr(command, "load_tokenizer", lambda name: order.append(f"tokenizer {name}") or object())
+    monkeypatch.setattr(command, "check_lengths", lambda *a: order.append("lengths checked"))
+    monkeypatch.setattr(command, "_dashboard", lambda *a, **k: order.append("dashboard"))
+    result = CliRunner().invoke(cli, ["run", str(DATA / "tui_short.yaml"), "--model", "tiny-llama"])
+    assert result.exit_code == 0, result.output
+    assert order == ["status: checking the scenario with tiny-llama's tokenizer; the dashboard opens next",
+                     "model kind checked", "tokenizer tiny-llama", "lengths checked", "status closed", "dashboard"]
+
+
+def read_until(fd: int, pattern: str, timeout_s: float, seen: bytearray) -> bool:
+    """Read the pty into `seen` until `pattern` shows (True) or the time is up / the output ends (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if re.search(pattern, seen.decode("utf-8", "replace")):
+            return True
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            seen.extend(chunk)
+    return bool(re.search(pattern, seen.decode("utf-8", "replace")))
+
+
+def test_sigterm_stops_the_dashboard_with_its_summary_and_exit_143(tmp_path):
+    """The command in a 100x30 terminal (a pty): SIGTERM while the run is live closes the session, prints the
+    summary and the interrupted line, and exits 143 as a headless run does (it exited 0)."""
+    record = tmp_path / "term.jsonl"
+    main, child = os.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TERM": "xterm-256color"}
+    process = subprocess.Popen([sys.executable, "-m", "kvtui.cli", "run", str(DATA / "tui_long.yaml"), "--record",
+                                str(record), "--detectors", "canary"], cwd=ROOT, env=env, stdin=child,
+                               stdout=child, stderr=child, close_fds=True, start_new_session=True)
+    os.close(child)
+    seen = bytearray()
+    try:
+        assert read_until(main, r"LIVE", 300, seen), seen.decode("utf-8", "replace")[-2000:]
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        read_until(main, r"\(exit 143\)", 120, seen)
+        process.wait(120)
+    finally:
+        process.kill()
+        os.close(main)
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen.decode("utf-8", "replace"))
+    assert process.returncode == 143, out[-2000:]
+    assert "stopped early" in out and "error: interrupted by SIGTERM: the run stopped early" in out
+    _, _, summary, truncated = read_recording(record)
+    assert not truncated and summary is not None and summary.stopped_early
