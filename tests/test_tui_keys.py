@@ -343,3 +343,48 @@ def test_sigterm_stops_the_dashboard_with_its_summary_and_exit_143(tmp_path):
     assert "stopped early" in out and "error: interrupted by SIGTERM: the run stopped early" in out
     _, _, summary, truncated = read_recording(record)
     assert not truncated and summary is not None and summary.stopped_early
+
+
+def test_the_serve_dashboards_quit_interrupts_the_engine(monkeypatch):
+    """q in `kvtui serve --dashboard` stops the engine as the plain server's Ctrl-C does: the step in progress
+    is interrupted and the client in flight gets finish_reason "abort"."""
+    import httpx
+    from textual.app import App
+
+    from kvtui.serve.main import _dashboard
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    server = ServeServer(ServeOptions(model="tiny-llama", port=0, max_len=4096, detectors=()))
+    server.start_http()
+    server.load()
+    interrupts, finishes, streaming = [], [], threading.Event()
+
+    def ask():
+        body = {"prompt": "hi", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                streaming.set()
+                if line.startswith("data: {"):
+                    reason = httpx.Response(200, content=line[6:]).json()["choices"][0]["finish_reason"]
+                    finishes.extend([reason] if reason else [])
+
+    def headless_run(self, **kwargs):
+        async def autopilot(pilot):
+            engine = self.source.session.engine
+            real = engine.interrupt
+            engine.interrupt = lambda: (interrupts.append(time.monotonic()), real())
+            asker.start()
+            await until(streaming.is_set, pilot, 120)
+            await pilot.press("q")
+
+        return App.run(self, headless=True, size=(100, 30), auto_pilot=autopilot)
+
+    asker = threading.Thread(target=ask)
+    monkeypatch.setattr(KvtuiApp, "run", headless_run)
+    try:
+        result = _dashboard(server)
+        asker.join(120)
+    finally:
+        server.stop()
+    assert interrupts and finishes == ["abort"]
+    assert result.summary is not None and result.summary.finish_reasons == {"abort": 1}
