@@ -388,3 +388,37 @@ def test_the_serve_dashboards_quit_interrupts_the_engine(monkeypatch):
         server.stop()
     assert interrupts and finishes == ["abort"]
     assert result.summary is not None and result.summary.finish_reasons == {"abort": 1}
+
+
+def test_sigterm_stops_the_target_dashboard_and_says_which_signal(tmp_path, monkeypatch):
+    """`kvtui run --target`'s dashboard: SIGTERM stops the run (the recording gets its summary) and the
+    caller is told which signal, so the command exits 143 as a headless --target run does."""
+    from fake_openai import FakeOpenAI
+    from textual.app import App
+
+    from kvtui.models import build_tiny_tokenizer
+    from kvtui.scenario import parse_scenario
+    from kvtui.target.session import TargetOptions, TargetSession
+    from kvtui.tui.target_source import run_target_dashboard
+
+    spec = parse_scenario("name: term\nseed: 3\nmax_requests: 64\nmodel: tiny-llama\narrivals: {process: poisson, "
+                          "rate_per_s: 4}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    fake = FakeOpenAI(delay_s=0.05)
+
+    def make_session(listener):
+        return TargetSession(spec, build_tiny_tokenizer(), TargetOptions(url="http://fake", transport=fake.transport()),
+                             listeners=(listener,), record_path=tmp_path / "target.jsonl")
+
+    def headless_run(self, **kwargs):
+        async def autopilot(pilot):
+            await until(lambda: self.source.state.finished >= 1, pilot, 60)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        return App.run(self, headless=True, size=(100, 30), auto_pilot=autopilot)
+
+    monkeypatch.setattr(KvtuiApp, "run", headless_run)
+    signals: list[int] = []
+    summary, header, session = run_target_dashboard(make_session, on_signal=signals.append)
+    assert signals == [signal.SIGTERM]
+    assert summary is not None and summary.stopped_early and summary.requests_not_submitted > 0
+    assert read_recording(tmp_path / "target.jsonl")[2] == summary

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
-from kvtui.cli.finish import StopSignal, finish_headless, install_stop_handlers
+from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
 from kvtui.cli.inputs import (
     check_lengths,
     load_model,
@@ -285,11 +285,6 @@ def _dashboard(scenario: Path, **options) -> None:
         say("error", f"{broken}; the run went on without it (free space, or choose another --record path)")
     elif options.get("record"):
         out.print(f"recording: {options['record']}", markup=False, highlight=False)
-    if signals:  # SIGTERM / SIGINT: as a headless run, 128 + the signal's number
-        stopped = StopSignal()
-        stopped.signum = signals[0]
-        say("error", f"interrupted by {stopped.name}: the run stopped early; the summary above covers what ran "
-                     f"(exit {stopped.exit_code})")
-        raise typer.Exit(stopped.exit_code)
+    exit_if_signalled(signals)  # SIGTERM / SIGINT: as a headless run, 128 + the signal's number
     if broken:
         raise typer.Exit(EXIT_RUNTIME)

@@ -143,9 +143,10 @@ class TargetSource(Source):
         return self.summary
 
 
-def run_target_dashboard(make_session, loading_text: str | None = None):
+def run_target_dashboard(make_session, loading_text: str | None = None, on_signal=None):
     """Run the dashboard on a TargetSession until `q` or the run's end and `q`. With `loading_text` the
-    session is made in the dashboard's worker (see TargetSource).
+    session is made in the dashboard's worker (see TargetSource). `on_signal` is called with the signal's
+    number when SIGTERM or SIGINT stopped it (after the run closed).
 
     Returns:
         (summary, header, session): the summary (None if the run did not close), its Header, the session;
@@ -158,8 +159,10 @@ def run_target_dashboard(make_session, loading_text: str | None = None):
     from kvtui.tui.launch import run_app
 
     source = TargetSource(make_session, loading_text=loading_text)
-    run_app(KvtuiApp(source), source)
+    signum = run_app(KvtuiApp(source), source)
     summary = source.shutdown()
+    if signum is not None and on_signal is not None:
+        on_signal(signum)
     if source.setup_error is not None:
         raise source.setup_error
     if source.session is None:
