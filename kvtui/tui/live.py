@@ -172,7 +172,9 @@ class LiveSource(Source):
             try:
                 more = self.session.step_once()
             except Exception as e:  # keep the dashboard alive and say what failed
-                if self._stop.is_set() and type(e).__name__ == "StepInterrupted":  # the stop cut the step short
+                from kvtui.engine import StepInterrupted  # (torch is loaded by now: a session runs)
+
+                if self._stop.is_set() and isinstance(e, StepInterrupted):  # the stop cut the step short
                     break
                 self._fail(e)
                 continue
