@@ -356,7 +356,7 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
     ("completions", {}, 400, "prompt", None),
     ("completions", {"prompt": "x", "max_tokens": 2048}, 400, "max_tokens", "context_length_exceeded"),
     ("completions", {"prompt": "x" * 2040}, 400, "max_tokens", "context_length_exceeded"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("completions", {"prompt": ["a", ""]}, 400, "prompt", None),
     ("completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty", None),
     ("completions", {"prompt": "x", "presence_penalty": -3}, 400, "presence_penalty", None),
     ("completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),

@@ -150,7 +150,7 @@ HOSTILE = [  # (name, path, body: a dict sent as JSON or raw bytes, status, erro
     ("token id 2**100", "completions", {"prompt": [[2**100, 1]]}, 400, "out_of_vocabulary"),
     ("token id 1.5", "completions", {"prompt": [1.5]}, 400, None),
     ("mixed token list", "completions", {"prompt": ["a", 1]}, 400, None),
-    ("two token lists", "completions", {"prompt": [[1], [2]]}, 400, None),
+    ("two token lists", "completions", {"prompt": [[1], [2]]}, 200, None),  # two prompts, two choices
     ("triple nesting", "completions", {"prompt": [[[1]]]}, 400, None),
     ("empty token list", "completions", {"prompt": [[]]}, 400, None),
     ("empty prompt list", "completions", {"prompt": []}, 400, None),

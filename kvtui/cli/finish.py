@@ -78,6 +78,18 @@ def finish_headless(spec, session, record: Path | None, stopped: StopSignal, exp
         out.print(reason, markup=False, highlight=False)
 
 
+def exit_if_signalled(signals: list[int]) -> None:
+    """After a dashboard closed (its summary printed): when a signal stopped it (`signals`, as run_app
+    reported it), the interrupted line and exit 128 + its number, as a headless run ends."""
+    if not signals:
+        return
+    stopped = StopSignal()
+    stopped.signum = signals[0]
+    say("error", f"interrupted by {stopped.name}: the run stopped early; the summary above covers what ran "
+                 f"(exit {stopped.exit_code})")
+    raise typer.Exit(stopped.exit_code)
+
+
 def nothing_completed(summary) -> str:
     """Why a run tested nothing (no request completed: each was rejected, or none arrived), one line
     with the rejections counted by code; "" when some request completed."""

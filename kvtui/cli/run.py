@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
-from kvtui.cli.finish import finish_headless, install_stop_handlers
+from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
 from kvtui.cli.inputs import (
     check_lengths,
     load_model,
@@ -131,18 +132,18 @@ def run(
         headless = True
     if prefix_caching is not None:
         spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
-    refuse_misfit_faults(scenario, spec, fault_names(fault), model)
-    refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,
-                       prefix_caching=prefix_caching)
+    # the dashboard's checks load the tokenizer (seconds) before the screen is taken: a spinner says so at once
+    with nullcontext() if headless else err.status(f"checking the scenario with {model or spec.model}'s "
+                                                   "tokenizer; the dashboard opens next"):
+        refuse_misfit_faults(scenario, spec, fault_names(fault), model)
+        refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,
+                           prefix_caching=prefix_caching)
+        if not headless:
+            _dashboard_checks(scenario, spec, model, dtype, device)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager,
                    batch_invariant=batch_invariant)
     if not headless:
-        from kvtui.models.hardware import bf16_note
-
-        if note := bf16_note(dtype or spec.dtype, device):
-            say("note", note)
-        check_lengths(scenario, spec, load_tokenizer(model or spec.model), model)
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return
     loaded = load_model(model or spec.model, dtype or spec.dtype, device)
@@ -246,6 +247,16 @@ def _run_headless(session, record, quiet: bool):
              EXIT_RUNTIME)
 
 
+def _dashboard_checks(scenario: Path, spec, model: str | None, dtype: str | None, device: str) -> None:
+    """What the dashboard checks before it takes the screen: the bfloat16 note, and the planned requests
+    against the engine (one line and exit 2 when none fits)."""
+    from kvtui.models.hardware import bf16_note
+
+    if note := bf16_note(dtype or spec.dtype, device):
+        say("note", note)
+    check_lengths(scenario, spec, load_tokenizer(model or spec.model), model)
+
+
 def _dashboard(scenario: Path, **options) -> None:
     """Run the live dashboard; input errors become one line and exit 2 (raised before the screen opens)."""
     from kvtui.models import ModelLoadError
@@ -254,9 +265,9 @@ def _dashboard(scenario: Path, **options) -> None:
     from kvtui.summary import print_summary
     from kvtui.tui import run_dashboard
 
-    closed: list = []
+    closed, signals = [], []
     try:
-        summary, header = run_dashboard(scenario, on_closed=closed.append, **options)
+        summary, header = run_dashboard(scenario, on_closed=closed.append, on_signal=signals.append, **options)
     except ScenarioError as e:
         for line in e.errors:
             say("error", line)
@@ -271,6 +282,9 @@ def _dashboard(scenario: Path, **options) -> None:
         print_summary(summary, header, out)
     broken = closed[-1].recording_error if closed else ""
     if broken:
-        fail(f"{broken}; the run went on without it (free space, or choose another --record path)", EXIT_RUNTIME)
-    if options.get("record"):
+        say("error", f"{broken}; the run went on without it (free space, or choose another --record path)")
+    elif options.get("record"):
         out.print(f"recording: {options['record']}", markup=False, highlight=False)
+    exit_if_signalled(signals)  # SIGTERM / SIGINT: as a headless run, 128 + the signal's number
+    if broken:
+        raise typer.Exit(EXIT_RUNTIME)

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
-from kvtui.cli.finish import finish_headless, install_stop_handlers
+from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
@@ -142,9 +142,11 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     def make_session(listener) -> TargetSession:
         return new_target_session(spec, run, model=model, record=record, detectors=detectors, listeners=(listener,))
 
+    signals: list[int] = []
     try:
         summary, header, session = run_target_dashboard(
-            make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…")
+            make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…",
+            on_signal=signals.append)
     except OSError as e:
         fail_unwritable(record, e)
     except ValueError as e:
@@ -155,20 +157,25 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
         if not isinstance(e, ModelLoadError):
             raise
         fail(str(e))
-    _print_dashboard_result(summary, header, session, record)
+    _print_dashboard_result(summary, header, session, record, stopped=bool(signals))
+    exit_if_signalled(signals)
 
 
-def _print_dashboard_result(summary, header, session: TargetSession, record: Path | None) -> None:
+def _print_dashboard_result(summary, header, session: TargetSession, record: Path | None,
+                            stopped: bool = False) -> None:
     """After the target dashboard closes: the summary, the contamination table, and the recording's
-    fate (exit 3 when its writes failed)."""
+    fate (exit 3 when its writes failed, unless a signal `stopped` the run: its exit code comes next)."""
     from kvtui.summary import print_contamination, print_summary
 
     if summary is not None:
         print_summary(summary, header, out)
         print_contamination(session.contamination, out, recording=record)
     if session.recording_error:
-        fail(f"{session.recording_error}; the run went on without it (free space, or choose another --record "
-             "path)", EXIT_RUNTIME)
+        message = f"{session.recording_error}; the run went on without it (free space, or choose another --record path)"
+        if stopped:
+            say("error", message)
+            return
+        fail(message, EXIT_RUNTIME)
     if record:
         out.print(f"recording: {record}", markup=False, highlight=False)
 

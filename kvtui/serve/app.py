@@ -1,8 +1,11 @@
-"""The FastAPI application: OpenAI's completions and chat completions, /v1/models, /health, /metrics, and
-for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints then answer 400).
+"""The FastAPI application: OpenAI's completions and chat completions, /v1/models and /v1/models/{id},
+/health, /metrics, and for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints
+then answer 400). A /v1/completions list of prompts runs one engine request per prompt, read as one
+(serve/fanout.py).
 
 Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters
-(FastAPI's own 422 validation errors and unparsable JSON included), 400 `context_length_exceeded`,
+(FastAPI's own 422 validation errors included; unparsable JSON and a body that is no object with `param`
+null, as OpenAI and vLLM answer), 400 `context_length_exceeded`,
 400 `out_of_vocabulary`, 400 `invalid_logit_bias`, 401 `invalid_api_key`, 404 unknown model or path, 413 `request_too_large`,
 429 waiting queue full, 500 `internal_error` (the request alone failed inside the engine), 503 while
 the model loads or the server stops. The engine's rejections and errors reach HTTP by their
@@ -19,8 +22,10 @@ next step boundary.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -34,9 +39,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtui.engine.block_manager import salt_digest
 from kvtui.events import Finish
 from kvtui.scenario.prompts import chat_ids, encode_text
-from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, RequestStream, TokenOut
+from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, TokenOut
 from kvtui.serve.detok import TextStream
 from kvtui.serve.embeds import ENABLE_HINT, EmbedsSpec, chat_input, completion_input, has_embeds
+from kvtui.serve.fanout import Choices
 from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.images import has_images, refuse_images
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -56,6 +62,7 @@ TOKENIZE_WORKERS = 2  # threads that tokenize prompts and render chat templates 
 # The id a client may give its request. kvtui routes answers by its own ids (`chatcmpl-<n>-<hex>`) and hands
 # this one to the bridge only for the fault request_id_keyed (serve/bridge.py).
 CLIENT_ID_HEADER = "x-request-id"
+log = logging.getLogger("kvtui.serve")
 
 
 @dataclass
@@ -90,6 +97,7 @@ class ServerState:
 
     def __init__(self) -> None:
         self.context: ServeContext | None = None
+        self.started = int(time.time())  # the server's start (Unix seconds): /v1/models' `created`
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="kvtui-tokenize")
 
     async def off_loop(self, fn, *args):
@@ -123,9 +131,15 @@ def create_app(state: ServerState, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
         ctx = state.ready()
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvtui", "root": ctx.model_id, "max_model_len": ctx.max_len}]}
+        if model not in (ctx.model_name, ctx.model_id):
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
+                           param="model", code="model_not_found")
+        return _model_card(state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -134,24 +148,16 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         ctx = text_model(state.ready(), "completions")
+        _log_ignored(body)
         body.check()
-        if body.prompt_embeds is not None:
-            embeds = _embeds_spec(ctx, "prompt_embeds")
-            if body.prompt not in (None, "", [], [""]):
-                raise ApiError(400, "send either prompt or prompt_embeds, not both (one prompt per request)",
-                               param="prompt")
-            given = await state.off_loop(completion_input, body.prompt_embeds, embeds)
-            await state.off_loop(_precompile, ctx, body)
-            return await _serve(ctx, request, body, list(given.prompt_ids), None, chat=False, given=given)
-        prompt = body.single_prompt()
-        text = prompt if isinstance(prompt, str) else None
-        ids = await state.off_loop(encode_text, ctx.tokenizer, prompt) if text is not None else list(prompt)
+        prompts = await _completion_prompts(state, ctx, body)
         await state.off_loop(_precompile, ctx, body)
-        return await _serve(ctx, request, body, ids, text, chat=False)
+        return await _serve(ctx, request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         ctx = text_model(state.ready(), "chat/completions")
+        _log_ignored(body)
         body.check()
         images = has_images(body.messages)
         if images and ctx.image_tokens is None:
@@ -161,15 +167,22 @@ def create_app(state: ServerState, *, api_key: str | None = None,
             spliced = await state.off_loop(partial(chat_input, ctx.tokenizer, body.messages, embeds,
                                                    image_tokens=ctx.image_tokens, max_len=ctx.max_len))
             await state.off_loop(_precompile, ctx, body)
-            return await _serve(ctx, request, body, list(spliced.input.prompt_ids), spliced.text, chat=True,
-                                given=spliced.input)
+            prompt = Prompt(list(spliced.input.prompt_ids), spliced.text, spliced.input)
+            return await _serve(ctx, request, body, [prompt], chat=True)
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
         await state.off_loop(_precompile, ctx, body)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return await _serve(ctx, request, body, ids, last_user, chat=True)
+        return await _serve(ctx, request, body, [Prompt(ids, last_user)], chat=True)
 
     return app
+
+
+def _model_card(state: ServerState) -> dict:
+    """The served model as /v1/models lists it (vLLM's ModelCard fields); `created` is the server's start."""
+    ctx = state.ready()
+    return {"id": ctx.model_name, "object": "model", "created": state.started, "owned_by": "kvtui",
+            "root": ctx.model_id, "max_model_len": ctx.max_len}
 
 
 def text_model(ctx: ServeContext, endpoint: str) -> ServeContext:
@@ -178,6 +191,23 @@ def text_model(ctx: ServeContext, endpoint: str) -> ServeContext:
         raise ApiError(400, f"model `{ctx.model_name}` is a speech model and takes audio: use "
                        f"/v1/audio/transcriptions, not /v1/{endpoint}", param="model", code="model_not_supported")
     return ctx
+
+
+async def _completion_prompts(state: ServerState, ctx: ServeContext, body: CompletionRequest) -> list:
+    """/v1/completions' Prompts: its text or token-id prompts tokenized, or its prompt_embeds (one prompt).
+
+    Raises:
+        ApiError: 400 for prompt_embeds with a prompt or echo, or without --enable-prompt-embeds.
+    """
+    if body.prompt_embeds is None:
+        return await state.off_loop(_encode_prompts, ctx.tokenizer, body.prompts(), body.echo)
+    embeds = _embeds_spec(ctx, "prompt_embeds")
+    if body.prompt not in (None, "", [], [""]):
+        raise ApiError(400, "send either prompt or prompt_embeds, not both (one prompt per request)", param="prompt")
+    if body.echo:
+        raise ApiError(400, "echo repeats a prompt's text, and prompt_embeds have none: drop echo", param="echo")
+    given = await state.off_loop(completion_input, body.prompt_embeds, embeds)
+    return [Prompt(list(given.prompt_ids), None, given)]
 
 
 def _embeds_spec(ctx: ServeContext, param: str) -> EmbedsSpec:
@@ -199,14 +229,23 @@ def _error_handlers(app: FastAPI) -> None:
         if isinstance(cause, LoneSurrogate):
             error = ApiError(400, str(cause), param=cause.path[0] if cause.path else None, code="invalid_unicode")
             return JSONResponse(error.body(), status_code=400)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(ApiError(400, message, param=param).body(), status_code=400)
+        return JSONResponse(_invalid_body(first).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+def _invalid_body(first: dict) -> ApiError:
+    """The 400 for FastAPI's first validation error: `param` names the top-level field at fault, or null
+    when the body itself is (unparsable JSON, not an object), as OpenAI and vLLM answer."""
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", 0))[-1]
+        why = (first.get("ctx") or {}).get("error", "")
+        return ApiError(400, f"the body is not valid JSON ({why} at character {where}); send a JSON object")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc and isinstance(first["loc"][1], str) else None
+    return ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=param)
 
 
 def _precompile(ctx: ServeContext, body) -> None:
@@ -240,35 +279,54 @@ def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
             from None
 
 
-async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int], prompt_text: str | None, *,
-                 chat: bool, given=None) -> Response:
-    """Submit one request and answer it, streamed or whole. `given`: a RequestInput when the request feeds
-    more than prompt_ids (prompt embeddings); its prompt_ids are `prompt_ids`."""
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its token ids, its text (None when it came as ids or embeddings), what it
+    feeds beyond its ids (a RequestInput for prompt embeddings or images; None: the ids), and the text
+    `echo` puts before its choices."""
+
+    ids: list[int]
+    text: str | None = None
+    given: object = None
+    echo: str = ""
+
+
+def _encode_prompts(tokenizer, prompts: list, echo: bool) -> list[Prompt]:
+    """The Prompts of /v1/completions' text or token-id prompts (tokenizing thread); with `echo`, a token-id
+    prompt's echo is its decoded text, as vLLM's."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(Prompt(encode_text(tokenizer, prompt), prompt, echo=prompt if echo else ""))
+        else:
+            out.append(Prompt(list(prompt), echo=tokenizer.decode(list(prompt)) if echo else ""))
+    return out
+
+
+def _log_ignored(body) -> None:
+    """The log line vLLM writes for fields a request held that the server does not read."""
+    ignored = body.ignored_fields()
+    if ignored:
+        log.warning("The following fields were present in the request but ignored: %s", set(ignored))
+
+
+async def _serve(ctx: ServeContext, request: Request, body, prompts: list[Prompt], *, chat: bool) -> Response:
+    """Submit a request's prompts (one engine request each) and answer them, streamed or whole."""
     if body.model is not None and body.model not in (ctx.model_name, ctx.model_id):
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{ctx.model_name}`",
                        param="model", code="model_not_found")
-    if not prompt_ids:
+    if any(not p.ids for p in prompts):
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
-    sampling = sampling_params(body, prompt_len=len(prompt_ids), max_len=ctx.max_len,
-                               endpoint="chat" if chat else "completion", tokenizer=ctx.tokenizer)
+    samplings = [sampling_params(body, prompt_len=len(p.ids), max_len=ctx.max_len, endpoint="chat" if chat
+                                 else "completion", tokenizer=ctx.tokenizer) for p in prompts]
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_serial)}-{secrets.token_hex(3)}"
-    metadata = {"prompt_text": prompt_text} if prompt_text is not None else {}
-    found = PASSPHRASE.search(prompt_text or "")
-    if found:
-        metadata["passphrase"] = found.group(0)
-    if body.user:
-        metadata["user"] = body.user
-    try:
-        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata, tenant=_tenant(body),
-                                   cache_salt=body.cache_salt, input=given,
-                                   client_key=request.headers.get(CLIENT_ID_HEADER))
-    except NotAccepting:
-        raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
+    choices = _submit(ctx, body, request_id, prompts, samplings, request.headers.get(CLIENT_ID_HEADER))
     formatter = Formatter(chat=chat, request_id=request_id, model=ctx.model_name, tokenizer=ctx.tokenizer,
-                          top_k=sampling.logprobs)
+                          top_k=samplings[0].logprobs)
+    echo = [p.echo for p in prompts]
     listener = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        first = await _next(stream, listener)
+        first = await _next(choices, listener)
         try:
             _check_admitted(first)
         except ApiError as e:
@@ -276,20 +334,60 @@ async def _serve(ctx: ServeContext, request: Request, body, prompt_ids: list[int
                 e.param = body.structured_param()
             raise
         if body.stream:
+            sampling = samplings[0]
             texts = [TextStream(ctx.tokenizer, sampling.stop, sampling.include_stop_str_in_output,
-                                sampling.min_tokens) for _ in range(sampling.n)]
-            events = _stream(ctx, stream, first, formatter, texts, include_usage=body.include_usage())
+                                sampling.min_tokens) for _ in range(choices.total)]
+            events = _stream(ctx, choices, first, formatter, texts, echo, include_usage=body.include_usage())
             return StreamingResponse(events, media_type="text/event-stream",
-                                     background=BackgroundTask(ctx.bridge.abort, request_id))
-        return JSONResponse(await _whole(stream, first, formatter, listener))
+                                     background=BackgroundTask(choices.abort, ctx.bridge))
+        answer = await _whole(choices, first, formatter, listener, echo)
+        choices.close()
+        return JSONResponse(answer)
     except ClientGone:
-        ctx.bridge.abort(request_id)
+        choices.abort(ctx.bridge)
         return Response(status_code=499)
     except BaseException:
-        ctx.bridge.abort(request_id)
+        choices.abort(ctx.bridge)
         raise
     finally:
         listener.cancel()
+
+
+def _submit(ctx: ServeContext, body, request_id: str, prompts: list[Prompt], samplings: list,
+            client_id: str | None) -> Choices:
+    """Submit one engine request per prompt (ids `request_id`, or `request_id-p` for a list of prompts, as
+    vLLM suffixes its own; the client's id `client_id` likewise, for the fault request_id_keyed).
+
+    Raises:
+        ApiError: 503 while the server takes no requests (what was submitted already is aborted).
+    """
+    if len(prompts) == 1:
+        ids, keys = [request_id], [client_id]
+    else:
+        ids = [f"{request_id}-{p}" for p in range(len(prompts))]
+        keys = [None if client_id is None else f"{client_id}-{p}" for p in range(len(prompts))]
+    streams = []
+    try:
+        for engine_id, key, prompt, sampling in zip(ids, keys, prompts, samplings):
+            streams.append(ctx.bridge.submit(engine_id, prompt.ids, sampling, _metadata(body, prompt),
+                                             tenant=_tenant(body), cache_salt=body.cache_salt, input=prompt.given,
+                                             client_key=key))
+    except NotAccepting:
+        for stream in streams:
+            ctx.bridge.abort(stream.request_id)
+        raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
+    return Choices(streams, [len(p.ids) for p in prompts])
+
+
+def _metadata(body, prompt: Prompt) -> dict:
+    """A request's metadata for the session: its prompt text, the passphrase in it (its canary) and `user`."""
+    metadata = {"prompt_text": prompt.text} if prompt.text is not None else {}
+    found = PASSPHRASE.search(prompt.text or "")
+    if found:
+        metadata["passphrase"] = found.group(0)
+    if body.user:
+        metadata["user"] = body.user
+    return metadata
 
 
 def _tenant(body) -> str | None:
@@ -299,9 +397,10 @@ def _tenant(body) -> str | None:
     return f"salt-{salt_digest(body.cache_salt)}" if body.cache_salt else None
 
 
-async def _whole(stream: RequestStream, item, formatter: Formatter, listener: asyncio.Future) -> dict:
-    """The whole response: every choice's text once its sequence finished (n of them for n > 1)."""
-    entries: list[list] = [[] for _ in range(stream.n)]
+async def _whole(choices: Choices, item, formatter: Formatter, listener: asyncio.Future, echo: list[str]) -> dict:
+    """The whole response: every choice's text once its sequence finished (prompts x n of them), each after
+    its prompt's echo."""
+    entries: list[list] = [[] for _ in range(choices.total)]
     done: dict[int, Finish] = {}
     while True:
         if isinstance(item, TokenOut):
@@ -309,51 +408,69 @@ async def _whole(stream: RequestStream, item, formatter: Formatter, listener: as
                 entries[item.index].append(item.logprobs)
         elif isinstance(item, Closed):
             raise ApiError(503, "the server stopped before the request finished", code="unavailable")
-        elif item.finish_reason == "error":
+        elif item.finish_reason in ("error", "rejected"):
             raise engine_error(item)
         else:
-            done[stream.index_of(item.request_id)] = item
-            if len(done) == stream.n:
+            done[choices.index_of(item.request_id)] = item
+            if len(done) == choices.total:
                 break
-        item = await _next(stream, listener)
-    finished = [done[i] for i in range(stream.n)]
-    return formatter.whole([(f.output_text, entries[i], f.finish_reason) for i, f in enumerate(finished)],
-                           len(finished[0].prompt_ids), sum(len(f.output_ids) for f in finished), stream.cached_tokens)
+        item = await _next(choices, listener)
+    finished = [done[i] for i in range(choices.total)]
+    return formatter.whole([(echo[choices.prompt_of(i)] + f.output_text, entries[i], f.finish_reason)
+                            for i, f in enumerate(finished)],
+                           choices.prompt_tokens, sum(len(f.output_ids) for f in finished), choices.cached_tokens)
 
 
-async def _stream(ctx: ServeContext, stream: RequestStream, item, formatter: Formatter, texts: list[TextStream], *,
-                  include_usage: bool):
-    """The server-sent events of a streamed response, each chunk with its choice's index; a client that
-    goes away aborts the request."""
-    finished, done = False, {}
+async def _stream(ctx: ServeContext, choices: Choices, item, formatter: Formatter, texts: list[TextStream],
+                  echo: list[str], *, include_usage: bool):
+    """The server-sent events of a streamed response, each chunk with its choice's index (a choice's first
+    chunk begins with its prompt's echo); a client that goes away aborts the request."""
+    finished, done, heads = False, {}, _Heads(choices, echo)
     try:
         if formatter.chat:
-            for index in range(stream.n):
+            for index in range(choices.total):
                 yield sse(formatter.role_chunk(index))
         while True:
             if isinstance(item, TokenOut):
                 delta, entries = texts[item.index].add(item.token_id), [item.logprobs] if item.logprobs else []
-                if delta or entries:
-                    yield sse(formatter.chunk(delta, entries, index=item.index))
-            elif isinstance(item, Finish) and item.finish_reason == "error":  # vLLM's way: an error event, then [DONE]
-                finished = True
+                head = heads.take(item.index)
+                if head or delta or entries:
+                    yield sse(formatter.chunk(head + delta, entries, index=item.index))
+            elif isinstance(item, Finish) and item.finish_reason in ("error", "rejected"):  # vLLM's way: an error
+                finished = True  # event, then [DONE]
                 yield sse(engine_error(item).body())
                 break
             elif isinstance(item, Finish):
-                index = stream.index_of(item.request_id)
+                index = choices.index_of(item.request_id)
                 done[index] = item
-                yield sse(formatter.chunk(texts[index].finish(item.output_text), [], item.finish_reason, index=index))
+                yield sse(formatter.chunk(heads.take(index) + texts[index].finish(item.output_text), [],
+                                          item.finish_reason, index=index))
             else:  # Closed: every choice still open ends as aborted
-                for index in sorted(set(range(stream.n)) - set(done)):
-                    yield sse(formatter.chunk("", [], "abort", index=index))
-            if isinstance(item, Closed) or len(done) == stream.n:
+                for index in sorted(set(range(choices.total)) - set(done)):
+                    yield sse(formatter.chunk(heads.take(index), [], "abort", index=index))
+            if isinstance(item, Closed) or len(done) == choices.total:
                 finished = True
-                if include_usage and len(done) == stream.n:
-                    yield sse(formatter.usage_chunk(len(done[0].prompt_ids), sum(len(f.output_ids) for f in done.values()),
-                                                    stream.cached_tokens))
+                if include_usage and len(done) == choices.total:
+                    yield sse(formatter.usage_chunk(choices.prompt_tokens,
+                                                    sum(len(f.output_ids) for f in done.values()),
+                                                    choices.cached_tokens))
                 break
-            item = await stream.queue.get()
+            item = await choices.queue.get()
         yield sse("[DONE]")
     finally:
         if not finished:
-            ctx.bridge.abort(stream.request_id)
+            choices.abort(ctx.bridge)
+        choices.close()
+
+
+class _Heads:
+    """Each choice's echo, handed out once: the prompt's text before the choice's first streamed text."""
+
+    def __init__(self, choices: Choices, echo: list[str]) -> None:
+        self.choices, self.echo, self.sent = choices, echo, set()
+
+    def take(self, index: int) -> str:
+        if index in self.sent:
+            return ""
+        self.sent.add(index)
+        return self.echo[self.choices.prompt_of(index)]

@@ -126,7 +126,8 @@ def _dashboard(server: ServeServer):
     from kvtui.tui.live import LiveSource
 
     try:
-        source = LiveSource(server.make_session, torch_threads=server.options.threads or default_torch_threads())
+        source = LiveSource(server.make_session, torch_threads=server.options.threads or default_torch_threads(),
+                            interrupt_on_stop=True)  # q stops the engine as Ctrl-C does: the step in progress too
     except OSError as e:
         raise _recording_error(server, e) from None
     try:

@@ -6,6 +6,11 @@ vLLM's `model_name` and `engine` ("0": one engine). Names and buckets as vLLM's 
 for the per-request TPOT histogram (its older `vllm:time_per_output_token_seconds` was the ITL,
 renamed `vllm:inter_token_latency_seconds`).
 
+Token counts follow vLLM's v1 IterationStats: `vllm:prompt_tokens` adds a sequence's prompt length when it
+samples its first token, whether the prompt was computed, taken from the prefix cache or shared from a
+sibling (n > 1: each of the n sequences counts it, as vLLM's n child requests do; a preempted sequence
+that prefills again does not count it twice); `vllm:generation_tokens` counts sampled tokens.
+
 Timing: latencies are seconds on the engine's wall clock, from a request's arrival at the server to
 its first token (TTFT), between its tokens (ITL), over its output tokens after the first (TPOT:
 (last - first) / (n - 1)) and to its finish (E2E); queue time is arrival to admission into a slot.
@@ -16,7 +21,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvtui.events import Contamination, Finish, FirstToken, RecordingFailed, StepEvent
+from kvtui.events import Arrive, Contamination, Finish, FirstToken, RecordingFailed, StepEvent
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -34,8 +39,9 @@ class ServeMetrics:
 
     Args:
         model_name: the served model name (label `model_name`).
-        block_size, prefix_caching: the engine's KV block size (tokens; None: slots, no blocks) and
-            whether it caches prefixes, published as vLLM does in `vllm:cache_config_info`'s labels.
+        block_size, prefix_caching: the engine's KV block size (tokens; None: slot KV, which has no blocks)
+            and whether it caches prefixes, published as vLLM does in `vllm:cache_config_info`'s labels
+            (without `block_size` under slot KV: a slot is no block a client could size anything to).
     """
 
     def __init__(self, model_name: str, *, block_size: int | None = None, prefix_caching: bool = False) -> None:
@@ -43,6 +49,7 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         labels, values = ("model_name", "engine"), (model_name, "0")
         self.model_name = model_name
+        self._prompt_len: dict[str, int] = {}  # sequences arrived and not yet counted -> prompt length
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=self.registry).labels(*values)
@@ -74,8 +81,8 @@ class ServeMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        info = {"block_size": str(block_size) if block_size else "None",
-                "enable_prefix_caching": str(bool(prefix_caching))}
+        info = {"block_size": str(block_size)} if block_size else {}
+        info["enable_prefix_caching"] = str(bool(prefix_caching))
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
               registry=self.registry).labels(**info).set(1)
         self.contamination = Counter("kvtui:contamination_events", "Contamination events reported by kvtui's "
@@ -96,11 +103,13 @@ class ServeMetrics:
             self.running.set(event.num_running)
             self.waiting.set(event.num_waiting)
             self.kv_usage.set(event.kv_usage)
-            self.prompt_tokens.inc(event.prefill_tokens)
             self.generation_tokens.inc(sum(1 for r in event.running if r.token_id is not None))
             self.prefix_queries.inc(event.prefix_cache_queries or 0)
             self.prefix_hits.inc(event.prefix_cache_hits or 0)
+        elif isinstance(event, Arrive):
+            self._prompt_len[event.request_id] = event.prompt_len
         elif isinstance(event, FirstToken):
+            self.prompt_tokens.inc(self._prompt_len.pop(event.request_id, 0))
             if event.ttft_s is not None:
                 self.ttft.observe(event.ttft_s)
         elif isinstance(event, Finish):
@@ -116,6 +125,7 @@ class ServeMetrics:
         self.engine_wait.inc(max(0.0, wall_s - cpu_s))
 
     def _finish(self, e: Finish) -> None:
+        self._prompt_len.pop(e.request_id, None)  # one that never sampled a token counts no prompt
         if e.finish_reason == "rejected":
             return
         self.success[e.finish_reason].inc()

@@ -1,9 +1,11 @@
 """The OpenAI request bodies `kvtui serve` accepts, their checks, and OpenAI-shaped errors.
 
 Parameters follow the OpenAI API and vLLM's extensions (`top_k`, `ignore_eos`,
-`include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are accepted and ignored (as vLLM does); known
-parameters the engine cannot honour (echo, suffix, tools) are refused
-with 400 rather than silently ignored. `n` (1 to 16) asks for n choices, sampled as n sequences of one
+`include_stop_str_in_output`, `cache_salt`: a per-request prefix-cache namespace). Unknown fields are
+accepted and ignored, and `ignored_fields` names them for the log line vLLM writes ("The following fields
+were present in the request but ignored: {...}"); known parameters the engine cannot honour (suffix,
+tools, echo with logprobs) are refused with 400 rather than silently ignored. Integer parameters take
+JSON integers only, as OpenAI's API does: `max_tokens: 3.0`, `"3"` or `true` is a 400 naming the field. `n` (1 to 16) asks for n choices, sampled as n sequences of one
 prefill (parallel sampling; choice i samples with seed + i, as vLLM seeds a request's children). Ranges
 as OpenAI's API reference states them: `temperature` a finite number in [0, 2], `top_p` in (0, 1],
 `presence_penalty` and `frequency_penalty` in [-2, 2], `logit_bias` token-id strings -> [-100, 100];
@@ -20,9 +22,10 @@ import re
 import secrets
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -85,6 +88,19 @@ def lone_surrogate_path(data: Any) -> tuple | None:
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The fields the body held that no model declares (dotted paths into nested parts, e.g.
+        `messages[0].name`): kept by pydantic, read by nothing."""
+        found = [prefix + key for key in self.model_extra or {}]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, _Open):
+                    where = f"{prefix}{name}[{i}]." if isinstance(value, list) else f"{prefix}{name}."
+                    found += item.ignored_fields(where)
+        return found
+
 
 class StreamOptions(_Open):
     include_usage: bool = False
@@ -94,6 +110,8 @@ class TextPart(_Open):
     type: str
     text: str | None = None
     data: Any = None  # a prompt_embeds part's base64 (kvtui/serve/embeds.py)
+    image_url: Any = None  # an image_url part's {"url": ...} (kvtui/serve/images.py)
+    uuid: Any = None  # vLLM's client id for an image part
 
 
 class ChatMessage(_Open):
@@ -119,15 +137,15 @@ class SamplingFields(_Open):
     """Fields both endpoints share."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: StrictInt = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None
@@ -137,7 +155,7 @@ class SamplingFields(_Open):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     # -- structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* ------
     response_format: dict[str, Any] | None = None
@@ -231,46 +249,56 @@ class SamplingFields(_Open):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt` is text or token ids (one prompt per request); with
-    --enable-prompt-embeds, `prompt_embeds` (base64 torch.save bytes, kvtui/serve/embeds.py) may stand
-    in for it."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of up to MAX_PROMPTS of either
+    (each its own engine request; choice `index` = prompt index x n + sequence, as vLLM numbers them);
+    `echo` puts each prompt's text before its choices' text. With --enable-prompt-embeds,
+    `prompt_embeds` (base64 torch.save bytes, kvtui/serve/embeds.py) may stand in for one prompt."""
 
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] | None = None
     prompt_embeds: str | list[str] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("echo", "suffix")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("suffix",)
 
     def check(self) -> None:
         self.check_common()
         if self.best_of not in (None, 1):
             raise ApiError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs asks for the prompt's log-probabilities, which kvtui serve does "
+                           "not compute: drop logprobs or echo", param="echo")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: text or token ids. Raises ApiError for a batch of prompts or an empty one."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (one for a plain string or id list).
+
+        Raises:
+            ApiError: 400 naming `prompt` when it is missing, an empty list, longer than MAX_PROMPTS, or one
+                of its prompts is empty.
+        """
         prompt = self.prompt
         if prompt is None:
             raise ApiError(400, "prompt: Field required", param="prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, f"{len(prompt)} prompts in one request: send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return prompt
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if batch else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt list length {len(prompts)} exceeds the maximum allowed count of {MAX_PROMPTS}",
+                           param="prompt")
+        for i, one in enumerate(prompts):
+            if not one:
+                raise ApiError(400, f"prompt[{i}] is empty" if batch else "the prompt is empty", param="prompt")
+        return prompts
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("tools",)

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.faults import DECODER_ONLY, DEFAULT_ISOLATION_OFF, ENCODER_DECODER, faults_for
+from kvtui.faults import DECODER_ONLY, DEFAULT_ISOLATION_OFF, ENCODER_DECODER, FAULT_NAMES, acts_on, fault_misfit
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -86,6 +86,7 @@ class KvtuiApp(App[dict | None]):
 
     def on_mount(self) -> None:
         self._fit_footer()
+        self.query_one(HeaderBar).mode = self.source.mode()  # LOADING at once, before the source's first snapshot
         self.source.attach(self)
 
     def on_resize(self) -> None:
@@ -131,13 +132,19 @@ class KvtuiApp(App[dict | None]):
         return self._available(action)
 
     def _available(self, action: str) -> bool | None:
-        """True: applies to this source; None: applies but not now (shown greyed); False: hidden."""
+        """True: applies to this source; False: hidden. A key that applies but cannot act now says why
+        when pressed (`_refused`) rather than doing nothing."""
         need = NEEDS.get(action)
         if need is not None and not self.source.supports(need):
             return False
-        if action == "step" and not self.source.paused:
-            return None
         return True
+
+    def _refused(self, action: str) -> bool:
+        """Say why `action` cannot act now (a warning); True when it cannot."""
+        why = self.source.refusal(action)
+        if why:
+            self.notify(why, severity="warning")
+        return why is not None
 
     def _isolation_faults(self) -> tuple[str, ...]:
         return self.snapshot.isolation_faults if self.snapshot else DEFAULT_ISOLATION_OFF
@@ -147,6 +154,8 @@ class KvtuiApp(App[dict | None]):
 
     def action_isolation(self) -> None:
         """Isolation OFF -> turn every fault off; ON -> switch the configured set on."""
+        if self._refused("isolation"):
+            return
         if self._active_faults():
             self.source.set_faults(set())
             self.notify("isolation ON: all faults off")
@@ -157,29 +166,56 @@ class KvtuiApp(App[dict | None]):
 
     def action_faults(self) -> None:
         def chosen(names: set[str] | None) -> None:
-            if names is not None:
-                self.source.set_faults(names)
+            if names is None:
+                return
+            why = self.source.refusal("faults")  # the run may have ended while the picker was open
+            if why:
+                self.notify(f"not applied: {why}", severity="warning")
+                return
+            self.source.set_faults(names)
+            self.notify(f"faults on: {', '.join(sorted(names))}" if names else "isolation ON: all faults off",
+                        severity="warning" if names else "information")
 
-        kv = self.snapshot.kv if self.snapshot else "slots"  # only the faults that act in the run's KV mode ...
-        kind = self.snapshot.model_kind if self.snapshot else None  # ... and on its kind of model (the header's)
+        if self._refused("faults"):
+            return
+        self.push_screen(FaultPicker(self._active_faults(), *self._fault_choices()), chosen)
+
+    def _fault_choices(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The faults the picker lists (those acting on the run's kind of model, the header's) and, for each
+        that cannot act in the run's layout, KV mode or prefix cache, why (kvtui.faults.fault_misfit)."""
+        snap = self.snapshot
+        kind = snap.model_kind if snap else None
         if kind is None:  # a recording made before the header named the kind: a speech model has an encoder cache
-            kind = ENCODER_DECODER if self.snapshot is not None and self.snapshot.encoder is not None else DECODER_ONLY
-        self.push_screen(FaultPicker(self._active_faults(), faults_for(kv, kind)), chosen)
+            kind = ENCODER_DECODER if snap is not None and snap.encoder is not None else DECODER_ONLY
+        names = tuple(name for name in FAULT_NAMES if acts_on(name, kind))
+        if snap is None:
+            return names, {}
+        misfits = {name: why for name in names
+                   if (why := fault_misfit(name, snap.layout, snap.kv, snap.prefix_caching))}
+        return names, misfits
 
     def action_pause(self) -> None:
+        if self._refused("pause"):
+            return
         self.source.toggle_pause()
         self.query_one(HeaderBar).mode = self.source.mode()  # at once, before the worker's next snapshot
         self.refresh_bindings()
 
     def action_step(self) -> None:
-        if self.source.paused:
-            self.source.step()
+        if self._refused("step"):
+            return
+        if not self.source.paused:
+            self.notify("n takes one step while paused: space pauses first", severity="warning")
+            return
+        self.source.step()
 
     def action_rate_up(self) -> None:
-        self.source.scale_rate(RATE_FACTOR)
+        if not self._refused("rate_up"):
+            self.source.scale_rate(RATE_FACTOR)
 
     def action_rate_down(self) -> None:
-        self.source.scale_rate(1 / RATE_FACTOR)
+        if not self._refused("rate_down"):
+            self.source.scale_rate(1 / RATE_FACTOR)
 
     def action_seek_back(self) -> None:
         self.source.seek(-SEEK_S)
@@ -188,11 +224,18 @@ class KvtuiApp(App[dict | None]):
         self.source.seek(SEEK_S)
 
     def action_burst(self) -> None:
-        self.source.burst(BURST_SIZE)
+        if not self._refused("burst"):
+            self.source.burst(BURST_SIZE)
 
     def action_restart(self) -> None:
+        if self._refused("restart"):
+            return
         self.source.restart()
-        self.notify("restarting the scenario")
+        picked = getattr(self.source, "picked", None)
+        if picked is None:
+            self.notify("restarting the scenario")
+        else:
+            self.notify(f"restarting the scenario with the faults picked by key: {', '.join(sorted(picked)) or 'none'}")
 
     def action_screenshot(self) -> str:
         """Save an SVG of the screen under screenshot_dir; returns its path."""

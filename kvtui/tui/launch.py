@@ -34,7 +34,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
                   torch_threads: int | None = None, cost_model: str = "auto", on_closed=None,
-                  enforce_eager: bool = False, batch_invariant: bool | None = None):
+                  enforce_eager: bool = False, batch_invariant: bool | None = None, on_signal=None):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -53,6 +53,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         on_closed: called with the last Session once it closed (the CLI reads its recording_error).
         enforce_eager: transformers' own modules instead of kvtui's fused forward.
         batch_invariant: overrides the scenario's engine.batch_invariant when given.
+        on_signal: called with the signal number when SIGTERM or SIGINT stopped the dashboard (after the
+            session closed and wrote its summary); the CLI exits 128 + that number.
 
     Returns:
         (summary, header) of the last session: kvtui.events.Summary (None if it never closed cleanly)
@@ -94,12 +96,14 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
                         torch_threads=torch_threads or default_torch_threads())
-    run_app(KvtuiApp(source), source)
+    signum = run_app(KvtuiApp(source), source)
     summary = source.shutdown()
     if source.error is not None:
         raise source.error
     if on_closed is not None:
         on_closed(source.session)
+    if signum is not None and on_signal is not None:
+        on_signal(signum)
     return summary, source.session.header()
 
 
@@ -134,24 +138,31 @@ def replay_dashboard(recording_path: str | Path, *, speed: float = 1.0) -> None:
     run_app(KvtuiApp(source), source)
 
 
-def run_app(app, source) -> None:
-    """app.run() with SIGTERM turned into a clean quit (the live session still writes its summary).
+def run_app(app, source) -> int | None:
+    """app.run() with SIGTERM and SIGINT turned into a clean quit (the live session still writes its summary).
 
     Args:
-        app: the KvtuiApp to run; source: its Source (kvtui/tui/sources.py), whose `request_stop` SIGTERM calls.
-    """
-    previous = None
+        app: the KvtuiApp to run; source: its Source (kvtui/tui/sources.py), whose `request_stop` a signal calls.
 
-    def on_term(signum, frame):
+    Returns:
+        the number of the signal that stopped it, or None when it ended otherwise (q).
+    """
+    caught: list[int] = []
+
+    def on_signal(signum, frame):
+        caught.append(signum)
         source.request_stop()
         app.call_later(app.exit)
 
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        previous = None
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[signum] = signal.signal(signum, on_signal)
+        except ValueError:  # not the main thread
+            pass
     try:
         app.run()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return caught[0] if caught else None

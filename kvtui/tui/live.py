@@ -6,6 +6,11 @@ runs between steps, so faults switch at step boundaries. The worker posts a snap
 every `min_interval_s` (1/20 s, raised by the app when drawing costs more than its CPU share), and
 builds one only when it is due; the UI never blocks it.
 
+Once the run is closing or done, the controls that would change it (faults, bursts, rates, pause, a step)
+are refused with the reason (`refusal`), so a key never seems to act on a run that will not go on; `r`
+restarts, keeping the faults picked by key. With `interrupt_on_stop` (kvtui serve --dashboard) a stop
+also interrupts the engine step in progress, as the server's own stop does.
+
 On the paced clock (kvtui/pacing.py) the worker holds each step, and the snapshot that shows it, until
 the wall clock reaches the engine's modeled time; it waits in slices of HOLD_SLICE_S, so a key press
 is served at once, and spends the waits on waiting reference checks.
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 # generation counts restarts (0 for the first run).
 SessionFactory = Callable[[Callable[[dict], None], int], "Session"]
 HOLD_SLICE_S = 0.05  # paced clock: the longest wait before the worker looks at its commands again
+CONTROLS = frozenset({"isolation", "faults", "pause", "step", "rate_up", "rate_down", "burst"})  # change a running run
 
 
 class LiveSource(Source):
@@ -47,18 +53,23 @@ class LiveSource(Source):
         prepare: slow set-up to run in the worker before the first session (e.g. loading the model).
         loading_text: what the dashboard shows meanwhile.
         torch_threads: if set, torch.set_num_threads(n) in the worker before the first step.
+        interrupt_on_stop: a stop (q, SIGTERM) also interrupts the engine step in progress at its next layer
+            (kvtui serve --dashboard: a long prefill need not finish before its clients get "abort").
     """
 
     kind = "live"
     LIVE_ACTIONS = frozenset({"isolation", "faults", "rate", "burst", "restart", "step"})
 
     def __init__(self, make_session: SessionFactory, *, prepare: Callable[[], None] | None = None,
-                 loading_text: str = "loading the model…", torch_threads: int | None = None) -> None:
+                 loading_text: str = "loading the model…", torch_threads: int | None = None,
+                 interrupt_on_stop: bool = False) -> None:
         super().__init__()
         self.make_session = make_session
         self.prepare, self.loading_text = prepare, loading_text
         self.error: Exception | None = None  # set when preparing or making the first session failed
         self.torch_threads = torch_threads
+        self.interrupt_on_stop = interrupt_on_stop
+        self.picked: set[str] | None = None  # the faults last picked by key (f, i); a restart keeps them
         self.generation = 0
         self._closing = False
         self.parked = False  # the worker is waiting (paused or done), not stepping: tests read it
@@ -102,6 +113,25 @@ class LiveSource(Source):
             return f"CLOSING: checks {checked}/{total} · q skips" if checked < total else "CLOSING"
         return "PAUSED" if self.paused else "LIVE"
 
+    def refusal(self, action: str) -> str | None:
+        """Why `action` cannot act now: the model is loading or failed, the app is quitting, or the run is
+        closing or done (then only `r` acts: it restarts)."""
+        if action not in CONTROLS and action != "restart":
+            return None
+        if self.session is None:
+            if self.error is not None:
+                return "the run did not start (the events panel says why); q quits"
+            return "the model is still loading; keys act once the run starts"
+        if self._stop.is_set():
+            return "quitting: the session is closing"
+        if action == "restart":
+            return None
+        if self.done:
+            return "the run is over (DONE): nothing more runs; r restarts it, q quits"
+        if self._closing:
+            return "the run is closing (its last checks): nothing more runs; r restarts it, q quits"
+        return None
+
     # -- worker -----------------------------------------------------------------------------------
     def attach(self, app: App) -> bool:
         if not super().attach(app):
@@ -117,13 +147,12 @@ class LiveSource(Source):
             self._exited.set()
 
     def _loop(self) -> None:
-        if self.torch_threads:
-            import torch
-
-            torch.set_num_threads(self.torch_threads)
-        if self.session is None and not self._start():
-            self._stop.wait()
-            return
+        if self.session is None:
+            if not self._start():
+                self._stop.wait()
+                return
+        else:
+            self._set_threads()
         self.publish(self._snapshot(), force=True)
         while not self._stop.is_set():
             self._wake.clear()  # before draining, so a command queued from now on wakes the wait below
@@ -143,6 +172,10 @@ class LiveSource(Source):
             try:
                 more = self.session.step_once()
             except Exception as e:  # keep the dashboard alive and say what failed
+                from kvtui.engine import StepInterrupted  # (torch is loaded by now: a session runs)
+
+                if self._stop.is_set() and isinstance(e, StepInterrupted):  # the stop cut the step short
+                    break
                 self._fail(e)
                 continue
             if not more:
@@ -168,12 +201,19 @@ class LiveSource(Source):
             self._unshown = False
             self.publish(self._snapshot(), force=True)
 
+    def _set_threads(self) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+
     def _start(self) -> bool:
-        """Run `prepare` and make the first session, showing the loading text meanwhile; on failure
-        keep the dashboard up with the error (q quits) and return False."""
+        """Run `prepare` and make the first session, showing the loading text meanwhile (before torch is
+        even imported); on failure keep the dashboard up with the error (q quits) and return False."""
         self.state.note("info", self.loading_text)
         self.publish(self._snapshot(), force=True)
         try:
+            self._set_threads()
             t0 = time.perf_counter()
             self.prepare()
             self.state.note("info", f"model loaded in {time.perf_counter() - t0:.1f} s")
@@ -210,17 +250,22 @@ class LiveSource(Source):
         ran = False
         while True:
             try:
-                command = self._commands.get_nowait()
+                command, control = self._commands.get_nowait()
             except queue.Empty:
                 return ran
             ran = True
+            if control and self.done:  # queued just before the run ended: it would act on a closed session
+                self.state.note("info", "a key pressed as the run ended was not applied: the run ended first")
+                continue
             try:
                 command()
             except Exception as e:
                 self.state.note("error", f"{type(e).__name__}: {e}")
 
-    def _queue(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _queue(self, command: Callable[[], None], control: bool = True) -> None:
+        """Run `command` in the worker between steps; a `control` changes the run, so it is dropped (and
+        said) if the run has ended by then."""
+        self._commands.put((command, control))
         self._wake.set()
 
     # -- controls (UI thread) ---------------------------------------------------------------------
@@ -228,7 +273,7 @@ class LiveSource(Source):
         """Pause or resume: the worker stops stepping and the run's clock stops with it (so a pause never
         counts as latency); `n` steps while paused advance it by their own duration."""
         self.paused = not self.paused
-        self._queue(self._sync_clock)  # also republishes with the new mode
+        self._queue(self._sync_clock, control=False)  # also republishes with the new mode
 
     def _sync_clock(self) -> None:
         (self.session.pause_clock if self.paused else self.session.resume_clock)()
@@ -245,29 +290,43 @@ class LiveSource(Source):
                 self._finish()
 
     def set_faults(self, names: set[str], source: str = "key") -> None:
-        """Switch faults so that exactly `names` are on (at the next step boundary)."""
+        """Switch faults so that exactly `names` are on (at the next step boundary); by key, they are the
+        picked set a restart keeps."""
         wanted = set(names)
+        if source == "key":
+            self.picked = wanted
 
-        def switch() -> None:  # runs in the worker, between steps
-            current = set(self.session.engine.faults)
-            for name in sorted(current - wanted):
-                self.session.set_fault(name, False, source=source)
-            for name in sorted(wanted - current):
-                self.session.set_fault(name, True, source=source)
+        def faults() -> None:  # runs in the worker, between steps
+            self._switch(wanted, source)
 
-        self._queue(switch)
+        self._queue(faults)
+
+    def _switch(self, wanted: set[str], source: str) -> None:
+        current = set(self.session.engine.faults)
+        for name in sorted(current - wanted):
+            self.session.set_fault(name, False, source=source)
+        for name in sorted(wanted - current):
+            self.session.set_fault(name, True, source=source)
 
     def scale_rate(self, factor: float) -> None:
-        self._queue(lambda: self.session.scale_arrival_rate(factor))
+        def rate() -> None:
+            self.session.scale_arrival_rate(factor)
+
+        self._queue(rate)
 
     def burst(self, count: int) -> None:
-        self._queue(lambda: self.session.burst(count))
+        def burst() -> None:
+            if not self.session.burst(count):
+                self.state.note("info", "burst: no planned request is left to arrive")
+
+        self._queue(burst)
 
     def restart(self) -> None:
-        self._queue(self._restart)
+        self._queue(self._restart, control=False)
 
     def _restart(self) -> None:
-        """Close the current session (its recording gets a summary) and start a fresh one."""
+        """Close the current session (its recording gets a summary) and start a fresh one, with the faults
+        picked by key when there are (else the scenario's)."""
         self._finish(early=True)
         self.generation += 1
         self.state = DashboardState()
@@ -279,7 +338,12 @@ class LiveSource(Source):
             self.state.note("error", f"restart failed: {type(e).__name__}: {e}")
             return
         self._sync_clock()  # a restart while paused starts paused
-        self.state.note("info", f"restart #{self.generation}")
+        if self.picked is None:
+            self.state.note("info", f"restart #{self.generation}")
+            return
+        self._switch(self.picked, "key")  # the faults picked by key, not the scenario's start set
+        kept = ", ".join(sorted(self.picked)) or "none (isolation ON)"
+        self.state.note("info", f"restart #{self.generation} keeps the faults picked by key: {kept}")
 
     async def stop(self) -> dict | None:
         """Ask the worker to stop, wait for it (it closes the session), return the summary."""
@@ -296,6 +360,8 @@ class LiveSource(Source):
         still waiting are skipped (the summary counts them)."""
         if self.session is not None:
             self.session.stop_requested = True  # read between engine steps, also while closing
+            if self.interrupt_on_stop:
+                self.session.engine.interrupt()  # the step in progress stops at its next layer
         self._stop.set()
         self._wake.set()
 

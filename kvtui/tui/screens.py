@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.segment import Segment
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.strip import Strip
 from textual.widgets import Button, Checkbox, Footer, SelectionList, Static
@@ -35,78 +37,103 @@ class CheckList(SelectionList[str]):
 
 
 class FaultPicker(ModalScreen[set[str] | None]):
-    """A list of every fault with its one-line description; returns the chosen set (None: cancel)."""
+    """A list of faults with their one-line descriptions; returns the chosen set (None: cancel). A fault in
+    `misfits` cannot act in the run (its layout, KV mode or prefix cache): it is marked ✗ with the reason
+    and refused when ticked, so the picker never confirms a fault that would never fire.
+
+    Args:
+        active: the faults on now; names: the faults to list, in order; misfits: name -> why it cannot act.
+    """
 
     BINDINGS = [Binding("escape,q", "cancel", "cancel"), Binding("enter", "apply", "apply", priority=True)]
 
-    def __init__(self, active: set[str], names: tuple[str, ...]) -> None:
+    def __init__(self, active: set[str], names: tuple[str, ...], misfits: dict[str, str] | None = None) -> None:
         super().__init__()
         self.active = set(active)
         self.names = names
+        self.misfits = dict(misfits or {})
+        self.refused = ""  # why the last fault ticked was refused, shown under the list until the next change
 
     def compose(self) -> ComposeResult:
         with Vertical(id="picker"):
-            yield Static("[b]Faults[/b]  space toggles · enter applies · esc cancels", id="picker-title")
-            yield CheckList(
-                *(Selection(f"{name:<24} {FAULTS[name].breaks if name in FAULTS else ''}", name, name in self.active)
-                  for name in self.names),
-                id="fault-list",
-            )
+            yield Static("[b]Faults[/b]  space toggles · enter applies · esc cancels"
+                         + ("  ·  ✗ cannot act in this run" if self.misfits else ""), id="picker-title")
+            yield CheckList(*(Selection(self._label(name), name, name in self.active) for name in self.names),
+                            id="fault-list")
             yield Static(id="picker-choice")
             yield Button("apply", id="apply", variant="primary")
         yield Footer()
+
+    def _label(self, name: str) -> Text:
+        why = self.misfits.get(name)
+        if why is None:
+            return Text(f"{name:<24} {FAULTS[name].breaks if name in FAULTS else ''}")
+        return Text(f"{name:<24} ✗ {why.removeprefix(f'fault {name} ')}", style="dim")
 
     def on_mount(self) -> None:
         self.query_one(CheckList).focus()
         self._show_choice()
 
     def on_selection_list_selected_changed(self, event: SelectionList.SelectedChanged) -> None:
+        checks = self.query_one(CheckList)
+        misfit = next((name for name in checks.selected if name in self.misfits), None)
+        if misfit is not None:
+            self.refused = f"{misfit} is not applied: {self.misfits[misfit]}, so it would never fire"
+            checks.deselect(misfit)  # (changes the selection again: this runs once more, with none left)
+            return
         self._show_choice()
+        self.refused = ""
 
     def _show_choice(self) -> None:
-        """The chosen set in words, under the list."""
+        """The chosen set in words, under the list (or why the last fault ticked was refused)."""
         chosen = [n for n in self.names if n in self.query_one(CheckList).selected]
-        self.query_one("#picker-choice", Static).update(
-            f"on after apply: {', '.join(chosen)}" if chosen else "on after apply: none (isolation ON)")
+        text = f"on after apply: {', '.join(chosen)}" if chosen else "on after apply: none (isolation ON)"
+        self.query_one("#picker-choice", Static).update(f"[b]{escape(self.refused)}[/b]\n{text}" if self.refused
+                                                        else text)
 
     def action_cancel(self) -> None:
         self.dismiss(None)
 
     def action_apply(self) -> None:
-        self.dismiss(set(self.query_one(CheckList).selected))
+        self.dismiss({name for name in self.query_one(CheckList).selected if name not in self.misfits})
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.action_apply()
 
 
 HELP = """\
-[b]kvtui dashboard[/b]
-
+[b]kvtui dashboard[/b]   ↑ ↓ PgUp PgDn scroll · esc or ? closes
 [b]Panels[/b]
-  header          scenario · model · clock · step · elapsed (paced clock: "0.6x real time" when behind);
-                  isolation ON, or OFF with the active faults; CLOSING counts the last reference checks
-  slots           one cell per KV slot: owner, cache fill, cached tokens; ↻ = reused in the last steps
-  requests        id, status (LEAK←source when another request's passphrase shows up), slot, cache,
-                  prompt/generated tokens, TTFT, text tail (leaked passphrase highlighted)
-  throughput…     prefill/decode tokens/s with history, padding ratio (query, key), KV usage,
-                  running/waiting, TTFT and TPOT p50/p95
-  contamination   detector counts, attention on other requests' keys, latest reports (victim ← source)
-  events          timeline markers, fault switches, rejections, errors
+  header         scenario · model · clock · step · elapsed (paced clock: "0.6x real
+                 time" when behind); isolation ON, or OFF with the active faults;
+                 LOADING while the model loads, CLOSING while the last reference
+                 checks run, DONE at the end
+  slots          one cell per KV slot: owner, cache fill, cached tokens; ↻ = reused
+  requests       id, status (LEAK←source when another request's passphrase shows
+                 up), slot, cache, prompt/generated tokens, TTFT, text tail
+  throughput…    prefill/decode tokens/s with history, padding ratio (query, key),
+                 KV usage, running/waiting, TTFT and TPOT p50/p95
+  contamination  detector counts, attention on other requests' keys, latest reports
+                 (victim ← source)
+  events         timeline markers, fault switches, rejections, errors
 
 [b]Keys[/b] (also in the command palette, ctrl+p)
   i        isolation on/off (switches the scenario's fault set: {faults})
-  f        pick faults from a list
-  space    pause / resume          n   one step while paused
-  + / -    arrival rate x1.25 / ÷1.25  (replay: playback speed)
+  f        pick faults from a list (✗: cannot act in this run's layout or KV mode)
+  space    pause / resume            n    one step while paused
+  + / -    arrival rate x1.25 / ÷1.25 (replay: playback speed)
   ← / →    replay: seek 5 s back / forward
-  b        burst of requests       r   restart the scenario
+  b        a burst of requests       r    restart the scenario (keeps the faults
+                                          picked with f or i)
   s        save an SVG screenshot under runs/
-  ?        this help               q   quit (live: closes the recording with its summary)
+  ?        this help                 q    quit (live: the recording gets its summary)
+While the model loads, and once the run is CLOSING or DONE, a key that would change
+the run says why it cannot act instead; r restarts a run that has ended, q quits.
 """
 
 
 class HelpScreen(ModalScreen[None]):
-    """What the panels show and what the keys do."""
+    """What the panels show and what the keys do, in a box that scrolls where the terminal is short."""
 
     BINDINGS = [Binding("escape,question_mark,q", "close", "close")]
 
@@ -115,7 +142,11 @@ class HelpScreen(ModalScreen[None]):
         self.isolation_faults = isolation_faults
 
     def compose(self) -> ComposeResult:
-        yield Static(HELP.format(faults=", ".join(self.isolation_faults)), id="help")
+        with VerticalScroll(id="help"):
+            yield Static(HELP.format(faults=", ".join(self.isolation_faults)), id="help-text")
+
+    def on_mount(self) -> None:
+        self.query_one("#help", VerticalScroll).focus()  # the arrow keys and PgUp/PgDn scroll it
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -205,6 +205,7 @@ class Snapshot:
         pace: on the paced clock, modeled seconds per wall second lately (1.0: real time; below: the
             machine is slower than the model); None on other clocks or before it is known.
         encoder: a speech model's encoder cache (EncoderView), else None.
+        prefix_caching: the engine caches prompt prefixes (paged KV), as the header says.
     """
 
     seq: int
@@ -251,6 +252,7 @@ class Snapshot:
     server: ServerView | None = None
     pace: float | None = None
     encoder: EncoderView | None = None
+    prefix_caching: bool = False
 
     @property
     def isolation_on(self) -> bool:

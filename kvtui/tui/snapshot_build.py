@@ -150,6 +150,7 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         kv=state.kv, blocks=_blocks(state) if state.kv == "paged" else (), paged=_paged(state),
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
         pace=state.pace, encoder=_encoder(last),
+        prefix_caching=bool(header.engine.get("prefix_caching")) if header else False,
     )
 
 

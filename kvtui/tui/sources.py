@@ -70,6 +70,11 @@ class Source:
     def mode(self) -> str:
         return "PAUSED" if self.paused else self.kind.upper()
 
+    def refusal(self, action: str) -> str | None:
+        """Why the app action `action` (e.g. "faults", "burst", "pause") cannot act now, in one line for
+        the user; None when it can. The base source refuses nothing."""
+        return None
+
     def publish_due(self) -> bool:
         """Whether min_interval_s has passed since the last snapshot went out."""
         return time.monotonic() - self._last_publish >= self.min_interval_s

@@ -64,6 +64,16 @@ class TargetSource(Source):
             return "CLOSING"
         return "ARRIVALS HELD" if self.paused else "LIVE"
 
+    def refusal(self, action: str) -> str | None:
+        """Holding arrivals (space) needs a run that started and has not ended."""
+        if action != "pause":
+            return None
+        if self.session is None:
+            return "the run has not started (see the events panel): nothing to hold yet; q quits"
+        if self.summary is not None or self.session.stop_requested:
+            return "the run is over: no arrivals left to hold; q quits"
+        return None
+
     def attach(self, app: App) -> bool:
         if not super().attach(app):
             return False
@@ -133,9 +143,10 @@ class TargetSource(Source):
         return self.summary
 
 
-def run_target_dashboard(make_session, loading_text: str | None = None):
+def run_target_dashboard(make_session, loading_text: str | None = None, on_signal=None):
     """Run the dashboard on a TargetSession until `q` or the run's end and `q`. With `loading_text` the
-    session is made in the dashboard's worker (see TargetSource).
+    session is made in the dashboard's worker (see TargetSource). `on_signal` is called with the signal's
+    number when SIGTERM or SIGINT stopped it (after the run closed).
 
     Returns:
         (summary, header, session): the summary (None if the run did not close), its Header, the session;
@@ -148,8 +159,10 @@ def run_target_dashboard(make_session, loading_text: str | None = None):
     from kvtui.tui.launch import run_app
 
     source = TargetSource(make_session, loading_text=loading_text)
-    run_app(KvtuiApp(source), source)
+    signum = run_app(KvtuiApp(source), source)
     summary = source.shutdown()
+    if signum is not None and on_signal is not None:
+        on_signal(signum)
     if source.setup_error is not None:
         raise source.setup_error
     if source.session is None:
