@@ -9,15 +9,13 @@ held by a client connection that will never be answered).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kvtui.target.vllm_cpu import SCRIPTS, free_port
+from kvtui.target.vllm_cpu import SCRIPTS, free_port, stop_group
 
 
 def find_transformers_serve(python: str = sys.executable) -> str | None:
@@ -95,21 +93,7 @@ class TransformersServer:
         if self.pgid is None:
             return
         pgid, self.pgid = self.pgid, None
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + self.stop_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_group(pgid, self.stop_timeout_s)
 
     def __enter__(self) -> TransformersServer:
         self.start()

