@@ -131,7 +131,8 @@ def _rows(s: Summary, target: bool = False, header: Header | None = None) -> lis
     if s.passphrase_requests:
         rows.append(("own passphrase echoed", passphrase_text(s, header)))
     if s.stopped_early:
-        rows.append(("stopped early", f"yes ({s.requests_not_submitted} requests not submitted)"))
+        unsent = s.requests_not_submitted  # a server plans none: nothing to count as not submitted
+        rows.append(("stopped early", f"yes ({unsent} requests not submitted)" if unsent else "yes"))
     if s.requests_in_flight:
         rows.append(("in flight at the end", f"{s.requests_in_flight} requests arrived but never finished"))
     if s.reference_checked is not None:

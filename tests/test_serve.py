@@ -644,6 +644,8 @@ def test_the_command_serves_until_sigterm_then_writes_the_summary_and_exits_0(tm
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
     assert recorded[0]["type"] == "header" and recorded[-1]["type"] == "summary"
     assert recorded[-1]["finish_reasons"] == {"length": 1, "abort": 1}
+    # a server plans no requests, so its summary counts none "not submitted" (it said "0 requests not submitted")
+    assert "not submitted" not in out
 
 
 def test_the_command_refuses_bad_input_in_one_line():
