@@ -22,25 +22,30 @@ def test_llama_models_take_the_fused_forward_and_others_the_modules(tiny):
     assert Engine(tiny["tiny-gpt2"].model, config).runner.forward_path == "modules"
 
 
-@pytest.mark.parametrize("input_major", [True, False])
-def test_the_models_own_linears_still_compute_the_same_after_the_relayout(input_major, monkeypatch):
-    """The fused forward makes the model's q/k/v/o/gate/up/down weights views into its fused tensors, in
-    either layout the CPU measurement may choose (forced here): the modules' forward (model.generate,
+@pytest.mark.parametrize("kernel", ["linear", "input_major", "prepacked"])
+def test_the_models_own_linears_still_compute_the_same_after_the_relayout(kernel, monkeypatch):
+    """The fused forward re-lays the model's q/k/v/o/gate/up/down weights for whichever kernel the CPU
+    measurement chooses (forced here), holding each weight once: views into the fused tensors, or
+    (prepacked) PackedSlice modules over the one packed weight. The modules' forward (model.generate,
     --enforce-eager) gives the logits of a separate untouched instance, and so does the fused step."""
-    from kvtui.engine import fused as fused_forward
+    from kvtui.engine import linear
     from kvtui.models import build_tiny
 
-    model, _ = build_tiny("tiny-llama")  # a fresh instance: the layout is chosen when it is first fused
+    monkeypatch.setenv(linear.ENV, kernel)
+    model, _ = build_tiny("tiny-llama")  # a fresh instance: the kernel is chosen when it is first fused
     cfg = model.config
-    monkeypatch.setitem(fused_forward._LAYOUTS, (model.dtype, cfg.hidden_size, cfg.intermediate_size), input_major)
     engine = Engine(model, EngineConfig(num_slots=1, max_len=64))
     fused = model._kvtui_fused
     attn = model.model.layers[0].self_attn
-    assert fused.input_major is input_major
-    assert attn.q_proj.weight.data_ptr() == fused.layers[0].qkv.data_ptr()  # a view, not a copy
-    width = attn.q_proj.in_features
-    assert attn.q_proj.weight.stride() == ((1, cfg.hidden_size + 2 * attn.k_proj.out_features) if input_major
-                                           else (width, 1))
+    assert fused.kernel == kernel and fused.layers[0].qkv.kernel == kernel
+    if kernel == "prepacked":
+        assert type(attn.q_proj).__name__ == "PackedSlice" and attn.q_proj.fused is fused.layers[0].qkv
+        assert not any("q_proj" in name for name, _ in model.named_parameters())  # no second copy kept
+    else:
+        assert attn.q_proj.weight.data_ptr() == fused.layers[0].qkv.weight.data_ptr()  # a view, not a copy
+        width = attn.q_proj.in_features
+        assert attn.q_proj.weight.stride() == ((1, cfg.hidden_size + 2 * attn.k_proj.out_features)
+                                               if kernel == "input_major" else (width, 1))
     oracle = oracle_model("tiny-llama", "sdpa")
     ids = torch.tensor([[5, 9, 11, 40, 77, 3, 120]])
     with torch.inference_mode():
@@ -142,6 +147,7 @@ def test_measured_decode_attention_equals_transformers_eager_weights(tiny, layou
                                                            enforce_eager=enforce_eager))
     engine.pool.keys[0][:, :, 40:] = float("nan")  # garbage past every row's end must not reach anything
     engine.pool.values[0][:, :, 40:] = float("nan")
+    engine.pool.finite[0] = False  # as the pool's own writer (PooledCacheLayer.update) would: see below
     engine.measure_flow = True
     states = []
     original = engine.runner.forward
@@ -167,3 +173,37 @@ def test_measured_decode_attention_equals_transformers_eager_weights(tiny, layou
         assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
         assert decode.attn_sum[seg.row, seg.q_start].sum().item() == pytest.approx(decode.flow_terms, rel=1e-5)
     assert all(torch.isfinite(torch.tensor(list(r.top2_gaps))).all() for r in requests)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_nan_keys_a_finished_request_left_in_its_slot_never_reach_the_next_owner(layout, monkeypatch):
+    """Decode chunks share one attention call over a span of slots only while the layer's pool holds
+    finite values alone (a masked key adds exactly 0 only if it is finite). A request whose layer-0 K/V
+    come out NaN (forced here on its writes) clears the flag as it writes; the request that reuses its
+    slot, shorter, decodes next to a longer one (so NaN keys lie past its end inside the shared call's
+    range), and still answers what a separate instance's `generate` answers."""
+    from kvtui.models import build_tiny
+
+    model, _ = build_tiny("tiny-llama")
+    engine = Engine(model, EngineConfig(num_slots=2, max_len=64, layout=layout, max_batch_size=2))
+    layer = model._kvtui_fused.layers[0]
+    qkv, poison = layer.qkv, {"on": True}
+
+    def poisoned(x):
+        out = qkv(x)
+        if poison["on"]:
+            out[..., layer.q_size:] = float("nan")  # this request's K and V
+        return out
+
+    monkeypatch.setattr(layer, "qkv", poisoned)
+    first = engine.submit("a", list(range(10, 50)), SamplingParams(max_new_tokens=1, ignore_eos=True))
+    engine.run_until_done()
+    assert first.finish_reason == "length" and engine.pool.finite[0] is False  # (NaN flows on to every layer)
+    poison["on"] = False
+    prompts = [[5, 6, 7], list(range(60, 80))]
+    states = [engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(prompts)]
+    engine.run_until_done()
+    oracle = oracle_model("tiny-llama", "sdpa")
+    for p, state in zip(prompts, states):
+        expected = oracle.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        assert list(state.generated_ids) == expected[0, len(p):].tolist()

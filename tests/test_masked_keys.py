@@ -37,10 +37,15 @@ def reference_tokens(model, prompt: list[int], n: int) -> list[int]:
 
 
 def poison(engine: Engine, slot: int, start: int, value: float) -> None:
-    """Leave `value` in every layer's K and V of `slot` from position `start` on, as a previous owner would."""
+    """Leave `value` in every layer's K and V of `slot` from position `start` on, as a previous owner would
+    (whose writes, through PooledCacheLayer.update, clear the pool's all-finite flag on a non-finite value;
+    test_fused_forward checks that on real writes)."""
+    import math
+
     for layer in range(engine.pool.num_layers):
         engine.pool.keys[layer][slot, :, start:] = value
         engine.pool.values[layer][slot, :, start:] = value
+        engine.pool.finite[layer] = engine.pool.finite[layer] and math.isfinite(value)
 
 
 CLEAN = [17, 42, 99, 7, 250]  # 5 tokens

@@ -26,7 +26,7 @@ from kvtui.engine import SamplingParams
 
 PHASES = ("schedule", "batch", "slot_taint", "forward", "attention_flow", "facts", "sample", "report")
 OP_GROUPS = {
-    "linear": ("aten::mm", "aten::addmm", "aten::linear"),
+    "linear": ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
                   "aten::masked_fill_", "aten::_scaled_dot_product_attention_math"),
     "kv": ("aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_select"),
@@ -126,11 +126,24 @@ def run(loaded, *, name: str, quick: bool, console, context: int = 128) -> dict:
                          "phases_s": median, "forward_ops_s": ops,
                          "forward_python_s": max(0.0, median["forward"] - sum(ops.values())),
                          "forward_path": engine.runner.forward_path})
-    return {"context": context, "rows": rows}
+    fused = getattr(loaded.model, "_kvtui_fused", None)
+    kernel = fused.kernel_choice if fused is not None else {"kernel": "modules", "why": "transformers' own modules "
+                                                            "(the fused forward runs Llama-family models)", "ms": {}}
+    return {"context": context, "rows": rows, "linear_kernel": kernel}
 
 
 def markdown(result: dict) -> list[str]:
-    lines = [f"Decode steps, contexts of {result['context']} tokens; ms per step (share of the step).", "",
+    kernel = result.get("linear_kernel")
+    lines = []
+    if kernel:
+        lines += [f"Linear kernel: {kernel['kernel']}: {kernel['why']}.", ""]
+        if kernel.get("ms"):
+            lines += ["| kernel | " + " | ".join(f"{n} rows, ms per layer pass" for n in next(iter(kernel["ms"].values())))
+                      + " |", "|---|" + "---|" * len(next(iter(kernel["ms"].values())))]
+            lines += [f"| {k} | " + " | ".join(f"{v:.3f}" for v in per_rows.values()) + " |"
+                      for k, per_rows in kernel["ms"].items()]
+            lines.append("")
+    lines += [f"Decode steps, contexts of {result['context']} tokens; ms per step (share of the step).", "",
              "| batch | detectors | step | forward: linear | attention | KV index | element-wise | Python | "
              "batch build | slot_taint | attention_flow | facts | sample | schedule + report |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

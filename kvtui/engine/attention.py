@@ -68,6 +68,20 @@ class StepState:
     _causal: dict | None = None  # segment -> its causal mask, built once per step
     _span: object = None  # the batched-decode plan (see span()), built once per step; False: none
     _flow_plan: object = None  # the measured-decode plan (see flow_plan()), built once per step; False: none
+    _mixed: object = None  # the decode chunks of a mixed step (see mixed_plan()), built once per step; False: none
+    flow_acc: torch.Tensor | None = None  # [S, K] the measured-decode path's sums, before settle_flow
+
+    def settle_flow(self) -> None:
+        """Move the measured-decode path's sums (one dense [S, K] add per layer) into attn_sum [R, Q, K]
+        with one scatter per step; the per-layer order of the additions is kept, so the sums are the
+        ones a scatter per layer gives."""
+        if self.flow_acc is None:
+            return
+        _, _, _, valid, flat, _ = self._flow_plan
+        if self.attn_sum is None:
+            self.attn_sum = torch.zeros(self.batch.allowed.shape, dtype=torch.float32, device=self.flow_acc.device)
+        self.attn_sum.index_put_(flat, self.flow_acc[valid], accumulate=True)
+        self.flow_acc = None
 
     def decode_rows(self) -> tuple:
         """((row, slot, end), ...) when the step is decode only: one token per row at query column 0,
@@ -83,8 +97,9 @@ class StepState:
     def span(self, device):
         """The batched-decode plan, or None: when the decode rows' slots lie in a range no more than twice
         their number, one SDPA call over the pool's view of that range, with a boolean mask that ends
-        each row at its own length, replaces one call per row. Returns (lo, hi, order, mask [span, 1, 1, K],
-        tail slots, tail positions) where `order` maps rows to view rows (None when they coincide)."""
+        each row at its own length, replaces one call per row (where the layer's pool is all finite:
+        KVPool.finite). Returns (lo, hi, order, mask [span, 1, 1, K]) where `order` maps rows to view
+        rows (None when they coincide)."""
         if self._span is None:
             self._span = _span_plan(self.decode_rows(), device) or False
         return self._span or None
@@ -94,12 +109,25 @@ class StepState:
         slot pool (every chunk one query), one batched exact-eager attention over the rows' slots, keys
         past each row's own length masked, replaces one call per chunk. Returns (slots [S], query rows
         [S], query columns [S], valid [S, K] bool, flat (row, column, key) indices into attn_sum of the
-        valid keys). Computed once per step."""
+        valid keys, the view plan or None). Computed once per step."""
         if self._flow_plan is None:
             segs = self.batch.segments
             simple = self.measure_flow and segs and all(s.num_tokens == 1 and s.blocks is None for s in segs)
             self._flow_plan = _flow_plan(segs, device) if simple else False
         return self._flow_plan or None
+
+    def mixed_plan(self, device):
+        """The decode chunks of a step that also prefills, in one SDPA call, or None: when at least two
+        chunks decode one token each from the slot pool and their slots form a span (_span_plan),
+        (those segments as a set, (their query rows, query columns) [S] each, the span plan). Built once
+        per step."""
+        if self._mixed is None:
+            decode = [s for s in self.batch.segments if s.num_tokens == 1 and s.blocks is None]
+            span = _span_plan(tuple((i, s.slot, s.end_pos) for i, s in enumerate(decode)), device)
+            as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+            self._mixed = False if span is None else (
+                set(decode), (as_index([s.row for s in decode]), as_index([s.q_start for s in decode])), span)
+        return self._mixed or None
 
     def causal(self, seg: Segment, device) -> torch.Tensor | None:
         """The segment's causal mask (see _causal), built on the first layer and reused by the others."""
@@ -142,6 +170,7 @@ class PooledCacheLayer(CacheLayerMixin):
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["kvtui_state"] = state
+            attn_kwargs["kvtui_finite"] = None  # set below, after this step's writes
         pool_k, pool_v = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
         k_rows, v_rows = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [R, Q, Hkv, D]
         writes = [(b.write_row, b.write_col, b.write_slot, b.write_pos)]
@@ -151,8 +180,13 @@ class PooledCacheLayer(CacheLayerMixin):
             new_k, new_v = k_rows[rows, cols], v_rows[rows, cols]  # [N, Hkv, D]
             if state.fp16:  # stored as float16: overflow -> inf, NaN kept
                 new_k, new_v = new_k.half(), new_v.half()
-            pool_k[slots, :, positions] = new_k.to(pool_k.dtype)
-            pool_v[slots, :, positions] = new_v.to(pool_v.dtype)
+            new_k, new_v = new_k.to(pool_k.dtype), new_v.to(pool_v.dtype)
+            if self.pool.finite[self.layer_idx] and not _sums_finite(new_k, new_v):
+                self.pool.finite[self.layer_idx] = False
+            pool_k[slots, :, positions] = new_k
+            pool_v[slots, :, positions] = new_v
+        if isinstance(attn_kwargs, dict):
+            attn_kwargs["kvtui_finite"] = self.pool.finite[self.layer_idx]
         if state.own_range:
             return pool_k, pool_v
         keys = pool_k[b.key_slot, :, b.key_pos].transpose(1, 2)  # [R, Hkv, K, D]
@@ -211,16 +245,18 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
     if state.invariant:
         return invariant_attention(query, key, value, scaling, state, own_keys), None
     if state.own_range:
-        return _own_range(query, key, value, scaling, state), None
+        return _own_range(query, key, value, scaling, state, bool(kwargs.get("kvtui_finite"))), None
     return _masked(query, key, value, attention_mask, scaling, state), None
 
 
-def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch.Tensor:
-    """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view)."""
+def _own_range(query, pool_k, pool_v, scaling: float, state: StepState, finite: bool = False) -> torch.Tensor:
+    """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view). `finite`: every value in
+    this layer's pool is finite (KVPool.finite), so a key masked out of a shared call adds exactly zero
+    (0 x NaN would not): only then do decode chunks share one call over a span of slots."""
     rows = state.decode_rows()
     if rows:  # the common decode step: no scatter into a zeroed output
         plan = state.span(query.device)
-        if plan is not None and _tails_finite(pool_k, pool_v, plan):
+        if plan is not None and finite:
             return _decode_span(query, pool_k, pool_v, scaling, plan)
         outs = [F.scaled_dot_product_attention(query[r : r + 1], pool_k[slot : slot + 1, :, :end],
                                                pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
@@ -228,9 +264,16 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
         return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
     measured = state.flow_plan(query.device)
     if measured is not None:
-        return _decode_flow(query, pool_k, pool_v, scaling, state, measured)
+        return _decode_flow(query, pool_k, pool_v, scaling, state, measured, finite)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
-    for seg in state.batch.segments:
+    segments = state.batch.segments
+    mixed = None if state.measure_flow else state.mixed_plan(query.device)
+    if mixed is not None and finite:  # the decode chunks in one call
+        decode, (rows, cols), span = mixed
+        q = query[rows, :, cols].unsqueeze(2)  # [S, Hq, 1, D]
+        out[rows, cols] = _decode_span(q, pool_k, pool_v, scaling, span)[:, 0]
+        segments = [seg for seg in segments if seg not in decode]
+    for seg in segments:
         q = query[seg.row, :, seg.q_start : seg.q_start + seg.num_tokens]  # [Hq, n, D]
         k, v = own_keys(pool_k, seg), own_keys(pool_v, seg)  # [Hkv, end, D]
         causal = state.causal(seg, query.device)
@@ -245,7 +288,8 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
 
 
 def _flow_plan(segments: tuple, device):
-    """See StepState.flow_plan."""
+    """See StepState.flow_plan. Also, when the rows' slots are distinct and lie in a range no more than
+    twice their number, the view plan of _span_plan (the keys read in place, no gather)."""
     as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
     k_len = max(s.end_pos for s in segments)
     ends = as_index([s.end_pos for s in segments])
@@ -255,29 +299,45 @@ def _flow_plan(segments: tuple, device):
         rows += [s.row] * s.end_pos
         cols += [s.q_start] * s.end_pos
         keys += range(s.key_start, s.key_start + s.end_pos)
+    span = _span_plan(tuple((s.row, s.slot, s.end_pos) for s in segments), device) if len(segments) > 1 else None
     return (as_index([s.slot for s in segments]), as_index([s.row for s in segments]),
-            as_index([s.q_start for s in segments]), valid, (as_index(rows), as_index(cols), as_index(keys)))
+            as_index([s.q_start for s in segments]), valid, (as_index(rows), as_index(cols), as_index(keys)), span)
 
 
-def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan) -> torch.Tensor:
+def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan, finite: bool = False) -> torch.Tensor:
     """A measured decode step in one batch: softmax(q k^T * scale) v per chunk over its own slot's keys
     0 .. end-1 (transformers' eager formula, as _eager), keys past a chunk's end masked to probability
-    exactly 0 and their values zeroed (a NaN left there by an earlier owner adds nothing, as on the
-    per-chunk path); the probabilities summed over heads are added to attn_sum. Returns [R, Q, Hq, D]."""
-    slots, rows, cols, valid, flat = plan
+    exactly 0 (their values zeroed in a gathered copy; read in place from the pool when every such
+    value is finite, so a NaN left there by an earlier owner adds nothing, as on the per-chunk path).
+    The probabilities summed over heads are added to the step's flow sums (StepState.settle_flow).
+    Returns [R, Q, Hq, D]."""
+    slots, rows, cols, valid, _, span = plan
     k_len = valid.shape[1]
     q = query[rows, :, cols]  # [S, Hq, D]
-    k = pool_k[slots, :, :k_len].to(q.dtype)  # [S, Hkv, K, D], a copy
-    v = pool_v[slots, :, :k_len].to(q.dtype).masked_fill(~valid[:, None, :, None], 0)
     n, hq, d = q.shape
-    hkv = k.shape[1]
-    scores = (q.reshape(n, hkv, hq // hkv, d) @ k.transpose(2, 3) * scaling).reshape(n, hq, k_len)
-    scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [S, Hq, K]
-    o = (probs.reshape(n, hkv, hq // hkv, k_len) @ v).reshape(n, hq, d)
-    if state.attn_sum is None:
-        state.attn_sum = torch.zeros(state.batch.allowed.shape, dtype=torch.float32, device=query.device)
-    state.attn_sum.index_put_(flat, probs.float().sum(dim=1)[valid], accumulate=True)
+    if span is not None and finite:  # the pool's slots lo..hi-1 in place
+        lo, hi, order = span[0], span[1], span[2]
+        k, v = pool_k[lo:hi, :, :k_len], pool_v[lo:hi, :, :k_len]
+        if order is not None:
+            q_span = q.new_zeros((hi - lo, hq, d))
+            q_span[order] = q
+            q, valid_span = q_span, valid.new_zeros((hi - lo, k_len))
+            valid_span[order] = valid
+        else:
+            valid_span = valid
+    else:
+        order, valid_span = None, valid
+        k = pool_k[slots, :, :k_len].to(q.dtype)  # [S, Hkv, K, D], a copy
+        v = pool_v[slots, :, :k_len].to(q.dtype).masked_fill(~valid[:, None, :, None], 0)
+    m, hkv = q.shape[0], k.shape[1]
+    scores = (q.reshape(m, hkv, hq // hkv, d) @ k.transpose(2, 3) * scaling).reshape(m, hq, k_len)
+    scores = scores.masked_fill(~valid_span[:, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [m, Hq, K]
+    o = (probs.reshape(m, hkv, hq // hkv, k_len) @ v).reshape(m, hq, d)
+    summed = probs.float().sum(dim=1)  # [m, K], masked keys exactly 0
+    if order is not None:
+        o, summed = o[order], summed[order]
+    state.flow_acc = summed if state.flow_acc is None else state.flow_acc.add_(summed)
     state.flow_terms += hq
     out = query.new_zeros(query.shape[0], query.shape[2], hq, d)  # [R, Q, Hq, D]
     out[rows, cols] = o
@@ -294,31 +354,24 @@ def _span_plan(rows: tuple, device):
         return None
     k_len = max(end for _, _, end in rows)
     mask = torch.ones((hi - lo, 1, 1, k_len), dtype=torch.bool, device=device)  # rows not in the step: unread
-    tail_slots, tail_pos = [], []
     for _, slot, end in rows:
         mask[slot - lo, 0, 0, end:] = False
-        tail_slots += [slot] * (k_len - end)
-        tail_pos += range(end, k_len)
     in_order = slots == list(range(lo, hi))
     order = None if in_order else torch.tensor([slot - lo for slot in slots], device=device)
-    as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return lo, hi, order, mask, as_index(tail_slots), as_index(tail_pos)
+    return lo, hi, order, mask
 
 
-def _tails_finite(pool_k, pool_v, plan) -> bool:
-    """Whether every masked position the span reads (past a row's own length) holds finite K and V in this
-    layer: only then does a masked key add exactly zero (0 x NaN would not); else the per-row path runs."""
-    tail_slots, tail_pos = plan[4], plan[5]
-    if not len(tail_pos):
-        return True
-    return bool(torch.isfinite(pool_k[tail_slots, :, tail_pos]).all() and
-                torch.isfinite(pool_v[tail_slots, :, tail_pos]).all())
+def _sums_finite(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the K and V rows a step writes may all be finite: their float32 sum is finite. A NaN or
+    an infinity always makes it non-finite; a sum that overflows on finite values says False too, which
+    costs only speed (the per-chunk path), never a wrong answer. Two reductions, not a scan per key."""
+    return bool(torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32)))
 
 
 def _decode_span(query, pool_k, pool_v, scaling: float, plan) -> torch.Tensor:
     """One SDPA call for every decode row: the pool's slots lo..hi-1 as a view, each row masked past its own
     length (rows of the range that are not in the step read garbage and are dropped)."""
-    lo, hi, order, mask, _, _ = plan
+    lo, hi, order, mask = plan
     k_len = mask.shape[-1]
     q = query
     if order is not None:

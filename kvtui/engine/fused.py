@@ -2,21 +2,16 @@
 and larger matrix multiplies, on weights laid out for the CPU's GEMM.
 
 What changes against `LlamaModel.forward` with the "kvtui" attention (and nothing else does):
-  - q, k and v come from one matrix multiply over a fused [hidden, (Hq + 2 Hkv) D] weight, and gate and
-    up from one over [hidden, 2 I]; the model's own q/k/v/gate/up/o/down `nn.Linear` weights become
-    views into these fused tensors, so no weight is held twice and `model.generate` on the same
-    instance still runs (on the same numbers).
-  - every weight is stored in the layout this CPU multiplies fastest for the model's dtype, measured
-    once per process (input_major_is_faster): input-major ([in, out] contiguous, the `nn.Linear`
-    weight a transposed view; a tied LM head then gets an input-major copy, 113 MB for SmolLM2 in
-    float32) when `x @ W` beats `F.linear`, else nn.Linear's own [out, in]. Measured: on an Intel
-    CPU with AMX `x @ W` was 1.3-2.3x faster in float32 at 8-64 rows, where decode steps live
-    (576 x 1536 at 8 rows 445 -> 226 us); on a 2-core AMD EPYC without AMX it gained nothing in
-    float32 and was 6x slower in bfloat16 (a whole bf16 step 7x slower than the modules' path), so
-    the layout is measured, not assumed (docs/performance.md). The two layouts may differ in the
-    last bits at a few rows (another kernel).
+  - q, k and v come from one matrix multiply over a fused weight, and gate and up from one; each fused
+    weight is held once, in the layout of the linear kernel chosen for this CPU by measurement at load
+    (kvtui/engine/linear.py: F.linear, input-major `x @ W`, or oneDNN prepacked), and the model's own
+    q/k/v/gate/up/o/down modules keep working on it (views into it, or PackedSlice modules over a
+    prepacked weight), so `model.generate` on the same instance still runs. A tied LM head stays the
+    embedding table (re-laid input-major in place when that multiplies faster), never a copy.
   - one Python function per layer instead of transformers' module stack (decorators, kwargs
     plumbing, output recording), and no additive mask unless the step's attention path reads one.
+  - element-wise work with fewer temporaries, exactly: q and k rotated in one pass, the residual adds
+    and SiLU x up in place.
 The attention call itself is `kvtui_attention` through the same `PooledCacheLayer.update`, so the
 attention paths, the attention_flow measurement and every fault that acts in attention see what
 they see on the module path.
@@ -29,13 +24,12 @@ Answers equal transformers' own solo `generate` on a separate instance token for
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from kvtui.engine.attention import kvtui_attention
 from kvtui.engine.invariant import RowTiles, choose_tile
+from kvtui.engine.linear import FusedLinear, choose_kernel
 
 SUPPORTED_TYPES = ("llama",)
 
@@ -47,67 +41,6 @@ def supports(model) -> bool:
     return getattr(cfg, "model_type", None) in SUPPORTED_TYPES and getattr(cfg, "hidden_act", "silu") == "silu"
 
 
-def _fuse(linears: list[torch.nn.Linear], input_major: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight for `linears`, whose weights (and biases) become views into it: input-major
-    [in, sum(out)] when `input_major`, else output-major [sum(out), in] (nn.Linear's own layout), and
-    bias [sum(out)] or None."""
-    if input_major:
-        weight = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).contiguous()  # [in, N]
-    else:
-        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()  # [N, in]
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
-    start = 0
-    for lin in linears:
-        n = lin.out_features
-        lin.weight.data = weight[:, start : start + n].t() if input_major else weight[start : start + n]
-        if bias is not None:
-            lin.bias.data = bias[start : start + n]
-        start += n
-    return weight, bias
-
-
-def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_major: bool) -> torch.Tensor:
-    """x [..., in] times a fused weight, input-major [in, out] (x @ W) or output-major [out, in]
-    (F.linear), plus bias [out] when given."""
-    if input_major:
-        out = x.matmul(weight)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
-
-
-_LAYOUTS: dict = {}  # (dtype, in, out) -> input-major is faster (measured once per process)
-
-
-def input_major_is_faster(dtype: torch.dtype, in_features: int, out_features: int, rows: int = 8,
-                          repeats: int = 5) -> bool:
-    """Whether `x @ W` with W [in, out] contiguous beats `F.linear(x, W)` with W [out, in] on this CPU
-    for `rows` rows of `dtype`: the median of `repeats` timed calls each (a few ms in all, once per
-    shape and process). Measured Dec 2026: an Intel CPU with AMX gained 1.3-2.3x input-major in
-    float32 at 8-64 rows; a 2-core AMD EPYC (avx512_bf16, no AMX) gained nothing in float32 and was
-    6x slower input-major in bfloat16 and float16 (another kernel), so the layout is measured, not
-    assumed."""
-    key = (dtype, in_features, out_features)
-    if key not in _LAYOUTS:
-        x = torch.randn(rows, in_features).to(dtype)
-        w_out = torch.randn(out_features, in_features).to(dtype)
-        w_in = w_out.t().contiguous()
-
-        def median(fn) -> float:
-            fn()  # warm-up: the first call may pick and pack a kernel
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return sorted(times)[len(times) // 2]
-
-        with torch.inference_mode():
-            _LAYOUTS[key] = median(lambda: x.matmul(w_in)) < median(lambda: F.linear(x, w_out))
-    return _LAYOUTS[key]
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward: float32 variance, rsqrt, cast back, times the weight."""
     h = x.to(torch.float32)
@@ -116,27 +49,33 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary_pos_emb for one of q or k [R, H, Q, D] (cos, sin [R, 1, Q, D])."""
+    """apply_rotary_pos_emb for q or k, or both at once: x [..., D] with cos, sin broadcasting to it.
+    transformers' arithmetic, (x * cos) + (rotate_half(x) * sin) with rotate_half(x) = (-x2, x1), bit for
+    bit ((-x2) * s is -(x2 * s) exactly), written into one product buffer instead of a negated copy,
+    a concatenation and two products."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos) + (rotated * sin)
+    out = x * cos
+    rotated = torch.empty_like(out)
+    torch.mul(x[..., half:], sin[..., :half], out=rotated[..., :half]).neg_()
+    torch.mul(x[..., :half], sin[..., half:], out=rotated[..., half:])
+    return out.add_(rotated)
 
 
 class _Layer:
-    """One decoder layer's fused weights and the modules the forward still calls."""
+    """One decoder layer's fused linear layers and the modules the forward still calls."""
 
-    def __init__(self, layer, index: int, input_major: bool) -> None:
+    def __init__(self, layer, index: int, kernel: str) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
-        self.input_major = input_major
         self.attn = attn
-        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], input_major)
         self.q_size = attn.q_proj.out_features
         self.kv_size = attn.k_proj.out_features
-        self.o, self.o_bias = _fuse([attn.o_proj], input_major)
-        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], input_major)
         self.inter = mlp.gate_proj.out_features
-        self.down, self.down_bias = _fuse([mlp.down_proj], input_major)
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], kernel,
+                               [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")])
+        self.o = FusedLinear([attn.o_proj], kernel, [(attn, "o_proj")])
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], kernel, [(mlp, "gate_proj"), (mlp, "up_proj")])
+        self.down = FusedLinear([mlp.down_proj], kernel, [(mlp, "down_proj")])
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
         self.head_dim = attn.head_dim
@@ -152,14 +91,24 @@ def fused_for(model) -> "FusedLlama":
     return built
 
 
+def layer_shapes(config) -> list[tuple[int, int]]:
+    """(in, out) of a Llama layer's four fused linear layers: qkv, o, gate_up, down."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    return [(hidden, q + 2 * kv_heads * head_dim), (q, hidden), (hidden, 2 * inter), (inter, hidden)]
+
+
 class FusedLlama:
     """The fused forward over a Llama-family `model`'s body (see the module docstring).
 
-    Building it re-lays the model's linear weights (views, no copies kept); the model's own forward
-    keeps working on them.
+    Building it re-lays the model's linear weights in the kernel chosen for this machine
+    (kvtui/engine/linear.py: `kernel`, `kernel_choice`), keeping one copy of each; the model's own
+    forward keeps working on them.
 
     Raises:
-        ValueError: the model is not supported (see `supports`).
+        ValueError: the model is not supported (see `supports`), or $KVTUI_LINEAR_KERNEL is invalid.
     """
 
     def __init__(self, model) -> None:
@@ -170,18 +119,20 @@ class FusedLlama:
         self.rotary = body.rotary_emb
         self.final_norm, self.final_eps = body.norm.weight, body.norm.variance_epsilon
         cfg = model.config
-        self.input_major = input_major_is_faster(self.embed.weight.dtype, cfg.hidden_size, cfg.intermediate_size)
-        self.layers = [_Layer(layer, i, self.input_major) for i, layer in enumerate(body.layers[: cfg.num_hidden_layers])]
         head = model.get_output_embeddings()
-        if head.weight is self.embed.weight:  # tied: input-major, the head gets its own copy; else the rows
-            weight = head.weight.detach()  # [V, hidden]
-            self.head, self.head_bias = (weight.t().contiguous() if self.input_major else weight), None
-        else:
-            self.head, self.head_bias = _fuse([head], self.input_major)
+        tied = head.weight is self.embed.weight
+        self.kernel_choice = choose_kernel(self.embed.weight.dtype, layer_shapes(cfg), cfg.num_hidden_layers,
+                                           (head.in_features, head.out_features), tied)
+        self.kernel = self.kernel_choice["kernel"]
+        self.layers = [_Layer(layer, i, self.kernel) for i, layer in enumerate(body.layers[: cfg.num_hidden_layers])]
+        # tied: the embedding table is the head, re-laid in place (input-major: the embedding reads rows of
+        # the transposed view); untied: the head's own weight, prepacked where that won
+        owners = None if tied else [(model, _attribute_of(model, head))]
+        self.head = FusedLinear([head], self.kernel_choice["head_kernel"], owners)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [S, hidden]: logits [S, V] in the model dtype."""
-        return _mm(hidden, self.head, self.head_bias, self.input_major)
+        return self.head(hidden)
 
     def invariant_tiles(self) -> tuple[RowTiles, dict]:
         """The batch-invariant mode's RowTiles, chosen on this CPU (invariant.choose_tile on layer 0's
@@ -190,10 +141,7 @@ class FusedLlama:
         tiles alike."""
         if getattr(self, "_tiles", None) is None:
             layer = self.layers[0]
-            shapes = [(layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias), (layer.gate_up, layer.gate_up_bias),
-                      (layer.down, layer.down_bias), (self.head, self.head_bias)]
-            linears = [(lambda x, w=w, b=b: _mm(x, w, b, self.input_major),
-                        w.shape[0] if self.input_major else w.shape[1]) for w, b in shapes]
+            linears = [(lin, lin.in_features) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down, self.head)]
             size, figures = choose_tile(linears, self.embed.weight.dtype)
             self._tiles = (RowTiles(size), figures)
         return self._tiles
@@ -214,7 +162,7 @@ class FusedLlama:
 
     def invariant_logits(self, hidden: torch.Tensor, tiles: RowTiles) -> torch.Tensor:
         """The LM head on hidden states [S, hidden] in fixed row tiles: logits [S, V] in the model dtype."""
-        return tiles.map(lambda h: _mm(h, self.head, self.head_bias, self.input_major), hidden)
+        return tiles.map(self.head, hidden)
 
     def invariant(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache, state,
                   tiles: RowTiles) -> torch.Tensor:
@@ -235,7 +183,7 @@ class FusedLlama:
         d = layer.head_dim
 
         def project(h, c, s):  # [T, hidden], [T, D] -> q [T, Hq, D], k, v [T, Hkv, D]
-            qkv = _mm(_rms_norm(h, layer.norm1, layer.eps1), layer.qkv, layer.qkv_bias, layer.input_major)
+            qkv = layer.qkv(_rms_norm(h, layer.norm1, layer.eps1))
             q, k, v = qkv.split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
             c, s = c[:, None, :], s[:, None, :]
             return _rotate(q.reshape(len(h), -1, d), c, s), _rotate(k.reshape(len(h), -1, d), c, s), \
@@ -248,40 +196,45 @@ class FusedLlama:
         out, _ = kvtui_attention(layer.attn, heads(q), k, v, None, scaling=layer.attn.scaling, **kwargs)
 
         def finish(h, o):  # [T, hidden], [T, Hq * D] -> [T, hidden]
-            h = h + _mm(o, layer.o, layer.o_bias, layer.input_major)
-            gate, up = _mm(_rms_norm(h, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias,
-                           layer.input_major).split(layer.inter, dim=-1)
-            return h + _mm(F.silu(gate) * up, layer.down, layer.down_bias, layer.input_major)
+            h = h + layer.o(o)
+            gate, up = layer.gate_up(_rms_norm(h, layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
+            return h + layer.down(F.silu(gate) * up)
 
         return tiles.map(finish, hidden, out.reshape(rows * q_len, -1))
 
     def __call__(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache, state,
                  attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """The body's forward: inputs_embeds [R, Q, hidden] (ModelRunner.input_embeds) and position_ids
-        [R, Q] int64; `cache` the runner's PooledCache bound to `state`; attention_mask the [R, 1, Q, K]
-        additive mask where the step's attention path reads one, else None. Returns the final hidden
-        states [R, Q, hidden] (after the last norm)."""
+        """The body's forward: inputs_embeds [R, Q, hidden] (ModelRunner.input_embeds, which this forward
+        may overwrite) and position_ids [R, Q] int64; `cache` the runner's PooledCache bound to `state`;
+        attention_mask the [R, 1, Q, K] additive mask where the step's attention path reads one, else None.
+        Returns the final hidden states [R, Q, hidden] (after the last norm)."""
         hidden = inputs_embeds
         cos, sin = self.rotary(hidden, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [R, 1, Q, D]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [R, Q, 1, D]: q and k heads rotate together
         for layer in self.layers:
             hidden = self._layer(layer, hidden, cos, sin, cache, state, attention_mask)
         return _rms_norm(hidden, self.final_norm, self.final_eps)
 
     @staticmethod
     def _layer(layer: _Layer, hidden, cos, sin, cache, state, attention_mask) -> torch.Tensor:
+        """One decoder layer on hidden [R, Q, hidden] (updated in place: the residual adds)."""
         rows, q_len = hidden.shape[:2]
-        x = _rms_norm(hidden, layer.norm1, layer.eps1)
-        qkv = _mm(x, layer.qkv, layer.qkv_bias, layer.input_major)  # [R, Q, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
-        shape = (rows, q_len, -1, layer.head_dim)
-        q = _rotate(q.view(shape).transpose(1, 2), cos, sin)  # [R, Hq, Q, D]
-        k = _rotate(k.view(shape).transpose(1, 2), cos, sin)  # [R, Hkv, Q, D]
-        v = v.view(shape).transpose(1, 2)
+        d = layer.head_dim
+        qkv = layer.qkv(_rms_norm(hidden, layer.norm1, layer.eps1))  # [R, Q, (Hq + 2 Hkv) D]
+        split = layer.q_size + layer.kv_size
+        qk = _rotate(qkv[..., :split].view(rows, q_len, -1, d), cos, sin)  # [R, Q, Hq + Hkv, D]
+        heads = layer.q_size // d
+        q = qk[:, :, :heads].transpose(1, 2)  # [R, Hq, Q, D]
+        k = qk[:, :, heads:].transpose(1, 2)  # [R, Hkv, Q, D]
+        v = qkv[..., split:].view(rows, q_len, -1, d).transpose(1, 2)
         kwargs: dict = {}
         k, v = cache.layers[layer.index].update(k, v, kwargs=kwargs)
         out, _ = kvtui_attention(layer.attn, q, k, v, attention_mask, scaling=layer.attn.scaling, **kwargs)
-        hidden = hidden + _mm(out.reshape(rows, q_len, -1), layer.o, layer.o_bias, layer.input_major)
-        x = _rms_norm(hidden, layer.norm2, layer.eps2)
-        gate, up = _mm(x, layer.gate_up, layer.gate_up_bias, layer.input_major).split(layer.inter, dim=-1)
-        return hidden + _mm(F.silu(gate) * up, layer.down, layer.down_bias, layer.input_major)
+        hidden.add_(layer.o(out.reshape(rows, q_len, -1)))
+        gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
+        return hidden.add_(layer.down(F.silu(gate).mul_(up)))
+
+
+def _attribute_of(parent: torch.nn.Module, child: torch.nn.Module) -> str:
+    """The attribute name under which `parent` holds `child` directly (e.g. "lm_head")."""
+    return next(name for name, module in parent.named_children() if module is child)

@@ -104,6 +104,9 @@ class KVPool:
         try:
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            # per layer: True while every K and V value in the pool is finite (zeros at first; every write
+            # goes through PooledCacheLayer.update, which clears the flag for good on a non-finite one)
+            self.finite = [True] * self.num_layers
             # who last wrote each position: a request serial, -1 never written (see observe.py); CPU bookkeeping
             self.writer = torch.full((self.num_slots, self.max_len), -1, dtype=torch.long)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -228,6 +231,9 @@ class PagedKVPool:
         try:
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            # per layer: True while every K and V value in the pool is finite (zeros at first; every write
+            # goes through PooledCacheLayer.update, which clears the flag for good on a non-finite one)
+            self.finite = [True] * self.num_layers
             self.writer = torch.full((self.num_blocks, self.block_size), -1, dtype=torch.long)
         except (RuntimeError, MemoryError) as e:
             self.keys = self.values = []

@@ -161,6 +161,7 @@ class ModelRunner:
                           invariant=self.tiles is not None)
         try:
             logits = self._run_body(batch, state)
+            state.settle_flow()
         finally:
             self.cache.state = None
         return logits, state

@@ -1,0 +1,287 @@
+"""Linear layers on the kernel this CPU runs fastest, chosen by measurement.
+
+A linear layer `y = x W^T + b` can be computed from one stored weight by three exact kernels (the same
+arithmetic; results may differ in the last bits, since each sums in its own order):
+
+  - "linear": `F.linear` on nn.Linear's own [out, in] layout;
+  - "input_major": `x @ W` on the weight stored [in, out] contiguous;
+  - "prepacked": oneDNN's `_linear_pointwise` on a weight reordered once into oneDNN's blocked layout
+    (`torch.ops.mkldnn._reorder_linear_weight`), valid for any row count (vLLM's CPU path and
+    inductor's freezing do the same).
+
+Which is fastest depends on the CPU, the dtype and the row count. Measured with one thread on
+SmolLM2's four layer shapes, ms for 30 layers: on a 2-core AMD EPYC (avx512_bf16, no AMX) at 16 rows
+in float32 74.4 (linear) / 72.0 (input-major) / 44.0 (prepacked); on a 2-core Intel Xeon (AVX-512 with
+avx512_bf16, no AMX) 57.3 / 39.6 / 40.2 at 16 rows but 403 / 466 / 483 at 256 rows; on an Intel Xeon
+with AMX input-major was 1.3-2.3x faster than linear at 8-64 rows (docs/performance.md). So nothing is
+assumed: `choose_kernel` times every candidate on the model's own shapes at load and keeps the one with
+the smallest time per token over a decode step (16 rows) and a prefill chunk (256 rows), and stores the
+choice per CPU model, flags, torch version, threads, dtype and shapes in kvtui's cache
+(`kernels.json`), so every later process on the machine picks the same kernel without measuring.
+`KVTUI_LINEAR_KERNEL=linear|input_major|prepacked` forces one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("linear", "input_major", "prepacked")
+ENV = "KVTUI_LINEAR_KERNEL"
+DECODE_ROWS, PREFILL_ROWS = 16, 128
+
+_CHOSEN: dict = {}  # (dtype, shapes) -> {"kernel", "why", "ms"}, once per process
+
+
+def prepack_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack a linear weight of `dtype` in this torch build (tried on a 16 x 16
+    weight)."""
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=dtype))
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=dtype), w, None, "none", [], "")
+        return bool(torch.backends.mkldnn.is_available() and out.shape == (2, 16) and float(out[0, 0]) == 16.0)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class FusedLinear:
+    """One linear layer over the concatenated outputs of `linears` (q, k and v; gate and up; or one
+    layer alone), its weight held once, in `kernel`'s layout.
+
+    With "linear" and "input_major" each nn.Linear's weight (and bias) becomes a view into the fused
+    tensor, so the model's own modules keep computing on the same numbers. A prepacked weight is opaque
+    (oneDNN's blocked layout): the nn.Linear modules are then replaced in `owner` by `PackedSlice`
+    modules that run this layer and keep their own columns, so `model.generate` and --enforce-eager
+    still work, without a second copy of any weight.
+
+    Args:
+        linears: nn.Linear modules sharing in_features, [out_i, in] weights, optional [out_i] biases.
+        kernel: one of KERNELS.
+        owners: for each linear, (parent module, attribute name), needed only for "prepacked".
+    Raises:
+        ValueError: unknown kernel.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear], kernel: str, owners: list[tuple] | None = None) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown linear kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+        self.kernel = kernel
+        self.in_features = linears[0].in_features
+        self.sizes = [lin.out_features for lin in linears]
+        self.out_features = sum(self.sizes)
+        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()  # [N, in]
+        self.bias = None
+        if linears[0].bias is not None:
+            self.bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
+        if kernel == "input_major":
+            weight = weight.t().contiguous()  # [in, N]
+        if kernel == "prepacked":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            del weight
+            start = 0
+            for lin, (parent, name) in zip(linears, owners or []):
+                setattr(parent, name, PackedSlice(self, start, start + lin.out_features))
+                start += lin.out_features
+            return
+        self.weight = weight
+        start = 0
+        for lin in linears:
+            n = lin.out_features
+            lin.weight.data = weight[:, start : start + n].t() if kernel == "input_major" else weight[start : start + n]
+            if self.bias is not None:
+                lin.bias.data = self.bias[start : start + n]
+            start += n
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype."""
+        if self.kernel == "linear":
+            return F.linear(x, self.weight, self.bias)
+        if self.kernel == "input_major":
+            out = x.matmul(self.weight)
+            return out if self.bias is None else out + self.bias
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedSlice(torch.nn.Module):
+    """Stands in for an nn.Linear whose weight went into a prepacked FusedLinear: its output is the
+    fused layer's columns start..stop-1 (the fused layer runs whole, so calling q, k and v separately
+    costs three fused multiplies; only transformers' own module path does that)."""
+
+    def __init__(self, fused: FusedLinear, start: int, stop: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+        self.in_features, self.out_features = fused.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
+
+
+def _largest_cache_bytes() -> int:
+    """The largest CPU cache's size in bytes (Linux sysfs; 64 MiB when it cannot be read)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=64 << 20)
+
+
+def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, head: tuple[int, int] | None = None,
+            kernels=KERNELS, head_kernels=("linear", "input_major"), rows=(DECODE_ROWS, PREFILL_ROWS),
+            repeats: int = 3) -> dict:
+    """Seconds the linear layers of a model take per kernel, on this CPU, as a step meets them: weights
+    not in the CPU's caches. A decode step reads every weight once from memory (SmolLM2's 425 MB in
+    float32), so timing one layer's weights over and over (hot in the cache) ranks the kernels wrongly:
+    on a 2-core Intel Xeon (AVX-512, no AMX), 16 rows, float32, one layer hot took 2.04-2.21 ms whatever
+    the kernel, while 30 distinct layers took 58 ms prepacked, 72 input-major and 78 with F.linear.
+
+    So each kernel runs over enough distinct layers of `shapes` ((in, out) each; copies of one random
+    layer of `dtype`) to hold twice the largest cache, at most `num_layers`; and the LM head `head`
+    ((in, vocab), or None), timed right after such a pass, so it is cold too, for each of `head_kernels`.
+
+    Returns {"layers": {kernel: {rows: fastest of `repeats` passes, seconds}}, "head": {kernel: seconds
+    at DECODE_ROWS rows}, "layers_timed": how many layers a pass covered}.
+    """
+    generator = torch.Generator().manual_seed(0)
+    source = [torch.randn(o, i, generator=generator).to(dtype) for i, o in shapes]
+    layer_bytes = sum(w.numel() for w in source) * source[0].element_size()
+    count = max(1, min(num_layers, -(-2 * _largest_cache_bytes() // layer_bytes)))
+    inputs = {n: [torch.randn(n, i, generator=generator).to(dtype) for i, _ in shapes] for n in rows}
+
+    def built(kernel: str, weight: torch.Tensor) -> FusedLinear:
+        lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
+        lin.weight.data = weight.clone()
+        holder = torch.nn.Module()
+        holder.lin = lin
+        return FusedLinear([lin], kernel, [(holder, "lin")])
+
+    heads = {}
+    if head is not None:
+        table = torch.randn(head[1], head[0], generator=generator).to(dtype)
+        heads = {k: built(k, table) for k in head_kernels}
+        head_x = torch.randn(DECODE_ROWS, head[0], generator=generator).to(dtype)
+    layers = {k: {n: float("inf") for n in rows} for k in kernels}
+    head_s = dict.fromkeys(heads, float("inf"))
+    with torch.inference_mode():
+        for kernel in kernels:
+            stack = [built(kernel, w) for _ in range(count) for w in source]
+            for n in rows:
+                for attempt in range(repeats + 1):  # the first pass warms up (a kernel may pick and pack)
+                    t0 = time.perf_counter()
+                    for i, layer in enumerate(stack):
+                        layer(inputs[n][i % len(shapes)])
+                    if attempt:
+                        layers[kernel][n] = min(layers[kernel][n], time.perf_counter() - t0)
+                    if attempt and n == rows[0]:
+                        for name, lin in heads.items():  # cold: a pass over the layers came between
+                            t0 = time.perf_counter()
+                            lin(head_x)
+                            head_s[name] = min(head_s[name], time.perf_counter() - t0)
+            del stack
+    return {"layers": layers, "head": head_s, "layers_timed": count}
+
+
+def _machine_key() -> str:
+    """CPU model, a digest of its flags, torch version and threads: what a kernel choice holds for."""
+    found = {"model name": platform.processor(), "flags": ""}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name = line.split(":", 1)[0].strip()
+                if name in found and ":" in line:
+                    found[name] = line.split(":", 1)[1].strip()
+                if name == "flags":
+                    break
+    except OSError:
+        pass
+    digest = hashlib.sha256(found["flags"].encode()).hexdigest()[:12]
+    return f"{found['model name']} flags:{digest} torch {torch.__version__} threads {torch.get_num_threads()}"
+
+
+def _store_path():
+    from kvtui.models.default import cache_dir
+
+    return cache_dir() / "kernels.json"
+
+
+def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int = 1,
+                  head: tuple[int, int] | None = None, tied: bool = True) -> dict:
+    """The linear kernels for a model's layers (`num_layers` layers of `shapes`, (in, out) each) and LM
+    head (`head`, (in, vocab), or None) in `dtype` on this machine.
+
+    The layers take one of KERNELS. A tied head is the embedding table itself, so it may take only a
+    kernel that keeps one copy the embedding can still read: "linear", or "input_major" (the table
+    stored [hidden, vocab], the embedding reading rows of its transposed view); an untied head any.
+
+    Order: $KVTUI_LINEAR_KERNEL when set (the layers, and the head where it can); this process's earlier
+    choice; the choice stored in kvtui's cache for this CPU model, flags, torch version, threads, dtype
+    and shapes; else `measure` now and store it. The layers' kernel is the one with the smallest
+    DECODE_ROWS-row time / DECODE_ROWS + PREFILL_ROWS-row time / PREFILL_ROWS (time per token, decode
+    and prefill tokens weighed alike); the head's the fastest at DECODE_ROWS rows.
+
+    Returns {"kernel", "head_kernel", "why": one line, "ms": {"layers": {kernel: {rows: ms}}, "head":
+    {kernel: ms}} or {}}.
+    Raises:
+        ValueError: $KVTUI_LINEAR_KERNEL names no kernel, or "prepacked" where oneDNN cannot prepack.
+    """
+    forced = os.environ.get(ENV)
+    candidates = [k for k in KERNELS if k != "prepacked" or prepack_available(dtype)]
+    head_candidates = ["linear", "input_major"] if tied else candidates
+    if forced:
+        if forced not in candidates:
+            raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(candidates)} on this machine")
+        head_kernel = forced if forced in head_candidates else "linear"
+        return {"kernel": forced, "head_kernel": head_kernel, "why": f"forced by {ENV}", "ms": {}}
+    key = (dtype, tuple(shapes), num_layers, head, tied)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    store_key = (f"{_machine_key()} | {str(dtype).replace('torch.', '')} | {shapes} x {num_layers} | head {head}"
+                 f"{' tied' if tied else ''}")
+    path = _store_path()
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    old = stored.get(store_key)
+    if isinstance(old, dict) and old.get("kernel") in candidates and old.get("head_kernel") in head_candidates:
+        choice = {**old, "why": f"{old.get('why', '')} (stored in {path})"}
+    else:
+        seconds = measure(dtype, shapes, num_layers, head, candidates, head_candidates)
+        per_token = {k: t[DECODE_ROWS] / DECODE_ROWS + t[PREFILL_ROWS] / PREFILL_ROWS
+                     for k, t in seconds["layers"].items()}
+        best = min(per_token, key=per_token.get)
+        head_kernel = min(seconds["head"], key=seconds["head"].get) if seconds["head"] else "linear"
+        ms = {"layers": {k: {str(n): round(v * 1e3, 3) for n, v in t.items()} for k, t in seconds["layers"].items()},
+              "head": {k: round(v * 1e3, 3) for k, v in seconds["head"].items()}}
+        figures = "; ".join(f"{k} {t[str(DECODE_ROWS)]:.1f} / {t[str(PREFILL_ROWS)]:.1f} ms"
+                            for k, t in ms["layers"].items())
+        heads = "; ".join(f"{k} {v:.1f} ms" for k, v in ms["head"].items())
+        choice = {"kernel": best, "head_kernel": head_kernel, "ms": ms,
+                  "why": (f"fastest per token over {seconds['layers_timed']} distinct layers at {DECODE_ROWS} and "
+                          f"{PREFILL_ROWS} rows, weights cold as in a step ({figures})"
+                          + (f"; LM head at {DECODE_ROWS} rows: {heads}" if heads else ""))}
+        stored[store_key] = choice
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(stored, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache: measure again next time
+    _CHOSEN[key] = choice
+    return choice
