@@ -39,6 +39,10 @@ def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path,
     returns the figures. Each part records its wall time and the process's peak RSS after it."""
     figures = {"model": loaded.model_id, "dtype": str(loaded.dtype).replace("torch.", ""), "quick": quick,
                "machine": machine(), "parts": {}}
+    m = figures["machine"]
+    console.print(f"CPU: {m['processor']} ({m['cores']} cores, {m['machine']}); flags: "
+                  f"{' '.join(m['cpu_flags']) or 'unknown'}; torch {m['torch']} with {m['torch_threads']} threads",
+                  markup=False, highlight=False)
     for part in parts:
         run, _, title = PARTS[part]
         console.print(f"[bold]{part}[/]: {title}")
@@ -57,9 +61,9 @@ def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path,
 def markdown(figures: dict) -> str:
     """The whole suite as Markdown: a line on the machine, then one table per part."""
     m = figures["machine"]
-    lines = [f"{figures['model']} ({figures['dtype']}), {m['cores']} cores ({m['machine']}, {m['processor']}), "
-             f"torch {m['torch']} with {m['torch_threads']} threads, transformers {m['transformers']}"
-             + (", --quick" if figures["quick"] else ""), ""]
+    lines = [f"{figures['model']} ({figures['dtype']}), {m['cores']} cores ({m['machine']}, {m['processor']}; "
+             f"flags: {' '.join(m.get('cpu_flags') or ['?'])}), torch {m['torch']} with {m['torch_threads']} threads, "
+             f"transformers {m['transformers']}" + (", --quick" if figures["quick"] else ""), ""]
     for part, result in figures["parts"].items():
         lines += [f"### {part}: {PARTS[part][2]}", "", *PARTS[part][1](result),
                   "", f"({result['seconds']:.0f} s; peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB)", ""]

@@ -90,5 +90,22 @@ def machine() -> dict:
     import transformers
 
     return {"machine": platform.machine(), "processor": _cpu_name() or platform.processor() or "?", "cores": os.cpu_count(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_flags": cpu_flags(), "torch": torch.__version__, "transformers": transformers.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+# The CPU flags that decide which kernels run fast: vector widths, and native bfloat16/float16/int8 math.
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
+                "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+def cpu_flags() -> list[str]:
+    """Which of KERNEL_FLAGS this CPU has (/proc/cpuinfo's flags, or Features on Arm), in that order;
+    [] where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.split(":", 1)[0].strip() in ("flags", "Features")), "")
+    except OSError:
+        return []
+    have = set(line.split(":", 1)[1].split()) if ":" in line else set()
+    return [flag for flag in KERNEL_FLAGS if flag in have]

@@ -1,0 +1,129 @@
+"""The linear kernel chosen on the machine (kvtui/engine/linear.py): every kernel computes what
+nn.Linear computes, the choice is measured once and stored per machine, a forced choice wins, and a
+bad one is one clear error."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtui.engine import linear
+
+
+@pytest.fixture
+def fresh_store(tmp_path, monkeypatch):
+    """kvtui's cache in a temporary folder, no forced kernel, no choice remembered by this process."""
+    monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(linear.ENV, raising=False)
+    monkeypatch.setattr(linear, "_CHOSEN", {})
+    return tmp_path / "kernels.json"
+
+
+@pytest.mark.parametrize("kernel", linear.KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 130])
+def test_every_kernel_computes_nn_linear_on_the_fused_outputs(kernel, dtype, rows):
+    """Two nn.Linear layers (with biases) fused: each kernel's output columns equal F.linear on each
+    layer's own weight (float32 within 1e-5; bfloat16 within its rounding), and the modules afterwards
+    still give their own outputs (views, or PackedSlice columns)."""
+    if kernel == "prepacked" and not linear.prepack_available(dtype):
+        pytest.skip(f"oneDNN cannot prepack {dtype} in this torch build")
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.a, holder.b = torch.nn.Linear(40, 24, dtype=dtype), torch.nn.Linear(40, 8, dtype=dtype)
+    weights = [holder.a.weight.detach().clone(), holder.b.weight.detach().clone()]
+    biases = [holder.a.bias.detach().clone(), holder.b.bias.detach().clone()]
+    fused = linear.FusedLinear([holder.a, holder.b], kernel, [(holder, "a"), (holder, "b")])
+    x = torch.randn(rows, 40).to(dtype)
+    expected = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        out = fused(x)
+        assert out.shape == (rows, 32)
+        assert torch.allclose(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        assert torch.allclose(holder.a(x).float(), expected[:, :24].float(), atol=tolerance, rtol=tolerance)
+        assert torch.allclose(holder.b(x).float(), expected[:, 24:].float(), atol=tolerance, rtol=tolerance)
+        assert fused(x.reshape(1, rows, 40)).shape == (1, rows, 32)  # a leading batch axis kept
+    assert (type(holder.a).__name__ == "PackedSlice") == (kernel == "prepacked")
+
+
+def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch):
+    """The first choice measures (the fastest per token over a decode and a prefill pass wins) and writes
+    kernels.json; a later process (the in-process memory cleared) reads it back without measuring."""
+    calls = []
+
+    def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
+        calls.append(kernels)
+        per_rows = {"linear": (0.020, 0.080), "input_major": (0.012, 0.120), "prepacked": (0.016, 0.060)}
+        return {"layers": {k: {linear.DECODE_ROWS: per_rows[k][0], linear.PREFILL_ROWS: per_rows[k][1]}
+                           for k in kernels},
+                "head": {"linear": 0.004, "input_major": 0.003} if head else {}, "layers_timed": 2}
+
+    monkeypatch.setattr(linear, "measure", fake_measure)
+    shapes = [(64, 128), (64, 64)]
+    choice = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True)
+    # per token: linear 0.020/16 + 0.080/128 = 1.875 ms; input-major 0.75 + 0.9375 = 1.6875; prepacked 1.0 + 0.469
+    expected = "prepacked" if linear.prepack_available(torch.float32) else "input_major"
+    assert choice["kernel"] == expected and choice["head_kernel"] == "input_major"
+    assert "16 and 128 rows" in choice["why"] and len(calls) == 1
+    stored = json.loads(fresh_store.read_text())
+    assert [v["kernel"] for v in stored.values()] == [expected]
+    monkeypatch.setattr(linear, "_CHOSEN", {})
+    again = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True)
+    assert again["kernel"] == expected and len(calls) == 1 and str(fresh_store) in again["why"]
+    other = linear.choose_kernel(torch.float32, [(32, 32)], 2, None, True)  # other shapes: measured anew
+    assert len(calls) == 2 and other["head_kernel"] == "linear"
+
+
+def test_a_tied_head_never_takes_a_kernel_that_would_copy_the_embedding(fresh_store, monkeypatch):
+    """A tied head is the embedding table: only F.linear or input-major (the table re-laid in place) are
+    offered to it, never prepacked; an untied head may take any."""
+    offered = []
+
+    def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
+        offered.append(tuple(head_kernels))
+        return {"layers": {k: {linear.DECODE_ROWS: 1.0, linear.PREFILL_ROWS: 1.0} for k in kernels},
+                "head": {k: 1.0 for k in head_kernels}, "layers_timed": 1}
+
+    monkeypatch.setattr(linear, "measure", fake_measure)
+    linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
+    linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), False)
+    assert offered[0] == ("linear", "input_major")
+    assert set(offered[1]) == set(linear.KERNELS) - ({"prepacked"} if not linear.prepack_available(torch.float32) else set())
+
+
+def test_a_forced_kernel_wins_and_a_wrong_one_is_one_clear_error(fresh_store, monkeypatch):
+    monkeypatch.setenv(linear.ENV, "input_major")
+    assert linear.choose_kernel(torch.float32, [(8, 8)], 1)["kernel"] == "input_major"
+    monkeypatch.setenv(linear.ENV, "prepacked")
+    choice = linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
+    assert choice["why"] == f"forced by {linear.ENV}" and choice["head_kernel"] == "linear"  # tied: no copy
+    monkeypatch.setenv(linear.ENV, "fastest")
+    with pytest.raises(ValueError, match="KVTUI_LINEAR_KERNEL='fastest': choose one of linear, input_major"):
+        linear.choose_kernel(torch.float32, [(8, 8)], 1)
+    assert not fresh_store.exists()  # forced choices are not stored
+
+
+def test_measure_times_every_kernel_over_layers_that_outgrow_the_cache(monkeypatch):
+    """Real timings on small shapes: every kernel and row count gets a positive time, the head a time per
+    head kernel, and a pass covers as many distinct layers as twice the largest cache needs (a 1 MiB
+    cache here), at most the model's."""
+    monkeypatch.setattr(linear, "_largest_cache_bytes", lambda: 1 << 20)
+    shapes = [(128, 256), (256, 128)]  # 64K weights x 4 bytes = 256 KiB a layer: 8 layers make 2 MiB
+    result = linear.measure(torch.float32, shapes, 20, (128, 1000), ("linear", "input_major"), ("linear",), repeats=1)
+    assert result["layers_timed"] == 8
+    assert set(result["layers"]) == {"linear", "input_major"}
+    assert all(t > 0 for per_rows in result["layers"].values() for t in per_rows.values())
+    assert set(result["layers"]["linear"]) == {linear.DECODE_ROWS, linear.PREFILL_ROWS}
+    assert list(result["head"]) == ["linear"] and result["head"]["linear"] > 0
+    assert linear.measure(torch.float32, shapes, 3, None, ("linear",), (), repeats=1)["layers_timed"] == 3
+
+
+def test_the_cpu_flags_the_bench_prints_are_the_machines():
+    from kvtui.bench.common import KERNEL_FLAGS, cpu_flags
+
+    with open("/proc/cpuinfo") as f:
+        line = next(line for line in f if line.split(":", 1)[0].strip() in ("flags", "Features"))
+    have = set(line.split(":", 1)[1].split())
+    assert cpu_flags() == [flag for flag in KERNEL_FLAGS if flag in have]
