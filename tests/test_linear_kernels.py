@@ -127,3 +127,31 @@ def test_the_cpu_flags_the_bench_prints_are_the_machines():
         line = next(line for line in f if line.split(":", 1)[0].strip() in ("flags", "Features"))
     have = set(line.split(":", 1)[1].split())
     assert cpu_flags() == [flag for flag in KERNEL_FLAGS if flag in have]
+
+
+def test_two_processes_loading_at_once_measure_once_and_pick_the_same_kernel(tmp_path):
+    """The first process to load measures (under a lock on kernels.json); one started meanwhile waits and
+    reads that choice, so every process on the machine computes with the same kernel (a run and its
+    references must agree bit for bit in the batch-invariant mode)."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import time, torch
+from kvtui.engine import linear
+def slow(dtype, shapes, num_layers, head, kernels, head_kernels):
+    with open({str(tmp_path / "measured")!r}, "a") as f:
+        f.write("x\\n")
+    time.sleep(1.5)
+    return {{"layers": {{k: {{linear.DECODE_ROWS: 1.0, linear.PREFILL_ROWS: 1.0 + i}} for i, k in enumerate(kernels)}},
+            "head": {{k: 1.0 for k in head_kernels}}, "layers_timed": 1}}
+linear.measure = slow
+print(linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)["kernel"])
+"""
+    env = {**os.environ, "KVTUI_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("KVTUI_LINEAR_KERNEL", None)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert outs == ["linear", "linear"]  # the first kernel has the smallest prefill time in the fake
+    assert (tmp_path / "measured").read_text() == "x\n"

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -253,35 +254,59 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     store_key = (f"{_machine_key()} | {str(dtype).replace('torch.', '')} | {shapes} x {num_layers} | head {head}"
                  f"{' tied' if tied else ''}")
     path = _store_path()
+    with _locked(path):  # one process measures; the others wait and read its choice
+        choice = _stored_or_measured(path, store_key, dtype, shapes, num_layers, head, candidates, head_candidates)
+    _CHOSEN[key] = choice
+    return choice
+
+
+def _stored_or_measured(path, store_key: str, dtype, shapes, num_layers: int, head, candidates, head_candidates) -> dict:
+    """The choice stored under `store_key` in `path`, else a new measurement, stored (see choose_kernel)."""
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
     old = stored.get(store_key)
     if isinstance(old, dict) and old.get("kernel") in candidates and old.get("head_kernel") in head_candidates:
-        choice = {**old, "why": f"{old.get('why', '')} (stored in {path})"}
-    else:
-        seconds = measure(dtype, shapes, num_layers, head, candidates, head_candidates)
-        per_token = {k: t[DECODE_ROWS] / DECODE_ROWS + t[PREFILL_ROWS] / PREFILL_ROWS
-                     for k, t in seconds["layers"].items()}
-        best = min(per_token, key=per_token.get)
-        head_kernel = min(seconds["head"], key=seconds["head"].get) if seconds["head"] else "linear"
-        ms = {"layers": {k: {str(n): round(v * 1e3, 3) for n, v in t.items()} for k, t in seconds["layers"].items()},
-              "head": {k: round(v * 1e3, 3) for k, v in seconds["head"].items()}}
-        figures = "; ".join(f"{k} {t[str(DECODE_ROWS)]:.1f} / {t[str(PREFILL_ROWS)]:.1f} ms"
-                            for k, t in ms["layers"].items())
-        heads = "; ".join(f"{k} {v:.1f} ms" for k, v in ms["head"].items())
-        choice = {"kernel": best, "head_kernel": head_kernel, "ms": ms,
-                  "why": (f"fastest per token over {seconds['layers_timed']} distinct layers at {DECODE_ROWS} and "
-                          f"{PREFILL_ROWS} rows, weights cold as in a step ({figures})"
-                          + (f"; LM head at {DECODE_ROWS} rows: {heads}" if heads else ""))}
-        stored[store_key] = choice
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only cache: measure again next time
-    _CHOSEN[key] = choice
+        return {**old, "why": f"{old.get('why', '')} (stored in {path})"}
+    seconds = measure(dtype, shapes, num_layers, head, candidates, head_candidates)
+    per_token = {k: t[DECODE_ROWS] / DECODE_ROWS + t[PREFILL_ROWS] / PREFILL_ROWS for k, t in seconds["layers"].items()}
+    best = min(per_token, key=per_token.get)
+    head_kernel = min(seconds["head"], key=seconds["head"].get) if seconds["head"] else "linear"
+    ms = {"layers": {k: {str(n): round(v * 1e3, 3) for n, v in t.items()} for k, t in seconds["layers"].items()},
+          "head": {k: round(v * 1e3, 3) for k, v in seconds["head"].items()}}
+    figures = "; ".join(f"{k} {t[str(DECODE_ROWS)]:.1f} / {t[str(PREFILL_ROWS)]:.1f} ms" for k, t in ms["layers"].items())
+    heads = "; ".join(f"{k} {v:.1f} ms" for k, v in ms["head"].items())
+    choice = {"kernel": best, "head_kernel": head_kernel, "ms": ms,
+              "why": (f"fastest per token over {seconds['layers_timed']} distinct layers at {DECODE_ROWS} and "
+                      f"{PREFILL_ROWS} rows, weights cold as in a step ({figures})"
+                      + (f"; LM head at {DECODE_ROWS} rows: {heads}" if heads else ""))}
+    stored[store_key] = choice
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: measure again next time
     return choice
+
+
+@contextmanager
+def _locked(path):
+    """An exclusive lock on `path`.lock while the block runs (fcntl; none where the folder cannot be
+    written or fcntl is missing: then two processes may both measure, each keeping its own choice)."""
+    handle = None
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except (OSError, ImportError):
+        handle = None
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()  # closing releases the lock
