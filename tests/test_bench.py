@@ -174,3 +174,21 @@ def test_the_faults_part_skips_stale_bitmask_naming_the_install_when_xgrammar_is
                         faults=("stale_bitmask",))
     assert result["faults"]["stale_bitmask"]["skipped"].startswith("structured output needs xgrammar: pip install")
     assert faults.markdown(result)[2].startswith("| stale_bitmask (tiny-llama) | 0 | skipped: structured output needs")
+
+
+def test_the_profile_part_times_every_phase_and_names_the_linear_kernel(tiny, tmp_path):
+    """`--part profile` on tiny-llama: each batch size with detectors off and on has a step time, the
+    forward's operator split counts linear-layer time, the detectors' phases are timed only when on, and
+    the Markdown names the linear kernel chosen for this machine and why."""
+    output = tmp_path / "bench.json"
+    figures = run_suite(tiny["tiny-llama"], name="tiny-llama", parts=["profile"], quick=True, output=output,
+                        console=Console(file=open("/dev/null", "w")))
+    result = figures["parts"]["profile"]
+    assert [(r["batch"], r["detectors"]) for r in result["rows"]] == [(1, False), (8, False), (16, False),
+                                                                       (1, True), (8, True), (16, True)]
+    assert all(r["step_s"] > 0 and r["forward_ops_s"]["linear"] > 0 for r in result["rows"])
+    assert all(r["phases_s"]["attention_flow"] == 0 for r in result["rows"] if not r["detectors"])
+    assert all(r["phases_s"]["attention_flow"] > 0 for r in result["rows"] if r["detectors"] and r["batch"] > 1)
+    kernel = result["linear_kernel"]
+    assert kernel["kernel"] == tiny["tiny-llama"].model._kvtui_fused.kernel
+    assert f"Linear kernel: {kernel['kernel']}: " in output.with_suffix(".md").read_text()

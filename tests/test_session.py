@@ -214,3 +214,32 @@ def test_an_interrupted_reference_run_resumes_where_it_stopped(tiny):
     assert (cut.pending, cut.checked, len(cut_steps)) == (1, 0, 2)
     assert cut.drain(0.0) == [] and (cut.pending, cut.checked) == (0, 1)
     assert len(cut_steps) == len(whole_steps) > 2
+
+
+def test_reference_checks_take_short_steps_so_an_arrival_waits_at_most_one(tiny):
+    """The clean reference engine prefills in steps of REFERENCE_STEP_TOKENS tokens at most, whatever the
+    run's budget (1024 here), so a check of three 200-token prompts that a new arrival interrupts stops
+    after one step of at most 128 tokens, not one 600-token prefill; its verdict is unchanged."""
+    from kvtui.config import EngineConfig
+    from kvtui.detect.reference import REFERENCE_STEP_TOKENS, PendingCheck, ReferenceDetector
+    from kvtui.engine.request import SamplingParams
+
+    loaded = tiny["tiny-llama"]
+    sampling = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [[3 + (i * 7 + j) % 200 for j in range(200)] for i in range(3)]
+    ref = ReferenceDetector(loaded, loaded.tokenizer, engine_config=EngineConfig(max_tokens_per_step=1024, max_len=256))
+    solos = [run[0] for run in ref._run([(p, sampling) for p in prompts], frozenset())]
+    ref._cache.clear()
+    engine = ref._clean_engine(256)
+    assert engine.config.max_tokens_per_step == REFERENCE_STEP_TOKENS == 128
+    tokens = []
+    original = engine.step
+    engine.step = lambda: tokens.append(original().prefill_tokens)
+    for i, (p, solo) in enumerate(zip(prompts, solos)):
+        ref.on_finish(PendingCheck(f"r{i}", p, solo, [1.0] * len(solo), sampling, [0] * len(solo),
+                                   [()] * len(solo), (), frozenset()))
+    calls = iter([False, False, True])  # drain's own check, the first step's, then an arrival
+    assert ref.drain(0.0, should_stop=lambda: next(calls, False)) == [] and ref.checked == 0
+    assert len(tokens) == 1 and 0 < tokens[0] <= 128
+    assert ref.drain(0.0) == [] and ref.checked == 3
+    assert max(tokens) <= 128 and sum(tokens) == 600

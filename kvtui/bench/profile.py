@@ -53,7 +53,7 @@ class _Timer:
 def _timed(engine, timer: _Timer):
     """Install the phase timers on `engine` and on the engine module's functions; undo them after."""
     names = {"build_batch": "batch", "key_writers": "batch", "slot_taint": "slot_taint",
-             "attention_flow": "attention_flow", "_facts": "facts"}
+             "attention_flow": "attention_flow", "gaps_and_finite": "facts"}
     saved = {n: getattr(engine_module, n) for n in names}
     for n, phase in names.items():
         setattr(engine_module, n, timer.wrap(phase, saved[n]))
@@ -137,11 +137,15 @@ def markdown(result: dict) -> list[str]:
     lines = []
     if kernel:
         lines += [f"Linear kernel: {kernel['kernel']}: {kernel['why']}.", ""]
-        if kernel.get("ms"):
-            lines += ["| kernel | " + " | ".join(f"{n} rows, ms per layer pass" for n in next(iter(kernel["ms"].values())))
-                      + " |", "|---|" + "---|" * len(next(iter(kernel["ms"].values())))]
-            lines += [f"| {k} | " + " | ".join(f"{v:.3f}" for v in per_rows.values()) + " |"
-                      for k, per_rows in kernel["ms"].items()]
+        layers = (kernel.get("ms") or {}).get("layers") or {}
+        if layers:
+            counts = list(next(iter(layers.values())))
+            head = kernel["ms"].get("head") or {}
+            lines += ["| kernel | " + " | ".join(f"layers, {n} rows, ms" for n in counts) + " | LM head, ms |",
+                      "|---|" + "---|" * (len(counts) + 1)]
+            for k, per_rows in layers.items():
+                cells = [f"{per_rows[n]:.1f}" for n in counts] + [f"{head[k]:.1f}" if k in head else "-"]
+                lines.append(f"| {k} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += [f"Decode steps, contexts of {result['context']} tokens; ms per step (share of the step).", "",
              "| batch | detectors | step | forward: linear | attention | KV index | element-wise | Python | "

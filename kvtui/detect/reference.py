@@ -214,6 +214,9 @@ class PendingCheck:
     input: object = None
 
 
+REFERENCE_STEP_TOKENS = 128  # the clean reference engine's token budget per step (see ReferenceDetector._engine)
+
+
 class ReferenceDetector:
     """Queue completed requests (`on_finish`); `drain()` checks them and returns events.
 
@@ -377,7 +380,11 @@ class ReferenceDetector:
         config = replace(self.config, num_slots=slots, max_batch_size=slots, max_len=max_len, kv_budget_bytes=None,
                          faults=faults, max_waiting=None, on_too_long="reject")
         if not faults:  # the clean reference: a slot pool (a paged run's blocks and prefix cache are what is checked)
-            config = replace(config, kv="slots", num_blocks=None, prefix_caching=False)
+            # and short steps: the checks run while the server is idle and stop between steps when work
+            # arrives, so a step's length is what a new request may wait (a 1024-token prefill step of
+            # SmolLM2 takes 2.5-3.4 s on one thread of a 2-core Xeon, a 128-token one about 0.3 s)
+            config = replace(config, kv="slots", num_blocks=None, prefix_caching=False,
+                             max_tokens_per_step=min(config.max_tokens_per_step, REFERENCE_STEP_TOKENS))
         engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
                         grammar_tokenizer=self.tokenizer, image_encoder=self.loaded.image_encoder)  # structured output: the same grammar, no stop strings
         engine.output.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
