@@ -1,6 +1,7 @@
 """Engine behaviour with real values: step reports, chunked prefill, slot reuse, rejection, stops."""
 
 import pytest
+import torch
 from helpers import oracle_model, solo, uncached_greedy
 
 import kvtui.engine.output as engine_module  # the output side draws the tokens
@@ -266,3 +267,24 @@ def test_a_tiny_temperature_samples_the_greedy_tokens(tiny, temperature):
     engine.submit("t", [5, 17, 42], SamplingParams(max_new_tokens=8, temperature=temperature, seed=3))
     finished = _finished(engine.run_until_done())
     assert list(finished["t"].output_ids) == uncached_greedy(oracle_model("tiny-llama", "eager"), [5, 17, 42], 8)
+
+
+def test_logit_facts_flag_exactly_the_rows_holding_a_nan_or_an_infinity():
+    """gaps_and_finite's finiteness per row (from the row's sum, rows whose sum overflows scanned) equals
+    torch.isfinite(row).all(): rows
+    of huge finite values (whose float32 sum overflows) stay finite, one NaN, +inf or -inf anywhere flags
+    its row, +inf with -inf too; and the gap is top-1 minus top-2."""
+    from kvtui.engine.output import gaps_and_finite
+
+    big = torch.full((49152,), 3.0e38)
+    rows = torch.stack([torch.linspace(-5, 5, 49152), big, big.clone(),
+                        big.clone(), big.clone(), torch.zeros(49152)])
+    rows[2, 7] = float("nan")
+    rows[3, 49151] = float("inf")
+    rows[4, 0] = float("-inf")
+    rows[5, 3], rows[5, 9] = float("inf"), float("-inf")
+    facts = gaps_and_finite(dict.fromkeys(range(6)), rows, list(range(6)))
+    assert [facts[i][1] for i in range(6)] == torch.isfinite(rows).all(dim=1).tolist() == [True, True, False, False,
+                                                                                            False, False]
+    assert torch.isinf(rows[1].float().sum())  # what a float32 sum would have said about a finite row
+    assert facts[0][0] == pytest.approx(10 / 49151, rel=1e-3)

@@ -362,10 +362,12 @@ def _span_plan(rows: tuple, device):
 
 
 def _sums_finite(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the K and V rows a step writes may all be finite: their float32 sum is finite. A NaN or
-    an infinity always makes it non-finite; a sum that overflows on finite values says False too, which
-    costs only speed (the per-chunk path), never a wrong answer. Two reductions, not a scan per key."""
-    return bool(torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32)))
+    """Whether every K and V value a step writes is finite. A NaN or an infinity makes a sum non-finite, so
+    a finite sum settles it in two reductions; a non-finite one (which finite values give only by
+    overflowing) is settled value by value."""
+    if bool(torch.isfinite(keys.sum() + values.sum())):
+        return True
+    return bool(torch.isfinite(keys).all() and torch.isfinite(values).all())
 
 
 def _decode_span(query, pool_k, pool_v, scaling: float, plan) -> torch.Tensor:

@@ -29,6 +29,7 @@ import os
 import platform
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -142,18 +143,36 @@ def _largest_cache_bytes() -> int:
     return max(sizes, default=64 << 20)
 
 
+def _standalone(kernel: str, weight: torch.Tensor) -> FusedLinear:
+    """A FusedLinear of `kernel` over a copy of `weight` [out, in] (for timing; nothing else holds it)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    lin.weight.data = weight.clone()
+    holder = torch.nn.Module()
+    holder.lin = lin
+    return FusedLinear([lin], kernel, [(holder, "lin")])
+
+
+def _pass(stack: list[FusedLinear], inputs: list[torch.Tensor]) -> None:
+    """Each layer of `stack` once, layer i on inputs[i % len(inputs)]; the outputs are dropped."""
+    for i, layer in enumerate(stack):
+        layer(inputs[i % len(inputs)])
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, head: tuple[int, int] | None = None,
             kernels=KERNELS, head_kernels=("linear", "input_major"), rows=(DECODE_ROWS, PREFILL_ROWS),
             repeats: int = 3) -> dict:
-    """Seconds the linear layers of a model take per kernel, on this CPU, as a step meets them: weights
-    not in the CPU's caches. A decode step reads every weight once from memory (SmolLM2's 425 MB in
-    float32), so timing one layer's weights over and over (hot in the cache) ranks the kernels wrongly:
-    on a 2-core Intel Xeon (AVX-512, no AMX), 16 rows, float32, one layer hot took 2.04-2.21 ms whatever
-    the kernel, while 30 distinct layers took 58 ms prepacked, 72 input-major and 78 with F.linear.
-
-    So each kernel runs over enough distinct layers of `shapes` ((in, out) each; copies of one random
-    layer of `dtype`) to hold twice the largest cache, at most `num_layers`; and the LM head `head`
-    ((in, vocab), or None), timed right after such a pass, so it is cold too, for each of `head_kernels`.
+    """Seconds a model's linear layers take per kernel on this CPU with the weights cold, as a step meets
+    them (a decode step reads SmolLM2's 425 MB of float32 weights from memory; one layer timed over and
+    over stays hot in the cache and ranks the kernels wrongly: see the module docstring). Each kernel
+    runs over enough distinct layers of `shapes` ((in, out) each; copies of one random layer of `dtype`)
+    to hold twice the largest cache, at most `num_layers`; the LM head `head` ((in, vocab), or None) is
+    timed right after such a pass, cold too, for each of `head_kernels`.
 
     Returns {"layers": {kernel: {rows: fastest of `repeats` passes, seconds}}, "head": {kernel: seconds
     at DECODE_ROWS rows}, "layers_timed": how many layers a pass covered}.
@@ -163,36 +182,21 @@ def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, 
     layer_bytes = sum(w.numel() for w in source) * source[0].element_size()
     count = max(1, min(num_layers, -(-2 * _largest_cache_bytes() // layer_bytes)))
     inputs = {n: [torch.randn(n, i, generator=generator).to(dtype) for i, _ in shapes] for n in rows}
-
-    def built(kernel: str, weight: torch.Tensor) -> FusedLinear:
-        lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=dtype)
-        lin.weight.data = weight.clone()
-        holder = torch.nn.Module()
-        holder.lin = lin
-        return FusedLinear([lin], kernel, [(holder, "lin")])
-
-    heads = {}
-    if head is not None:
-        table = torch.randn(head[1], head[0], generator=generator).to(dtype)
-        heads = {k: built(k, table) for k in head_kernels}
-        head_x = torch.randn(DECODE_ROWS, head[0], generator=generator).to(dtype)
+    table = None if head is None else torch.randn(head[1], head[0], generator=generator).to(dtype)
+    heads = {} if table is None else {k: _standalone(k, table) for k in head_kernels}
+    head_x = None if head is None else torch.randn(DECODE_ROWS, head[0], generator=generator).to(dtype)
     layers = {k: {n: float("inf") for n in rows} for k in kernels}
     head_s = dict.fromkeys(heads, float("inf"))
     with torch.inference_mode():
         for kernel in kernels:
-            stack = [built(kernel, w) for _ in range(count) for w in source]
+            stack = [_standalone(kernel, w) for _ in range(count) for w in source]
             for n in rows:
-                for attempt in range(repeats + 1):  # the first pass warms up (a kernel may pick and pack)
-                    t0 = time.perf_counter()
-                    for i, layer in enumerate(stack):
-                        layer(inputs[n][i % len(shapes)])
-                    if attempt:
-                        layers[kernel][n] = min(layers[kernel][n], time.perf_counter() - t0)
-                    if attempt and n == rows[0]:
-                        for name, lin in heads.items():  # cold: a pass over the layers came between
-                            t0 = time.perf_counter()
-                            lin(head_x)
-                            head_s[name] = min(head_s[name], time.perf_counter() - t0)
+                one_pass = partial(_pass, stack, inputs[n])
+                one_pass()  # warm-up: a kernel may pick and pack on its first call
+                for _ in range(repeats):
+                    layers[kernel][n] = min(layers[kernel][n], _seconds(one_pass))
+                    for name, lin in heads.items() if n == rows[0] else ():  # cold: a layer pass came between
+                        head_s[name] = min(head_s[name], _seconds(lambda lin=lin: lin(head_x)))
             del stack
     return {"layers": layers, "head": head_s, "layers_timed": count}
 

@@ -215,5 +215,11 @@ def gaps_and_finite(by_chunk: dict, logits: torch.Tensor | None = None, order=No
         logits = torch.stack([by_chunk[c] for c in order])
     top2 = torch.topk(logits, 2, dim=1).values
     gaps = (top2[:, 0] - top2[:, 1]).tolist()
-    finite = torch.isfinite(logits).all(dim=1).tolist()
+    # a row holding a NaN or an infinity has a non-finite sum; a finite row's float32 sum is finite unless it
+    # overflows, so only rows whose sum is not finite are scanned value by value (one pass and no [S, V]
+    # boolean temporary for the rest: isfinite + all took about 5 ms of a 16-row SmolLM2 step, the sum 0.2)
+    finite = torch.isfinite(logits.sum(dim=1)).tolist()
+    for row, ok in enumerate(finite):
+        if not ok:
+            finite[row] = bool(torch.isfinite(logits[row]).all())
     return {c: (g, f) for c, g, f in zip(order, gaps, finite)}
