@@ -62,7 +62,10 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
 
     monkeypatch.setattr(linear, "measure", fake_measure)
     shapes = [(64, 128), (64, 64)]
-    choice = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True)
+    heard = []
+    choice = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True, heard.append)
+    assert heard == [f"timing the linear kernels on this CPU for float32 (once per machine; the choice is stored "
+                     f"in {fresh_store})"]
     # per token: linear 0.020/16 + 0.080/128 = 1.875 ms; input-major 0.75 + 0.9375 = 1.6875; prepacked 1.0 + 0.469
     expected = "prepacked" if linear.prepack_available(torch.float32) else "input_major"
     assert choice["kernel"] == expected and choice["head_kernel"] == "input_major"
@@ -70,8 +73,9 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
     stored = json.loads(fresh_store.read_text())
     assert [v["kernel"] for v in stored.values()] == [expected]
     monkeypatch.setattr(linear, "_CHOSEN", {})
-    again = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True)
+    again = linear.choose_kernel(torch.float32, shapes, 2, (64, 500), True, heard.append)
     assert again["kernel"] == expected and len(calls) == 1 and str(fresh_store) in again["why"]
+    assert len(heard) == 1  # read back: nothing to announce
     other = linear.choose_kernel(torch.float32, [(32, 32)], 2, None, True)  # other shapes: measured anew
     assert len(calls) == 2 and other["head_kernel"] == "linear"
 

@@ -36,9 +36,13 @@ def load_model(name: str, dtype: str, device: str):
     if note:
         say("note", note)
     try:
-        return load(name, dtype=dtype, device=device, progress=True)
+        loaded = load(name, dtype=dtype, device=device, progress=True)
     except ModelLoadError as e:
         fail(str(e))
+    from kvtui.engine.fused import choose_kernels_at_load
+
+    choose_kernels_at_load(loaded.model, lambda line: say("note", line))
+    return loaded
 
 
 def load_tokenizer(name: str):

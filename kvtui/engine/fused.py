@@ -91,6 +91,25 @@ def fused_for(model) -> "FusedLlama":
     return built
 
 
+def kernel_choice(model, announce=None) -> dict:
+    """The linear kernels for `model` (a Llama-family causal LM) on this machine: linear.choose_kernel on
+    its layer shapes, layer count and LM head, stored or measured now (`announce` hears about a
+    measurement). FusedLlama builds on this choice; calling it at load time makes the one-time
+    measurement visible where a status line can be printed."""
+    cfg = model.config
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return choose_kernel(embed.weight.dtype, layer_shapes(cfg), cfg.num_hidden_layers,
+                         (head.in_features, head.out_features), head.weight is embed.weight, announce)
+
+
+def choose_kernels_at_load(model, announce) -> None:
+    """Pick the linear kernel now for a model the fused forward runs on the CPU (others: nothing), so a
+    one-time measurement (about 12 s for SmolLM2) is announced (`announce`, one line) before a run or a
+    server starts instead of pausing its first step."""
+    if supports(model) and model.device.type == "cpu":
+        kernel_choice(model, announce)
+
+
 def layer_shapes(config) -> list[tuple[int, int]]:
     """(in, out) of a Llama layer's four fused linear layers: qkv, o, gate_up, down."""
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -121,8 +140,7 @@ class FusedLlama:
         cfg = model.config
         head = model.get_output_embeddings()
         tied = head.weight is self.embed.weight
-        self.kernel_choice = choose_kernel(self.embed.weight.dtype, layer_shapes(cfg), cfg.num_hidden_layers,
-                                           (head.in_features, head.out_features), tied)
+        self.kernel_choice = kernel_choice(model)
         self.kernel = self.kernel_choice["kernel"]
         self.layers = [_Layer(layer, i, self.kernel) for i, layer in enumerate(body.layers[: cfg.num_hidden_layers])]
         # tied: the embedding table is the head, re-laid in place (input-major: the embedding reads rows of

@@ -225,7 +225,7 @@ def _store_path():
 
 
 def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int = 1,
-                  head: tuple[int, int] | None = None, tied: bool = True) -> dict:
+                  head: tuple[int, int] | None = None, tied: bool = True, announce=None) -> dict:
     """The linear kernels for a model's layers (`num_layers` layers of `shapes`, (in, out) each) and LM
     head (`head`, (in, vocab), or None) in `dtype` on this machine.
 
@@ -238,6 +238,9 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     and shapes; else `measure` now and store it. The layers' kernel is the one with the smallest
     DECODE_ROWS-row time / DECODE_ROWS + PREFILL_ROWS-row time / PREFILL_ROWS (time per token, decode
     and prefill tokens weighed alike); the head's the fastest at DECODE_ROWS rows.
+
+    `announce`, a callable taking one line, hears about a measurement before it starts (it takes about
+    12 s for SmolLM2 on one thread, once per machine).
 
     Returns {"kernel", "head_kernel", "why": one line, "ms": {"layers": {kernel: {rows: ms}}, "head":
     {kernel: ms}} or {}}.
@@ -259,12 +262,14 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
                  f"{' tied' if tied else ''}")
     path = _store_path()
     with _locked(path):  # one process measures; the others wait and read its choice
-        choice = _stored_or_measured(path, store_key, dtype, shapes, num_layers, head, candidates, head_candidates)
+        choice = _stored_or_measured(path, store_key, dtype, shapes, num_layers, head, candidates, head_candidates,
+                                     announce)
     _CHOSEN[key] = choice
     return choice
 
 
-def _stored_or_measured(path, store_key: str, dtype, shapes, num_layers: int, head, candidates, head_candidates) -> dict:
+def _stored_or_measured(path, store_key: str, dtype, shapes, num_layers: int, head, candidates, head_candidates,
+                        announce=None) -> dict:
     """The choice stored under `store_key` in `path`, else a new measurement, stored (see choose_kernel)."""
     try:
         stored = json.loads(path.read_text())
@@ -273,6 +278,9 @@ def _stored_or_measured(path, store_key: str, dtype, shapes, num_layers: int, he
     old = stored.get(store_key)
     if isinstance(old, dict) and old.get("kernel") in candidates and old.get("head_kernel") in head_candidates:
         return {**old, "why": f"{old.get('why', '')} (stored in {path})"}
+    if announce is not None:
+        announce(f"timing the linear kernels on this CPU for {str(dtype).replace('torch.', '')} (once per machine; "
+                 f"the choice is stored in {path})")
     seconds = measure(dtype, shapes, num_layers, head, candidates, head_candidates)
     per_token = {k: t[DECODE_ROWS] / DECODE_ROWS + t[PREFILL_ROWS] / PREFILL_ROWS for k, t in seconds["layers"].items()}
     best = min(per_token, key=per_token.get)

@@ -334,4 +334,9 @@ def _warn(text: str) -> None:
 def _load_model(options: ServeOptions):
     from kvtui.models import load_model
 
-    return load_model(options.model, dtype=options.dtype, device=options.device, progress=options.progress)
+    loaded = load_model(options.model, dtype=options.dtype, device=options.device, progress=options.progress)
+    if options.progress:  # the one-time kernel measurement, announced before the server starts
+        from kvtui.engine.fused import choose_kernels_at_load
+
+        choose_kernels_at_load(loaded.model, lambda line: print(f"note: {line}", file=sys.stderr, flush=True))
+    return loaded
