@@ -237,10 +237,8 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     choice; the choice stored in kvtui's cache for this CPU model, flags, torch version, threads, dtype
     and shapes; else `measure` now and store it. The layers' kernel is the one with the smallest
     DECODE_ROWS-row time / DECODE_ROWS + PREFILL_ROWS-row time / PREFILL_ROWS (time per token, decode
-    and prefill tokens weighed alike); the head's the fastest at DECODE_ROWS rows.
-
-    `announce`, a callable taking one line, hears about a measurement before it starts (it takes about
-    12 s for SmolLM2 on one thread, once per machine).
+    and prefill tokens weighed alike); the head's the fastest at DECODE_ROWS rows. `announce` (one line)
+    hears about a measurement before it starts (about 12 s for SmolLM2 on one thread, once per machine).
 
     Returns {"kernel", "head_kernel", "why": one line, "ms": {"layers": {kernel: {rows: ms}}, "head":
     {kernel: ms}} or {}}.
