@@ -159,3 +159,57 @@ print(linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)["kernel"])
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert outs == ["linear", "linear"]  # the first kernel has the smallest prefill time in the fake
     assert (tmp_path / "measured").read_text() == "x\n"
+
+
+def test_a_prepacked_untied_head_leaves_no_second_copy_and_the_choice_can_be_asked_again(monkeypatch):
+    """tiny-llama's LM head is untied: prepacked, it becomes a PackedSlice and the old nn.Linear (with its
+    [V, hidden] weight) is freed, not kept by the engine's runner; asking for the kernel choice of the
+    re-laid model returns the one it was built with (its head has no .weight to inspect any more)."""
+    import gc
+    import weakref
+
+    from kvtui.config import EngineConfig
+    from kvtui.engine import Engine
+    from kvtui.engine.fused import kernel_choice
+    from kvtui.models import build_tiny
+
+    if not linear.prepack_available(torch.float32):
+        pytest.skip("oneDNN cannot prepack float32 in this torch build")
+    monkeypatch.setenv(linear.ENV, "prepacked")
+    model, _ = build_tiny("tiny-llama")
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight  # untied
+    old_head = weakref.ref(model.get_output_embeddings())
+    engine = Engine(model, EngineConfig(num_slots=1, max_len=32))
+    gc.collect()
+    assert old_head() is None
+    assert type(engine.runner.head).__name__ == "PackedSlice" and engine.runner.head is model.get_output_embeddings()
+    assert kernel_choice(model) is model._kvtui_fused.kernel_choice
+
+
+def test_off_the_cpu_the_kernel_is_f_linear_and_nothing_is_measured(fresh_store):
+    """A model on another device (the meta device stands in for CUDA here) takes F.linear without a
+    measurement: the candidates are CPU kernels (oneDNN's prepacking has no CUDA implementation)."""
+    from kvtui.engine.fused import kernel_choice
+    from kvtui.models import build_tiny
+
+    model, _ = build_tiny("tiny-llama")
+    choice = kernel_choice(model.to("meta"))
+    assert (choice["kernel"], choice["head_kernel"]) == ("linear", "linear") and "meta" in choice["why"]
+    assert not fresh_store.exists()
+
+
+def test_kvtui_serve_chooses_the_kernel_with_the_threads_its_engine_computes_with(fresh_store):
+    """serve loads the model on the main thread and steps it on an engine thread set to --threads: the
+    kernel is chosen at load with those threads (the stored key says so), and the loading thread's own
+    thread count is left as it was."""
+    import json
+
+    from kvtui.serve.options import ServeOptions
+    from kvtui.serve.server import _load_model
+
+    before = torch.get_num_threads()
+    threads = 1 if before != 1 else 2
+    _load_model(ServeOptions(model="tiny-llama", threads=threads, progress=False))
+    assert torch.get_num_threads() == before
+    keys = list(json.loads(fresh_store.read_text()))
+    assert len(keys) == 1 and f" threads {threads} | float32 |" in keys[0]

@@ -96,8 +96,14 @@ def kernel_choice(model, announce=None) -> dict:
     its layer shapes, layer count and LM head, stored or measured now (`announce` hears about a
     measurement). FusedLlama builds on this choice; calling it at load time makes the one-time
     measurement visible where a status line can be printed."""
+    built = getattr(model, "_kvtui_fused", None)
+    if built is not None:  # already re-laid (a prepacked head has no .weight left to look at)
+        return built.kernel_choice
     cfg = model.config
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed.weight.device.type != "cpu":  # the candidates and their timings are CPU kernels
+        return {"kernel": "linear", "head_kernel": "linear", "ms": {},
+                "why": f"the model is on {embed.weight.device.type}: F.linear (the measured kernels are the CPU's)"}
     return choose_kernel(embed.weight.dtype, layer_shapes(cfg), cfg.num_hidden_layers,
                          (head.in_features, head.out_features), head.weight is embed.weight, announce)
 

@@ -9,15 +9,16 @@ arithmetic; results may differ in the last bits, since each sums in its own orde
     (`torch.ops.mkldnn._reorder_linear_weight`), valid for any row count (vLLM's CPU path and
     inductor's freezing do the same).
 
-Which is fastest depends on the CPU, the dtype and the row count. Measured with one thread on
-SmolLM2's four layer shapes, ms for 30 layers: on a 2-core AMD EPYC (avx512_bf16, no AMX) at 16 rows
-in float32 74.4 (linear) / 72.0 (input-major) / 44.0 (prepacked); on a 2-core Intel Xeon (AVX-512 with
-avx512_bf16, no AMX) 57.3 / 39.6 / 40.2 at 16 rows but 403 / 466 / 483 at 256 rows; on an Intel Xeon
-with AMX input-major was 1.3-2.3x faster than linear at 8-64 rows (docs/performance.md). So nothing is
-assumed: `choose_kernel` times every candidate on the model's own shapes at load and keeps the one with
-the smallest time per token over a decode step (16 rows) and a prefill chunk (256 rows), and stores the
-choice per CPU model, flags, torch version, threads, dtype and shapes in kvtui's cache
-(`kernels.json`), so every later process on the machine picks the same kernel without measuring.
+Which is fastest depends on the CPU, the dtype and the row count. Measured with one thread over 30
+distinct layers of SmolLM2's shapes (weights cold, as a step meets them), float32, ms: on a 2-core AMD
+EPYC (avx512_bf16, no AMX) at 16 rows 74.4 (linear) / 72.0 (input-major) / 44.0 (prepacked); on a
+2-core Intel Xeon (AVX-512 with avx512_bf16, no AMX) 78 / 72 / 58 at 16 rows and 464 / 435 / 437 at
+256 rows; on an Intel Xeon with AMX input-major was 1.3-2.3x faster than linear at 8-64 rows
+(docs/performance.md). So nothing is assumed: `choose_kernel` times every candidate on the model's own
+shapes at load and keeps the one with the smallest time per token over a decode step (DECODE_ROWS)
+and a prefill chunk (PREFILL_ROWS), and stores the choice per CPU model, flags, torch version, threads,
+dtype and shapes in kvtui's cache (`kernels.json`), so every later process on the machine picks the
+same kernel without measuring. Off the CPU (a CUDA model) the kernel is `F.linear`, unmeasured.
 `KVTUI_LINEAR_KERNEL=linear|input_major|prepacked` forces one.
 """
 

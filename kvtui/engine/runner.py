@@ -82,7 +82,6 @@ class ModelRunner:
         model.set_attn_implementation(register_attention())
         self.cache = PooledCache(pool)
         self.body = model.base_model
-        self.head = model.get_output_embeddings()
         self.fused = None if enforce_eager or not fused_forward.supports(model) else fused_forward.fused_for(model)
         self.tiles = self.tile_figures = None
         if batch_invariant:
@@ -90,6 +89,12 @@ class ModelRunner:
             if problem:
                 raise ValueError(problem)
             self.tiles, self.tile_figures = self.fused.invariant_tiles()
+
+    @property
+    def head(self):
+        """The model's LM head module, looked up on each use: the fused forward may replace it (a
+        prepacked untied head), and a reference held here would keep the old weight alive."""
+        return self.model.get_output_embeddings()
 
     @property
     def forward_path(self) -> str:

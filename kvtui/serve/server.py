@@ -332,11 +332,20 @@ def _warn(text: str) -> None:
 
 
 def _load_model(options: ServeOptions):
+    import torch
+
+    from kvtui.engine.fused import choose_kernels_at_load
     from kvtui.models import load_model
 
     loaded = load_model(options.model, dtype=options.dtype, device=options.device, progress=options.progress)
-    if options.progress:  # the one-time kernel measurement, announced before the server starts
-        from kvtui.engine.fused import choose_kernels_at_load
-
-        choose_kernels_at_load(loaded.model, lambda line: print(f"note: {line}", file=sys.stderr, flush=True))
+    # the kernel choice now, announced before the server starts, and made with the threads the engine
+    # thread will compute with (torch's thread count is per thread; the choice is kept per process)
+    announce = (lambda line: print(f"note: {line}", file=sys.stderr, flush=True)) if options.progress else None
+    previous = torch.get_num_threads()
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    try:
+        choose_kernels_at_load(loaded.model, announce)
+    finally:
+        torch.set_num_threads(previous)
     return loaded
