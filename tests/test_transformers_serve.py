@@ -143,9 +143,12 @@ def test_two_overlapping_requests_with_one_x_request_id_kill_the_server(server, 
     _, events, summary, _ = read_recording(record)
     found = {e.victim: e for e in events if isinstance(e, Contamination) and e.counts}
     assert {"r000", "r001"}.isdisjoint(found)  # answered before the first duplicate pair
-    # the first pair, r004 and r005, sharing one id: each is a finding naming the other
-    assert (found["r004"].source, found["r005"].source) == ("r005", "r004")
-    assert {found["r004"].kind, found["r005"].kind} <= {"hung", "lost"}
+    # the first pair, r004 and r005, sharing one id: a finding naming the other, for each of them on a quiet
+    # machine; with the other test worker busy, one of the pair was once not a finding (which one got its
+    # answer in before the collision is the server's race), so at least one is required
+    pair = {v: found[v] for v in ("r004", "r005") if v in found}
+    assert pair, "neither request of the first duplicate pair is a finding"
+    assert all((e.source, e.kind in ("hung", "lost")) == (({"r004", "r005"} - {v}).pop(), True) for v, e in pair.items())
     # the batching worker died: the probes with fresh ids and /health after the load get 503, blamed on the
     # pairs that broke it (the first pair among them)
     cause = found["probe0"].source
