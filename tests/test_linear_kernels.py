@@ -213,3 +213,19 @@ def test_kvtui_serve_chooses_the_kernel_with_the_threads_its_engine_computes_wit
     assert torch.get_num_threads() == before
     keys = list(json.loads(fresh_store.read_text()))
     assert len(keys) == 1 and f" threads {threads} | float32 |" in keys[0]
+
+
+def test_a_wrong_forced_kernel_is_one_line_and_exit_2_when_a_run_loads_its_model(monkeypatch, capsys):
+    """kvtui run's model load (cli.inputs.load_model) turns a bad KVTUI_LINEAR_KERNEL into one error line
+    and exit 2, not a traceback."""
+    import typer
+
+    from kvtui.cli.inputs import load_model
+
+    monkeypatch.setenv(linear.ENV, "bogus")
+    monkeypatch.setattr(linear, "_CHOSEN", {})
+    with pytest.raises(typer.Exit) as exit_info:
+        load_model("tiny-llama", "float32", "cpu")
+    assert exit_info.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert "KVTUI_LINEAR_KERNEL='bogus': choose one of linear, input_major" in err and "Traceback" not in err

@@ -41,7 +41,10 @@ def load_model(name: str, dtype: str, device: str):
         fail(str(e))
     from kvtui.engine.fused import choose_kernels_at_load
 
-    choose_kernels_at_load(loaded.model, lambda line: say("note", line))
+    try:
+        choose_kernels_at_load(loaded.model, lambda line: say("note", line))
+    except ValueError as e:  # a bad KVTUI_LINEAR_KERNEL
+        fail(str(e))
     return loaded
 
 
