@@ -34,6 +34,8 @@ dashboard and the docs all read this table.
 | mm_hash_missing | image models, paged prefix cache: block keys of image positions leave out the image's hash |
 | mm_uuid_trusted | image models: the image encoder cache is keyed by the client's uuid for the image, not its content |
 | stale_image_embedding | image models: one embedding buffer, filled by the last image encoded, read by every later image |
+| lora_unkeyed_prefix | paged prefix cache: block keys leave out the request's LoRA adapter |
+| lora_reload_stale | paged prefix cache: block keys name the LoRA adapter but not its version |
 | request_id_keyed | `kvtui serve` only (serve/bridge.py): answers routed to clients by the client's x-request-id |
 
 Every fault but the last acts in the engine (`scope: engine`); request_id_keyed acts in `kvtui serve`'s
@@ -81,6 +83,9 @@ class FaultName(StrEnum):
     MM_HASH_MISSING = "mm_hash_missing"
     MM_UUID_TRUSTED = "mm_uuid_trusted"
     STALE_IMAGE_EMBEDDING = "stale_image_embedding"
+    # -- LoRA adapters (engine/lora.py) --
+    LORA_UNKEYED_PREFIX = "lora_unkeyed_prefix"
+    LORA_RELOAD_STALE = "lora_reload_stale"
     # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
     REQUEST_ID_KEYED = "request_id_keyed"
 
@@ -269,6 +274,21 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "requests whose picture was encoded earlier, or cached, answer about the last encoded picture",
           ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
           models=(IMAGE_TEXT,)),
+    # -- LoRA adapters (engine/lora.py): the prefix-cache key and the adapter a request runs under --
+    Fault("lora_unkeyed_prefix", "the prefix-cache key leaves out the request's LoRA adapter: requests under "
+          "different adapters (or none) share cached blocks",
+          "engine/lora.py prefix_salt (via engine/paged.py): the first block's extra key holds no adapter",
+          "a request under adapter B is served K/V computed under adapter A or the base model: its answer "
+          "drifts toward what the other adapter would say",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+    Fault("lora_reload_stale", "the prefix-cache key names the LoRA adapter but not its version: after a reload "
+          "requests reuse blocks the old weights computed (vLLM #42125, fixed by #48352)",
+          "engine/lora.py prefix_salt (via engine/paged.py): the first block's extra key is the adapter's name only",
+          "after an adapter is reloaded with new weights, requests with a cached prefix answer partly with the "
+          "old weights' K/V",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
     # -- kvtui serve's HTTP layer: the engine's answers are right, they reach the wrong client --
     Fault("request_id_keyed", "kvtui serve keys its map of waiting clients by the client's x-request-id: a second "
           "request with the same id takes the first's entry",

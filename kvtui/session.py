@@ -174,7 +174,7 @@ class Session(RunBase):
         self.detectors = self._check_detectors(detectors)
         self.config = self._engine_config(engine_overrides, faults)
         self.cost_model = self._cost_model(cost_model)
-        self.engine = self._make_engine()
+        self.engine, self.adapters = self._make_engine(), self._adapters(scenario)  # adapters: engine/lora.py
         self.serving = serving
         self.pending = self._planned(planned)
         self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
@@ -223,6 +223,33 @@ class Session(RunBase):
         engine.measure_flow = "attention_flow" in self.detectors
         engine.output.record_draws = "reference" in self.detectors
         return engine
+
+    def _adapters(self, scenario):
+        """The LoRA adapters requests may name (engine/lora.py AdapterRegistry), the scenario's loaded."""
+        from kvtui.engine.lora import AdapterRegistry
+
+        registry = AdapterRegistry(self.loaded.model, self.loaded.model_id)
+        for name in scenario.lora.loaded if getattr(scenario, "lora", None) is not None else ():
+            registry.load(name)
+        return registry
+
+    def reload_adapter(self, name: str):
+        """Load built-in adapter `name` again with its next version's weights (scenario/lora.py
+        reload_seed); requests submitted from now on run under them. Returns the new LoraAdapter."""
+        from kvtui.scenario.lora import reload_seed
+
+        old = self.adapters.get(name)
+        return self.adapters.load(name, seed=reload_seed(name, 1 if old is None else old.version + 1))
+
+    def _with_adapter(self, p, request_input):
+        """`request_input` under planned request `p`'s LoRA adapter (the version loaded now).
+        Raises ValueError for an adapter no one loaded (the request alone then finishes with an error)."""
+        if p.adapter is None:
+            return request_input
+        adapter = self.adapters.get(p.adapter)
+        if adapter is None:
+            raise ValueError(f"LoRA adapter {p.adapter!r} is not loaded")
+        return replace(request_input, lora=adapter)
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
         overrides = dict(engine_overrides or {})
@@ -379,7 +406,8 @@ class Session(RunBase):
         id, a value no check caught) finishes alone with `error`, so its client gets an answer and
         every other request goes on."""
         try:
-            state = self.engine.submit(p.request_id, self._input_of(p), p.sampling, arrival_s=p.arrival_s,
+            state = self.engine.submit(p.request_id, self._with_adapter(p, self._input_of(p)), p.sampling,
+                                       arrival_s=p.arrival_s,
                                        metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
         except Exception as e:
             self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
@@ -409,6 +437,8 @@ class Session(RunBase):
                 self.engine.reconfigure(**item.engine_overrides())
             if item.fault_switch and self.fault_switches:
                 self.set_fault(*item.fault_switch, source="timeline")
+            if item.lora_reload:
+                self.reload_adapter(item.lora_reload)
             rate = item.arrival_changes().get("rate_per_s")
             current = getattr(self.scenario.arrivals, "rate_per_s", None)
             if rate and current:

@@ -67,6 +67,21 @@ engine: {{kv: paged, block_size: 16, max_len: 256, max_batch_size: 2, prefix_cac
           faults: [{faults}]}}
 arrivals: {{process: constant, rate_per_s: 1.0}}
 prompts: {{kind: passphrase, embeds: mask_pairs}}""",
+    # one shared system prompt under LoRA adapters a, b and none in turn; then under one adapter reloaded
+    # with new weights mid-run (the later requests' cached prefix was computed under the old version)
+    "lora_unkeyed_prefix": """seed: 0
+max_requests: 8
+engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+lora: {{adapters: [lora-a, lora-b, none]}}
+arrivals: {{process: constant, rate_per_s: 10.0}}
+prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
+    "lora_reload_stale": """seed: 0
+max_requests: 8
+engine: {{kv: paged, block_size: 16, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+lora: {{adapters: [lora-a]}}
+timeline: [{{at_s: 0.35, set: {{lora.reload: lora-a}}}}]
+arrivals: {{process: constant, rate_per_s: 10.0}}
+prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
 }
 
 

@@ -24,6 +24,7 @@ from kvtui.engine.image_side import ImageInputs
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.kv_pool import KVPool, PagedKVPool
+from kvtui.engine.lora import LoraBatch, lora_problem
 from kvtui.engine.observe import PAD_WRITTEN, attention_flow, key_writers, nonfinite_reads, slot_taint
 from kvtui.engine.output import OutputProcessor, gaps_and_finite
 from kvtui.engine.paged import PagedCache
@@ -257,6 +258,9 @@ class Engine:
     def _input_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the request's input does not fit the model (see Engine.submit)."""
         problem = self.encoder.problem(request.input)
+        if not problem and request.input.lora is not None:  # adapters run on the fused forward only
+            problem = lora_problem(self.model, enforce_eager=self.runner.fused is None,
+                                   batch_invariant=self.runner.tiles is not None)
         return (FinishCode.EMPTY, problem) if problem else None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
@@ -451,7 +455,8 @@ class Engine:
         if self.detect_taint:  # a chunk that read another input's encoder output (cross K/V, spliced rows)
             taint = _merge_taint(taint, plan.taint)
         logits, state = self.runner.forward(batch, measure_flow=self.measure_flow, fp16=FaultName.FP16_CACHE in faults,
-                                            own_range=not faults & MASK_FAULTS)
+                                            own_range=not faults & MASK_FAULTS,
+                                            lora=LoraBatch.of(batch, plan.chunks, self.runner.device))
         flow = ()
         if self.measure_flow and state.attn_sum is not None:
             flow = tuple(attention_flow(batch, state.attn_sum, state.flow_terms, writers, own, self._names, ids,

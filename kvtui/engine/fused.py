@@ -24,6 +24,8 @@ Answers equal transformers' own solo `generate` on a separate instance token for
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -227,24 +229,27 @@ class FusedLlama:
         return tiles.map(finish, hidden, out.reshape(rows * q_len, -1))
 
     def __call__(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache, state,
-                 attention_mask: torch.Tensor | None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None, lora=None) -> torch.Tensor:
         """The body's forward: inputs_embeds [R, Q, hidden] (ModelRunner.input_embeds, which this forward
         may overwrite) and position_ids [R, Q] int64; `cache` the runner's PooledCache bound to `state`;
-        attention_mask the [R, 1, Q, K] additive mask where the step's attention path reads one, else None.
+        attention_mask the [R, 1, Q, K] additive mask where the step's attention path reads one, else None;
+        `lora` the step's per-row LoRA adapters (engine/lora.py LoraBatch) or None.
         Returns the final hidden states [R, Q, hidden] (after the last norm)."""
         hidden = inputs_embeds
         cos, sin = self.rotary(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [R, Q, 1, D]: q and k heads rotate together
+        linear = _linear if lora is None else partial(_lora_linear, lora)
         for layer in self.layers:
-            hidden = self._layer(layer, hidden, cos, sin, cache, state, attention_mask)
+            hidden = self._layer(layer, hidden, cos, sin, cache, state, attention_mask, linear)
         return _rms_norm(hidden, self.final_norm, self.final_eps)
 
     @staticmethod
-    def _layer(layer: _Layer, hidden, cos, sin, cache, state, attention_mask) -> torch.Tensor:
-        """One decoder layer on hidden [R, Q, hidden] (updated in place: the residual adds)."""
+    def _layer(layer: _Layer, hidden, cos, sin, cache, state, attention_mask, linear) -> torch.Tensor:
+        """One decoder layer on hidden [R, Q, hidden] (updated in place: the residual adds); `linear`
+        runs a fused linear layer (the base multiply, plus each row's LoRA delta)."""
         rows, q_len = hidden.shape[:2]
         d = layer.head_dim
-        qkv = layer.qkv(_rms_norm(hidden, layer.norm1, layer.eps1))  # [R, Q, (Hq + 2 Hkv) D]
+        qkv = linear(layer, "qkv", _rms_norm(hidden, layer.norm1, layer.eps1))  # [R, Q, (Hq + 2 Hkv) D]
         split = layer.q_size + layer.kv_size
         qk = _rotate(qkv[..., :split].view(rows, q_len, -1, d), cos, sin)  # [R, Q, Hq + Hkv, D]
         heads = layer.q_size // d
@@ -254,9 +259,19 @@ class FusedLlama:
         kwargs: dict = {}
         k, v = cache.layers[layer.index].update(k, v, kwargs=kwargs)
         out, _ = kvtui_attention(layer.attn, q, k, v, attention_mask, scaling=layer.attn.scaling, **kwargs)
-        hidden.add_(layer.o(out.reshape(rows, q_len, -1)))
-        gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
-        return hidden.add_(layer.down(F.silu(gate).mul_(up)))
+        hidden.add_(linear(layer, "o", out.reshape(rows, q_len, -1)))
+        gate, up = linear(layer, "gate_up", _rms_norm(hidden, layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
+        return hidden.add_(linear(layer, "down", F.silu(gate).mul_(up)))
+
+
+def _linear(layer: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The layer's fused linear layer `name` (qkv, o, gate_up, down) on x [..., in]."""
+    return getattr(layer, name)(x)
+
+
+def _lora_linear(lora, layer: _Layer, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The fused linear layer `name` on x [..., in] plus each row's LoRA delta (engine/lora.py)."""
+    return lora.apply(layer.index, name, x, getattr(layer, name)(x))
 
 
 def _attribute_of(parent: torch.nn.Module, child: torch.nn.Module) -> str:

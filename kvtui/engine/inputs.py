@@ -123,6 +123,8 @@ class RequestInput:
         embeds: supplied embedding rows (PromptEmbeds over the whole prompt) or None.
         audio: an encoder-decoder's audio (Whisper: encoder_cache.AudioInput) or None.
         images: the prompt's images, at disjoint placeholder spans.
+        lora: the LoRA adapter the request runs under (engine/lora.py LoraAdapter) or None: not what it
+            feeds the model but what the model computes with, carried here so a replay runs it alike.
 
     Raises:
         ValueError: embeds whose length differs from the prompt's, or an image span outside the prompt or
@@ -133,6 +135,7 @@ class RequestInput:
     embeds: PromptEmbeds | None = None
     audio: AudioInput | None = None
     images: tuple[ImagePart, ...] = ()
+    lora: object = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -196,10 +199,11 @@ class RequestInput:
     def identity(self) -> tuple:
         """A hashable summary of everything the input feeds the model: equal identities run equally (the
         reference detector's cache key). Ids, the supplied rows' digests by position, image hashes by
-        position, the audio's hash."""
+        position, the audio's hash, the LoRA adapter's (name, version, digest)."""
         embeds = tuple(sorted(self.embeds.digests.items())) if self.embeds is not None else None
         images = tuple((i.start, i.tokens, i.content_hash) for i in self.images)
-        return self.prompt_ids, embeds, images, self.audio.content_hash if self.audio is not None else None
+        lora = self.lora.identity if self.lora is not None else None
+        return self.prompt_ids, embeds, images, self.audio.content_hash if self.audio is not None else None, lora
 
     @property
     def content_key(self) -> str | None:

@@ -20,6 +20,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
+from kvtui.engine.lora import prefix_salt, true_items
 from kvtui.engine.observe import expected_writers
 from kvtui.engine.report import PrefixHitEntry, ReusedBlockEntry
 from kvtui.engine.request import RequestState
@@ -77,9 +78,9 @@ class PagedCache:
         if num_running >= self.max_running:
             return False
         n = request.prefill_len
-        admission = self.manager.admit(request.request_id, request.cache_keys(n, self.faults), salt=request.cache_salt,
+        admission = self.manager.admit(request.request_id, request.cache_keys(n, self.faults), salt=self._salt(request),
                                        tenant=request.tenant, count_query=request.num_preemptions == 0,
-                                       truth_ids=request.cache_keys(n))
+                                       truth_ids=self._truth(request, n))
         if admission is None:
             return False
         request.cache_len = request.prefill_done = admission.hit_tokens
@@ -98,6 +99,15 @@ class PagedCache:
             out += tags
         return out
 
+    def _salt(self, request: RequestState) -> str | None:
+        """The first block's extra key: the tenant's cache_salt and the request's LoRA adapter (engine/lora.py)."""
+        return prefix_salt(request.cache_salt, request.input.lora, self.faults)
+
+    @staticmethod
+    def _truth(request: RequestState, n: int) -> list:
+        """Content key items of positions 0 .. n - 1: what fills them, and the LoRA weights they run under."""
+        return true_items(request.cache_keys(n), request.input.lora)
+
     def _note_hit(self, request: RequestState, admission: Admission) -> None:
         blocks = tuple(ReusedBlockEntry(index=r.index, block=r.block_id, tokens=r.tokens, writer=r.origin.writer,
                                         writer_tenant=r.origin.tenant, writer_salt=r.origin.salt,
@@ -105,7 +115,7 @@ class PagedCache:
                        for r in admission.reused)
         self.cross_tenant_hits += sum(r.tokens for r in admission.reused if r.origin.tenant != request.tenant)
         self._hits.append(PrefixHitEntry(request_id=request.request_id, tenant=request.tenant,
-                                         salt=salt_digest(request.cache_salt), hit_tokens=admission.hit_tokens,
+                                         salt=salt_digest(self._salt(request)), hit_tokens=admission.hit_tokens,
                                          query_tokens=request.prefill_len, blocks=blocks))
 
     # -- planning -----------------------------------------------------------------------------------
@@ -140,7 +150,7 @@ class PagedCache:
         """Cache the request's blocks that its written tokens now fill (prefix caching)."""
         n = len(request.all_ids)
         self.manager.commit(request.request_id, request.cache_keys(n, self.faults), request.cache_len,
-                            prompt_len=request.prompt_len, truth_ids=request.cache_keys(n))
+                            prompt_len=request.prompt_len, truth_ids=self._truth(request, n))
 
     def finish(self, request: RequestState) -> None:
         """A finished request's blocks go back (cached ones stay cached until evicted)."""

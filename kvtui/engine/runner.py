@@ -108,9 +108,10 @@ class ModelRunner:
                  if isinstance(getattr(batch, f.name), torch.Tensor)}
         return replace(batch, **moved)
 
-    def _run_body(self, batch: BatchTensors, state: StepState, *, bind: bool = True) -> torch.Tensor:
+    def _run_body(self, batch: BatchTensors, state: StepState, *, bind: bool = True, lora=None) -> torch.Tensor:
         """Forward the model body on `batch` with the cache bound to `state` (bind=False: to whatever is
-        bound already, the racy_threads fault); returns [S, V] float32 logits."""
+        bound already, the racy_threads fault) and each row's LoRA adapter (`lora`, fused forward only);
+        returns [S, V] float32 logits."""
         masked = FP16_MASK_CONSTANT if state.fp16 else None
         if bind:
             self.cache.state = state
@@ -120,7 +121,7 @@ class ModelRunner:
             return self.fused.invariant_logits(hidden[batch.sample_row, batch.sample_col], self.tiles).float().cpu()
         if self.fused is not None:
             mask = None if state.own_range else batch.additive_mask(self.dtype, masked).to(self.device)
-            hidden = self.fused(embeds, batch.position_ids, self.cache, state, mask)
+            hidden = self.fused(embeds, batch.position_ids, self.cache, state, mask, lora)
         else:
             hidden = self.body(
                 inputs_embeds=embeds,
@@ -150,10 +151,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: BatchTensors, *, measure_flow: bool = False, fp16: bool = False,
-                own_range: bool = True) -> tuple[torch.Tensor, StepState]:
+                own_range: bool = True, lora=None) -> tuple[torch.Tensor, StepState]:
         """One forward over the step's batch.
 
         Args:
+            lora: the rows' LoRA adapters (engine/lora.py LoraBatch) or None; the fused forward only
+                (Engine.submit rejects an adapter where lora.lora_problem says so).
             measure_flow: accumulate attention probabilities for the attention_flow detector.
             fp16: the fp16_cache fault (see kvtui/faults.py).
             own_range: the own-range attention path; False: the mask path (see attention.py).
@@ -165,7 +168,7 @@ class ModelRunner:
         state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16,
                           invariant=self.tiles is not None)
         try:
-            logits = self._run_body(batch, state)
+            logits = self._run_body(batch, state, **({} if lora is None else {"lora": lora}))
             state.settle_flow()
         finally:
             self.cache.state = None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, IMAGE_TEXT, acts_on
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
+from kvtui.scenario.lora import LoraPlan
 from kvtui.scenario.prompts import (
     AUDIO_KINDS,
     IMAGE_KINDS,
@@ -75,6 +76,8 @@ class PlannedRequest:
             None: the client sends none (the server picks its own).
         min_tokens_asked: the min_tokens its sampling section or mix entry asks; sampling.min_tokens is that
             capped at its output length (kvtui.scenario.fit.min_tokens_lines says when a cap happened).
+        adapter: the LoRA adapter it runs under (scenario/lora.py; a name the session or server loaded), or
+            None: the base model.
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class PlannedRequest:
     embeds_rows_of: list[int] | None = None
     client_id: ClientId | None = None
     min_tokens_asked: int = 0
+    adapter: str | None = None
 
     @property
     def image_label(self) -> str | None:
@@ -371,6 +375,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
     seed = scenario.seed
     maker = PromptMaker(scenario, tokenizer)
     tenants = TenantPlan(scenario.tenants, seed, derive_seed)
+    adapters = LoraPlan(scenario.lora, seed, derive_seed)
     out_rng = random.Random(derive_seed(seed, "output_tokens"))
     s = scenario.sampling
     n_rng = random.Random(derive_seed(seed, "parallel_sampling"))  # its own stream: n leaves the rest of the plan alone
@@ -404,7 +409,7 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
             cancel_after=arrival.cancel_after,
             audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
             embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None), client_id=client_id,
-            min_tokens_asked=asked_min_tokens(s, entry),
+            min_tokens_asked=asked_min_tokens(s, entry), adapter=adapters.name(i),
         )
         for i, ((arrival, ids, meta, n_out, tenant, extra), entry, client_id)
         in enumerate(zip(planned, entries, client_ids))

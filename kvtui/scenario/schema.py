@@ -13,6 +13,7 @@ Fields (defaults in brackets; seconds and tokens as named):
       kv [slots|paged], block_size [16], num_blocks [null], prefix_caching [false], watermark [0.01],
       batch_invariant [null: on for bfloat16/float16 with the reference detector]
   tenants: count [1], assign [random|round_robin], cache_salt [per_tenant|none]
+  lora [null]: adapters [[lora-a|lora-b|lora-c|none]], assign [round_robin|random] (lora.py)
   request_ids [null]: clients' own request ids, a --target audit (request_ids.py)
   arrivals [{process: poisson, rate_per_s: 1.0}]: see arrivals.py
   prompts [{kind: passphrase}]: see prompts.py
@@ -49,6 +50,7 @@ from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, P
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, printable
 from kvtui.scenario.lengths import Fixed, LengthDist
+from kvtui.scenario.lora import LoraSection
 from kvtui.scenario.prompts import PassphrasePrompts, PromptSpec
 from kvtui.scenario.request_ids import RequestIds
 from kvtui.scenario.sampling import Mix, PenaltyFields, check_mix
@@ -310,6 +312,7 @@ class Scenario(Strict):
         "float32", description="weights, KV cache and activations")
     engine: EngineSection = Field(EngineSection(), description="see engine")
     tenants: Tenants = Field(Tenants(), description="see tenants")
+    lora: LoraSection | None = Field(None, description="LoRA adapters the requests run under (see lora); null: none")
     request_ids: RequestIds | None = Field(
         None, description="clients choose their own request ids, duplicates among them (see request_ids); a "
                           "`kvtui run --target` audit, ignored by a local run; null: kvtui sends none")
@@ -340,7 +343,22 @@ class Scenario(Strict):
         self._check_stop()
         self._check_timeline()
         self._check_forks()
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        """A `lora.reload` event must name an adapter the `lora` section loads."""
+        loaded = self.lora.loaded if self.lora is not None else ()
+        cfg = read_config(self.model, self._base_dir) if loaded else None
+        if cfg is not None and cfg.get("model_type") != "llama":
+            raise Problem(f"LoRA adapters run on Llama-family models, not {self.model} ({cfg.get('model_type')})",
+                          "drop the `lora` section or choose such a model (default, tiny-llama)", ("lora",))
+        for i, event in enumerate(self.timeline):
+            name = (event.set or {}).get("lora.reload")
+            if name is not None and name not in loaded:
+                raise Problem(f"lora.reload names {name!r}, which the `lora` section does not load",
+                              f"add it to lora.adapters (loaded: {', '.join(loaded) or 'none'})",
+                              ("timeline", i, "set", "lora.reload"))
 
     def _check_forks(self) -> None:
         """cow_missing acts on forked sequences only: a scenario without parallel sampling never fires it."""

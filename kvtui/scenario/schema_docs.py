@@ -31,6 +31,7 @@ from kvtui.scenario.arrivals import (
     Trace,
 )
 from kvtui.scenario.lengths import Choice, Fixed, LogNormal, Normal, Uniform, Zipf
+from kvtui.scenario.lora import LoraSection
 from kvtui.scenario.prompts import (
     AudioPrompts,
     FilePrompts,
@@ -119,6 +120,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
                  "requests before finish).", [Constant, Poisson, Gamma, Burst, Trace, Scripted, Rounds,
                                               Stage, ScriptedRequest, RoundSpec]),
     ("tenants", "", [Tenants]),
+    ("lora", "", [LoraSection]),
     ("request_ids", "", [RequestIds, UniqueIds, DuplicateIds, NearDuplicateIds]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
                                                               SystemPromptPrompts, MultiTurnPrompts,
@@ -137,7 +139,7 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             StructuredSection: "sampling.structured",
             MixEntry: "sampling.mix entry",
-            Tenants: "tenants", RequestIds: "request_ids",
+            Tenants: "tenants", LoraSection: "lora", RequestIds: "request_ids",
             SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage",
             ScriptedRequest: "scripted request", RoundSpec: "round"}
 UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions", "ids": "request_ids"}
@@ -271,6 +273,8 @@ def knob_table() -> list[str]:
             what = "the isolation fault to switch (docs/faults.md)"
         elif knob == "on":
             what = "with `fault`: on (default true) or off"
+        elif knob == "lora.reload":
+            what = "loads that LoRA adapter (named in `lora.adapters`) again with new weights: version + 1"
         else:
             what = f"engine `{engine_field}` from the next step"
         rows.append("| " + " | ".join(cell(t) for t in (

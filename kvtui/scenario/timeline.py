@@ -19,6 +19,7 @@ from kvtui.config import KNOB_BOUNDS, Layout, PaddingSide, SlotReuse, TooLong
 from kvtui.names import did_you_mean
 from kvtui.scenario.base import FAULT_NAMES, MAX_RATE, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, describe, short
+from kvtui.scenario.lora import AdapterName
 
 _strict = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -48,6 +49,7 @@ RUNTIME_KNOBS: dict[str, tuple[str | None, TypeAdapter]] = {
     "engine.on_too_long": ("on_too_long", _adapter(TooLong)),
     "engine.max_waiting": ("max_waiting", _adapter(bounded("max_waiting") | None)),
     "fault": (None, _adapter(Literal[FAULT_NAMES])),
+    "lora.reload": (None, _adapter(AdapterName)),  # a LoRA adapter loaded again with new weights (scenario/lora.py)
     "on": (None, _adapter(bool)),
 }
 
@@ -111,6 +113,11 @@ class TimelineEvent(Strict):
     def arrival_changes(self) -> dict[str, float]:
         """{'rate_per_s': ..., 'burstiness': ...} for the ones this event sets."""
         return {k.removeprefix("arrivals."): v for k, v in self.set.items() if k.startswith("arrivals.")}
+
+    @property
+    def lora_reload(self) -> str | None:
+        """The LoRA adapter this event reloads with new weights (scenario/lora.py), or None."""
+        return self.set.get("lora.reload")
 
     @property
     def fault_switch(self) -> tuple[str, bool] | None:

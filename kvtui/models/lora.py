@@ -1,0 +1,77 @@
+"""Local LoRA adapters for kvtui's models, made here with fixed seeds: no network, no hub.
+
+`local_adapter(model_id, config, name, seed)` builds a peft LoraConfig (rank 8 on q/k/v/o/gate/up/down,
+`init_lora_weights=False`, so both A and B are drawn from the seeded generator and the adapter really
+changes the answers), wraps a randomly initialized skeleton of the model (only the shapes matter: the
+adapter's weights do not depend on the base weights), and saves it with peft's `save_pretrained` in
+kvtui's cache (`cache_dir()/lora/<model>--<name>--seed<seed>`), once per model, name and seed.
+
+The built-in names (`BUILTIN_ADAPTERS`) are what a scenario's `adapter:` and `kvtui serve --lora-modules`
+accept without a path: each is a seed, so `lora-a` on SmolLM2 is the same adapter on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+BUILTIN_ADAPTERS: dict[str, int] = {"lora-a": 1, "lora-b": 2, "lora-c": 3}
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, ALPHA = 8, 4  # scaling 0.5: the answers change, the model still speaks
+
+
+def adapter_dir(model_id: str, name: str, seed: int) -> Path:
+    """Where the local adapter `name` with `seed` for `model_id` is kept (kvtui's cache)."""
+    from kvtui.models.default import cache_dir
+
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{model_id}--{name}--seed{seed}")
+    return cache_dir() / "lora" / safe
+
+
+def local_adapter(model_id: str, config, name: str, seed: int) -> Path:
+    """The folder of local adapter `name` made with `seed` for a model of `config` (a transformers
+    Llama-family config; `model_id` names the model in the folder name), made now if missing.
+
+    Raises:
+        ValueError: `config` is not a Llama-family causal LM config.
+    """
+    path = adapter_dir(model_id, name, seed)
+    if (path / "adapter_model.safetensors").is_file() and (path / "adapter_config.json").is_file():
+        return path
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"local LoRA adapters are made for Llama-family models, not {config.model_type!r}")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGET_MODULES), lora_dropout=0.0,
+                      bias="none", init_lora_weights=False, task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(skeleton, lora)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    peft_model.save_pretrained(str(tmp))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.replace(path)
+    except OSError:  # another process made it meanwhile
+        pass
+    return path
+
+
+def resolve_adapter(model_id: str, config, name: str, path: str | None = None, seed: int | None = None) -> Path:
+    """The folder of adapter `name`: `path` when given (a peft LoRA folder), else a local adapter made
+    with `seed`, or the built-in name's seed.
+
+    Raises:
+        ValueError: no path, no seed and not a built-in name (the message lists the built-in names).
+    """
+    if path is not None:
+        return Path(path)
+    if seed is None:
+        if name not in BUILTIN_ADAPTERS:
+            raise ValueError(f"unknown LoRA adapter {name!r}: give its folder (name=path) or use a built-in one: "
+                             f"{', '.join(BUILTIN_ADAPTERS)}")
+        seed = BUILTIN_ADAPTERS[name]
+    return local_adapter(model_id, config, name, seed)

@@ -1,0 +1,226 @@
+"""LoRA adapters: batched rows under different adapters (and none) against peft's own merged model on a
+separate instance, the adapter in the prefix-cache key, the two LoRA faults, the scenario fields and
+`kvtui serve`'s adapter selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtui.config import EngineConfig
+from kvtui.engine import Engine, SamplingParams
+from kvtui.engine.inputs import RequestInput
+from kvtui.engine.lora import AdapterRegistry
+from kvtui.models.lora import adapter_dir, local_adapter
+from kvtui.scenario import ScenarioError, parse_scenario, plan_requests
+from kvtui.session import Session
+
+NEW = 8
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13] * 3, [20, 21, 22, 23] * 5, [30, 31, 32, 33, 34] * 4,
+           [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3, [40, 41, 42] * 3]
+ADAPTERS = ["lora-a", "lora-b", None, "lora-b", "lora-a"]
+_oracle_cache: dict = {}
+
+
+def _oracle(name: str, path, prompt: list[int], new: int = NEW) -> list[int]:
+    """Greedy tokens from peft's merged model (PeftModel.from_pretrained(...).merge_and_unload()) on a
+    SEPARATE base instance, through transformers' own generate; path None: the base model."""
+    from peft import PeftModel
+
+    key = (name, str(path))
+    if key not in _oracle_cache:
+        if name == "default":
+            from kvtui.models import load_model
+
+            base = load_model("default", progress=False).model
+        else:
+            from kvtui.models import build_tiny
+
+            base, _ = build_tiny(name)
+        base.set_attn_implementation("eager")
+        model = base if path is None else PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+        _oracle_cache[key] = model.eval()
+    out = _oracle_cache[key].generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny):
+    return tiny["tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def registry(llama):
+    reg = AdapterRegistry(llama.model, llama.model_id)
+    reg.load("lora-a")
+    reg.load("lora-b")
+    return reg
+
+
+def _run(llama, registry, prompts, names, config: EngineConfig, arrivals=None):
+    """Submit prompt i (under adapter names[i]) at step arrivals[i]; run to the end. Returns the states."""
+    engine = Engine(llama.model, config, eos_token_ids=())
+    arrivals = arrivals or [0] * len(prompts)
+    states, step = {}, 0
+    while len(states) < len(prompts) or engine.has_unfinished():
+        for i, (prompt, name) in enumerate(zip(prompts, names)):
+            if arrivals[i] == step:
+                lora = registry.get(name) if name else None
+                states[i] = engine.submit(f"r{i}", RequestInput(tuple(prompt), lora=lora),
+                                          SamplingParams(max_new_tokens=NEW))
+        engine.step()
+        step += 1
+    return [states[i] for i in range(len(prompts))]
+
+
+def _path(registry, name):
+    return None if name is None else registry.get(name).path
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_mixed_adapter_rows_equal_peft_merged_generate(llama, registry, layout):
+    config = EngineConfig(num_slots=4, max_len=96, max_batch_size=4, layout=layout, max_tokens_per_step=40)
+    states = _run(llama, registry, PROMPTS, ADAPTERS, config, arrivals=[0, 0, 1, 2, 3])
+    for i, state in enumerate(states):
+        assert state.finish_detail == ""
+        assert state.generated_ids == _oracle("tiny-llama", _path(registry, ADAPTERS[i]), PROMPTS[i]), i
+
+
+def test_an_adapter_changes_the_answer(llama, registry):
+    base, a, b = (_oracle("tiny-llama", _path(registry, n), PROMPTS[0]) for n in (None, "lora-a", "lora-b"))
+    assert a != base and b != base and a != b
+
+
+def test_paged_prefix_cache_never_crosses_adapters_and_hits_within_one(llama, registry):
+    config = EngineConfig(kv="paged", block_size=4, num_blocks=64, max_len=96, max_batch_size=4, prefix_caching=True,
+                          layout="packed")
+    prompt = PROMPTS[0]  # 27 tokens: 6 full blocks of 4 may be reused
+    names = ["lora-a", "lora-b", None, "lora-a", "lora-b"]
+    states = _run(llama, registry, [prompt] * 5, names, config, arrivals=[0, 2, 4, 6, 8])
+    assert [s.prefix_hit_tokens for s in states] == [0, 0, 0, 24, 24]
+    for name, state in zip(names, states):
+        assert state.generated_ids == _oracle("tiny-llama", _path(registry, name), prompt)
+
+
+def test_reload_is_a_new_version_and_its_requests_do_not_reuse_the_old_blocks(llama):
+    reg = AdapterRegistry(llama.model, llama.model_id)
+    first = reg.load("lora-a")
+    config = EngineConfig(kv="paged", block_size=4, num_blocks=64, max_len=96, max_batch_size=4, prefix_caching=True)
+    engine = Engine(llama.model, config, eos_token_ids=())
+    old = engine.submit("old", RequestInput(tuple(PROMPTS[0]), lora=first), SamplingParams(max_new_tokens=NEW))
+    engine.run_until_done()
+    second = reg.load("lora-a", seed=77)
+    assert (first.version, second.version) == (1, 2) and first.digest != second.digest
+    new = engine.submit("new", RequestInput(tuple(PROMPTS[0]), lora=second), SamplingParams(max_new_tokens=NEW))
+    engine.run_until_done()
+    assert (old.prefix_hit_tokens, new.prefix_hit_tokens) == (0, 0)
+    assert new.generated_ids == _oracle("tiny-llama", local_adapter("tiny-llama", llama.model.config, "lora-a", 77),
+                                        PROMPTS[0])
+
+
+def test_local_adapters_are_made_once_with_their_seed(llama):
+    path = local_adapter("tiny-llama", llama.model.config, "lora-a", 1)
+    assert path == adapter_dir("tiny-llama", "lora-a", 1) and (path / "adapter_model.safetensors").is_file()
+    mtime = (path / "adapter_model.safetensors").stat().st_mtime_ns
+    assert local_adapter("tiny-llama", llama.model.config, "lora-a", 1) == path
+    assert (path / "adapter_model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_enforce_eager_rejects_an_adapter_request_alone(llama, registry):
+    engine = Engine(llama.model, EngineConfig(num_slots=2, max_len=96, enforce_eager=True), eos_token_ids=())
+    bad = engine.submit("lora", RequestInput(tuple(PROMPTS[0]), lora=registry.get("lora-a")),
+                        SamplingParams(max_new_tokens=NEW))
+    good = engine.submit("plain", PROMPTS[1], SamplingParams(max_new_tokens=NEW))
+    engine.run_until_done()
+    assert bad.finish_reason.value == "rejected" and "drop --enforce-eager" in bad.finish_detail
+    assert good.generated_ids == _oracle("tiny-llama", None, PROMPTS[1])
+
+
+def test_gpt2_refuses_adapters_in_one_line(tiny):
+    gpt2 = tiny["tiny-gpt2"]
+    with pytest.raises(ValueError, match=r"^LoRA adapters run on Llama-family models .*'gpt2'"):
+        AdapterRegistry(gpt2.model, gpt2.model_id).load("lora-a")
+
+
+# -- faults -----------------------------------------------------------------------------------------
+LOAD = """name: lora
+model: tiny-llama
+seed: {seed}
+max_requests: {n}
+engine: {{kv: paged, block_size: {block}, max_len: 128, prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+lora: {{adapters: {adapters}, assign: {assign}}}
+{timeline}
+arrivals: {{process: constant, rate_per_s: {rate}}}
+prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}
+output_tokens: 6
+sampling: {{ignore_eos: true}}"""
+
+
+def _session(llama, **kw):
+    fields = dict(seed=0, n=6, block=16, layout="padded", faults="", adapters="[lora-a, lora-b, none]",
+                  assign="round_robin", timeline="", rate=10.0) | kw
+    session = Session(parse_scenario(LOAD.format(**fields)), llama, clock="virtual",
+                      detectors=("prefix_provenance", "reference"))
+    session.run()
+    return session
+
+
+def _provenance(session):
+    return sorted({(e.victim, e.source) for e in session.contamination if e.detector == "prefix_provenance"})
+
+
+def test_lora_unkeyed_prefix_names_victims_and_the_source(llama):
+    session = _session(llama, faults="lora_unkeyed_prefix")
+    # r000 (lora-a) computed the system prompt's blocks; r001 (lora-b), r002 (base) read them; r003 (lora-a)
+    # reads blocks its own adapter wrote (no finding); r004, r005 read them under the others
+    assert _provenance(session) == [("r001", "r000"), ("r002", "r000"), ("r004", "r000"), ("r005", "r000")]
+    assert {e.victim for e in session.contamination if e.detector == "reference"} == {"r001", "r002", "r004", "r005"}
+
+
+RELOAD = "timeline: [{at_s: 0.25, set: {lora.reload: lora-a}}]"
+
+
+def test_lora_reload_stale_names_the_old_versions_writer(llama):
+    session = _session(llama, faults="lora_reload_stale", adapters="[lora-a]", timeline=RELOAD)
+    assert session.adapters.get("lora-a").version == 2
+    assert _provenance(session) == [("r003", "r000"), ("r004", "r000"), ("r005", "r000")]
+    assert {e.victim for e in session.contamination if e.detector == "reference"} == {"r003", "r004", "r005"}
+
+
+@pytest.mark.parametrize("adapters,timeline", [("[lora-a, lora-b, none]", ""), ("[lora-a]", RELOAD)])
+def test_the_same_loads_without_the_faults_are_silent(llama, adapters, timeline):
+    session = _session(llama, adapters=adapters, timeline=timeline)
+    assert session.contamination == []
+    assert session.summary.prefix_cache_hits > 0
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1000), block=st.sampled_from([4, 16]), layout=st.sampled_from(["padded", "packed"]),
+       rate=st.sampled_from([5.0, 20.0]))
+def test_held_out_random_loads_catch_unkeyed_adapters_and_stay_silent_without(llama, seed, block, layout, rate):
+    kw = dict(seed=seed, n=5, block=block, layout=layout, rate=rate, adapters="[lora-a, none, lora-b]")
+    faulty, clean = _session(llama, faults="lora_unkeyed_prefix", **kw), _session(llama, **kw)
+    adapter = {p.request_id: p.adapter for p in plan_requests(faulty.scenario, llama.tokenizer)}
+    found = _provenance(faulty)
+    assert found != [] and all(adapter[victim] != adapter[source] for victim, source in found)
+    assert clean.contamination == [] and clean.summary.prefix_cache_hits > 0
+
+
+# -- scenarios ----------------------------------------------------------------------------------------
+def test_scenario_errors_name_the_field_and_the_fix(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-z]}\n")
+    with pytest.raises(ScenarioError) as e:
+        from kvtui.scenario import load_scenario
+
+        load_scenario(bad)
+    assert len(e.value.errors) == 1 and e.value.errors[0].startswith(f"{bad}:3: lora.adapters.0:")
+    assert "lora-a" in e.value.errors[0]
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-a]}\n"
+                       "timeline: [{at_s: 1, set: {lora.reload: lora-b}}]\n")
+    assert len(e.value.errors) == 1 and "timeline.0.set.lora.reload" in e.value.errors[0]
+    assert "add it to lora.adapters" in e.value.errors[0]
