@@ -59,6 +59,7 @@ KNOB_BOUNDS: dict[str, Bound] = {
     "block_size": Bound(int, 1, 64, engine_high=True),
     "num_blocks": Bound(int, 2, 10_000_000),
     "watermark": Bound(float, 0, 0.5, engine_high=True),
+    "kv_offload_blocks": Bound(int, 0, 10_000_000),
 }
 
 # EngineConfig field -> the values it takes, for the fields that take one of a few names.
@@ -110,6 +111,8 @@ class EngineConfig:
             shape (kvtui/engine/invariant.py), so a solo rerun reproduces them exactly and the
             reference detector counts any differing token, with no tolerance. Llama-family models on
             the fused forward only; slower (docs/performance.md).
+        kv_offload_blocks: blocks of a host-memory KV offload tier under the prefix cache (LRU; evicted
+            full blocks stored, restored on a later prefix hit: kvtui/engine/offload.py); 0: none.
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -136,6 +139,7 @@ class EngineConfig:
     watermark: float = 0.01
     enforce_eager: bool = False
     batch_invariant: bool = False
+    kv_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in field order: the first bad field is the one named
@@ -146,6 +150,8 @@ class EngineConfig:
             raise ValueError("prefix_caching needs kv = 'paged'")
         if self.kv != "paged" and self.num_blocks is not None:
             raise ValueError("num_blocks needs kv = 'paged'")
+        if self.kv_offload_blocks and not self.prefix_caching:
+            raise ValueError("kv_offload_blocks needs prefix_caching (and kv = 'paged')")
 
     def reconfigured(self, **changes) -> EngineConfig:
         """This config with `changes` (field -> value) made to fields a running engine may change

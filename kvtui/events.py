@@ -263,6 +263,9 @@ class ReusedBlockEntry(_Frozen):
         writer_key, reader_key: content keys (hex: tokens chained to the whole prefix, no salt, no fault)
             of the block's contents and of what the reader would have computed there. A sound reuse has
             equal keys and the reader's own salt.
+        tier: restored from the KV offload tier (the fields below only then, not recorded otherwise);
+        intact: its bytes after the restore equal those the tier stored; found_writer: when not, the
+            request whose bytes it holds (the block's previous owner after a restore that skipped it).
     """
 
     index: int
@@ -273,6 +276,17 @@ class ReusedBlockEntry(_Frozen):
     writer_salt: str | None
     writer_key: str
     reader_key: str
+    tier: bool = False
+    intact: bool | None = None
+    found_writer: str | None = None
+
+    @pydantic.model_serializer(mode="wrap")
+    def _pool_blocks_as_before(self, handler):
+        data = handler(self)
+        if not self.tier:
+            for name in ("tier", "intact", "found_writer"):
+                data.pop(name, None)
+        return data
 
 
 class PrefixHitEntry(_Frozen):
@@ -345,6 +359,12 @@ class StepEvent(_Frozen):
         prefix_hits: PrefixHitEntry per request admitted with a cache hit this step.
         block_state: one character per block (BlockManager.state: `_` null, `.` free, `c` cached free,
             digits: reference count); block_tables: (request id, block table) per running request.
+    Paged KV with an offload tier only (None, and not recorded, otherwise): kv_offload_stores: blocks the
+        tier stored (evicted from the pool) this step; kv_offload_queries, kv_offload_hits: prompt tokens
+        past the pool's own hit asked of the tier / restored from it this step (vLLM's external prefix
+        cache counters);
+        kv_offload_blocks, kv_offload_bytes: blocks and K/V bytes it holds; kv_offload_capacity: the most
+        blocks it holds.
     Encoder-decoder models only (None or empty, and not recorded, otherwise): encoder_entries,
         encoder_capacity, encoder_referenced: cross-K/V entries in the encoder cache after the step, the
         most it keeps, those held by a running request; encoder_bytes: their K/V bytes; encoder_hits,
@@ -399,6 +419,13 @@ class StepEvent(_Frozen):
     prefix_hits: tuple[PrefixHitEntry, ...] = ()
     block_state: str | None = None
     block_tables: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # paged KV with an offload tier only
+    kv_offload_stores: int | None = None
+    kv_offload_queries: int | None = None
+    kv_offload_hits: int | None = None
+    kv_offload_blocks: int | None = None
+    kv_offload_bytes: int | None = None
+    kv_offload_capacity: int | None = None
     # encoder-decoder models only
     encoder_entries: int | None = None
     encoder_capacity: int | None = None
@@ -433,6 +460,8 @@ class StepEvent(_Frozen):
 
     def _other_mode(self) -> set[str]:
         other = set(PAGED_STEP_FIELDS if self.kv == "slots" else SLOT_STEP_FIELDS)
+        if self.kv_offload_capacity is None:
+            other |= set(OFFLOAD_STEP_FIELDS)
         return other if self.encoder_entries is not None else other | set(ENCODER_STEP_FIELDS)
 
 
@@ -441,6 +470,9 @@ PAGED_STEP_FIELDS = ("kv", "num_blocks", "blocks_used", "kv_cache_usage_perc", "
                      "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cross_tenant_hits", "prefix_hits",
                      "block_state", "block_tables")
 SLOT_STEP_FIELDS = ("slots_used", "num_slots")
+# StepEvent fields that only paged KV with an offload tier fills
+OFFLOAD_STEP_FIELDS = ("kv_offload_stores", "kv_offload_queries", "kv_offload_hits", "kv_offload_blocks", "kv_offload_bytes",
+                       "kv_offload_capacity")
 # StepEvent fields that only an encoder-decoder engine fills (not recorded otherwise)
 ENCODER_STEP_FIELDS = ("encoder_entries", "encoder_capacity", "encoder_referenced", "encoder_bytes", "encoder_hits",
                        "encoder_misses", "encoder_hit_log")
@@ -537,6 +569,9 @@ class ProvenanceEvidence(_Frozen):
     # audio the cached cross-attention K/V were computed from (blocks empty, hit_tokens 0 then)
     audio_hash: str | None = None
     source_audio_hash: str | None = None
+    # (v3, paged KV with an offload tier) of the blocks restored from the tier: False when one's bytes after
+    # the restore were not those the tier stored (another layout, or a restore that skipped it); None: none
+    tier_intact: bool | None = None
 
 
 class EngineErrorEvidence(_Frozen):
@@ -807,6 +842,12 @@ class Summary(_Frozen):
     prefix_cache_queries: int | None = None  # (v2, tokens)
     prefix_cache_hits: int | None = None  # (v2, tokens)
     prefix_cache_cross_tenant_hits: int | None = None  # (v2, tokens of blocks another tenant computed)
+    # (v3, paged KV with an offload tier) prompt tokens asked of the tier / restored from it, blocks stored in
+    # it, over the run; K/V bytes it held after the last step
+    kv_offload_queries: int | None = None
+    kv_offload_hits: int | None = None
+    kv_offload_stores: int | None = None
+    kv_offload_bytes: int | None = None
     # (v2, target runs) references not counted: the server took part of their prompts from its cache;
     # references whose server reported 0 cached tokens; prompt tokens of the load the server reported
     # cached (summed over requests); prefix_cache_queries / _hits then hold the server's own counters

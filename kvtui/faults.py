@@ -86,6 +86,10 @@ class FaultName(StrEnum):
     # -- LoRA adapters (engine/lora.py) --
     LORA_UNKEYED_PREFIX = "lora_unkeyed_prefix"
     LORA_RELOAD_STALE = "lora_reload_stale"
+    # -- the KV offload tier (engine/offload.py) --
+    TIER_KEY_DROPS_PARTITION = "tier_key_drops_partition"
+    TIER_LAYOUT_MISMATCH = "tier_layout_mismatch"
+    TIER_PARTIAL_LOAD = "tier_partial_load"
     # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
     REQUEST_ID_KEYED = "request_id_keyed"
 
@@ -289,6 +293,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "old weights' K/V",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+    # -- the KV offload tier (engine/offload.py): evicted blocks stored in host memory, restored on a hit --
+    Fault("tier_key_drops_partition", "the offload tier keys blocks by their token ids alone: no cache_salt, and "
+          "image or embedding positions by their placeholder ids",
+          "engine/offload.py tier_keys: the tier's key of a block leaves out the partition the pool's key carries",
+          "once a block is evicted to the tier, another tenant with the same prefix (or another picture or "
+          "embedding at the same placeholders) gets it back: a shorter TTFT, or an answer about the other input",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow"), "cross_tenant", ("paged",),
+          ("prefix_caching", "kv_offload")),
+    Fault("tier_layout_mismatch", "the offload tier restores blocks in another layout: token-major data read as "
+          "head-major, well-formed and wrong",
+          "engine/offload.py restore: the stored [tokens, heads, dim] block is reshaped, not transposed, back",
+          "a request whose prefix comes back from the tier attends to scrambled K/V: its answer drifts",
+          ("padded", "packed"), ("prefix_provenance", "reference"), "cross_request", ("paged",),
+          ("prefix_caching", "kv_offload")),
+    Fault("tier_partial_load", "the offload tier promises k blocks and delivers k - 1; the missing block is not "
+          "recomputed",
+          "engine/paged.py _apply_tier: an admission's last restore is counted as cached but never copied",
+          "the request reads whatever the block's previous owner left in it: another request's K/V in its prefix",
+          ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
+          ("paged",), ("prefix_caching", "kv_offload")),
     # -- kvtui serve's HTTP layer: the engine's answers are right, they reach the wrong client --
     Fault("request_id_keyed", "kvtui serve keys its map of waiting clients by the client's x-request-id: a second "
           "request with the same id takes the first's entry",
@@ -332,7 +356,8 @@ def faults_for(kv: str = "slots", model: str = DECODER_ONLY) -> tuple[str, ...]:
     return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and acts_on(name, model))
 
 
-def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False) -> str:
+def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool = False,
+                 kv_offload: bool = False) -> str:
     """Why fault `name` cannot act in an engine with this layout and KV mode, naming what it needs, e.g.
     "fault no_request_mask acts in the packed layout only, not padded"; "" when it can act there. A run
     with such a fault on would test nothing: the fault never fires, so nothing can be detected."""
@@ -343,6 +368,8 @@ def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool
         return f"fault {name} acts with kv: {' or '.join(fault.kv)} only, not {kv}"
     if "prefix_caching" in fault.needs and not prefix_caching:
         return f"fault {name} acts in the prefix cache, which is off"
+    if "kv_offload" in fault.needs and not kv_offload:
+        return f"fault {name} acts in the KV offload tier, which is off"
     if layout not in fault.layouts:
         return f"fault {name} acts in the {' or '.join(fault.layouts)} layout only, not {layout}"
     return ""

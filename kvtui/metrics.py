@@ -171,6 +171,7 @@ class Metrics:
         self.measured_wall_s = 0.0
         self.paged = False  # paged KV: preemptions and prefix-cache counters (vLLM's names)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = self.cross_tenant_hits = 0
+        self.offload_queries = self.offload_hits = self.offload_stores = 0  # the KV offload tier (tokens, blocks)
         self.cached_tokens: int | None = None  # target runs: prompt tokens the server reported cached
         self.server_prefix = ServerPrefixCounters()
 
@@ -232,6 +233,10 @@ class Metrics:
         self.prefix_queries += e.prefix_cache_queries or 0
         self.prefix_hits += e.prefix_cache_hits or 0
         self.cross_tenant_hits += e.prefix_cache_cross_tenant_hits or 0
+        if e.kv_offload_capacity is not None:
+            self.offload_queries += e.kv_offload_queries
+            self.offload_hits += e.kv_offload_hits
+            self.offload_stores += e.kv_offload_stores
 
     def encoder_fields(self) -> dict:
         """Summary fields of the encoder cache, from the last step (its counts run since the engine started);
@@ -247,7 +252,10 @@ class Metrics:
         if not self.paged:
             return {}
         cached = self.prefix_queries > 0
-        return dict(num_preemptions_total=self.num_preemptions,
+        tier = self.last is not None and self.last.kv_offload_capacity is not None
+        offload = dict(kv_offload_queries=self.offload_queries, kv_offload_hits=self.offload_hits,
+                       kv_offload_stores=self.offload_stores, kv_offload_bytes=self.last.kv_offload_bytes) if tier else {}
+        return dict(**offload, num_preemptions_total=self.num_preemptions,
                     prefix_cache_queries=self.prefix_queries if cached else None,
                     prefix_cache_hits=self.prefix_hits if cached else None,
                     prefix_cache_cross_tenant_hits=self.cross_tenant_hits if cached else None)

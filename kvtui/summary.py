@@ -201,6 +201,9 @@ def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
                      + (" during the load, the server's counters)" if target else ")")))
     if s.prefix_cache_cross_tenant_hits is not None:
         rows.append(("cross-tenant prefix hits", f"{s.prefix_cache_cross_tenant_hits} tokens"))
+    if s.kv_offload_hits is not None:
+        rows.append(("KV offload tier", f"{s.kv_offload_hits} of {s.kv_offload_queries} prompt tokens restored; "
+                                        f"{s.kv_offload_stores} blocks stored; {s.kv_offload_bytes / 1e6:.1f} MB held"))
     if s.encoder_cache_hits is not None:
         lookups = s.encoder_cache_hits + s.encoder_cache_misses
         size = s.encoder_cache_bytes or 0

@@ -20,6 +20,13 @@ ONE_PROMPT = Path(__file__).parent / "data" / "one_prompt.txt"
 # same prompt sampled several times (shared_partial_block), the same prompt sampled as n = 3 forked
 # sequences each (cow_missing), two system prompts followed by a common block-aligned instruction block
 # (prefix_key_no_parent).
+TIER_LOAD = """seed: 0
+max_requests: 12
+engine: {{kv: paged, block_size: 16, max_len: 64, num_blocks: 9, max_batch_size: 2, prefix_caching: true,
+          kv_offload_blocks: 32, layout: {layout}, faults: [{faults}]}}
+tenants: {{count: 2}}
+arrivals: {{process: constant, rate_per_s: 2.0}}
+prompts: {{kind: system_prompt, count: 4, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}"""
 PAGED_LOADS = {
     "unsalted_prefix": """seed: 0
 max_requests: 8
@@ -82,6 +89,9 @@ lora: {{adapters: [lora-a]}}
 timeline: [{{at_s: 0.35, set: {{lora.reload: lora-a}}}}]
 arrivals: {{process: constant, rate_per_s: 10.0}}
 prompts: {{kind: system_prompt, count: 1, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}}}}""",
+    # the KV offload tier: two tenants over four system prompts, a pool of 8 usable blocks and two requests
+    # at a time, so cached prompt blocks are evicted to the tier and come back on later prefix hits
+    **dict.fromkeys(("tier_key_drops_partition", "tier_layout_mismatch", "tier_partial_load"), TIER_LOAD),
 }
 
 

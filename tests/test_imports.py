@@ -29,7 +29,7 @@ RANK = {
     "audit": 8, "target": 8,  # the local audit; runs against HTTP servers
     "tui": 9,  # the dashboard
     "serve": 10,  # the OpenAI-compatible server (its --dashboard opens the dashboard)
-    "bench": 11,
+    "bench": 11, "conformance": 11,  # benchmarks; every isolation audit against one server (starts kvtui serve)
     "cli": 12,
 }
 

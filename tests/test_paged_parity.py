@@ -1,4 +1,4 @@
-"""Paged KV == solo: with blocks, prefix caching, eviction pressure and preemption in any combination,
+"""Paged KV == solo: with blocks, prefix caching, an offload tier, eviction pressure and preemption in any combination,
 every request's tokens equal its solo run on a fresh slot pool, and (greedy) transformers' own eager
 attention on a separate model instance."""
 
@@ -49,9 +49,11 @@ def paged_workloads(draw):
     arrivals = [draw(st.integers(0, 10)) for _ in range(n)]
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     least = -(-MAX_LEN // block_size) + 1  # one request of max_len and the null block
+    caching = draw(st.booleans())
     config = EngineConfig(
         kv="paged", block_size=block_size, num_blocks=draw(st.integers(least, 3 * least)), max_len=MAX_LEN,
-        prefix_caching=draw(st.booleans()), watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
+        prefix_caching=caching, kv_offload_blocks=draw(st.sampled_from([0, 2, 64])) if caching else 0,
+        watermark=draw(st.sampled_from([0.0, 0.01, 0.1])),
         max_batch_size=draw(st.integers(1, 8)), max_tokens_per_step=draw(st.sampled_from([8, 24, 1024])),
         layout=draw(st.sampled_from(["padded", "packed"])), padding_side=draw(st.sampled_from(["right", "left"])),
         bucketing=draw(st.booleans()))

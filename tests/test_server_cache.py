@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 from fake_openai import FakeOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from kvtui.events import Finish, ReferenceStatus, ServerSample
@@ -271,3 +272,32 @@ def test_serve_takes_a_paged_fault_with_the_tenant_flags_and_refuses_it_without(
     with pytest.raises(ValueError, match=r"^--fault unsalted_prefix: acts with kv: paged only, not slots, so it "
                                          r"would never fire"):
         load()
+
+
+def test_the_offload_tier_serves_an_evicted_prefix_back_to_its_own_tenant_only():
+    """`--kv-offload-blocks`: a pool of 5 blocks is overrun by other prompts, the first prompt's two full
+    blocks go to the tier and come back for its own salt (32 cached tokens, the external counters say
+    so), never for another salt."""
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    others = [list(range(100 + 40 * i, 134 + 40 * i)) for i in range(3)]
+    with ServeServer(ServeOptions(model="tiny-llama", port=0, kv="paged", prefix_caching=True, threads=1, detectors=(),
+                                  max_len=64, kv_offload_blocks=16, extra={"num_blocks": 6})) as server:
+        url = server.url
+        assert cached(url, cache_salt="a") == 0
+        for prompt in others:
+            assert completion(url, prompt=prompt)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert [cached(url, cache_salt="b"), cached(url, cache_salt="a")] == [0, 32]
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    metrics = parse_metrics(text)
+    assert metrics["vllm:external_prefix_cache_hits_total"] == 32
+    assert metrics["vllm:prefix_cache_hits_total"] == 0  # the pool itself had evicted them
+    ours = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert ours["kvtui:kv_offload_stores_total"] >= 2 and ours["kvtui:kv_offload_bytes"] > 0
+
+
+def test_serve_refuses_an_offload_tier_without_the_prefix_cache():
+    out = subprocess.run([sys.executable, "-m", "kvtui.cli", "serve", "--model", "tiny-llama", "--kv", "paged",
+                          "--kv-offload-blocks", "8"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--kv-offload-blocks needs the prefix cache" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -15,6 +15,7 @@ import typer
 
 from kvtui.cli.audit import audit
 from kvtui.cli.bench import bench, calibrate_cmd
+from kvtui.cli.conformance import conformance
 from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_OK, say
 from kvtui.cli.faults import faults
 from kvtui.cli.model import model_cmd
@@ -36,6 +37,7 @@ for _command in (run, replay, validate, faults, audit, serve):  # in the order `
 app.command("model")(model_cmd)
 app.command()(bench)
 app.command("calibrate")(calibrate_cmd)
+app.command()(conformance)
 
 
 _NOT_ONE_OF = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")

@@ -62,6 +62,10 @@ def serve(
                                                  "reuse cached blocks of earlier prompts' prefixes; a request's "
                                                  "`cache_salt` keys its blocks, so only requests with the same "
                                                  "salt share them.")] = SERVE.prefix_caching,
+    kv_offload_blocks: Annotated[int, typer.Option("--kv-offload-blocks", min=0, help="With --prefix-caching: blocks "
+                                                   "of a host-memory KV offload tier (LRU); evicted cached blocks are "
+                                                   "stored there and restored on a later prefix hit, as vLLM's "
+                                                   "offloading connector and LMCache do (0: none).")] = 0,
     detectors: Annotated[str, typer.Option(help=DETECTORS_HELP)] = ",".join(SERVE.detectors),
     threads: Annotated[Optional[int], typer.Option(help="torch threads for the engine (default: all cores but "
                                                    "one).", min=1)] = None,

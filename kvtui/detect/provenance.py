@@ -7,6 +7,10 @@ any fault); for each reuse it reports those beside the reader's own content key 
   is right, but the hit itself leaks: a shorter TTFT tells the reader that the other tenant sent
   this prefix (the prefix-cache timing side channel, CVE-2025-46570).
 - the same salt, a different content key: K/V computed under another prefix (`cross_request`).
+- a block restored from the KV offload tier whose bytes after the restore are not those the tier stored
+  (`cross_request`): the restore wrote them in another layout, or skipped the block, which then holds
+  its previous owner's K/V. The source is the request whose bytes it holds (the previous owner), else
+  the request that computed the stored block.
 
 Encoder-decoder models (Whisper): every encoder-cache hit (StepEvent.encoder_hit_log) is checked the
 same way: the cross-attention K/V a request was handed must have been computed from its own audio (the
@@ -33,7 +37,9 @@ class ProvenanceDetector:
         for hit in getattr(report, "prefix_hits", ()):
             by_source: dict[str, list] = {}
             for block in hit.blocks:
-                if block.writer_salt != hit.salt or block.writer_key != block.reader_key:
+                if block.tier and block.intact is False:
+                    by_source.setdefault(block.found_writer or block.writer, []).append(block)
+                elif block.writer_salt != hit.salt or block.writer_key != block.reader_key:
                     by_source.setdefault(block.writer, []).append(block)
             for source, blocks in by_source.items():
                 if (hit.request_id, source) in self._seen:
@@ -65,4 +71,11 @@ def _event(report, t: float, hit, source: str, blocks: list) -> Contamination:
         victim=hit.request_id, source=None if source == hit.request_id else source,
         evidence=ProvenanceEvidence(blocks=tuple(b.block for b in blocks), hit_tokens=sum(b.tokens for b in blocks),
                                     victim_tenant=hit.tenant, source_tenant=blocks[0].writer_tenant,
-                                    same_salt=same_salt, same_prefix=all(b.writer_key == b.reader_key for b in blocks)))
+                                    same_salt=same_salt, same_prefix=all(b.writer_key == b.reader_key for b in blocks),
+                                    tier_intact=_tier_intact(blocks)))
+
+
+def _tier_intact(blocks: list) -> bool | None:
+    """Whether every block restored from the offload tier holds the bytes the tier stored (None: no such block)."""
+    restored = [b for b in blocks if b.tier]
+    return all(b.intact for b in restored) if restored else None

@@ -104,6 +104,7 @@ class Block:
     ref_cnt: int = 0
     key: bytes | None = None
     origin: BlockOrigin | None = None
+    tier_key: bytes | None = None  # the offload tier's key of its contents (a full block, tier on)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class Reuse:
     origin: BlockOrigin
     reader_key: bytes
     reader_salt: str | None = None
+    tier: bool = False  # restored from the offload tier (kvtui/engine/offload.py)
 
     @property
     def verified(self) -> bool:
@@ -156,6 +158,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}
         self.evictions = 0
+        self.evicted: list[tuple[int, bytes, BlockOrigin]] = []  # (block, tier key, origin) for the offload tier
 
     @property
     def num_free(self) -> int:
@@ -180,7 +183,9 @@ class BlockPool:
             if self.cached.get(block.key) == block.block_id:
                 del self.cached[block.key]
             self.evictions += 1
-        block.key, block.origin = None, None
+            if block.tier_key is not None:
+                self.evicted.append((block.block_id, block.tier_key, block.origin))
+        block.key, block.origin, block.tier_key = None, None, None
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """A hit takes cached blocks: count + 1; a free one leaves the free queue."""
@@ -198,15 +203,16 @@ class BlockPool:
                 self.free_queue[b] = None
                 self.free_queue.move_to_end(b)
 
-    def cache(self, block_id: int, key: bytes, origin: BlockOrigin) -> None:
-        """Register a written block under `key` (a key already cached keeps its first block)."""
+    def cache(self, block_id: int, key: bytes, origin: BlockOrigin, tier_key: bytes | None = None) -> None:
+        """Register a written block under `key` (a key already cached keeps its first block); `tier_key`:
+        the offload tier's key of its contents, under which an eviction stores it."""
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]
-        block.key, block.origin = None, None
+        block.key, block.origin, block.tier_key = None, None, None
         if key not in self.cached:
             self.cached[key] = block_id
-            block.key, block.origin = key, origin
+            block.key, block.origin, block.tier_key = key, origin, tier_key
 
 
 @dataclass
@@ -247,6 +253,9 @@ class BlockManager:
         self.queries = self.hits = 0
         self.copies = 0  # copy-on-write block copies made
         self._copies: list[tuple[int, int]] = []  # (source, destination) block copies the pool must make
+        self.tier = None  # the offload tier (offload.HostTier: get, put, hits) when engine.kv_offload_blocks > 0
+        self.tier_hit_tokens = self.tier_query_tokens = 0  # tokens restored from / asked of the tier
+        self._loads: list[tuple[int, object]] = []  # (block, tier entry) restores the pool must make
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -314,25 +323,69 @@ class BlockManager:
 
     # -- requests -----------------------------------------------------------------------------------
     def admit(self, request_id: str, token_ids: Sequence, *, salt: str | None = None,
-              tenant: str | None = None, count_query: bool = True, truth_ids: Sequence | None = None
-              ) -> Admission | None:
+              tenant: str | None = None, count_query: bool = True, truth_ids: Sequence | None = None,
+              tier_keys: Sequence[bytes] | None = None) -> Admission | None:
         """Give a request the blocks for all of `token_ids` (key items, see lookup; `truth_ids` their true
-        items): its cached prefix (prefix caching on) and new blocks for the rest. None when that would
-        leave fewer than the watermark's blocks free."""
+        items): its cached prefix (prefix caching on), then the blocks after it that the offload tier holds
+        under `tier_keys` (restored into new blocks: take_tier_ops), and new blocks for the rest. None when
+        that would leave fewer than the watermark's blocks free."""
+        truth_ids = token_ids if truth_ids is None else truth_ids
         reused = self.lookup(token_ids, salt, truth_ids) if self.caching else []
+        found = self._tier_lookup(reused, len(token_ids), truth_ids, tier_keys)
         need = self.blocks_for(len(token_ids)) - len(reused)
         revived = sum(1 for r in reused if self.pool.blocks[r.block_id].ref_cnt == 0)
         if self.pool.num_free - revived - need < self.watermark_blocks:
             return None
         self.pool.touch([r.block_id for r in reused])
-        blocks = [r.block_id for r in reused] + self.pool.allocate(need)
-        full = sum(1 for r in reused if r.tokens == self.block_size)
+        new = self.pool.allocate(need)
+        restored = self._restore(found, new, token_ids, salt, tier_keys)
+        blocks = [r.block_id for r in reused] + new
+        full = sum(1 for r in reused if r.tokens == self.block_size) + len(restored)
         self.tables[request_id] = _Table(blocks, salt, tenant, cached=full)
         hit = sum(r.tokens for r in reused)
         if self.caching and count_query:
             self.queries += len(token_ids)
             self.hits += hit
-        return Admission(hit, tuple(reused))
+        if self.tier is not None and count_query:
+            self.tier_query_tokens += len(token_ids) - hit
+            self.tier_hit_tokens += len(restored) * self.block_size
+        return Admission(hit + len(restored) * self.block_size, tuple(reused) + tuple(restored))
+
+    def _tier_lookup(self, reused: list[Reuse], length: int, truth_ids: Sequence,
+                     tier_keys: Sequence[bytes] | None) -> list[tuple[int, object, bytes]]:
+        """(table index, tier entry, reader's content key) of the consecutive blocks after the pool's
+        hit that the offload tier holds, within length - 1 tokens (the last prompt token is computed)."""
+        bs = self.block_size
+        if self.tier is None or not tier_keys or any(r.tokens != bs for r in reused):
+            return []
+        truth, found = chain_keys(truth_ids, bs, None), []
+        for i in range(len(reused), len(tier_keys)):
+            entry = self.tier.get(tier_keys[i]) if (i + 1) * bs <= length - 1 else None
+            if entry is None:
+                break
+            found.append((i, entry, truth[i]))
+        return found
+
+    def _restore(self, found: list, new: list[int], token_ids: Sequence, salt: str | None,
+                 tier_keys: Sequence[bytes] | None) -> list[Reuse]:
+        """The first len(found) new blocks take the tier's entries: cached again under the pool's key,
+        queued for the pool to copy in (take_tier_ops)."""
+        if not found:
+            return []
+        keys, out = self._lookup_keys(token_ids, salt), []
+        for (i, entry, truth), block_id in zip(found, new):
+            self.pool.cache(block_id, keys[i], entry.origin, tier_keys[i])
+            self._loads.append((block_id, entry))
+            out.append(Reuse(i, block_id, self.block_size, entry.origin, truth, salt_digest(salt), tier=True))
+        self.tier.hits += len(out)
+        return out
+
+    def take_tier_ops(self) -> tuple[list[tuple[int, bytes, BlockOrigin]], list[tuple[int, object]]]:
+        """What the pool's tensors must do for the offload tier since the last call, in this order: the
+        evicted full blocks to store (block, tier key, origin), then the restores (block, tier entry)."""
+        stores, self.pool.evicted = self.pool.evicted, []
+        loads, self._loads = self._loads, []
+        return stores, loads
 
     def ensure(self, request_id: str, num_tokens: int, *, write_from: int | None = None) -> tuple[int, ...] | None:
         """The request's block table, grown to hold `num_tokens` tokens; None when not enough blocks
@@ -395,11 +448,11 @@ class BlockManager:
             self.pool.free(table.blocks, outright=FaultName.BLOCK_REFCOUNT in self.faults)
 
     def commit(self, request_id: str, token_ids: Sequence, num_tokens: int, *, prompt_len: int,
-               truth_ids: Sequence | None = None) -> None:
+               truth_ids: Sequence | None = None, tier_keys: Sequence[bytes] | None = None) -> None:
         """After a step: cache the request's blocks now full, `token_ids` being the key items of its
         positions so far (`truth_ids` their true items; default the same) and `num_tokens` of them
         written (prefix caching on; shared_partial_block also caches the partial last block of the
-        prompt once it is written)."""
+        prompt once it is written). `tier_keys`: the offload tier's keys of the full blocks (tier on)."""
         truth_ids = token_ids if truth_ids is None else truth_ids
         table = self.tables.get(request_id)
         if table is None or not self.caching:
@@ -410,7 +463,7 @@ class BlockManager:
             truth = chain_keys(truth_ids[: full * self.block_size], self.block_size, None)
             for i in range(table.cached, full):
                 origin = BlockOrigin(request_id, table.tenant, salt_digest(table.salt), truth[i], self.block_size)
-                self.pool.cache(table.blocks[i], keys[i], origin)
+                self.pool.cache(table.blocks[i], keys[i], origin, tier_keys[i] if tier_keys else None)
             table.cached = full
         if FaultName.SHARED_PARTIAL_BLOCK in self.faults and num_tokens == prompt_len and not table.partial_done:
             self._cache_partial(request_id, table, token_ids[:prompt_len], truth_ids[:prompt_len])

@@ -106,8 +106,9 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.pad_token_id = pad_token_id
         self._serial: dict[str, int] = {}
+        self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
-        self.kv = _make_kv(model, config, self._serial.__getitem__)  # the KV cache; the scheduler owns it
+        self.kv = _make_kv(model, config, self._serial.__getitem__, self._names.get)  # the scheduler owns it
         self.pool = self.kv.pool
         # what requests feed the model besides token ids (engine/encoder_side.py); the scheduler owns it
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
@@ -129,7 +130,6 @@ class Engine:
         self.detect_taint = False  # slot_taint detector: check every allowed key's writer
         self._faults: frozenset[str] = frozenset()
         self.set_faults(config.faults)  # switched between steps
-        self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
         self._next_serial = 0
 
     @property
@@ -661,10 +661,11 @@ def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
-def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
+def _make_kv(model, config: EngineConfig, serial_of, name_of=None) -> KVCache:
     """The KV cache config.kv asks for, its pool shaped from the model: slots (SlotCache over KVPool), or
     paged blocks (PagedCache over PagedKVPool: num_blocks, else from kv_budget_bytes, else as much memory
-    as the slot pool: slots x ceil(max_len / block_size) + 1). `serial_of`: request id -> writer serial.
+    as the slot pool: slots x ceil(max_len / block_size) + 1). `serial_of`: request id -> writer serial,
+    `name_of` the reverse.
     The only place that reads the KV mode."""
     layers, _, kv_heads, head_dim = model_geometry(model)
     common = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_len=config.max_len,
@@ -672,7 +673,8 @@ def _make_kv(model, config: EngineConfig, serial_of) -> KVCache:
     if config.kv == "paged":
         blocks = config.num_blocks or config.num_slots * -(-config.max_len // config.block_size) + 1
         pool = PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
-        return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of)
+        return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of,
+                          name_of=name_of, offload_blocks=config.kv_offload_blocks)
     return SlotCache(KVPool(num_slots=config.num_slots, **common), serial_of=serial_of)
 
 

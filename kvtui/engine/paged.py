@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvtui.config import EngineConfig
+from kvtui.engine import offload
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
@@ -34,10 +35,12 @@ class PagedCache:
     Args:
         pool: the PagedKVPool (tensors and writer tags).
         caching, watermark: prefix caching on; admission watermark (see BlockManager).
-        serial_of: request id -> the serial its writes are tagged with.
+        serial_of: request id -> the serial its writes are tagged with; name_of: serial -> request id.
+        offload_blocks: blocks the KV offload tier holds (0: no tier; kvtui/engine/offload.py).
     """
 
-    def __init__(self, pool: PagedKVPool, *, caching: bool, watermark: float, serial_of) -> None:
+    def __init__(self, pool: PagedKVPool, *, caching: bool, watermark: float, serial_of, name_of=None,
+                 offload_blocks: int = 0) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_running = 1  # max_batch_size, set by configure
@@ -50,6 +53,11 @@ class PagedCache:
         self._preempted: list[str] = []
         self._counted = (0, 0, 0)  # queries, hits, cross-tenant hits at the last report
         self.cross_tenant_hits = 0
+        self.name_of = name_of or (lambda serial: None)
+        self.tier = offload.HostTier(offload_blocks) if offload_blocks else None
+        self.manager.tier = self.tier
+        self._tier_counted = (0, 0, 0)  # tier stores, queried and hit tokens at the last report
+        self._restored: dict[int, tuple[list[int], bool, str | None]] = {}  # block -> (tags it should hold, intact, found writer)
 
     def configure(self, config: EngineConfig, faults: frozenset[str]) -> None:
         """max_batch_size (running requests) and the faults the block bookkeeping acts on from the next
@@ -80,7 +88,8 @@ class PagedCache:
         n = request.prefill_len
         admission = self.manager.admit(request.request_id, request.cache_keys(n, self.faults), salt=self._salt(request),
                                        tenant=request.tenant, count_query=request.num_preemptions == 0,
-                                       truth_ids=self._truth(request, n))
+                                       truth_ids=self._truth(request, n), tier_keys=self._tier_keys(request, n))
+        self._apply_tier()
         if admission is None:
             return False
         request.cache_len = request.prefill_done = admission.hit_tokens
@@ -95,10 +104,15 @@ class PagedCache:
         block whose contents are what it would compute (verified), its own serial otherwise."""
         own, out = self.serial_of(request.request_id), []
         for r in admission.reused:
-            tags = self.pool.writer[r.block_id, : r.tokens].tolist() if r.verified else [own] * r.tokens
-            out += tags
+            if not r.verified:
+                out += [own] * r.tokens
+            elif r.tier:  # what the restore should have put there, whatever it did
+                out += self._restored[r.block_id][0][: r.tokens]
+            else:
+                out += self.pool.writer[r.block_id, : r.tokens].tolist()
         return out
 
+    # -- the offload tier -----------------------------------------------------------------------------
     def _salt(self, request: RequestState) -> str | None:
         """The first block's extra key: the tenant's cache_salt and the request's LoRA adapter (engine/lora.py)."""
         return prefix_salt(request.cache_salt, request.input.lora, self.faults)
@@ -108,21 +122,62 @@ class PagedCache:
         """Content key items of positions 0 .. n - 1: what fills them, and the LoRA weights they run under."""
         return true_items(request.cache_keys(n), request.input.lora)
 
+    def _tier_keys(self, request: RequestState, n: int) -> list[bytes] | None:
+        """The offload tier's keys of the full blocks of the request's first n positions (None: no tier)."""
+        if self.tier is None:
+            return None
+        tokens = (list(request.prompt_ids) + request.generated_ids)[:n]
+        return offload.tier_keys(request.cache_keys(n), tokens, self.block_size, self._salt(request), self.faults)
+
+    def _apply_tier(self) -> None:
+        """Make the tier's copies the bookkeeping decided: evicted full blocks into the tier, then the
+        restores into their new blocks (under tier_partial_load one admission's last restore is skipped),
+        each restored block's bytes checked against the digest it was stored with."""
+        if self.tier is None:
+            return
+        stores, loads = self.manager.take_tier_ops()
+        self._restored = {}
+        for block, key, origin in stores:
+            self.tier.put(key, offload.store(self.pool, block, origin))
+        skipped = loads[-1:] if FaultName.TIER_PARTIAL_LOAD in self.faults else []  # promised, never copied
+        for block, entry in loads[: len(loads) - len(skipped)]:
+            offload.restore(self.pool, entry, block, self.faults)
+        for block, entry in loads:
+            self._restored[block] = self._check(block, entry)
+
+    def _check(self, block: int, entry) -> tuple[list[int], bool, str | None]:
+        """(tags the block should hold, whether its bytes are what the tier stored, the writer of the
+        bytes it holds when they are not: the request whose tag is there, else the stored origin's writer)."""
+        intact = offload.block_bytes_digest(self.pool, block) == entry.digest
+        held = self.pool.writer[block].tolist()
+        stale = next((s for s, t in zip(held, entry.tags) if s != t and s >= 0), None)
+        found = None if intact else (self.name_of(stale) if stale is not None else entry.origin.writer)
+        return entry.tags, intact, found
+
     def _note_hit(self, request: RequestState, admission: Admission) -> None:
         blocks = tuple(ReusedBlockEntry(index=r.index, block=r.block_id, tokens=r.tokens, writer=r.origin.writer,
                                         writer_tenant=r.origin.tenant, writer_salt=r.origin.salt,
-                                        writer_key=r.origin.true_key.hex()[:16], reader_key=r.reader_key.hex()[:16])
+                                        writer_key=r.origin.true_key.hex()[:16], reader_key=r.reader_key.hex()[:16],
+                                        **self._tier_fields(r))
                        for r in admission.reused)
         self.cross_tenant_hits += sum(r.tokens for r in admission.reused if r.origin.tenant != request.tenant)
         self._hits.append(PrefixHitEntry(request_id=request.request_id, tenant=request.tenant,
                                          salt=salt_digest(self._salt(request)), hit_tokens=admission.hit_tokens,
                                          query_tokens=request.prefill_len, blocks=blocks))
 
+    def _tier_fields(self, reuse) -> dict:
+        """ReusedBlockEntry's tier fields of one reused block (none for a block the pool still held)."""
+        if not reuse.tier:
+            return {}
+        _, intact, found = self._restored[reuse.block_id]
+        return dict(tier=True, intact=intact, found_writer=found)
+
     # -- planning -----------------------------------------------------------------------------------
     def ensure(self, request: RequestState, num_tokens: int) -> KVPlace | None:
         """Grow the request's block table to hold num_tokens, first copying a block shared with a forked
         sibling that this step writes into (copy-on-write); None when no block is free."""
         table = self.manager.ensure(request.request_id, num_tokens, write_from=request.cache_len)
+        self._apply_tier()  # blocks this growth evicted go to the tier before anything is written there
         for src, dst in self.manager.take_copies():
             self.pool.copy_block(src, dst)
         return None if table is None else KVPlace(None, table)
@@ -150,7 +205,8 @@ class PagedCache:
         """Cache the request's blocks that its written tokens now fill (prefix caching)."""
         n = len(request.all_ids)
         self.manager.commit(request.request_id, request.cache_keys(n, self.faults), request.cache_len,
-                            prompt_len=request.prompt_len, truth_ids=self._truth(request, n))
+                            prompt_len=request.prompt_len, truth_ids=self._truth(request, n),
+                            tier_keys=self._tier_keys(request, n))
 
     def finish(self, request: RequestState) -> None:
         """A finished request's blocks go back (cached ones stay cached until evicted)."""
@@ -169,7 +225,20 @@ class PagedCache:
         blocks, cached free blocks counted free)."""
         fields = self._block_fields(running)
         return dict(kv_tokens=sum(r.cache_len for r in running), kv_capacity_tokens=self.pool.capacity_tokens,
-                    kv_usage=fields["kv_cache_usage_perc"], **fields)
+                    kv_usage=fields["kv_cache_usage_perc"], **fields, **self._tier_report())
+
+    def _tier_report(self) -> dict:
+        """The offload tier's StepEvent fields: blocks stored, tokens asked of it and restored from it since
+        the last report, blocks and bytes held, its capacity in blocks (nothing without a tier)."""
+        if self.tier is None:
+            return {}
+        stores, queries, hits = self._tier_counted
+        m = self.manager
+        self._tier_counted = (self.tier.stores, m.tier_query_tokens, m.tier_hit_tokens)
+        return dict(kv_offload_stores=self.tier.stores - stores, kv_offload_queries=m.tier_query_tokens - queries,
+                    kv_offload_hits=m.tier_hit_tokens - hits,
+                    kv_offload_blocks=len(self.tier), kv_offload_capacity=self.tier.capacity,
+                    kv_offload_bytes=len(self.tier) * self.pool.bytes_per_block)
 
     def _block_fields(self, running: list[RequestState]) -> dict:
         m = self.manager

@@ -154,16 +154,17 @@ def idle_faults(scenario, faults=(), layout: str | None = None, prefix_caching: 
     e = scenario.engine
     layout = layout or e.layout
     caching = e.prefix_caching if prefix_caching is None else prefix_caching
+    tier = bool(e.kv_offload_blocks)
     found = [(name, "extra", why) for name in faults
-             if (why := fault_misfit(name, layout, e.kv, caching) or _request_misfit(name, scenario))]
+             if (why := fault_misfit(name, layout, e.kv, caching, tier) or _request_misfit(name, scenario))]
     if not scenario_faults:
         return found
-    found += [(name, "engine.faults", why) for name in e.faults if (why := fault_misfit(name, layout, e.kv, caching))]
+    found += [(name, "engine.faults", why) for name in e.faults if (why := fault_misfit(name, layout, e.kv, caching, tier))]
     for i, event in enumerate(scenario.timeline):
         layout = event.engine_overrides().get("layout", layout)
         if event.fault_switch and event.fault_switch[1]:
             name = event.fault_switch[0]
-            why = fault_misfit(name, layout, e.kv, caching)
+            why = fault_misfit(name, layout, e.kv, caching, tier)
             if why:
                 found.append((name, f"timeline.{i}.set.fault", why))
     return found

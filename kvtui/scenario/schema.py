@@ -124,6 +124,10 @@ class EngineSection(Strict):
         _D.prefix_caching, description="reuse the cached full blocks of a request's longest cached prompt prefix "
                                        "(paged only); a block's key chains its parent's key, its tokens and the "
                                        "tenant's cache_salt")
+    kv_offload_blocks: bounded("kv_offload_blocks") = Field(
+        0, description="blocks a host-memory offload tier under the prefix cache holds (LRU): evicted full "
+                       "blocks are stored there and restored on a later prefix hit, as LMCache and vLLM's "
+                       "offloading connector do; 0: no tier (paged KV with prefix_caching)")
     watermark: bounded("watermark") = Field(
         _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
     batch_invariant: bool | None = Field(
@@ -150,6 +154,9 @@ class EngineSection(Strict):
         if self.kv == "slots" and (self.num_blocks is not None or self.prefix_caching):
             key = "num_blocks" if self.num_blocks is not None else "prefix_caching"
             raise Problem(f"{key} needs paged KV", "add `kv: paged` to the engine section", (key,))
+        if self.kv_offload_blocks and not self.prefix_caching:
+            raise Problem("kv_offload_blocks needs the prefix cache: the tier restores blocks on a prefix hit",
+                          "add `kv: paged` and `prefix_caching: true` to the engine section", ("kv_offload_blocks",))
         for name in self.faults:
             check_fault_fits(name, self, ("faults",))
         try:
@@ -166,7 +173,8 @@ class EngineSection(Strict):
             bucket_tolerance=self.bucketing.tolerance, slot_reuse=self.slot_reuse,
             on_too_long=self.on_too_long, max_waiting=self.max_waiting, faults=frozenset(self.faults),
             kv=self.kv, block_size=self.block_size, num_blocks=self.num_blocks, prefix_caching=self.prefix_caching,
-            watermark=self.watermark, batch_invariant=bool(self.batch_invariant))
+            watermark=self.watermark, batch_invariant=bool(self.batch_invariant),
+            kv_offload_blocks=self.kv_offload_blocks)
         return EngineConfig(**{**fields, **overrides})
 
     def pool_blocks(self, block_bytes: int) -> int:
@@ -190,6 +198,8 @@ def check_fault_fits(name: str, engine: EngineSection, where: tuple, layout: str
                       f"or drop {name}", where)
     if "prefix_caching" in fault.needs and not engine.prefix_caching:
         raise Problem(f"fault {name} acts in the prefix cache", "set engine.prefix_caching: true", where)
+    if "kv_offload" in fault.needs and not engine.kv_offload_blocks:
+        raise Problem(f"fault {name} acts in the KV offload tier", "set engine.kv_offload_blocks (e.g. 64)", where)
     layout = layout or engine.layout
     if layout not in fault.layouts:
         fix = f"set engine.layout: {fault.layouts[0]} or drop {name}"

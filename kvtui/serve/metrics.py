@@ -81,6 +81,15 @@ class ServeMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.external_queries = counter("vllm:external_prefix_cache_queries", "External prefix cache queries from "
+                                        "KV connector cross-instance cache sharing, in terms of number of queried "
+                                        "tokens (kvtui: its KV offload tier).")
+        self.external_hits = counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV "
+                                     "connector cross-instance cache sharing, in terms of number of cached tokens "
+                                     "(kvtui: its KV offload tier).")
+        self.offload_stores = counter("kvtui:kv_offload_stores", "KV blocks evicted from the pool and stored in "
+                                      "the offload tier.")
+        self.offload_bytes = gauge("kvtui:kv_offload_bytes", "K/V bytes the KV offload tier holds.")
         info = {"block_size": str(block_size)} if block_size else {}
         info["enable_prefix_caching"] = str(bool(prefix_caching))
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
@@ -106,6 +115,8 @@ class ServeMetrics:
             self.generation_tokens.inc(sum(1 for r in event.running if r.token_id is not None))
             self.prefix_queries.inc(event.prefix_cache_queries or 0)
             self.prefix_hits.inc(event.prefix_cache_hits or 0)
+            if event.kv_offload_capacity is not None:
+                self._offload(event)
         elif isinstance(event, Arrive):
             self._prompt_len[event.request_id] = event.prompt_len
         elif isinstance(event, FirstToken):
@@ -118,6 +129,12 @@ class ServeMetrics:
             self.contamination.labels(self.model_name, event.kind, event.detector).inc()
         elif isinstance(event, RecordingFailed):
             self.recording_errors.inc()
+
+    def _offload(self, event: StepEvent) -> None:
+        self.external_queries.inc(event.kv_offload_queries)
+        self.external_hits.inc(event.kv_offload_hits)
+        self.offload_stores.inc(event.kv_offload_stores)
+        self.offload_bytes.set(event.kv_offload_bytes)
 
     def on_engine_step(self, wall_s: float, cpu_s: float) -> None:
         """One pass of the engine thread that ran a step: its wall and thread CPU seconds."""

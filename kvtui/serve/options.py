@@ -38,6 +38,7 @@ class ServeOptions:
     kv: str = _ENGINE.kv
     block_size: int = _ENGINE.block_size
     prefix_caching: bool = _ENGINE.prefix_caching
+    kv_offload_blocks: int = 0  # blocks of the KV offload tier (paged, prefix caching; kvtui/engine/offload.py)
     max_waiting: int | None = _ENGINE.max_waiting
     detectors: tuple[str, ...] = SERVE_DETECTORS
     threads: int | None = None

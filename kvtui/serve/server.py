@@ -30,6 +30,7 @@ from kvtui.serve.options import ServeOptions
 
 # where a scenario field comes from on the command line, for error messages
 FLAGS = {"engine.kv": "--kv", "engine.block_size": "--block-size", "engine.prefix_caching": "--prefix-caching",
+         "engine.kv_offload_blocks": "--kv-offload-blocks",
          "engine.slots": "--slots", "engine.max_len": "--max-len", "engine.max_batch_size": "--max-batch-size",
          "engine.max_tokens_per_step": "--max-tokens-per-step", "engine.layout": "--layout",
          "engine.max_waiting": "--max-waiting", "model": "--model", "dtype": "--dtype", "engine": "engine"}
@@ -52,6 +53,8 @@ def serve_scenario(options: ServeOptions):
               "max_waiting": options.max_waiting, "kv": options.kv, **options.extra}
     if options.kv == "paged":
         engine.update(block_size=options.block_size, prefix_caching=options.prefix_caching)
+    if options.kv_offload_blocks:
+        engine.update(kv_offload_blocks=options.kv_offload_blocks)
     try:
         return Scenario.model_validate({
             "name": "kvtui serve", "description": "requests from HTTP clients (OpenAI API)", "model": options.model,
@@ -180,11 +183,11 @@ class ServeServer:
         scenario = serve_scenario(self.options)
         engine = scenario.engine  # the flags and any extra engine fields, as the session will run them
         for name in self.engine_faults:  # a fault that cannot act here would never fire
-            why = fault_misfit(name, engine.layout, engine.kv, engine.prefix_caching)
+            why = fault_misfit(name, engine.layout, engine.kv, engine.prefix_caching, bool(engine.kv_offload_blocks))
             if why:
                 raise ValueError(f"--fault {name}: {why.removeprefix(f'fault {name} ')}, so it would never fire; "
-                                 "`kvtui faults` lists where each fault acts (--layout, --kv and --prefix-caching "
-                                 "pick where)")
+                                 "`kvtui faults` lists where each fault acts (--layout, --kv, --prefix-caching "
+                                 "and --kv-offload-blocks pick where)")
         return scenario
 
     def load(self) -> None:

@@ -165,6 +165,9 @@ def _paged_line(snap: Snapshot) -> Text:
         if p.by_tenant:
             text.append(" · cross-tenant hits ")
             text.append(f"{p.cross_tenant_hits}", style=LEAK_STYLE if p.cross_tenant_hits else "")
+        if p.offload is not None:
+            hits, stores, held, capacity = p.offload
+            text.append(f"\noffload tier: {hits} tokens restored · {stores} blocks stored · {held}/{capacity} held")
     return text
 
 

@@ -87,6 +87,7 @@ class PagedView:
     cross_tenant_hits: int
     preemptions: int
     by_tenant: bool
+    offload: tuple[int, int, int, int] | None = None  # the KV offload tier: tokens restored, blocks stored, held, capacity
 
 
 @dataclass(frozen=True)

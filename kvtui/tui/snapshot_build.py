@@ -100,8 +100,12 @@ def _paged(state: DashboardState) -> PagedView | None:
     m = state.metrics
     if state.kv != "paged":
         return None
+    last = m.last
+    offload = None
+    if last is not None and last.kv_offload_capacity is not None:
+        offload = (m.offload_hits, m.offload_stores, last.kv_offload_blocks, last.kv_offload_capacity)
     return PagedView(state.block_size, m.prefix_queries, m.prefix_hits, m.cross_tenant_hits, m.num_preemptions,
-                     bool(state.tenants))
+                     bool(state.tenants), offload)
 
 
 def _latency(state: DashboardState, name: str) -> Latency:

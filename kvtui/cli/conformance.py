@@ -1,0 +1,155 @@
+"""`kvtui conformance`: every black-box isolation check against one server (kvtui/conformance/), as one
+table. With --target, the server at that URL; without, a `kvtui serve` of kvtui's own engine started in
+this process (with --fault, a mutant). Exit 0 every applicable check passed, 1 one failed, 2 bad input,
+3 the server could not be reached or failed a request outright."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, out, say
+from kvtui.cli.options import (
+    TARGET,
+    TARGET_PANEL,
+    FaultChoice,
+    Timeout,
+    fault_names,
+    served_model_option,
+    target_option,
+)
+from kvtui.names import did_you_mean
+
+
+def _checks_asked(check: list[str] | None) -> list[str] | None:
+    """The --check names, each known (exit 2 naming an unknown one); None: all."""
+    from kvtui.conformance import CHECKS
+
+    for name in check or ():
+        if name not in CHECKS:
+            fail(f"--check {name!r}: no such check{did_you_mean(name, list(CHECKS))}; `kvtui conformance --list` "
+                 "names them")
+    return list(dict.fromkeys(check)) if check else None
+
+
+def _list() -> None:
+    from kvtui.conformance import CHECKS
+
+    for c in CHECKS.values():
+        mutant = f" (kvtui serve mutant: --fault {c.mutant})" if c.mutant else ""
+        out.print(f"{c.name:<18} {c.summary}{mutant}", markup=False, highlight=False, soft_wrap=True)
+
+
+def conformance(
+    target: target_option("Check the OpenAI-compatible server at this URL (default: start a kvtui serve of "
+                          "kvtui's own engine in this process).") = None,
+    check: Annotated[Optional[list[str]], typer.Option("--check", help="Run only this check (repeatable); "
+                                                       "--list names them.")] = None,
+    list_checks: Annotated[bool, typer.Option("--list", help="Name the checks, one line each, and exit.")] = False,
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Without --target: start kvtui "
+                                                               "serve with this isolation fault on (a mutant; "
+                                                               "repeatable).")] = None,
+    model: Annotated[str, typer.Option("--model", help="kvtui's name of the served model: its tokenizer plans "
+                                       "the prompts (and without --target kvtui serve loads it).")] = "default",
+    served_model: served_model_option("With --target: the model name to send (default: the first of "
+                                      "/v1/models).") = TARGET.served_model,
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer requests per check (about half the time).")] = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON here.")] = None,
+    markdown_path: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table as Markdown "
+                                                          "here.")] = None,
+    timeout: Timeout = TARGET.timeout_s,
+    threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Without --target: torch threads for "
+                                                   "the engine (default: all cores but one).",
+                                                   rich_help_panel=TARGET_PANEL)] = None,
+) -> None:
+    """Run every black-box isolation check (tenant salts, solo parity under load, n > 1, structured output,
+    prompt embeddings, images, the prompt cache, request ids) against one server and print one table:
+    pass, fail, or n/a with the reason. Exit 1 when a check fails."""
+    if list_checks:
+        _list()
+        return
+    names = _checks_asked(check)
+    faults = fault_names(fault)
+    if target is not None and faults:
+        fail("--fault starts kvtui's own server with a fault and cannot apply to a --target server; drop --fault "
+             "or --target")
+    if target is not None and threads is not None:
+        fail("--threads sets kvtui's own engine and cannot apply to a --target server; drop it")
+    for path, flag in ((json_path, "--json"), (markdown_path, "--markdown")):
+        if path is not None and not path.parent.is_dir():
+            fail(f"{flag} {path}: its folder does not exist; choose a path in an existing folder")
+    if target is not None:
+        from kvtui.cli.target import check_url
+
+        _run(check_url(target), model, served_model, names, quick, timeout, json_path, markdown_path)
+        return
+    _run_local(model, faults, threads, names, quick, timeout, json_path, markdown_path)
+
+
+def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, quick: bool, timeout: float,
+               json_path: Path | None, markdown_path: Path | None) -> None:
+    from kvtui.conformance.local import local_server
+    from kvtui.models import ModelLoadError
+    from kvtui.serve.main import BadInput
+
+    label = "kvtui serve" + "".join(f" --fault {f}" for f in faults)
+    say("note", f"starting {label} (paged KV, 16-token blocks, prefix caching, prompt embeddings) on a free port")
+    try:
+        with local_server(model, faults, threads) as url:
+            _run(url, model, None, names, quick, timeout, json_path, markdown_path, label=label)
+    except (BadInput, ValueError, ModelLoadError) as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot start kvtui serve: {e}", EXIT_RUNTIME)
+
+
+def _run(url: str, model: str, served_model: str | None, names, quick: bool, timeout: float,
+         json_path: Path | None, markdown_path: Path | None, label: str | None = None) -> None:
+    """Connect, run the checks with progress lines, print the table, write the files, exit by the verdicts."""
+    import httpx
+
+    from kvtui.conformance import CHECKS, Server, run_checks
+    from kvtui.conformance.report import print_table, write_json, write_markdown
+    from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.target.session import SERVER_KINDS, TargetError
+
+    try:
+        tokenizer = load_tokenizer(model)
+    except ModelLoadError as e:
+        fail(f"--model: {e}")
+    try:
+        first = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        fail(f"--target {url}: /v1/models did not answer with a model ({type(e).__name__}: {e}); check the URL "
+             "(http://HOST:PORT) and that the server is up", EXIT_RUNTIME)
+    kind = SERVER_KINDS.get(first.get("owned_by"))
+    server = Server(url=url, model=model, tokenizer=tokenizer, served_model=served_model or first.get("id"),
+                    server_kind=kind, timeout_s=timeout, quick=quick,
+                    say=lambda text: err.print(f"  {text}", markup=False, highlight=False))
+    total = len(names) if names else len(CHECKS)
+    done = []
+
+    def progress(result) -> None:
+        done.append(result)
+        err.print(f"[{len(done)}/{total}] {result.check}: {result.verdict} ({result.seconds:.0f} s)", markup=False,
+                  highlight=False)
+
+    err.print(f"conformance of {url} ({kind or 'server kind not said'}, model {server.served_model}): "
+              f"{total} checks", markup=False, highlight=False)
+    try:
+        results = run_checks(server, names, on_result=progress)
+    except (TargetError, httpx.HTTPError) as e:
+        fail(f"{url}: {e}", EXIT_RUNTIME)
+    title = label or url
+    print_table(results, title, out)
+    try:
+        if json_path is not None:
+            write_json(json_path, results, url, label)
+        if markdown_path is not None:
+            write_markdown(markdown_path, results, title)
+    except OSError as e:
+        fail(f"cannot write the results ({e.strerror or e}); choose another --json / --markdown path")
+    if any(r.verdict == "fail" for r in results):
+        raise typer.Exit(EXIT_CONTAMINATION)

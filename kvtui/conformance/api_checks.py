@@ -1,0 +1,164 @@
+"""The checks of API features kvtui's target session does not send: parallel sampling (n > 1) and
+structured output (response_format json_schema) beside plain requests.
+
+Both isolate their own property from batching in general. n > 1: one request with n choices runs
+alone (its choices are the only rows, all of one length), and choice i is compared with a separate
+request seeded seed + i, also alone (vLLM's and kvtui's seeding of a request's children). Structured
+output: the plain requests' answers in a round beside constrained neighbours are compared with their
+answers in a control round of the same shape where those neighbours are plain, so anything but the
+neighbours' grammar is the same in both rounds; every prompt is the same text, so every row has one
+length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, short
+from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
+from kvtui.target.solo_check import first_divergence
+
+N, STRUCTURED = "parallel_sampling", "structured_output"
+TITLES = {N: "n > 1 (parallel sampling)", STRUCTURED: "structured output beside plain requests"}
+STORY = "Write a short story about a lighthouse keeper and a {word}."
+WORDS = ("fox", "violin", "comet")
+
+
+def _choices(data: dict) -> list[str]:
+    """The text of each choice of a non-streamed chat answer, in index order."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    return [(c.get("message") or {}).get("content") or "" for c in choices]
+
+
+def _first_word(text: str) -> str:
+    parts = text.split()
+    return parts[0] if parts else ""
+
+
+def parallel_sampling(server: Server) -> CheckResult:
+    """One chat request with n choices at temperature 1, alone; then n requests seeded seed + i, alone.
+    Choice i must equal the i-th separate answer. n/a when the server refuses n > 1, gives fewer choices, or
+    seeds its choices otherwise (their first words differ from the separate runs')."""
+    n, tokens = 3, 16 if server.quick else 24
+    seed = fresh_seed()
+    text = STORY.format(word=WORDS[seed % len(WORDS)])
+    sent = (f"1 chat request n={n} (temperature 1.0, seed S, {tokens} tokens) alone, then {n} requests n=1 seeded "
+            f"S+i alone; fresh cache_salt on each")
+    server.say(f"n > 1: {sent}")
+    sampling = dict(temperature=1.0, top_p=1.0, seed=seed)
+    with server.client() as client:
+        r = client.post(CHAT_PATH, json=server.uncached(server.chat_body(text, max_tokens=tokens, n=n, **sampling)))
+        if 400 <= r.status_code < 500:
+            return not_applicable(N, TITLES[N], sent, f"the server refuses n={n}: {refusal(r)}")
+        r.raise_for_status()
+        choices = _choices(r.json())
+        if len(choices) != n:
+            return not_applicable(N, TITLES[N], sent, f"asked for n={n}, the server gave {len(choices)} choices")
+        separate = []
+        for i in range(n):
+            one = client.post(CHAT_PATH, json=server.uncached(server.chat_body(
+                text, max_tokens=tokens, **{**sampling, "seed": seed + i})))
+            one.raise_for_status()
+            separate.append(_choices(one.json())[0])
+    differ = [i for i in range(n) if choices[i] != separate[i]]
+    distinct = len(set(choices))
+    figures = f"{n - len(differ)} of {n} choices equal their seeded run; {distinct} distinct choices"
+    if not differ:
+        return CheckResult(N, TITLES[N], "pass", sent, figures)
+    if any(_first_word(choices[i]) != _first_word(separate[i]) for i in range(n)):
+        return not_applicable(N, TITLES[N], sent, "the server does not seed choice i with seed + i (a choice's first "
+                              f"word differs from its seeded run's: {short(choices[differ[0]], 30)} vs "
+                              f"{short(separate[differ[0]], 30)}), so the choices cannot be compared", figures)
+    i = differ[0]
+    return CheckResult(N, TITLES[N], "fail", sent, figures,
+                       f"choice {i}: {short(choices[i])}; seeded run: {short(separate[i])}")
+
+
+SCHEMAS = (  # a short object and a longer one, so the constrained neighbours finish at different steps
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"passphrase": {"type": "string", "maxLength": 32}}, "required": ["passphrase"],
+     "additionalProperties": False},
+)
+PROMPT = "The passphrase is AMBER-FALCON-37. Reply with only the passphrase."
+JSON_TOKENS = 48  # room for the longer object, whatever spacing the server allows
+ORDERS = (("json0", "plain0", "json1", "plain1"), ("plain0", "json0", "plain1", "json1"))
+
+
+def _body(server: Server, name: str, constrained: bool, tokens: int) -> dict:
+    """One request of a round: greedy, streamed with logprobs; a constrained one with room for its whole
+    object (JSON_TOKENS)."""
+    body = server.chat_body(PROMPT, max_tokens=JSON_TOKENS if constrained else tokens, temperature=0.0, stream=True,
+                            stream_options={"include_usage": True}, logprobs=True, top_logprobs=TOP_LOGPROBS)
+    if constrained:
+        schema = SCHEMAS[int(name[-1])]
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": f"answer{name[-1]}",
+                                                                         "schema": schema, "strict": True}}
+    return server.uncached(body)
+
+
+async def _round(server: Server, order: tuple[str, ...], constrained: bool, tokens: int) -> dict[str, StreamResult]:
+    """One round: the four requests of `order` sent at once; the json* ones constrained when `constrained`."""
+    async with server.async_client() as client:
+        tasks = [stream_request(client, CHAT_PATH, _body(server, name, constrained and name.startswith("json"), tokens),
+                                timeout_s=server.timeout_s) for name in order]
+        return dict(zip(order, await asyncio.gather(*tasks)))
+
+
+def _valid(text: str, schema: dict) -> bool:
+    """`text` is a JSON object with exactly the schema's required keys."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and set(data) == set(schema["required"])
+
+
+def structured_output(server: Server) -> CheckResult:
+    """Rounds of 2 JSON-schema requests beside 2 plain ones (one prompt for all), against a control round of 4
+    plain; each plain answer must be what it was in the control round (a near tie of the logprobs aside).
+    n/a when the server refuses response_format json_schema or does not keep to it."""
+    tokens = 16 if server.quick else 24
+    sent = (f"a control round of 4 plain greedy chat requests, then {len(ORDERS)} rounds of 2 plain beside 2 "
+            f"response_format json_schema ones, 4 at once; {tokens} tokens, fresh cache_salt on each")
+    server.say(f"structured output: {sent}")
+    control = asyncio.run(_round(server, ORDERS[0], False, tokens))
+    rounds = [asyncio.run(_round(server, order, True, tokens)) for order in ORDERS]
+    failed = next((r for r in [*control.values(), *(x for rd in rounds for x in rd.values())] if r.finish_reason == "error"), None)
+    if failed is not None:
+        if failed.status is not None and 400 <= failed.status < 500:
+            return not_applicable(STRUCTURED, TITLES[STRUCTURED], sent, f"the server refuses response_format "
+                                  f"json_schema: HTTP {failed.status}: {(failed.error or '')[:160]}")
+        raise httpx.HTTPError(f"a structured-output request failed: {failed.error}")
+    kept = [_valid(rd[name].text, SCHEMAS[int(name[-1])]) for rd in rounds for name in rd if name.startswith("json")]
+    if not all(kept):
+        bad = next(rd[name] for rd in rounds for name in rd if name.startswith("json")
+                   and not _valid(rd[name].text, SCHEMAS[int(name[-1])]))
+        why = (f"a constrained answer did not close its object within {JSON_TOKENS} tokens: {short(bad.text)}"
+               if bad.finish_reason == "length" else
+               f"the server does not keep to response_format json_schema: {short(bad.text)} is not the schema's object")
+        return not_applicable(STRUCTURED, TITLES[STRUCTURED], sent, why)
+    return _judge_plain(server, sent, control, rounds)
+
+
+def _judge_plain(server: Server, sent: str, control: dict[str, StreamResult], rounds: list) -> CheckResult:
+    """The plain answers of each mixed round against the control round's."""
+    changed, numeric = [], 0
+    tolerance = server.options().tolerance
+    for k, rd in enumerate(rounds):
+        for name in ("plain0", "plain1"):
+            d = first_divergence(rd[name], control[name], tolerance)
+            if d is None:
+                continue
+            if d.kind == "numeric":
+                numeric += 1
+            else:
+                changed.append(f"round {k + 1} {name}: {short(rd[name].text, 40)}; control: {short(control[name].text, 40)}")
+    plain = 2 * len(rounds)
+    figures = (f"{plain - len(changed) - numeric} of {plain} plain answers equal the control round's; {numeric} near "
+               f"ties; {2 * len(rounds)} JSON answers valid")
+    if changed:
+        return CheckResult(STRUCTURED, TITLES[STRUCTURED], "fail", sent, figures, "; ".join(changed[:2]))
+    return CheckResult(STRUCTURED, TITLES[STRUCTURED], "pass", sent, figures)

@@ -1,0 +1,124 @@
+"""What every conformance check shares: the server under test (`Server`), one check's result
+(`CheckResult`) and the small helpers the checks use to talk to the server.
+
+A check is a function `(Server) -> CheckResult`. It sends its own requests, judges them, and says
+what it sent, its verdict (pass, fail, or n/a with the reason), the figures it measured and the
+evidence for a fail. A check that cannot reach the server raises `TargetError` (the command's exit 3).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import httpx
+
+from kvtui.target.options import TargetOptions
+from kvtui.target.solo_check import uncached
+
+Verdict = Literal["pass", "fail", "n/a"]
+VERDICTS: tuple[Verdict, ...] = ("pass", "fail", "n/a")
+
+
+@dataclass
+class Server:
+    """The server under test and how to drive it.
+
+    Attributes:
+        url: base URL (http://HOST:PORT; the /v1/... paths are added).
+        model: kvtui's name of the model the server serves (its tokenizer plans the prompts; "default" is
+            SmolLM2-135M-Instruct); tokenizer: that model's tokenizer.
+        served_model: the `model` field to send (None: the first of /v1/models).
+        server_kind: what /v1/models' owned_by says ("vLLM", "llama.cpp", "kvtui", ...; None unknown).
+        timeout_s: one request's limit (seconds).
+        quick: fewer requests per check (CI); say: where progress lines go.
+    """
+
+    url: str
+    model: str
+    tokenizer: object
+    served_model: str | None = None
+    server_kind: str | None = None
+    timeout_s: float = 120.0
+    quick: bool = False
+    say: Callable[[str], None] = field(default=lambda text: None)
+
+    def options(self, **changes) -> TargetOptions:
+        """TargetOptions for a TargetSession or the timing audit against this server."""
+        return TargetOptions(url=self.url, served_model=self.served_model, timeout_s=self.timeout_s, **changes)
+
+    def client(self) -> httpx.Client:
+        """A blocking client on the server's base URL (the caller closes it)."""
+        return httpx.Client(base_url=self.url.rstrip("/"), timeout=httpx.Timeout(self.timeout_s))
+
+    def async_client(self) -> httpx.AsyncClient:
+        """An asyncio client on the server's base URL (the caller closes it)."""
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
+        return httpx.AsyncClient(base_url=self.url.rstrip("/"), timeout=httpx.Timeout(self.timeout_s), limits=limits)
+
+    def uncached(self, body: dict) -> dict:
+        """`body` past the server's prefix cache (a fresh cache_salt; llama.cpp: cache_prompt false)."""
+        return uncached(body, self.server_kind)
+
+    def chat_body(self, text: str, *, max_tokens: int, **extra) -> dict:
+        """A chat completions body with one user message `text` (non-streamed unless `extra` says so)."""
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **extra}
+        if self.served_model:
+            body["model"] = self.served_model
+        return body
+
+
+@dataclass
+class CheckResult:
+    """One class's outcome.
+
+    Attributes:
+        check: the check's name (`--check NAME`); title: its heading in the table.
+        verdict: "pass", "fail" or "n/a".
+        sent: what the check sent, one line.
+        figures: what it measured, one line.
+        evidence: a fail's evidence (victim, source, the differing text), or the n/a reason.
+        seconds: wall time the check took.
+    """
+
+    check: str
+    title: str
+    verdict: Verdict
+    sent: str
+    figures: str
+    evidence: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        """The result as plain JSON-ready data."""
+        return asdict(self)
+
+
+def not_applicable(check: str, title: str, sent: str, why: str, figures: str = "") -> CheckResult:
+    """An n/a result whose evidence is the reason."""
+    return CheckResult(check, title, "n/a", sent, figures or "-", why)
+
+
+def refusal(response: httpx.Response) -> str:
+    """A 4xx answer in one line: its status and the server's message, cut to 200 characters."""
+    try:
+        data = response.json()
+        message = data.get("error", data) if isinstance(data, dict) else data
+        if isinstance(message, dict):
+            message = message.get("message", message)
+    except ValueError:
+        message = response.text
+    return f"HTTP {response.status_code}: {' '.join(str(message).split())[:200]}"
+
+
+def fresh_seed() -> int:
+    """A random seed below 2**30 (every run its own: a server's cache outlives runs)."""
+    return secrets.randbelow(1 << 30)
+
+
+def short(text: str, limit: int = 60) -> str:
+    """`text` on one line, cut to `limit` characters, quoted."""
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= limit else flat[: limit - 1] + "…")

