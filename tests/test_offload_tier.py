@@ -238,3 +238,24 @@ def test_a_recorded_tier_run_replays_its_figures_and_the_dashboard_shows_them(ti
     held = f"{steps[-1].kv_offload_blocks}/{steps[-1].kv_offload_capacity} held"
     assert f"offload tier: {summary.kv_offload_hits} tokens restored · {summary.kv_offload_stores} blocks stored" in text
     assert held in text
+
+
+@pytest.mark.parametrize("fault", ["", "tier_key_drops_partition"])
+def test_the_tier_key_carries_the_lora_adapter(tiny, fault):
+    """One tenant, requests under adapters lora-a and lora-b in turn: the tier gives a block back only to
+    the adapter that computed it; keyed by tokens alone it crosses adapters, and prefix_provenance names
+    the writer (the content keys differ by the adapter's weights)."""
+    text = _held_out(17, 16, 2, 1, fault) + "lora: {adapters: [lora-a, lora-b]}\n"
+    session, steps = _steps_and_run(tiny, parse_scenario(text))
+    assert sum(s.kv_offload_hits for s in steps) > 0
+    provenance = [e for e in session.contamination if e.detector == "prefix_provenance" and e.counts]
+    assert {(e.victim, e.source) for e in provenance} == _cross_adapter(steps)
+    assert bool(provenance) is bool(fault)
+    assert [e for e in session.contamination if e.kind in CONTAMINATION and e not in provenance and not fault] == []
+
+
+def _cross_adapter(steps) -> set[tuple[str, str]]:
+    """(victim, source) of reused blocks whose content key is not the reader's (computed under another adapter):
+    from the tier, or from the pool after a wrong restore cached them again under the reader's key."""
+    return {(h.request_id, b.writer) for s in steps for h in s.prefix_hits for b in h.blocks
+            if b.writer_key != b.reader_key}

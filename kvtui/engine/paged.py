@@ -123,11 +123,13 @@ class PagedCache:
         return true_items(request.cache_keys(n), request.input.lora)
 
     def _tier_keys(self, request: RequestState, n: int) -> list[bytes] | None:
-        """The offload tier's keys of the full blocks of the request's first n positions (None: no tier)."""
+        """The offload tier's keys of the full blocks of the request's first n positions (None: no tier): its
+        own key, whatever faults the pool's key has; the partition is the tenant's salt and the adapter."""
         if self.tier is None:
             return None
         tokens = (list(request.prompt_ids) + request.generated_ids)[:n]
-        return offload.tier_keys(request.cache_keys(n), tokens, self.block_size, self._salt(request), self.faults)
+        partition = prefix_salt(request.cache_salt, request.input.lora)
+        return offload.tier_keys(request.cache_keys(n), tokens, self.block_size, partition, self.faults)
 
     def _apply_tier(self) -> None:
         """Make the tier's copies the bookkeeping decided: evicted full blocks into the tier, then the
