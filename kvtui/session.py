@@ -337,6 +337,17 @@ class Session(RunBase):
         self._external.put(request_id)
         self._external_ready.set()
 
+    def call_external(self, fn):
+        """Thread-safe: call `fn()` in the engine thread at the start of the next step_once, in order with
+        the submissions queued before and after it (kvtui serve loads LoRA adapters so). Returns a
+        concurrent.futures.Future with its result or exception."""
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._external.put((fn, future))
+        self._external_ready.set()
+        return future
+
     def _drain_external(self) -> None:
         self._external_ready.clear()
         while True:
@@ -344,7 +355,9 @@ class Session(RunBase):
                 item = self._external.get_nowait()
             except queue.Empty:
                 return
-            if not isinstance(item, str):
+            if isinstance(item, tuple):  # call_external
+                _call(*item)
+            elif not isinstance(item, str):
                 self._submit(item)
             elif any(i in self.engine.requests for i in self.engine.sequence_ids(item)):  # n > 1: its sequences
                 self.engine.abort(item)
@@ -759,3 +772,13 @@ def _with_pieces(report: StepEvent, pieces: dict[str, str]) -> StepEvent:
     running = tuple(r.model_copy(update={"piece": pieces[r.request_id]}) if r.request_id in pieces else r
                     for r in report.running)
     return report.model_copy(update={"running": running})
+
+
+def _call(fn, future) -> None:
+    """Run a call_external item: its result or exception goes to its future (never into the step loop)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as e:
+        future.set_exception(e)

@@ -365,7 +365,7 @@ def test_metrics_parse_and_count_the_requests(tiny_server):
     ("completions", {"prompt": "x", "logit_bias": {"9999999": 1}}, 400, "logit_bias", "invalid_logit_bias"),
     ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens", None),
     ("completions", {"prompt": "x", "bad_words": "x"}, 400, "bad_words", None),
-    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", 404),  # vLLM's NotFoundError body
     ("chat/completions", {"messages": []}, 400, "messages", None),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs",
      None),

@@ -132,8 +132,8 @@ def test_models_retrieve_and_created_is_the_servers_start(server):
     assert c.models.retrieve("tiny-llama").created == model.created  # not the time of the call
     with pytest.raises(openai.NotFoundError) as caught:
         c.models.retrieve("gpt-4")
-    assert caught.value.body == {"message": "The model `gpt-4` does not exist; this server serves `tiny-llama`",
-                                 "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert caught.value.body == {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
+                                 "param": "model", "code": 404}  # vLLM's body
 
 
 # -- errors ----------------------------------------------------------------------------------------------

@@ -295,7 +295,7 @@ def test_hostile_headers_cost_under_a_second_and_bounded_memory(tmp_path):
 
 def test_a_wrong_model_is_404_and_a_json_body_is_400(whisper_server):
     r = post(whisper_server, {"model": "whisper-1"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and r.json()["error"]["type"] == "NotFoundError"
     r = httpx.post(whisper_server.url + "/v1/audio/transcriptions", json={"model": "tiny-whisper"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "file"
 

@@ -161,7 +161,7 @@ HOSTILE = [  # (name, path, body: a dict sent as JSON or raw bytes, status, erro
     ("lone surrogate in a message", CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
      "invalid_unicode"),
     ("lone surrogate in a key", "completions", b'{"prompt": "x", "\\ud800": 1}', 400, "invalid_unicode"),
-    ("unknown model", "completions", {"prompt": "x", "model": "gpt-4"}, 404, "model_not_found"),
+    ("unknown model", "completions", {"prompt": "x", "model": "gpt-4"}, 404, 404),
     ("image content", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "model_not_supported"),
     ("prompt past max_len", "completions", {"prompt": "x" * 3000}, 400, "context_length_exceeded"),
     ("body past the limit", "completions", {"prompt": "x" * 1_100_000}, 413, "request_too_large"),

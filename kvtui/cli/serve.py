@@ -82,27 +82,49 @@ def serve(
                                                        "(base64 torch.save tensors) in `prompt_embeds` of completions "
                                                        "and prompt_embeds parts of chat messages, as vLLM's flag; "
                                                        "off: such requests get 400.")] = SERVE.enable_prompt_embeds,
+    lora_modules: Annotated[Optional[list[str]], typer.Option("--lora-modules", help="A LoRA adapter to serve "
+                                                              "(repeatable), as vLLM's: name=path (a peft LoRA "
+                                                              "folder), or a built-in local adapter by name (lora-a, "
+                                                              "lora-b, lora-c); a request's `model` selects it. "
+                                                              "Turns --enable-lora on.")] = None,
+    enable_lora: Annotated[bool, typer.Option("--enable-lora", help="Serve LoRA adapters (Llama-family models), as "
+                                              "vLLM's flag.")] = SERVE.enable_lora,
+    allow_runtime_lora_updating: Annotated[bool, typer.Option("--allow-runtime-lora-updating",
+                                                              envvar="VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                                                              show_default=False, help="Serve /v1/load_lora_adapter "
+                                                              "and /v1/unload_lora_adapter, as vLLM with "
+                                                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (read here too).")]
+    = SERVE.allow_runtime_lora_updating,
 ) -> None:
     """Serve the engine behind an OpenAI-compatible API (completions, chat, /metrics; audio transcriptions for a
     Whisper model) until Ctrl-C.
 
     Any OpenAI client, curl, `vllm bench serve` or GuideLLM can drive it; --dashboard shows inside.
     """
+    from kvtui.serve.lora import parse_lora_modules
     from kvtui.serve.main import BadInput, run_serve
     from kvtui.serve.server import ServeOptions
     from kvtui.tui.launch import default_torch_threads
 
     if kv != "paged" and (prefix_caching or block_size is not None):
         fail(f"{'--prefix-caching' if prefix_caching else '--block-size'} needs paged KV: add --kv paged")
+    if kv_offload_blocks and not prefix_caching:
+        fail("--kv-offload-blocks needs the prefix cache: add --kv paged --prefix-caching")
     max_len = max_len or SPEECH_MAX_LEN.get(model, SERVE.max_len)
+    try:
+        modules = parse_lora_modules(lora_modules)
+    except ValueError as e:
+        fail(str(e))
     options = ServeOptions(model=model, dtype=dtype, device=device, host=host, port=port,
                            faults=fault_names(fault), record=record, served_model_name=served_model_name, slots=slots,
                            max_len=max_len, max_batch_size=max_batch_size, max_tokens_per_step=max_tokens_per_step,
                            layout=layout, kv=kv, block_size=block_size or SERVE.block_size, prefix_caching=prefix_caching,
-                           max_waiting=max_waiting, detectors=parse_detectors(detectors),
+                           kv_offload_blocks=kv_offload_blocks, max_waiting=max_waiting, detectors=parse_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
                            max_request_bytes=max_request_bytes, enforce_eager=enforce_eager,
-                           batch_invariant=batch_invariant, enable_prompt_embeds=enable_prompt_embeds)
+                           batch_invariant=batch_invariant, enable_prompt_embeds=enable_prompt_embeds,
+                           lora_modules=modules, enable_lora=enable_lora,
+                           allow_runtime_lora_updating=allow_runtime_lora_updating)
     from kvtui.faults import FAULTS, server_faults
 
     for name in server_faults(options.faults):

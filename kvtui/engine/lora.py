@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +207,8 @@ def true_items(items: list, adapter: LoraAdapter | None) -> list:
 
 class AdapterRegistry:
     """The adapters an engine's requests may name: name -> the current LoraAdapter. Loading a name again
-    (a reload) makes a new version; requests already submitted keep the version they were given.
+    (a reload) makes a new version; requests already submitted keep the version they were given. Versions
+    of a name only go up, across unloads too, so name@version names one set of weights for the run.
 
     Args:
         model: the engine's model (Llama family); model_id: its name, which local adapters are made for.
@@ -216,6 +217,7 @@ class AdapterRegistry:
     def __init__(self, model, model_id: str) -> None:
         self.model, self.model_id = model, model_id
         self.adapters: dict[str, LoraAdapter] = {}
+        self._versions: dict[str, int] = {}  # name -> the last version it was given
 
     def load(self, name: str, path=None, seed: int | None = None) -> LoraAdapter:
         """Load adapter `name` from `path` (a peft LoRA folder), or the local adapter made with `seed` (or
@@ -230,10 +232,19 @@ class AdapterRegistry:
         if problem:
             raise ValueError(problem)
         folder = resolve_adapter(self.model_id, self.model.config, name, path, seed)
-        old = self.adapters.get(name)
-        adapter = load_adapter(self.model, name, folder, 1 if old is None else old.version + 1)
-        self.adapters[name] = adapter
+        return self.add(load_adapter(self.model, name, folder))
+
+    def add(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Install `adapter` (read by load_adapter, e.g. in another thread) as the next version of its name;
+        returns it with that version. Call between engine steps."""
+        adapter = replace(adapter, version=self._versions.get(adapter.name, 0) + 1)
+        self._versions[adapter.name] = adapter.version
+        self.adapters[adapter.name] = adapter
         return adapter
+
+    def remove(self, name: str) -> LoraAdapter | None:
+        """Unload adapter `name` (requests already submitted keep it); the removed adapter, or None."""
+        return self.adapters.pop(name, None)
 
     def get(self, name: str) -> LoraAdapter | None:
         """The current version of adapter `name`, or None when none is loaded under that name."""

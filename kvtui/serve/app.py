@@ -1,12 +1,14 @@
 """The FastAPI application: OpenAI's completions and chat completions, /v1/models and /v1/models/{id},
 /health, /metrics, and for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints
-then answer 400). A /v1/completions list of prompts runs one engine request per prompt, read as one
+then answer 400). LoRA adapters (serve/lora.py): a request's `model` names the adapter it runs under, and
+with runtime LoRA updating /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload them. A /v1/completions list of prompts runs one engine request per prompt, read as one
 (serve/fanout.py).
 
 Every error is OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 bad parameters
 (FastAPI's own 422 validation errors included; unparsable JSON and a body that is no object with `param`
 null, as OpenAI and vLLM answer), 400 `context_length_exceeded`,
-400 `out_of_vocabulary`, 400 `invalid_logit_bias`, 401 `invalid_api_key`, 404 unknown model or path, 413 `request_too_large`,
+400 `out_of_vocabulary`, 400 `invalid_logit_bias`, 401 `invalid_api_key`, 404 unknown path, 404 unknown model
+(vLLM's body: type NotFoundError, code 404), 413 `request_too_large`,
 429 waiting queue full, 500 `internal_error` (the request alone failed inside the engine), 503 while
 the model loads or the server stops. The engine's rejections and errors reach HTTP by their
 FinishCode (ENGINE_ERRORS), never by their text. A request that fails after its stream began ends
@@ -45,6 +47,7 @@ from kvtui.serve.embeds import ENABLE_HINT, EmbedsSpec, chat_input, completion_i
 from kvtui.serve.fanout import Choices
 from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.images import has_images, refuse_images
+from kvtui.serve.lora import ServedAdapters, add_lora_routes, not_found
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
 from kvtui.serve.responses import Formatter, sse
@@ -78,6 +81,7 @@ class ServeContext:
             --enable-prompt-embeds; None: requests carrying them get 400.
         image_tokens: prompt positions one image takes for an image model (dinov2-smollm2, tiny-vision:
             serve/images.py); None: a model without an image encoder, image parts get 400.
+        adapters: the LoRA adapters served (serve/lora.py ServedAdapters); loaded: the loaded model.
     """
 
     bridge: EngineBridge
@@ -89,6 +93,17 @@ class ServeContext:
     feature_extractor: object = None  # speech models (Whisper): audio -> log-mel features; None: a text model
     prompt_embeds: EmbedsSpec | None = None
     image_tokens: int | None = None
+    adapters: ServedAdapters | None = None
+    loaded: object = None
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names: None for the base model (its served name, kvtui's
+        id, or no model). Raises ApiError 404 (vLLM's body) for a name the server does not serve."""
+        if not model or model in (self.model_name, self.model_id):
+            return None
+        if self.adapters is not None and model in self.adapters.names():
+            return model
+        raise not_found(model)
 
 
 class ServerState:
@@ -116,13 +131,16 @@ class ServerState:
 
 
 def create_app(state: ServerState, *, api_key: str | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, runtime_lora: bool = False) -> FastAPI:
     """The application; `state.context` is set by the server once the model is loaded. `api_key`: the
-    Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest body taken (413 past it)."""
+    Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest body taken (413 past it);
+    `runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating)."""
     app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     _error_handlers(app)
     add_transcription_route(app, state)
+    if runtime_lora:
+        add_lora_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,14 +149,15 @@ def create_app(state: ServerState, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(state)]}
+        ctx = state.ready()
+        adapters = ctx.adapters.model_cards(state.started) if ctx.adapters is not None else []
+        return {"object": "list", "data": [_model_card(state), *adapters]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         ctx = state.ready()
-        if model not in (ctx.model_name, ctx.model_id):
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
-                           param="model", code="model_not_found")
+        if ctx.adapter_of(model) is not None:
+            return next(c for c in ctx.adapters.model_cards(state.started) if c["id"] == model)
         return _model_card(state)
 
     @app.get("/metrics")
@@ -312,16 +331,14 @@ def _log_ignored(body) -> None:
 
 async def _serve(ctx: ServeContext, request: Request, body, prompts: list[Prompt], *, chat: bool) -> Response:
     """Submit a request's prompts (one engine request each) and answer them, streamed or whole."""
-    if body.model is not None and body.model not in (ctx.model_name, ctx.model_id):
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{ctx.model_name}`",
-                       param="model", code="model_not_found")
+    adapter = ctx.adapter_of(body.model)
     if any(not p.ids for p in prompts):
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     samplings = [sampling_params(body, prompt_len=len(p.ids), max_len=ctx.max_len, endpoint="chat" if chat
                                  else "completion", tokenizer=ctx.tokenizer) for p in prompts]
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(_serial)}-{secrets.token_hex(3)}"
-    choices = _submit(ctx, body, request_id, prompts, samplings, request.headers.get(CLIENT_ID_HEADER))
-    formatter = Formatter(chat=chat, request_id=request_id, model=ctx.model_name, tokenizer=ctx.tokenizer,
+    choices = _submit(ctx, body, request_id, prompts, samplings, request.headers.get(CLIENT_ID_HEADER), adapter)
+    formatter = Formatter(chat=chat, request_id=request_id, model=adapter or ctx.model_name, tokenizer=ctx.tokenizer,
                           top_k=samplings[0].logprobs)
     echo = [p.echo for p in prompts]
     listener = asyncio.ensure_future(_wait_disconnect(request))
@@ -354,9 +371,10 @@ async def _serve(ctx: ServeContext, request: Request, body, prompts: list[Prompt
 
 
 def _submit(ctx: ServeContext, body, request_id: str, prompts: list[Prompt], samplings: list,
-            client_id: str | None) -> Choices:
+            client_id: str | None, adapter: str | None = None) -> Choices:
     """Submit one engine request per prompt (ids `request_id`, or `request_id-p` for a list of prompts, as
-    vLLM suffixes its own; the client's id `client_id` likewise, for the fault request_id_keyed).
+    vLLM suffixes its own; the client's id `client_id` likewise, for the fault request_id_keyed), each
+    under LoRA adapter `adapter` (None: the base model).
 
     Raises:
         ApiError: 503 while the server takes no requests (what was submitted already is aborted).
@@ -371,7 +389,7 @@ def _submit(ctx: ServeContext, body, request_id: str, prompts: list[Prompt], sam
         for engine_id, key, prompt, sampling in zip(ids, keys, prompts, samplings):
             streams.append(ctx.bridge.submit(engine_id, prompt.ids, sampling, _metadata(body, prompt),
                                              tenant=_tenant(body), cache_salt=body.cache_salt, input=prompt.given,
-                                             client_key=key))
+                                             client_key=key, adapter=adapter))
     except NotAccepting:
         for stream in streams:
             ctx.bridge.abort(stream.request_id)

@@ -116,7 +116,8 @@ class EngineBridge:
             self.accepting = False
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict, *, tenant: str | None = None,
-               cache_salt: str | None = None, input=None, client_key: str | None = None) -> RequestStream:
+               cache_salt: str | None = None, input=None, client_key: str | None = None,
+               adapter: str | None = None) -> RequestStream:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
 
         Args:
@@ -127,6 +128,8 @@ class EngineBridge:
                 upload's audio, prompt embeddings, images); None: prompt_ids.
             client_key: the id the client sent (its x-request-id), None without one; only the fault
                 request_id_keyed routes by it.
+            adapter: the LoRA adapter it runs under (its name; the version loaded when the engine thread
+                submits it), None for the base model.
 
         Raises:
             NotAccepting: loading or stopping.
@@ -145,9 +148,23 @@ class EngineBridge:
                 stream.cached_tokens = 0
             planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
                                      prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata,
-                                     tenant=tenant, cache_salt=cache_salt, input=input)
+                                     tenant=tenant, cache_salt=cache_salt, input=input, adapter=adapter)
             self.session.submit_external(planned)
         return stream
+
+    def call_in_engine(self, fn):
+        """From any thread: `fn(session)` in the engine thread at the next step boundary, in order with the
+        requests submitted before and after (kvtui/serve/lora.py installs adapters so). Returns a
+        concurrent.futures.Future of its result.
+
+        Raises:
+            NotAccepting: loading or stopping.
+        """
+        with self._lock:
+            session = self.session
+            if not self.accepting or session is None:
+                raise NotAccepting()
+            return session.call_external(lambda: fn(session))
 
     def precompile(self, spec) -> None:
         """Compile a structured-output grammar (kvtui.engine.request.StructuredOutputs) into the engine's

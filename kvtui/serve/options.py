@@ -48,4 +48,9 @@ class ServeOptions:
     enforce_eager: bool = _ENGINE.enforce_eager
     batch_invariant: bool | None = None  # None: the engine's default (on for bfloat16/float16 with reference)
     enable_prompt_embeds: bool = False  # take prompt_embeds in requests (kvtui/serve/embeds.py)
+    # LoRA (kvtui/serve/lora.py): adapters loaded at startup (LoraModule), LoRA on without them, and vLLM's
+    # runtime LoRA updating (/v1/load_lora_adapter, /v1/unload_lora_adapter)
+    lora_modules: tuple = ()
+    enable_lora: bool = False
+    allow_runtime_lora_updating: bool = False
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)

@@ -36,18 +36,21 @@ class ApiError(Exception):
         status: HTTP status (400 bad parameters, 404 unknown model, 429 queue full, 503 loading).
         message: one line for the user.
         param: the request field at fault, or None.
-        code: a machine-readable code such as "context_length_exceeded", or None.
+        code: a machine-readable code such as "context_length_exceeded", or vLLM's HTTP status number
+            (its own errors: unknown model, LoRA loading), or None.
+        kind: the body's `type` (vLLM's NotFoundError, InvalidUserInput, ...); None: OpenAI's type by status.
     """
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | int | None = None,
+                 kind: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        kind = self.kind or self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 

@@ -102,13 +102,16 @@ class ServeServer:
         self.options = options
         self.warn = warn or _warn
         self.state = ServerState()
-        self.app = create_app(self.state, api_key=options.api_key, max_request_bytes=options.max_request_bytes)
+        self.app = create_app(self.state, api_key=options.api_key, max_request_bytes=options.max_request_bytes,
+                              runtime_lora=options.allow_runtime_lora_updating)
         from kvtui.faults import server_faults
 
         self.bridge = EngineBridge(server_faults(options.faults))
         self._load = load or _load_model
         self.loaded = None
         self.metrics: ServeMetrics | None = None
+        self.adapters = None  # the LoRA adapters served (serve/lora.py ServedAdapters), once loaded
+        self._lora_info = None  # vllm:lora_requests_info (serve/lora.py LoraInfoGauge) when LoRA is on
         self.session = None
         self.summary = None
         self.error: BaseException | None = None
@@ -170,6 +173,9 @@ class ServeServer:
                 or one that is not installed.
         """
         self._checked_scenario()
+        from kvtui.serve.lora import check_modules
+
+        check_modules(self.options.lora_modules)
         if self._load is _load_model:
             from kvtui.models import check_model_available
 
@@ -203,6 +209,34 @@ class ServeServer:
         self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id,
                                     block_size=self.scenario.engine.block_size if paged else None,
                                     prefix_caching=paged and self.scenario.engine.prefix_caching)
+        self._load_adapters()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """--enable-lora, or adapters given with --lora-modules."""
+        return self.options.enable_lora or bool(self.options.lora_modules)
+
+    def _load_adapters(self) -> None:
+        """With LoRA on: check the model can run adapters and read the --lora-modules adapters (making the
+        built-in local ones). Raises ValueError (one line naming the flag)."""
+        from kvtui.engine.lora import lora_problem
+        from kvtui.serve.lora import LoraInfoGauge, ServedAdapters, read_adapter
+
+        self.adapters = ServedAdapters(self.metrics.model_name, self.lora_enabled)
+        if not self.lora_enabled:
+            return
+        flag = "--lora-modules" if self.options.lora_modules else "--enable-lora"
+        problem = lora_problem(self.loaded.model, enforce_eager=self.options.enforce_eager,
+                               batch_invariant=bool(self.options.batch_invariant))
+        if problem:
+            raise ValueError(f"{flag}: {problem}")
+        for module in self.options.lora_modules:
+            try:
+                adapter, root = read_adapter(self.loaded, module.name, module.path)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {module.name}: {e}") from None
+            self.adapters.add(module, adapter, root)
+        self._lora_info = LoraInfoGauge(self.metrics.registry)
 
     def make_session(self, listener=None, generation: int = 0):
         """A serving Session wired to the bridge and the metrics (a LiveSource SessionFactory too);
@@ -219,15 +253,25 @@ class ServeServer:
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
                                 record=restart_path(self.options.record, generation), faults=self.engine_faults,
                                 detectors=self.options.detectors, listeners=listeners, serving=True,
-                                enforce_eager=self.options.enforce_eager, batch_invariant=self.options.batch_invariant)
+                                enforce_eager=self.options.enforce_eager, batch_invariant=self._batch_invariant)
+        self.adapters.install_all(session.adapters)  # before the engine thread steps it
         self.session = session
         self.bridge.attach(session)
         self.state.context = ServeContext(self.bridge, self.metrics, self.loaded.tokenizer, session.engine.pool.max_len,
                                           self.metrics.model_name, self.loaded.model_id,
                                           getattr(self.loaded, "feature_extractor", None),
                                           self._embeds_spec(session.engine.pool.max_len),
-                                          getattr(getattr(self.loaded, "image_encoder", None), "tokens", None))
+                                          getattr(getattr(self.loaded, "image_encoder", None), "tokens", None),
+                                          self.adapters, self.loaded)
         return session
+
+    @property
+    def _batch_invariant(self) -> bool | None:
+        """--batch-invariant as given; left unset with LoRA on: off (adapters do not run in that mode, and
+        its automatic choice would refuse every adapter request)."""
+        if self.options.batch_invariant is None and self.lora_enabled:
+            return False
+        return self.options.batch_invariant
 
     def _embeds_spec(self, max_len: int):
         """The model's EmbedsSpec under --enable-prompt-embeds (None without it, or for a speech model)."""
@@ -282,6 +326,10 @@ class ServeServer:
         session.step_once()
         if session.engine.step_index != before:
             self.metrics.on_engine_step(time.perf_counter() - wall, time.thread_time() - cpu)
+        if self._lora_info is not None:
+            from kvtui.serve.lora import running_and_waiting
+
+            self._lora_info.update(*running_and_waiting(session.engine), len(session.adapters.adapters))
 
     @property
     def engine_stopped(self) -> bool:

@@ -100,8 +100,9 @@ def _fields(form, ctx) -> dict:
     if not model:
         raise ApiError(400, "model: required (this server serves `" + ctx.model_name + "`)", param="model")
     if model not in (ctx.model_name, ctx.model_id):
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{ctx.model_name}`",
-                       param="model", code="model_not_found")
+        from kvtui.serve.lora import not_found
+
+        raise not_found(model)
     unknown = next((k for k in form.keys() if k not in FIELDS), None)
     if unknown is not None:
         raise ApiError(400, f"{unknown}: unknown field; the fields are {', '.join(FIELDS[:6])}", param=unknown)

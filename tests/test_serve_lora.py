@@ -1,0 +1,197 @@
+"""LoRA adapters in `kvtui serve` (kvtui/serve/lora.py), on tiny-llama: a request's `model` selects the adapter
+and gets peft's merged model's greedy tokens (a separate instance), the base name gets the base answer,
+/v1/models lists the adapters with their parent, an unknown model is vLLM's 404, runtime loading reloads an
+adapter as a new version whose requests never reuse the old version's cached blocks (but do under the fault
+lora_reload_stale, which the detectors then report), vllm:lora_requests_info, and bad startup input in one
+line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from test_lora import _oracle
+
+from kvtui.models.lora import local_adapter
+from kvtui.serve.lora import LoraModule, parse_lora_modules
+from kvtui.serve.server import ServeOptions, ServeServer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3  # 27 tokens: 6 full blocks of 4
+OTHER = [20, 21, 22, 23] * 5
+NEW = 8
+
+
+def _options(**kw) -> ServeOptions:
+    return ServeOptions(model="tiny-llama", port=0, slots=4, max_len=128, kv="paged", block_size=4,
+                        prefix_caching=True, lora_modules=(LoraModule("lora-a"), LoraModule("lora-b")),
+                        allow_runtime_lora_updating=True, detectors=("prefix_provenance", "reference"), **kw)
+
+
+def _collect(server: ServeServer) -> ServeServer:
+    """Keep the engine's Finish events (request id -> output token ids) on `server.finished`."""
+    from kvtui.events import Finish
+
+    server.finished = {}
+    server.session.listeners.append(
+        lambda e: server.finished.__setitem__(e.request_id, list(e.output_ids)) if isinstance(e, Finish) else None)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServeServer(_options()) as running:
+        yield _collect(running)
+
+
+def complete(server: ServeServer, model: str | None, prompt: list[int]) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+
+def ids(server: ServeServer, response: httpx.Response) -> list[int]:
+    """The token ids the engine sampled for a whole (non-streamed) response."""
+    assert response.status_code == 200, response.text
+    return server.finished[response.json()["id"]]
+
+
+def cached(response: httpx.Response) -> int:
+    return (response.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def folder(server: ServeServer, name: str) -> Path:
+    return Path(server.adapters.cards[name][0])
+
+
+def test_the_model_field_selects_the_adapter_and_matches_peft_merged_generate(server):
+    """Four requests at once (a mixed batch: lora-a, lora-b, the base by its name, an unknown model): each
+    adapter's answer is peft's merged model's greedy generate on a separate instance, the base's is the
+    base model's, and the unknown model's 404 leaves the others alone."""
+    asks = [("lora-a", PROMPT), ("lora-b", OTHER), ("tiny-llama", OTHER), ("nope", PROMPT)]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda a: complete(server, *a), asks))
+    assert answers[3].status_code == 404
+    assert answers[3].json() == {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                                           "param": "model", "code": 404}}
+    assert [a.json()["model"] for a in answers[:3]] == ["lora-a", "lora-b", "tiny-llama"]  # vLLM's: the adapter
+    for (name, prompt), answer in zip(asks[:3], answers[:3]):
+        path = None if name == "tiny-llama" else folder(server, name)
+        assert ids(server, answer) == _oracle("tiny-llama", path, prompt, NEW), name
+    assert _oracle("tiny-llama", folder(server, "lora-a"), PROMPT, NEW) != _oracle("tiny-llama", None, PROMPT, NEW)
+
+
+def test_models_lists_the_adapters_with_their_parent(server):
+    data = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["tiny-llama", "lora-a", "lora-b"]
+    for card in data[1:]:
+        assert card["parent"] == "tiny-llama" and Path(card["root"]).is_dir() and card["object"] == "model"
+    one = httpx.get(server.url + "/v1/models/lora-b").json()
+    assert one["id"] == "lora-b" and one["parent"] == "tiny-llama"
+    assert httpx.get(server.url + "/v1/models/x").json()["error"]["type"] == "NotFoundError"
+
+
+def test_metrics_publish_lora_requests_info(server):
+    complete(server, "lora-a", OTHER)
+    text = httpx.get(server.url + "/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and "running_lora_adapters=" in line and "waiting_lora_adapters=" in line
+
+
+def _reload(server: ServeServer, name: str, path: Path, inplace: bool = True) -> httpx.Response:
+    return httpx.post(server.url + "/v1/load_lora_adapter", timeout=120,
+                      json={"lora_name": name, "lora_path": str(path), "load_inplace": inplace})
+
+
+def test_a_reload_is_a_new_version_whose_requests_do_not_reuse_the_old_blocks(server):
+    prompt = [60, 61, 62, 63, 64, 65, 66, 67] * 3
+    first, again = complete(server, "lora-b", prompt), complete(server, "lora-b", prompt)
+    assert (cached(first), cached(again)) == (0, 20)  # one adapter version: its own blocks are reused
+    new = local_adapter("tiny-llama", server.loaded.model.config, "lora-b", 77)
+    refused = _reload(server, "lora-b", new, inplace=False)
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "InvalidUserInput"
+    assert "load_inplace" in refused.json()["error"]["message"]
+    loaded = _reload(server, "lora-b", new)
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'lora-b' added successfully."
+    assert server.session.adapters.get("lora-b").version == 2
+    after = complete(server, "lora-b", prompt)
+    assert cached(after) == 0
+    assert ids(server, after) == _oracle("tiny-llama", new, prompt, NEW)
+    assert not [e for e in server.session.contamination if e.detector == "prefix_provenance"]
+
+
+def test_runtime_load_and_unload_of_a_new_adapter(server):
+    path = local_adapter("tiny-llama", server.loaded.model.config, "lora-x", 5)
+    assert _reload(server, "lora-x", path, inplace=False).status_code == 200
+    assert complete(server, "lora-x", OTHER).json()["model"] == "lora-x"
+    gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "lora-x"})
+    assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'lora-x' removed successfully."
+    assert complete(server, "lora-x", OTHER).status_code == 404
+    again = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "lora-x"})
+    assert again.status_code == 404 and again.json()["error"]["type"] == "NotFoundError"
+    bad = _reload(server, "lora-y", ROOT / "no-such-folder", inplace=False)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+
+
+def test_under_lora_reload_stale_the_reloaded_adapter_reuses_the_old_blocks_and_is_reported():
+    with ServeServer(_options(faults=("lora_reload_stale",))) as server:
+        assert cached(complete(server, "lora-a", PROMPT)) == 0
+        new = local_adapter("tiny-llama", server.loaded.model.config, "lora-a", 77)
+        assert _reload(server, "lora-a", new).status_code == 200
+        stale = complete(server, "lora-a", PROMPT)
+        assert cached(stale) == 24  # the old version's blocks, under the new version's key
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not [e for e in server.session.contamination
+                                                   if e.detector == "reference"]:
+            time.sleep(0.2)
+        found = {e.detector for e in server.session.contamination}
+        assert {"prefix_provenance", "reference"} <= found, found
+
+
+def test_the_runtime_routes_exist_only_when_allowed(tiny):
+    server = ServeServer(ServeOptions(model="tiny-llama", port=0, enable_lora=True, detectors=()),
+                         load=lambda options: tiny["tiny-llama"])
+    with server:
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+        assert r.status_code == 404
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny-llama"
+
+
+# -- bad startup input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("values,fragment", [(["lora-z"], "not a built-in adapter"), (["a="], "name=path"),
+                                              (["=p"], "name=path"), (["a=b=c"], "name=path"),
+                                              (["lora-a", "lora-a=/x"], "given twice"), (["{nope"], "JSON")])
+def test_bad_lora_modules_values_are_one_line(values, fragment):
+    with pytest.raises(ValueError) as e:
+        parse_lora_modules(values)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert parse_lora_modules(['{"name": "n", "path": "/p", "base_model_name": "b"}']) == \
+        (LoraModule("n", "/p", "b"),)
+
+
+def test_a_missing_folder_and_a_model_without_adapters_are_one_line(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"^--lora-modules x=.*: no such folder"):
+        ServeServer(ServeOptions(model="tiny-llama", port=0, lora_modules=(LoraModule("x", str(tmp_path / "no")),))
+                    ).check()
+    cases = [("tiny-gpt2", {}, "Llama-family"), ("tiny-llama", {"enforce_eager": True}, "drop --enforce-eager")]
+    for model, extra, fragment in cases:
+        server = ServeServer(ServeOptions(model=model, port=0, lora_modules=(LoraModule("lora-a"),), **extra),
+                             load=lambda options, m=model: tiny[m])
+        with pytest.raises(ValueError) as e:
+            server.load()
+        assert str(e.value).startswith("--lora-modules: ") and fragment in str(e.value)
+
+
+def test_the_command_refuses_a_bad_lora_module_in_one_line():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "kvtui.cli", "serve", "--model", "tiny-llama", "--port", "0",
+                        "--lora-modules", "a=b=c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: --lora-modules a=b=c")
