@@ -224,3 +224,18 @@ def test_scenario_errors_name_the_field_and_the_fix(tmp_path):
                        "timeline: [{at_s: 1, set: {lora.reload: lora-b}}]\n")
     assert len(e.value.errors) == 1 and "timeline.0.set.lora.reload" in e.value.errors[0]
     assert "add it to lora.adapters" in e.value.errors[0]
+
+
+@pytest.mark.smollm
+def test_smollm2_mixed_adapter_batch_equals_peft_merged_generate(smollm2):
+    """SmolLM2-135M: one batch of rows under lora-a, lora-b and none, each equal to peft's merged model's
+    greedy generate on a separate SmolLM2 instance."""
+    reg = AdapterRegistry(smollm2.model, smollm2.model_id)
+    reg.load("lora-a")
+    reg.load("lora-b")
+    prompts, names = PROMPTS[:3], ["lora-a", "lora-b", None]
+    config = EngineConfig(num_slots=3, max_len=96, max_batch_size=3, layout="packed")
+    states = _run(smollm2, reg, prompts, names, config)
+    for prompt, name, state in zip(prompts, names, states):
+        assert state.finish_detail == ""
+        assert state.generated_ids == _oracle("default", _path(reg, name), prompt), name
