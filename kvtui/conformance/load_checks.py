@@ -144,7 +144,7 @@ def prompt_embeds(server: Server) -> CheckResult:
     refused = [r for r in session.results.values() if r.status is not None and 400 <= r.status < 500]
     if refused and len(refused) == len(session.results):
         return not_applicable(EMBEDS, TITLES[EMBEDS], sent, f"the server refuses prompt embeddings: "
-                              f"HTTP {refused[0].status}: {(refused[0].error or '')[:160]}")
+                              f"{(refused[0].error or f'HTTP {refused[0].status}')[:200]}")
     found = counted(session)
     figures = (f"{completed(session)} of {n} answered, {session.summary.passphrase_echoed} said their own "
                f"passphrase; {session.reference_checked} compared with their solo run")
