@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 BUILTIN_ADAPTERS: dict[str, int] = {"lora-a": 1, "lora-b": 2, "lora-c": 3}
@@ -49,7 +50,9 @@ def local_adapter(model_id: str, config, name: str, seed: int) -> Path:
     lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGET_MODULES), lora_dropout=0.0,
                       bias="none", init_lora_weights=False, task_type="CAUSAL_LM")
     torch.manual_seed(seed)
-    peft_model = get_peft_model(skeleton, lora)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question; not the user's concern
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(skeleton, lora)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     peft_model.save_pretrained(str(tmp))
     path.parent.mkdir(parents=True, exist_ok=True)
