@@ -35,7 +35,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtui.faults import FaultName
 
@@ -379,6 +379,15 @@ class BlockManager:
             out.append(Reuse(i, block_id, self.block_size, entry.origin, truth, salt_digest(salt), tier=True))
         self.tier.hits += len(out)
         return out
+
+    def mark_foreign(self, block_id: int, writer: str, digest: str) -> None:
+        """A cached block turned out to hold other contents than its origin says (a restore from the tier
+        wrote other bytes): its origin becomes `writer` and a content key no reader has (from the bytes'
+        `digest`), so every later reuse of it shows as unverified, and the tier stores it as such."""
+        block = self.pool.blocks[block_id]
+        if block.origin is not None:
+            foreign = hashlib.sha256(f"kvtui:foreign-contents:{digest}".encode()).digest()
+            block.origin = replace(block.origin, writer=writer, true_key=foreign)
 
     def take_tier_ops(self) -> tuple[list[tuple[int, bytes, BlockOrigin]], list[tuple[int, object]]]:
         """What the pool's tensors must do for the offload tier since the last call, in this order: the

@@ -97,6 +97,19 @@ class HostTier:
         return len(self.entries)
 
 
+def check_host_memory(blocks: int, bytes_per_block: int) -> int:
+    """`blocks` when a full tier of them fits in the host's available memory (the tier fills as the pool
+    evicts, so a run would otherwise be killed partway). Raises ValueError naming the fix."""
+    from kvtui.engine.kv_pool import free_device_bytes
+    from kvtui.memory import gib
+
+    need, free = blocks * bytes_per_block, free_device_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise ValueError(f"a KV offload tier of {blocks} blocks needs {gib(need)} of host memory, more than the "
+                         f"{gib(free)} available; lower engine.kv_offload_blocks (--kv-offload-blocks)")
+    return blocks
+
+
 def tier_keys(true_items: Sequence, token_ids: Sequence[int], block_size: int, salt: str | None,
               faults: frozenset[str]) -> list[bytes]:
     """The tier's key of each full block of a request's positions.
@@ -116,8 +129,8 @@ def block_bytes_digest(pool, block: int) -> str:
     """sha256 hex over block `block`'s K and V in every layer of a PagedKVPool, in pool layout."""
     h = hashlib.sha256()
     for keys, values in zip(pool.keys, pool.values):
-        h.update(keys[block].contiguous().view(torch.uint8).numpy().tobytes())
-        h.update(values[block].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(keys[block].contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(values[block].contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -54,7 +54,8 @@ class PagedCache:
         self._counted = (0, 0, 0)  # queries, hits, cross-tenant hits at the last report
         self.cross_tenant_hits = 0
         self.name_of = name_of or (lambda serial: None)
-        self.tier = offload.HostTier(offload_blocks) if offload_blocks else None
+        self.tier = offload.HostTier(offload.check_host_memory(offload_blocks, pool.bytes_per_block)) \
+            if offload_blocks else None
         self.manager.tier = self.tier
         self._tier_counted = (0, 0, 0)  # tier stores, queried and hit tokens at the last report
         self._restored: dict[int, tuple[list[int], bool, str | None]] = {}  # block -> (tags it should hold, intact, found writer)
@@ -145,7 +146,9 @@ class PagedCache:
         for block, entry in loads[: len(loads) - len(skipped)]:
             offload.restore(self.pool, entry, block, self.faults)
         for block, entry in loads:
-            self._restored[block] = self._check(block, entry)
+            self._restored[block] = tags, intact, found = self._check(block, entry)
+            if not intact:
+                self.manager.mark_foreign(block, found, offload.block_bytes_digest(self.pool, block))
 
     def _check(self, block: int, entry) -> tuple[list[int], bool, str | None]:
         """(tags the block should hold, whether its bytes are what the tier stored, the writer of the
