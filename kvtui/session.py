@@ -258,7 +258,8 @@ class Session(RunBase):
             overrides["faults"] = frozenset(base.faults) | check_fault_names(faults)
         config = self.scenario.engine_config(**overrides)
         if self.scenario.engine.batch_invariant is None and "batch_invariant" not in overrides:  # unset: auto
-            config = replace(config, batch_invariant=auto_batch_invariant(self.loaded, config, self.detectors))
+            auto = self.scenario.lora is None and auto_batch_invariant(self.loaded, config, self.detectors)
+            config = replace(config, batch_invariant=auto)  # adapters do not run in the mode: off with LoRA
         return config
 
     def _cost_model(self, which: str):

@@ -239,3 +239,71 @@ def test_smollm2_mixed_adapter_batch_equals_peft_merged_generate(smollm2):
     for prompt, name, state in zip(prompts, names, states):
         assert state.finish_detail == ""
         assert state.generated_ids == _oracle("default", _path(reg, name), prompt), name
+
+
+# -- review fixes: each pinned by a value the code before the fix got wrong --------------------------------------
+def test_an_adapter_whose_input_width_does_not_fit_is_refused_at_load(llama, tmp_path):
+    """Made for a model with the same hidden size and another intermediate size: down_proj's A is
+    [r, 2 x intermediate]. It used to load, and its first request stopped the engine on a shape error."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from kvtui.engine.lora import load_adapter
+
+    config = llama.model.config.__class__.from_dict({**llama.model.config.to_dict(),
+                                                     "intermediate_size": 2 * llama.model.config.intermediate_size})
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False))
+    model.save_pretrained(str(tmp_path / "wide"))
+    with pytest.raises(ValueError, match="down_proj does not fit this model"):
+        load_adapter(llama.model, "wide", tmp_path / "wide")
+
+
+def test_a_corrupt_weights_file_is_one_line(llama, registry, tmp_path):
+    import shutil
+
+    from kvtui.engine.lora import load_adapter
+
+    folder = tmp_path / "corrupt"
+    shutil.copytree(registry.get("lora-a").path, folder)
+    (folder / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"^cannot read LoRA adapter 'c' from .*corrupt: ") as caught:
+        load_adapter(llama.model, "c", folder)
+    assert "\n" not in str(caught.value)
+
+
+def test_no_cache_salt_spells_another_tenants_salt_and_adapter(llama, registry):
+    """The salt and the adapter are two keys of the first block: a base request whose cache_salt is the
+    string the adapter's request's partition used to be ("t1|lora:...") gets no hit."""
+    adapter = registry.get("lora-a")
+    engine = Engine(llama.model, EngineConfig(kv="paged", prefix_caching=True, max_len=64, num_slots=2),
+                    eos_token_ids=())
+    prompt = tuple(PROMPTS[0])
+    first = engine.submit("a", RequestInput(prompt, lora=adapter), SamplingParams(max_new_tokens=2), cache_salt="t1")
+    engine.run_until_done()
+    spelled = f"t1|lora:{adapter.name}@{adapter.version}:{adapter.digest}"
+    second = engine.submit("b", RequestInput(prompt), SamplingParams(max_new_tokens=2), cache_salt=spelled)
+    engine.run_until_done()
+    assert (first.prefix_hit_tokens, second.prefix_hit_tokens) == (0, 0)
+
+
+def test_racy_threads_runs_each_request_under_its_adapter(llama, registry):
+    """Alone, with nothing to race against, a request under racy_threads answers what it answers without
+    the fault: peft's merged lora-a model (it used to answer the base model's tokens)."""
+    config = EngineConfig(num_slots=2, max_len=64, faults=frozenset({"racy_threads"}))
+    (state,) = _run(llama, registry, [PROMPTS[1]], ["lora-a"], config)
+    assert list(state.generated_ids) == _oracle("tiny-llama", _path(registry, "lora-a"), PROMPTS[1])
+
+
+def test_a_bfloat16_run_with_adapters_runs_them(tiny):
+    """bfloat16 turns the batch-invariant mode on by default, where adapters do not run: with a `lora`
+    section the default is off, so the adapter requests run instead of being rejected."""
+    spec = parse_scenario("name: bf16\nmodel: tiny-llama\ndtype: bfloat16\nseed: 1\nmax_requests: 4\n"
+                          "engine: {kv: paged, prefix_caching: true}\nlora: {adapters: [lora-a, none]}\n"
+                          "arrivals: {process: poisson, rate_per_s: 4.0}\nprompts: {kind: passphrase}\n"
+                          "output_tokens: 4\n")
+    from kvtui.models import load_model
+
+    session = Session(spec, load_model("tiny-llama", dtype="bfloat16", progress=False), clock="virtual")
+    session.run()
+    assert session.summary.finish_reasons == {"length": 4} and session.config.batch_invariant is False

@@ -58,9 +58,14 @@ def complete(server: ServeServer, model: str | None, prompt: list[int]) -> httpx
 
 
 def ids(server: ServeServer, response: httpx.Response) -> list[int]:
-    """The token ids the engine sampled for a whole (non-streamed) response."""
+    """The token ids the engine sampled for a whole (non-streamed) response. The session's listeners see the
+    request's Finish event after the step that ends it, which can be after the response went out: wait."""
     assert response.status_code == 200, response.text
-    return server.finished[response.json()["id"]]
+    rid, deadline = response.json()["id"], time.monotonic() + 30
+    while rid not in server.finished:
+        assert time.monotonic() < deadline, f"no Finish event for {rid}"
+        time.sleep(0.01)
+    return server.finished[rid]
 
 
 def cached(response: httpx.Response) -> int:
@@ -195,3 +200,11 @@ def test_the_command_refuses_a_bad_lora_module_in_one_line():
                         "--lora-modules", "a=b=c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: --lora-modules a=b=c")
+
+
+def test_a_lora_path_that_is_no_folder_is_refused_without_a_download(tiny):
+    """A runtime lora_path like `org/name` is no folder here; peft would take it for a hub id."""
+    from kvtui.serve.lora import read_adapter
+
+    with pytest.raises(ValueError, match="no folder .*nothing is downloaded"):
+        read_adapter(tiny["tiny-llama"], "hub", "someorg/some-adapter")

@@ -53,7 +53,16 @@ def block_key(parent: bytes | None, token_ids: Sequence[int], extra_keys: Sequen
     return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).digest()
 
 
-def salt_digest(salt: str | None) -> str | None:
+def partition_keys(salt: str | tuple | None) -> tuple[str, ...]:
+    """The first block's extra keys for a partition: () for none, (salt,) for a tenant's cache_salt, or the
+    items of a tuple (a salt and a LoRA adapter, engine/lora.py prefix_salt), None items as "": a salt
+    alone is one key, so no salt string can spell a salt and an adapter."""
+    if salt is None:
+        return ()
+    return tuple("" if s is None else s for s in salt) if isinstance(salt, tuple) else (salt,)
+
+
+def salt_digest(salt: str | tuple | None) -> str | None:
     """A short public digest of a cache_salt (12 hex digits; None without a salt), for reports."""
     return None if salt is None else hashlib.sha256(f"kvtui:cache_salt:{salt}".encode()).hexdigest()[:12]
 
@@ -64,7 +73,7 @@ def chain_keys(token_ids: Sequence[int], block_size: int, salt: str | None, *, p
     parent=False leaves the parent out (every block keyed alone), salted=False the salt."""
     keys: list[bytes] = []
     for i in range(len(token_ids) // block_size):
-        extra = (salt,) if salted and salt is not None and i == 0 else ()
+        extra = partition_keys(salt) if salted and i == 0 else ()
         keys.append(block_key(keys[-1] if keys and parent else None, token_ids[i * block_size:(i + 1) * block_size],
                               extra))
     return keys
@@ -74,7 +83,7 @@ def partial_key(token_ids: Sequence[int], block_size: int, salt: str | None, ful
                 parent: bool = True, salted: bool = True) -> bytes:
     """Key of the partial block after the full ones (token_ids' tail shorter than a block)."""
     n = len(full_keys)
-    extra = (salt,) if salted and salt is not None and n == 0 else ()
+    extra = partition_keys(salt) if salted and n == 0 else ()
     return block_key(full_keys[-1] if full_keys and parent else None, token_ids[n * block_size:], extra)
 
 

@@ -71,7 +71,11 @@ def racy_forward(runner, plan: StepPlan, *, layout: str, pad_token_id: int, faul
                            max_len=max_len, block_size=block_size) for chunk in plan.chunks]
     for chunk, batch in zip(plan.chunks, batches):
         tag_writes(batch, (chunk,))
-    results = runner.forward_racy(batches, fp16=FaultName.FP16_CACHE in faults, own_range=not faults & MASK_FAULTS)
+    from kvtui.engine.lora import LoraBatch
+
+    loras = [LoraBatch.of(batch, (chunk,), runner.device) for chunk, batch in zip(plan.chunks, batches)]
+    results = runner.forward_racy(batches, fp16=FaultName.FP16_CACHE in faults, own_range=not faults & MASK_FAULTS,
+                                  loras=loras)
     logits = {i: out[0] for i, (out, err) in enumerate(results) if out is not None and len(out) and not err}
     errors = tuple((i, err) for i, (out, err) in enumerate(results) if err)
     return RacyOutcome(logits, errors, BatchStats.total([b.stats for b in batches]))

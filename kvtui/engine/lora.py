@@ -80,17 +80,18 @@ def lora_problem(model, *, enforce_eager: bool = False, batch_invariant: bool = 
     return None
 
 
-def _column_ranges(config) -> dict[str, tuple[str, int, int]]:
-    """Target module -> (fused layer, start, stop) of its columns in the fused output."""
+def _column_ranges(config) -> dict[str, tuple[str, int, int, int]]:
+    """Target module -> (fused layer, start, stop) of its columns in the fused output, and its input width."""
     from kvtui.engine.fused import layer_shapes
 
     (_, qkv), _, (_, gate_up), _ = layer_shapes(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    q, inter = config.num_attention_heads * head_dim, gate_up // 2
+    q, inter, hidden = config.num_attention_heads * head_dim, gate_up // 2, config.hidden_size
     kv = (qkv - q) // 2
-    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, q + kv), "v_proj": ("qkv", q + kv, qkv),
-            "o_proj": ("o", 0, config.hidden_size), "gate_proj": ("gate_up", 0, inter),
-            "up_proj": ("gate_up", inter, 2 * inter), "down_proj": ("down", 0, config.hidden_size)}
+    return {"q_proj": ("qkv", 0, q, hidden), "k_proj": ("qkv", q, q + kv, hidden),
+            "v_proj": ("qkv", q + kv, qkv, hidden), "o_proj": ("o", 0, hidden, q),
+            "gate_proj": ("gate_up", 0, inter, hidden), "up_proj": ("gate_up", inter, 2 * inter, hidden),
+            "down_proj": ("down", 0, hidden, inter)}
 
 
 def _check_config(config, path) -> float:
@@ -118,8 +119,9 @@ def load_adapter(model, name: str, path, version: int = 1) -> LoraAdapter:
     try:
         config = LoraConfig.from_pretrained(str(path))
         state = load_peft_weights(str(path), device="cpu")
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"cannot read LoRA adapter {name!r} from {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, safetensors' SafetensorError, ...: one line
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot read LoRA adapter {name!r} from {path}: {reason}") from None
     scaling = _check_config(config, path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
@@ -139,10 +141,10 @@ def _place(model, pairs: dict, path) -> dict:
     ranges, emb = _column_ranges(model.config), model.get_input_embeddings().weight
     out: dict = {}
     for (layer, module), ab in sorted(pairs.items()):
-        group, start, stop = ranges[module]
+        group, start, stop, width = ranges[module]
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None or b.shape[0] != stop - start or a.shape[0] != b.shape[1] \
-                or layer >= model.config.num_hidden_layers:
+                or a.shape[1] != width or layer >= model.config.num_hidden_layers:
             raise ValueError(f"{path}: layer {layer} {module} does not fit this model")
         out.setdefault((layer, group), []).append((start, stop, a.to(emb.device, emb.dtype), b.to(emb.device, emb.dtype)))
     return {k: tuple(v) for k, v in out.items()}
@@ -186,14 +188,16 @@ class LoraBatch:
         return out
 
 
-def prefix_salt(cache_salt: str | None, adapter: LoraAdapter | None, faults: frozenset = frozenset()) -> str | None:
-    """The first block's extra key: the tenant's cache_salt and the adapter's name, version and weight
-    digest. lora_unkeyed_prefix leaves the adapter out, lora_reload_stale keeps its name only."""
+def prefix_salt(cache_salt: str | None, adapter: LoraAdapter | None,
+                faults: frozenset = frozenset()) -> str | tuple | None:
+    """The first block's extra keys: the tenant's cache_salt and the adapter's name, version and weight
+    digest, as two keys (block_manager.partition_keys). lora_unkeyed_prefix leaves the adapter out,
+    lora_reload_stale keeps its name only."""
     if adapter is None or FaultName.LORA_UNKEYED_PREFIX in faults:
         return cache_salt
     tag = f"lora:{adapter.name}" if FaultName.LORA_RELOAD_STALE in faults else \
         f"lora:{adapter.name}@{adapter.version}:{adapter.digest}"
-    return tag if cache_salt is None else f"{cache_salt}|{tag}"
+    return (cache_salt, tag)  # two extra keys: no salt string can spell a salt and an adapter
 
 
 def true_items(items: list, adapter: LoraAdapter | None) -> list:

@@ -174,8 +174,8 @@ class ModelRunner:
             self.cache.state = None
         return logits, state
 
-    def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False,
-                     own_range: bool = True) -> list[tuple[torch.Tensor | None, str]]:
+    def forward_racy(self, batches: list[BatchTensors], *, fp16: bool = False, own_range: bool = True,
+                     loras: list | None = None) -> list[tuple[torch.Tensor | None, str]]:
         """The racy_threads fault: one Python thread per request, each running its own batch-of-one
         forward, all through this runner's single cache-state variable (like a global past_key_values).
 
@@ -183,6 +183,7 @@ class ModelRunner:
         turn (thread 0 first), then the threads run their forwards one after another on whatever is bound,
         the last thread's state, so every other thread's layers write and read that request's cache. A
         free-running race does the same on most steps, and on the others varies from run to run.
+        `loras`: per batch its request's LoRA adapter (engine/lora.py LoraBatch) or None.
         Returns, per batch, (logits [S, V] or None, error text, e.g. a shape mismatch, or "")."""
         results: list[tuple[torch.Tensor | None, str]] = [(None, "not run")] * len(batches)
         in_turn = _Turnstile()
@@ -194,7 +195,8 @@ class ModelRunner:
             def forward() -> None:
                 try:
                     with torch.inference_mode():
-                        results[index] = (self._run_body(batch, state, bind=False), "")
+                        lora = loras[index] if loras else None
+                        results[index] = (self._run_body(batch, state, bind=False, lora=lora), "")
                 except Exception as e:  # the race's own failures, e.g. mismatched tensor sizes
                     results[index] = (None, f"{type(e).__name__}: {e}")
 

@@ -68,9 +68,13 @@ def resolve_adapter(model_id: str, config, name: str, path: str | None = None, s
     with `seed`, or the built-in name's seed.
 
     Raises:
-        ValueError: no path, no seed and not a built-in name (the message lists the built-in names).
+        ValueError: a path that is no folder; no path, no seed and not a built-in name (the message lists
+            the built-in names).
     """
-    if path is not None:
+    if path is not None:  # a folder on this machine: peft would take anything else for a hub id and download
+        if not Path(path).is_dir():
+            raise ValueError(f"LoRA adapter {name!r}: {path} is no folder (nothing is downloaded: give the path of a "
+                             "peft LoRA folder holding adapter_config.json)")
         return Path(path)
     if seed is None:
         if name not in BUILTIN_ADAPTERS:
