@@ -39,6 +39,7 @@ from kvtui.events import (
     Summary,
     TimelineApplied,
 )
+from kvtui.engine.lora import AdapterGone
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
@@ -248,7 +249,7 @@ class Session(RunBase):
             return request_input
         adapter = self.adapters.get(p.adapter)
         if adapter is None:
-            raise ValueError(f"LoRA adapter {p.adapter!r} is not loaded")
+            raise AdapterGone(f"The model `{p.adapter}` does not exist.")
         return replace(request_input, lora=adapter)
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
@@ -424,8 +425,10 @@ class Session(RunBase):
                                        arrival_s=p.arrival_s,
                                        metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
         except Exception as e:
+            gone = isinstance(e, AdapterGone)  # unloaded between the HTTP side's check and this submit
             self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
-                                   detail=f"submit failed: {type(e).__name__}: {e}", code="internal_error",
+                                   detail=str(e) if gone else f"submit failed: {type(e).__name__}: {e}",
+                                   code="model_not_found" if gone else "internal_error",
                                    arrival_s=p.arrival_s, finish_s=self.engine.now()))
             return
         if p.cancel_after is not None:

@@ -208,3 +208,16 @@ def test_a_lora_path_that_is_no_folder_is_refused_without_a_download(tiny):
 
     with pytest.raises(ValueError, match="no folder .*nothing is downloaded"):
         read_adapter(tiny["tiny-llama"], "hub", "someorg/some-adapter")
+
+
+def test_an_adapter_unloaded_after_its_request_came_in_is_vllms_404():
+    """The race of an unload between the HTTP side's check and the engine's submit, made certain: the
+    engine side no longer has lora-b while the HTTP side still lists it. The request gets vLLM's 404 body
+    (it was a 500 internal_error), and the server serves the next request as before."""
+    with ServeServer(_options()) as running:
+        running.session.adapters.remove("lora-b")
+        gone = complete(running, "lora-b", PROMPT)
+        assert gone.status_code == 404, gone.text
+        assert gone.json() == {"error": {"message": "The model `lora-b` does not exist.", "type": "NotFoundError",
+                                         "param": "model", "code": 404}}
+        assert complete(running, "lora-a", PROMPT).status_code == 200

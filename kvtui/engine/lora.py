@@ -188,6 +188,10 @@ class LoraBatch:
         return out
 
 
+class AdapterGone(ValueError):
+    """A request names an adapter no longer loaded (unloaded after its request was accepted)."""
+
+
 def prefix_salt(cache_salt: str | None, adapter: LoraAdapter | None,
                 faults: frozenset = frozenset()) -> str | tuple | None:
     """The first block's extra keys: the tenant's cache_salt and the adapter's name, version and weight

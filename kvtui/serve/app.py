@@ -157,7 +157,10 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     async def model(model: str) -> dict:
         ctx = state.ready()
         if ctx.adapter_of(model) is not None:
-            return next(c for c in ctx.adapters.model_cards(state.started) if c["id"] == model)
+            card = next((c for c in ctx.adapters.model_cards(state.started) if c["id"] == model), None)
+            if card is None:  # unloaded meanwhile
+                raise not_found(model)
+            return card
         return _model_card(state)
 
     @app.get("/metrics")

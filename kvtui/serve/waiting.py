@@ -22,6 +22,7 @@ ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
                  "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
                  "invalid_logit_bias": (400, "invalid_logit_bias", "logit_bias"),
                  "internal_error": (500, "internal_error", None),
+                 "model_not_found": (404, 404, "model"),  # an adapter unloaded after the request came in
                  "invalid_structured_output": (400, "invalid_structured_output", None)}
 
 
@@ -62,4 +63,5 @@ def engine_error(finish: Finish) -> ApiError:
     status, code, param = ENGINE_ERRORS.get(finish.code or "", (500, finish.code or "internal_error", None))
     if finish.code == "queue_full":
         return ApiError(status, f"the engine's {finish.detail}; retry later", param=param, code=code)
-    return ApiError(status, finish.detail or f"request {finish.finish_reason}", param=param, code=code)
+    kind = "NotFoundError" if finish.code == "model_not_found" else None  # vLLM's body for an unknown model
+    return ApiError(status, finish.detail or f"request {finish.finish_reason}", param=param, code=code, kind=kind)
