@@ -26,6 +26,7 @@ from kvtui.detect.provenance import ProvenanceDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
 from kvtui.detect.sampling import SamplingProvenanceDetector
 from kvtui.engine import Engine
+from kvtui.engine.lora import AdapterGone
 from kvtui.events import (
     Contamination,
     EngineErrorEvidence,
@@ -39,7 +40,6 @@ from kvtui.events import (
     Summary,
     TimelineApplied,
 )
-from kvtui.engine.lora import AdapterGone
 from kvtui.faults import check_fault_names
 from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
