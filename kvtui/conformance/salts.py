@@ -24,6 +24,9 @@ def tenant_salts(server: Server) -> CheckResult:
     sent = (f"3 configurations (different salts, same salt, no salt), each {probes} victim prompts then "
             f"{2 * probes} one-token probes, one at a time")
     server.say(f"tenant salts: {sent}")
+    refused = server.salt_refusal()
+    if refused:
+        return not_applicable(SALTS, TITLE, sent, f"{refused}: tenants cannot be given cache namespaces of their own")
     cache, rows = run_target_timing(server.options(), server.tokenizer, probes=probes, console=None)
     by = {r.config: r for r in rows}
     figures = f"blocks of {cache.block_size} tokens ({cache.source}); " + "; ".join(_row_text(r) for r in rows)
