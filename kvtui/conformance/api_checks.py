@@ -25,6 +25,32 @@ N, STRUCTURED = "parallel_sampling", "structured_output"
 TITLES = {N: "n > 1 (parallel sampling)", STRUCTURED: "structured output beside plain requests"}
 STORY = "Write a short story about a lighthouse keeper and a {word}."
 WORDS = ("fox", "violin", "comet")
+# words added to the story request, one at a time, until its chat prompt ends 1 token past a multiple of
+# ALIGN tokens (a multiple of every block size the servers here use: 16, 32, 64): the prompt's last,
+# partial block then holds 1 prompt token and room for the first generated tokens of every choice, so the
+# choices share that block while they write their first tokens (with 10 free places, choices that agreed on
+# their first 6 tokens once hid a server that forks them without copy-on-write)
+MORE = ("It should be set on a rocky island far out at sea, during one long winter night when a storm cuts "
+        "the keeper off from the mainland and the lamp must be kept burning until the supply boat comes back "
+        "in the spring, and it should end quietly.").split()
+ALIGN = 64
+
+
+def _story(server: Server, word: str) -> str:
+    """The story request for `word`, with MORE's words added until its chat prompt is 1 token past a multiple
+    of ALIGN (as close as MORE allows)."""
+    text = STORY.format(word=word)
+    best = (ALIGN, text)
+    for k in range(len(MORE) + 1):
+        candidate = " ".join([text, *MORE[:k]])
+        ids = server.tokenizer.apply_chat_template([{"role": "user", "content": candidate}],
+                                                   add_generation_prompt=True, tokenize=True)
+        length = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if (length - 1) % ALIGN < best[0]:
+            best = ((length - 1) % ALIGN, candidate)
+        if best[0] == 0:
+            break
+    return best[1]
 
 
 def _choices(data: dict) -> list[str]:
@@ -33,46 +59,58 @@ def _choices(data: dict) -> list[str]:
     return [(c.get("message") or {}).get("content") or "" for c in choices]
 
 
-def _first_word(text: str) -> str:
-    parts = text.split()
-    return parts[0] if parts else ""
+def _starts(data: dict) -> list[str]:
+    """How each choice starts, in index order: its first token (from logprobs; sampled from the prompt's own
+    logits, before any choice writes to a block the choices share), else its first word."""
+    out = []
+    for c in sorted(data.get("choices") or [], key=lambda c: c.get("index", 0)):
+        content = (c.get("logprobs") or {}).get("content") or []
+        if content and isinstance(content[0], dict) and content[0].get("token") is not None:
+            out.append(f"token {content[0]['token']!r}")
+        else:
+            words = ((c.get("message") or {}).get("content") or "").split()
+            out.append(f"word {words[0] if words else ''!r}")
+    return out
 
 
 def parallel_sampling(server: Server) -> CheckResult:
     """One chat request with n choices at temperature 1, alone; then n requests seeded seed + i, alone.
     Choice i must equal the i-th separate answer. n/a when the server refuses n > 1, gives fewer choices, or
-    seeds its choices otherwise (their first words differ from the separate runs')."""
+    seeds its choices otherwise (a choice's first token, or without logprobs its first word, differs from its
+    separate run's)."""
     n, tokens = 3, 16 if server.quick else 24
     seed = fresh_seed()
-    text = STORY.format(word=WORDS[seed % len(WORDS)])
+    text = _story(server, WORDS[seed % len(WORDS)])
     sent = (f"1 chat request n={n} (temperature 1.0, seed S, {tokens} tokens) alone, then {n} requests n=1 seeded "
             f"S+i alone; {salt_words(server)}")
     server.say(f"n > 1: {sent}")
-    sampling = dict(temperature=1.0, top_p=1.0, seed=seed)
+    sampling = dict(temperature=1.0, top_p=1.0, seed=seed, logprobs=True)
     with server.client() as client:
         r = client.post(CHAT_PATH, json=server.uncached(server.chat_body(text, max_tokens=tokens, n=n, **sampling)))
         if 400 <= r.status_code < 500:
             return not_applicable(N, TITLES[N], sent, f"the server refuses n={n}: {refusal(r)}")
         r.raise_for_status()
-        choices = _choices(r.json())
+        choices, starts = _choices(r.json()), _starts(r.json())
         if len(choices) != n:
             return not_applicable(N, TITLES[N], sent, f"asked for n={n}, the server gave {len(choices)} "
                                   f"choice{'' if len(choices) == 1 else 's'}")
-        separate = []
+        separate, separate_starts = [], []
         for i in range(n):
             one = client.post(CHAT_PATH, json=server.uncached(server.chat_body(
                 text, max_tokens=tokens, **{**sampling, "seed": seed + i})))
             one.raise_for_status()
             separate.append(_choices(one.json())[0])
+            separate_starts.append(_starts(one.json())[0])
     differ = [i for i in range(n) if choices[i] != separate[i]]
     distinct = len(set(choices))
     figures = f"{n - len(differ)} of {n} choices equal their seeded run; {distinct} distinct choices"
     if not differ:
         return CheckResult(N, TITLES[N], "pass", sent, figures)
-    if any(_first_word(choices[i]) != _first_word(separate[i]) for i in range(n)):
-        return not_applicable(N, TITLES[N], sent, "the server does not seed choice i with seed + i (a choice's first "
-                              f"word differs from its seeded run's: {short(choices[differ[0]], 30)} vs "
-                              f"{short(separate[differ[0]], 30)}), so the choices cannot be compared", figures)
+    other = next((i for i in range(n) if starts[i] != separate_starts[i]), None)
+    if other is not None:
+        return not_applicable(N, TITLES[N], sent, f"the server does not seed choice i with seed + i (choice {other} "
+                              f"starts with {starts[other]}, its seeded run with {separate_starts[other]}), so the "
+                              "choices cannot be compared", figures)
     i = differ[0]
     return CheckResult(N, TITLES[N], "fail", sent, figures,
                        f"choice {i}: {short(choices[i])}; seeded run: {short(separate[i])}")
