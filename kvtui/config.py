@@ -112,7 +112,7 @@ class EngineConfig:
             reference detector counts any differing token, with no tolerance. Llama-family models on
             the fused forward only; slower (docs/performance.md).
         kv_offload_blocks: blocks of a host-memory KV offload tier under the prefix cache (LRU; evicted
-            full blocks stored, restored on a later prefix hit: kvtui/engine/offload.py); 0: none.
+            full blocks stored, restored on a later prefix hit: kvtui/engine/offload.py); None or 0: none.
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -139,7 +139,7 @@ class EngineConfig:
     watermark: float = 0.01
     enforce_eager: bool = False
     batch_invariant: bool = False
-    kv_offload_blocks: int = 0
+    kv_offload_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in field order: the first bad field is the one named

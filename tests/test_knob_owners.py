@@ -115,6 +115,7 @@ def test_engine_config_refuses_below_the_owners_low_bound(moved):
         "block_size": "self.block_size = 1 must be in 2..63",
         "num_blocks": "self.num_blocks = 2 must be >= 3",
         "watermark": "self.watermark = 0 must be in [0.001, 0.25]",
+        "kv_offload_blocks": "self.kv_offload_blocks = 0 must be >= 1",
     }
 
 

@@ -383,7 +383,7 @@ class ReferenceDetector:
             # and short steps: the checks run while the server is idle and stop between steps when work
             # arrives, so a step's length is what a new request may wait (a 1024-token prefill step of
             # SmolLM2 takes 2.5-3.4 s on one thread of a 2-core Xeon, a 128-token one about 0.3 s)
-            config = replace(config, kv="slots", num_blocks=None, prefix_caching=False, kv_offload_blocks=0,
+            config = replace(config, kv="slots", num_blocks=None, prefix_caching=False, kv_offload_blocks=None,
                              max_tokens_per_step=min(config.max_tokens_per_step, REFERENCE_STEP_TOKENS))
         engine = Engine(self.loaded.model, config, eos_token_ids=(), pad_token_id=_pad(self.tokenizer),
                         grammar_tokenizer=self.tokenizer, image_encoder=self.loaded.image_encoder)  # structured output: the same grammar, no stop strings

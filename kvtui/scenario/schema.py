@@ -124,10 +124,10 @@ class EngineSection(Strict):
         _D.prefix_caching, description="reuse the cached full blocks of a request's longest cached prompt prefix "
                                        "(paged only); a block's key chains its parent's key, its tokens and the "
                                        "tenant's cache_salt")
-    kv_offload_blocks: bounded("kv_offload_blocks") = Field(
-        0, description="blocks a host-memory offload tier under the prefix cache holds (LRU): evicted full "
-                       "blocks are stored there and restored on a later prefix hit, as LMCache and vLLM's "
-                       "offloading connector do; 0: no tier (paged KV with prefix_caching)")
+    kv_offload_blocks: bounded("kv_offload_blocks") | None = Field(
+        None, description="blocks a host-memory offload tier under the prefix cache holds (LRU): evicted full "
+                          "blocks are stored there and restored on a later prefix hit, as LMCache and vLLM's "
+                          "offloading connector do; null or 0: no tier (paged KV with prefix_caching)")
     watermark: bounded("watermark") = Field(
         _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
     batch_invariant: bool | None = Field(
