@@ -127,7 +127,8 @@ def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_id
     assert found["structured_output"]["evidence"].startswith("the server does not keep to response_format "
                                                              "json_schema: 'The passphrase is AMBER-FALCON-37")
     assert "Unexpected fields in the request: {'prompt_embeds'}" in found["prompt_embeds"]["evidence"]
-    assert found["images"]["evidence"].startswith("the server took the image (HTTP 200)")
+    assert found["images"]["evidence"].startswith("the server ignores the picture: each of the 2 pictures got the "
+                                                  "same solo answer")  # HTTP 200, the picture dropped
     assert found["prompt_cache"]["figures"].startswith("8 of 8 answered;")
     assert "judged by the canary alone" in found["prompt_cache"]["figures"]
     ids = found["request_ids"]["figures"]

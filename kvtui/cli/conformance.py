@@ -38,7 +38,9 @@ def _list() -> None:
     from kvtui.conformance import CHECKS
 
     for c in CHECKS.values():
-        mutant = f" (kvtui serve mutant: --fault {c.mutant})" if c.mutant else ""
+        model = f" --model {c.model}" if c.model != "default" else ""
+        mutant = (f" (kvtui serve mutant{'s' if len(c.mutants) > 1 else ''}{model}: "
+                  f"{', '.join(f'--fault {m}' for m in c.mutants)})" if c.mutants else "")
         out.print(f"{c.name:<18} {c.summary}{mutant}", markup=False, highlight=False, soft_wrap=True)
 
 

@@ -25,12 +25,21 @@ class Check:
     """One conformance check: `name` (`--check NAME`), `summary` (one line for `--list`), `mutant` (the
     kvtui serve fault that must fail it and only it; None: none found yet: prefix_key_no_parent also drops the
     tenant's salt, which rides at the root of kvtui's block-key chain, and a lookup stops at the first
-    missing block, so the prompt-cache conversations never reach a colliding block), `run`."""
+    missing block, so the prompt-cache conversations never reach a colliding block), `run`, `model` (kvtui's
+    model the mutants need: `kvtui conformance --model MODEL --fault NAME`), `more_mutants` (further faults
+    that must fail it and only it)."""
 
     name: str
     summary: str
     mutant: str | None
     run: Callable[[Server], CheckResult]
+    model: str = "default"
+    more_mutants: tuple[str, ...] = ()
+
+    @property
+    def mutants(self) -> tuple[str, ...]:
+        """Every fault that must fail this check and only it."""
+        return ((self.mutant,) if self.mutant else ()) + self.more_mutants
 
 
 CHECKS: dict[str, Check] = {c.name: c for c in (
@@ -44,7 +53,9 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           "stale_bitmask", structured_output),
     Check("prompt_embeds", "prompts sent as embedding rows are cached by their rows, not their placeholder ids",
           "embeds_unkeyed", prompt_embeds),
-    Check("images", "image parts: taken or refused (kvtui has no image audit of a server yet)", None, images),
+    Check("images", "one text with different pictures: every answer is its own picture's (solo, through the prefix "
+          "cache, at once, under one reused image uuid)", "mm_hash_missing", images, model="dinov2-smollm2",
+          more_mutants=("mm_uuid_trusted", "stale_image_embedding")),
     Check("prompt_cache", "conversations sharing text after their own passphrase get only their own state "
           "from the prompt cache", None, prompt_cache),
     Check("request_ids", "two clients sending one x-request-id at once each get their own answer, and the "

@@ -33,7 +33,8 @@ TINY_TABLES = ("tiny-llama", "tiny-gpt2")
 
 
 def embedding_table(model: str):
-    """The [vocab, hidden] float32 input embedding table of `model` (default, tiny-llama, tiny-gpt2).
+    """The [vocab, hidden] float32 input embedding table of `model` (default, or dinov2-smollm2, whose LM is
+    the default model; tiny-llama, tiny-gpt2).
 
     Raises:
         ModelLoadError: any other model, or the default model not installed.
@@ -44,7 +45,7 @@ def embedding_table(model: str):
         from kvtui.models import build_tiny
 
         return build_tiny(model)[0].get_input_embeddings().weight.detach().to(torch.float32)
-    if model != "default":
+    if model not in ("default", "dinov2-smollm2"):  # dinov2-smollm2's LM is the default model itself
         raise ModelLoadError(f"prompt-embeds scenarios against a --target need the default model (the rows sent "
                              f"are its embedding table's); model {model!r} is not supported there")
     from safetensors import safe_open
