@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from helpers import run_batched, solo, uncached_greedy
-from hypothesis import HealthCheck, given, settings
+from helpers import assert_equals_solo, assert_matches_oracle, oracle_tokens, run_batched, solo, uncached_greedy
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtui.config import EngineConfig
@@ -60,17 +60,32 @@ def paged_workloads(draw):
     return draw(st.sampled_from(MODELS)), prompts, arrivals, params, config
 
 
+# a float32 rounding flip CI met on a 2-core AMD EPYC: r1's seventh draw fell 6e-10 past a boundary of its
+# cumulative distribution in the batch and 9e-8 short of it solo (token 200 batched, 13 solo)
+_FLIP = ("tiny-llama", [[184, 95, 213, 205, 166, 55, 194, 162], [184, 236, 116, 247, 211, 44, 161, 190, 168, 201, 105, 246],
+                        *[[184, 95, 213, 205, 166, 55, 194, 162]] * 5], [0] * 7,
+         [SamplingParams(max_new_tokens=1, temperature=0.8, seed=0), SamplingParams(max_new_tokens=7, temperature=0.8,
+                                                                                     seed=37377),
+          *[SamplingParams(max_new_tokens=1, temperature=0.8, seed=0)] * 5],
+         EngineConfig(kv="paged", block_size=1, num_blocks=81, max_len=MAX_LEN, prefix_caching=False, watermark=0.0,
+                      max_batch_size=2, max_tokens_per_step=8, layout="padded", padding_side="right"))
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(paged_workloads())
+@example(_FLIP)
 def test_paged_batched_equals_solo(tiny, oracles, workload):
     name, prompts, arrivals, params, config = workload
     loaded = tiny[name]
-    engine, outputs, reports = run_batched(loaded, prompts, params, arrivals, config)
+    states = {}
+    engine, outputs, reports = run_batched(loaded, prompts, params, arrivals, config, states)
     for i, prompt in enumerate(prompts):
-        assert outputs[i] == solo(loaded, prompt, params[i]), f"request r{i} differs from its solo run"
+        state = states[i]
+        assert_equals_solo(loaded, prompt, params[i], outputs[i], state.top2_gaps, state.draws, f"request r{i}")
         assert len(outputs[i]) == params[i].max_new_tokens
         if params[i].greedy:
-            assert outputs[i] == uncached_greedy(oracles[name], prompt, params[i].max_new_tokens)
+            theirs, gaps = oracle_tokens(oracles[name], prompt, params[i])
+            assert_matches_oracle(outputs[i], theirs, gaps, f"request r{i}")
     manager = engine.kv.manager
     assert manager.tables == {} and manager.num_free == manager.num_usable  # every block given back
     assert all(r.blocks_used <= r.num_blocks for r in reports)
@@ -130,3 +145,26 @@ def test_smollm2_paged_prefix_caching_and_preemption_equal_solo(smollm2):
     assert sum(r.num_preemptions for r in reports) > 0
     for i, prompt in enumerate(prompts):
         assert outputs[i] == solo(smollm2, prompt, params[i])
+
+
+@pytest.mark.parametrize("fault, temperature, why", [
+    ("shared_position_offset", 0.8, "from its interval's ends"), ("shared_position_offset", 0.0, "not a near tie"),
+    ("unmasked_cache_padding", 0.8, "from its interval's ends"), ("shared_rng", 0.8, "different uniforms")])
+def test_the_float_flip_allowance_still_fails_real_damage(tiny, fault, temperature, why):
+    """assert_equals_solo lets a divergence pass only as a rounding flip at a boundary (or a greedy near
+    tie): a leak across requests, or one random stream shared by all, still fails it."""
+    loaded = tiny["tiny-llama"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(250) for _ in range(rng.randint(4, 20))] for _ in range(4)]
+    params = [SamplingParams(max_new_tokens=10, temperature=temperature, seed=11 + i) for i in range(4)]
+    config = EngineConfig(max_len=MAX_LEN, num_slots=4, max_batch_size=4, faults=frozenset({fault}))
+    states = {}
+    _, outputs, _ = run_batched(loaded, prompts, params, [0, 0, 1, 1], config, states)
+    failures = []
+    for i, prompt in enumerate(prompts):
+        try:
+            assert_equals_solo(loaded, prompt, params[i], outputs[i], states[i].top2_gaps, states[i].draws, f"r{i}")
+        except AssertionError as error:
+            failures.append(str(error))
+    assert len(failures) >= 2, failures
+    assert all("differs from its solo run" in f and why in f for f in failures), failures
