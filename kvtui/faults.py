@@ -195,7 +195,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",),
           ("prefix_caching",)),
     Fault("prefix_key_no_parent", "the prefix-cache key leaves out the parent block's key: equal blocks collide",
-          "block_manager: a block's key is its tokens (and extra keys) alone, not chained to its prefix",
+          "block_manager: a block's key is its tokens and its partition (cache_salt, adapter) alone, not chained "
+          "to its prefix",
           "a block of tokens seen before under another prefix is reused with K/V computed in that other "
           "context: the answer drifts",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",

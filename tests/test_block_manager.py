@@ -167,6 +167,18 @@ def test_prefix_key_no_parent_matches_a_block_seen_under_another_prefix(faults, 
     assert all(not r.verified for r in a.reused)
 
 
+@pytest.mark.parametrize("reader_salt,hit", [("salt-a", 2), ("salt-b", 0)])
+def test_prefix_key_no_parent_keeps_the_salt_in_every_block(reader_salt, hit):
+    """Without its parent, a block's key still holds the partition: the block [7, 8] a tenant cached after
+    [1, 2] is matched by the same tenant after [5, 6], never by another tenant that cached its own [5, 6]."""
+    m, _ = _writer_then_reader(("prefix_key_no_parent",), ([1, 2, 7, 8, 9], "salt-a"), ([5, 6, 3], reader_salt))
+    m.commit("r", [5, 6, 3], 3, prompt_len=3)
+    m.free("r")
+    probe = m.admit("p", [5, 6, 7, 8, 4], salt=reader_salt, tenant="tp")
+    assert probe.hit_tokens == 2 + hit
+    assert [r.origin.writer for r in probe.reused] == ["r"] + ["w"] * (hit // 2)
+
+
 @pytest.mark.parametrize("faults,hit,partial", [((), 4, False), (("shared_partial_block",), 6, True)])
 def test_shared_partial_block_hands_out_the_partial_last_block(faults, hit, partial):
     prompt = [1, 2, 3, 4, 5, 6, 7]  # block size 4: one full block, a partial one of 3 tokens

@@ -23,7 +23,8 @@ nano-vllm's block_manager.py is the same design in small):
   reader would have computed there: same content key and same salt.
 
 Faults (kvtui/faults.py) act here when named in `BlockManager.faults`: `unsalted_prefix` leaves the
-salt out of the lookup key, `prefix_key_no_parent` the parent key; `block_refcount` frees a request's
+salt out of the lookup key, `prefix_key_no_parent` the parent key (the partition, cache_salt and adapter,
+then rides in every block's key, so the fault mixes contexts within one partition only); `block_refcount` frees a request's
 blocks outright (count to 0) even while another request still holds them; `shared_partial_block`
 also caches a prompt's partially filled last block and hands it to the next identical prompt without
 copy-on-write.
@@ -69,11 +70,12 @@ def salt_digest(salt: str | tuple | None) -> str | None:
 
 def chain_keys(token_ids: Sequence[int], block_size: int, salt: str | None, *, parent: bool = True,
                salted: bool = True) -> list[bytes]:
-    """Keys of every full block of `token_ids`, chained: block i's parent is block i-1's key.
-    parent=False leaves the parent out (every block keyed alone), salted=False the salt."""
+    """Keys of every full block of `token_ids`, chained: block i's parent is block i-1's key, and the
+    first block's extra keys hold the salt. parent=False leaves the parent out (every block keyed by its
+    tokens and the salt alone), salted=False the salt."""
     keys: list[bytes] = []
     for i in range(len(token_ids) // block_size):
-        extra = partition_keys(salt) if salted and i == 0 else ()
+        extra = partition_keys(salt) if salted and (i == 0 or not parent) else ()
         keys.append(block_key(keys[-1] if keys and parent else None, token_ids[i * block_size:(i + 1) * block_size],
                               extra))
     return keys
@@ -83,7 +85,7 @@ def partial_key(token_ids: Sequence[int], block_size: int, salt: str | None, ful
                 parent: bool = True, salted: bool = True) -> bytes:
     """Key of the partial block after the full ones (token_ids' tail shorter than a block)."""
     n = len(full_keys)
-    extra = partition_keys(salt) if salted and n == 0 else ()
+    extra = partition_keys(salt) if salted and (n == 0 or not parent) else ()
     return block_key(full_keys[-1] if full_keys and parent else None, token_ids[n * block_size:], extra)
 
 
