@@ -38,7 +38,8 @@ def test_list_names_every_check_with_its_mutant():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split()[0] for line in lines] == list(CHECKS)
-    assert "--fault cow_missing" in lines[2] and "--fault" not in lines[6]  # parallel_sampling; prompt_cache has none
+    assert lines[2].endswith("(kvtui serve mutant: --fault cow_missing)")  # parallel_sampling
+    assert lines[6].endswith("(kvtui serve mutant: --fault prefix_key_no_parent)")  # prompt_cache
     assert lines[5].endswith("(kvtui serve mutants --model dinov2-smollm2: --fault mm_hash_missing, --fault "
                              "mm_uuid_trusted, --fault stale_image_embedding)")  # images
 
@@ -92,10 +93,11 @@ def tokenizer():
 
 def verdicts(tokenizer, faults: tuple[str, ...], names: list[str] | None = None) -> dict[str, CheckResult]:
     """The quick checks `names` (all: None) against a kvtui serve with `faults`, by check name."""
-    from kvtui.conformance.local import local_server
+    from kvtui.conformance.local import TOLERANCE, local_server
 
     with local_server("default", faults, threads=1) as url:
-        server = Server(url=url, model="default", tokenizer=tokenizer, server_kind="kvtui", timeout_s=120, quick=True)
+        server = Server(url=url, model="default", tokenizer=tokenizer, server_kind="kvtui", timeout_s=120,
+                        tolerance=TOLERANCE, quick=True)
         return {r.check: r for r in run_checks(server, names)}
 
 

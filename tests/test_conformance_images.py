@@ -118,11 +118,11 @@ def tokenizer():
 
 def images(tokenizer, faults: tuple[str, ...]):
     """The quick image check against kvtui serve --model dinov2-smollm2 with `faults`."""
-    from kvtui.conformance.local import local_server
+    from kvtui.conformance.local import TOLERANCE, local_server
 
     with local_server("dinov2-smollm2", faults, threads=1) as url:
         server = Server(url=url, model="dinov2-smollm2", tokenizer=tokenizer, server_kind="kvtui", timeout_s=120,
-                        quick=True)
+                        tolerance=TOLERANCE, quick=True)
         return run_checks(server, ["images"])[0]
 
 

@@ -85,6 +85,8 @@ def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
     assert found["images"]["evidence"] == ("the server takes no images: HTTP 400: SmolLM2-135M-Instruct is not a "
                                            "multimodal model")
     assert "0 answers to the wrong client; 0 hung; 0 lost" in found["request_ids"]["figures"]
+    cache = found["prompt_cache"]["figures"]  # each conversation sent again finds its blocks in vLLM's cache
+    assert cache.startswith("12 of 12 answered;") and "8 lone ones compared with their solo run" in cache
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_id
     assert "Unexpected fields in the request: {'prompt_embeds'}" in found["prompt_embeds"]["evidence"]
     assert found["images"]["evidence"].startswith("the server ignores the picture: each of the 2 pictures got the "
                                                   "same solo answer")  # HTTP 200, the picture dropped
-    assert found["prompt_cache"]["figures"].startswith("8 of 8 answered;")
+    assert found["prompt_cache"]["figures"].startswith("12 of 12 answered;")  # 4 lone, the same 4 again, 2 pairs
     assert "judged by the canary alone" in found["prompt_cache"]["figures"]
     ids = found["request_ids"]["figures"]
     assert "then the server stopped serving other clients" in ids and "CB worker is dead" in ids

@@ -670,6 +670,28 @@ def test_divergence_labels_from_both_runs_top_logprobs():
     assert legacy[0].top2_gap == pytest.approx(0.02)
 
 
+def test_logprob_drift_is_the_largest_move_of_a_token_both_runs_list():
+    """Two answers with the same tokens: the drift is the largest |logprob difference| over the tokens both
+    runs list at a position; answers that differ, or carry no logprobs, have none."""
+    from kvtui.target.openai import StreamResult, parse_logprobs
+    from kvtui.target.solo_check import logprob_drift
+
+    def result(*entries) -> StreamResult:
+        tokens = parse_logprobs({"content": [{"token": tok, "logprob": top[0][1],
+                                              "top_logprobs": [{"token": k, "logprob": v} for k, v in top]}
+                                             for tok, top in entries]})
+        return StreamResult(sent_s=0.0, tokens=tokens, pieces=[tok for tok, _ in entries])
+
+    cached = result((" The", [(" The", -0.30), (" GARDEN", -1.50)]), (" pass", [(" pass", -0.01), (" key", -5.0)]))
+    solo = result((" The", [(" The", -0.43), (" GARDEN", -1.40)]), (" pass", [(" pass", -0.01), (" word", -5.2)]))
+    drift = logprob_drift(cached, solo)
+    assert (drift.index, drift.token) == (0, " The") and drift.nats == pytest.approx(0.13)
+    assert logprob_drift(solo, solo).nats == 0.0
+    other = result((" GARDEN", [(" GARDEN", -0.2), (" The", -1.7)]), (" pass", [(" pass", -0.01)]))
+    assert logprob_drift(cached, other) is None  # a different token: first_divergence judges it
+    assert logprob_drift(StreamResult(sent_s=0.0, pieces=[" The"]), solo) is None  # no logprobs
+
+
 def test_cli_audit_target_names_the_replaced_neighbours(tmp_path):
     path = write_scenario(tmp_path)
     with FakeHTTPServer(FakeOpenAI()) as url:

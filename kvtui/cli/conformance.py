@@ -65,6 +65,11 @@ def conformance(
     threads: Annotated[Optional[int], typer.Option("--threads", min=1, help="Without --target: torch threads for "
                                                    "the engine (default: all cores but one).",
                                                    rich_help_panel=TARGET_PANEL)] = None,
+    tolerance: Annotated[Optional[float], typer.Option(
+        "--tolerance", min=0.0, help="The server's numeric noise (nats): a top-2 logprob gap under which a changed "
+        "greedy token is a numeric flip, and the most a same-token answer's logprobs may move against its solo "
+        "run (prompt_cache). Default: 0.5 with --target, 1e-3 for kvtui's own float32 server.",
+        rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run every black-box isolation check (tenant salts, solo parity under load, n > 1, structured output,
     prompt embeddings, images, the prompt cache, request ids) against one server and print one table:
@@ -85,14 +90,15 @@ def conformance(
     if target is not None:
         from kvtui.cli.target import check_url
 
-        _run(check_url(target), model, served_model, names, quick, timeout, json_path, markdown_path)
+        _run(check_url(target), model, served_model, names, quick, timeout, json_path, markdown_path,
+             tolerance=TARGET.tolerance if tolerance is None else tolerance)
         return
-    _run_local(model, faults, threads, names, quick, timeout, json_path, markdown_path)
+    _run_local(model, faults, threads, names, quick, timeout, json_path, markdown_path, tolerance)
 
 
 def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, quick: bool, timeout: float,
-               json_path: Path | None, markdown_path: Path | None) -> None:
-    from kvtui.conformance.local import local_server
+               json_path: Path | None, markdown_path: Path | None, tolerance: float | None) -> None:
+    from kvtui.conformance.local import TOLERANCE, local_server
     from kvtui.models import ModelLoadError
     from kvtui.serve.main import BadInput
 
@@ -100,7 +106,8 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
     say("note", f"starting {label} (paged KV, 16-token blocks, prefix caching, prompt embeddings) on a free port")
     try:
         with local_server(model, faults, threads) as url:
-            _run(url, model, None, names, quick, timeout, json_path, markdown_path, label=label)
+            _run(url, model, None, names, quick, timeout, json_path, markdown_path, label=label,
+                 tolerance=TOLERANCE if tolerance is None else tolerance)
     except (BadInput, ValueError, ModelLoadError) as e:
         fail(str(e))
     except OSError as e:
@@ -108,7 +115,7 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
 
 
 def _run(url: str, model: str, served_model: str | None, names, quick: bool, timeout: float,
-         json_path: Path | None, markdown_path: Path | None, label: str | None = None) -> None:
+         json_path: Path | None, markdown_path: Path | None, label: str | None = None, *, tolerance: float) -> None:
     """Connect, run the checks with progress lines, print the table, write the files, exit by the verdicts."""
     import httpx
 
@@ -128,7 +135,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
              "(http://HOST:PORT) and that the server is up", EXIT_RUNTIME)
     kind = SERVER_KINDS.get(first.get("owned_by"))
     server = Server(url=url, model=model, tokenizer=tokenizer, served_model=served_model or first.get("id"),
-                    server_kind=kind, timeout_s=timeout, quick=quick,
+                    server_kind=kind, timeout_s=timeout, tolerance=tolerance, quick=quick,
                     say=lambda text: err.print(f"  {text}", markup=False, highlight=False))
     total = len(names) if names else len(CHECKS)
     done = []

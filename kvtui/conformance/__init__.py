@@ -23,11 +23,9 @@ from kvtui.conformance.salts import tenant_salts
 @dataclass(frozen=True)
 class Check:
     """One conformance check: `name` (`--check NAME`), `summary` (one line for `--list`), `mutant` (the
-    kvtui serve fault that must fail it and only it; None: none found yet: prefix_key_no_parent also drops the
-    tenant's salt, which rides at the root of kvtui's block-key chain, and a lookup stops at the first
-    missing block, so the prompt-cache conversations never reach a colliding block), `run`, `model` (kvtui's
-    model the mutants need: `kvtui conformance --model MODEL --fault NAME`), `more_mutants` (further faults
-    that must fail it and only it)."""
+    kvtui serve fault that must fail it and only it; None: none), `run`, `model` (kvtui's model the mutants
+    need: `kvtui conformance --model MODEL --fault NAME`), `more_mutants` (further faults that must fail it
+    and only it)."""
 
     name: str
     summary: str
@@ -57,7 +55,7 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           "cache, at once, under one reused image uuid)", "mm_hash_missing", images, model="dinov2-smollm2",
           more_mutants=("mm_uuid_trusted", "stale_image_embedding")),
     Check("prompt_cache", "conversations sharing text after their own passphrase get only their own state "
-          "from the prompt cache", None, prompt_cache),
+          "from the prompt cache", "prefix_key_no_parent", prompt_cache),
     Check("request_ids", "two clients sending one x-request-id at once each get their own answer, and the "
           "server keeps serving", "request_id_keyed", request_ids),
 )}

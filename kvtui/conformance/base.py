@@ -16,7 +16,7 @@ from typing import Literal
 import httpx
 
 from kvtui.target.openai import CHAT_PATH
-from kvtui.target.options import TargetOptions
+from kvtui.target.options import DEFAULT_TOLERANCE, TargetOptions
 from kvtui.target.solo_check import uncached
 
 Verdict = Literal["pass", "fail", "n/a"]
@@ -34,6 +34,10 @@ class Server:
         served_model: the `model` field to send (None: the first of /v1/models).
         server_kind: what /v1/models' owned_by says ("vLLM", "llama.cpp", "kvtui", ...; None unknown).
         timeout_s: one request's limit (seconds).
+        tolerance: the server's numeric noise (nats): a top-2 logprob gap under which a differing greedy
+            token is a numeric flip, and the most a token-equal answer's logprobs may move against its solo
+            run (the prompt-cache check). --target servers: 0.5 (bfloat16 servers flip gaps up to a few
+            tenths); kvtui's own float32 server: 1e-3 (its batched-vs-solo spread is under 1e-4).
         quick: fewer requests per check (CI); say: where progress lines go.
     """
 
@@ -43,13 +47,15 @@ class Server:
     served_model: str | None = None
     server_kind: str | None = None
     timeout_s: float = 120.0
+    tolerance: float = DEFAULT_TOLERANCE
     quick: bool = False
     say: Callable[[str], None] = field(default=lambda text: None)
     _salt: list = field(default_factory=list, repr=False, compare=False)  # [salt_refusal()] once asked
 
     def options(self, **changes) -> TargetOptions:
         """TargetOptions for a TargetSession or the timing audit against this server."""
-        return TargetOptions(url=self.url, served_model=self.served_model, timeout_s=self.timeout_s, **changes)
+        return TargetOptions(url=self.url, served_model=self.served_model, timeout_s=self.timeout_s,
+                             tolerance=self.tolerance, **changes)
 
     def client(self) -> httpx.Client:
         """A blocking client on the server's base URL (the caller closes it)."""

@@ -139,6 +139,7 @@ class TargetSession(RunBase):
         self.summary: Summary | None = None
         self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
+        self.solo_results: dict[str, StreamResult] = {}  # the compared solo runs, by request id
         self.reference_skips: Counter = Counter()  # SkipReason -> requests left unchecked
         self._header: Header | None = None
         self._clock = clock
@@ -454,6 +455,7 @@ class TargetSession(RunBase):
             return
         self.reference_checked += 1
         self.reference_uncached_verified += solo.cached_tokens == 0
+        self.solo_results[rid] = solo
         event = reference_event(rid, batched, solo, tolerance=self.options.tolerance, t=self.now(),
                                 suspects=self.overlapping(rid))
         if event is not None:

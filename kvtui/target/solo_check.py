@@ -101,6 +101,35 @@ def _flip_distance(a: list, b: list, tolerance: float) -> tuple[float | None, st
     return None, "corruption" if max(floors) > tolerance else "unknown"
 
 
+@dataclass(frozen=True)
+class Drift:
+    """How far two token-equal answers' logprobs lie apart.
+
+    Attributes:
+        index: the token where the move is largest; nats: that move, the largest |logprob difference| of a
+            token both runs list among their top logprobs there; token: its text there.
+    """
+
+    index: int
+    nats: float
+    token: str
+
+
+def logprob_drift(batched: StreamResult, solo: StreamResult) -> Drift | None:
+    """The largest move of a listed token's logprob between two answers with the same tokens (the same
+    prompt computed twice, e.g. once through the prefix cache and once past it). None when either run
+    has no logprobs, the answers differ (first_divergence judges those) or no token is listed by both."""
+    if not batched.tokens or [t.key for t in batched.tokens] != [t.key for t in solo.tokens]:
+        return None
+    best = None
+    for i, (a, b) in enumerate(zip(batched.tokens, solo.tokens)):
+        theirs = dict(b.top)
+        for key, logprob in a.top:
+            if key in theirs and (best is None or abs(logprob - theirs[key]) > best.nats):
+                best = Drift(i, abs(logprob - theirs[key]), a.token)
+    return best
+
+
 def _id(result: StreamResult, i: int) -> int | None:
     return result.tokens[i].id if i < len(result.tokens) else None
 
