@@ -145,6 +145,24 @@ def test_runtime_load_and_unload_of_a_new_adapter(server):
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
+def test_two_loads_of_one_new_name_at_once_load_it_once(server, monkeypatch):
+    """Both pass the name check only if the check and the install are not one step: then the second would
+    install version 2. One of them must get vLLM's "already been loaded" and the adapter stay at version 1.
+    Reading the adapter is slowed to 0.5 s so that both requests are inside the load at once."""
+    import kvtui.serve.lora as served_lora
+
+    read = served_lora.read_adapter
+    monkeypatch.setattr(served_lora, "read_adapter", lambda *args: (time.sleep(0.5), read(*args))[1])
+    path = local_adapter("tiny-llama", server.loaded.model.config, "lora-race", 9)
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: _reload(server, "lora-race", path, inplace=False), range(2)))
+    assert sorted(a.status_code for a in answers) == [200, 400]
+    refused = next(a for a in answers if a.status_code == 400).json()["error"]
+    assert refused["type"] == "InvalidUserInput" and "has already been loaded" in refused["message"]
+    assert server.session.adapters.get("lora-race").version == 1
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "lora-race"}).status_code == 200
+
+
 def test_under_lora_reload_stale_the_reloaded_adapter_reuses_the_old_blocks_and_is_reported():
     with ServeServer(_options(faults=("lora_reload_stale",))) as server:
         assert cached(complete(server, "lora-a", PROMPT)) == 0

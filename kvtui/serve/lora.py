@@ -122,6 +122,14 @@ class ServedAdapters:
         self.base_name, self.enabled = base_name, enabled
         self.cards: dict[str, tuple[str, str, object]] = {}
         self.lock = threading.Lock()
+        self.changing: asyncio.Lock | None = None  # one load or unload at a time (made on the server's loop)
+
+    def change_lock(self) -> asyncio.Lock:
+        """The lock a runtime load or unload holds from its name check to its install, so two loads of one
+        new name cannot both pass the check (the second gets vLLM's "already been loaded")."""
+        if self.changing is None:
+            self.changing = asyncio.Lock()
+        return self.changing
 
     def add(self, module: LoraModule, adapter, root: str) -> None:
         parent = module.base_model_name or self.base_name
@@ -199,8 +207,14 @@ def _user_error(message: str) -> ApiError:
 
 
 async def load_lora(ctx, body: LoadLoRAAdapterRequest, off_loop) -> str:
-    """Load (or with load_inplace reload) an adapter: read off the loop, install between engine steps.
-    Returns vLLM's success text. Raises ApiError as vLLM answers (400 InvalidUserInput / BadRequestError)."""
+    """Load (or with load_inplace reload) an adapter: read off the loop, install between engine steps, one
+    load or unload at a time. Returns vLLM's success text. Raises ApiError as vLLM answers (400
+    InvalidUserInput / BadRequestError)."""
+    async with ctx.adapters.change_lock():
+        return await _load(ctx, body, off_loop)
+
+
+async def _load(ctx, body: LoadLoRAAdapterRequest, off_loop) -> str:
     served: ServedAdapters = ctx.adapters
     if not served.enabled:
         raise ApiError(400, "LoRA is not enabled on this server: start it with --enable-lora", code=400,
@@ -226,11 +240,13 @@ async def unload_lora(ctx, body: UnloadLoRAAdapterRequest) -> str:
     served: ServedAdapters = ctx.adapters
     if not body.lora_name:
         raise _user_error("'lora_name' needs to be provided to unload a LoRA adapter.")
-    if body.lora_name not in served.names():
-        raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code=404, kind="NotFoundError")
-    await _in_engine(ctx, lambda registry: registry.remove(body.lora_name))
-    with served.lock:
-        served.cards.pop(body.lora_name, None)
+    async with served.change_lock():
+        if body.lora_name not in served.names():
+            raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", code=404,
+                           kind="NotFoundError")
+        await _in_engine(ctx, lambda registry: registry.remove(body.lora_name))
+        with served.lock:
+            served.cards.pop(body.lora_name, None)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
