@@ -95,6 +95,7 @@ class Arrive(_Frozen):
     audio: str | None = None  # (v3) a speech request's audio (its file name)
     image: str | None = None  # (v3) an image request's pictures (their names, comma-separated)
     client_id: str | None = None  # (v3, target runs) the request id its client sent (scenario request_ids)
+    lora: str | None = None  # (v3) the LoRA adapter it runs under (its name; None: the base model)
 
 
 class FirstToken(_Frozen):

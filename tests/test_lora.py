@@ -168,6 +168,30 @@ def _session(llama, **kw):
     return session
 
 
+def test_each_arrive_event_names_its_adapter_and_the_dashboard_row_shows_it(llama):
+    from rich.console import Console
+
+    from kvtui.events import Arrive
+    from kvtui.tui import panels
+    from kvtui.tui.snapshot_build import build_snapshot
+    from kvtui.tui.state import DashboardState
+
+    fields = dict(seed=0, n=6, block=16, layout="padded", faults="", adapters="[lora-a, lora-b, none]",
+                  assign="round_robin", timeline="", rate=10.0)
+    session = Session(parse_scenario(LOAD.format(**fields)), llama, clock="virtual", detectors=())
+    events, state = [], DashboardState()
+    session.listeners.extend([events.append, state.apply])
+    session.run()
+    arrivals = [e for e in events if isinstance(e, Arrive)]
+    assert [(e.request_id, e.lora) for e in arrivals] == [("r000", "lora-a"), ("r001", "lora-b"), ("r002", None),
+                                                         ("r003", "lora-a"), ("r004", "lora-b"), ("r005", None)]
+    console = Console(width=120, color_system=None)
+    with console.capture() as capture:
+        console.print(panels.request_table(build_snapshot(state), 120, 10))
+    rows = {line.split()[0]: line for line in capture.get().splitlines() if line.startswith("r0")}
+    assert "[lora:lora-a]" in rows["r000"] and "[lora:lora-b]" in rows["r001"] and "[" not in rows["r002"]
+
+
 def _provenance(session):
     return sorted({(e.victim, e.source) for e in session.contamination if e.detector == "prefix_provenance"})
 

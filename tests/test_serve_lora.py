@@ -93,6 +93,16 @@ def test_the_model_field_selects_the_adapter_and_matches_peft_merged_generate(se
     assert _oracle("tiny-llama", folder(server, "lora-a"), PROMPT, NEW) != _oracle("tiny-llama", None, PROMPT, NEW)
 
 
+def test_a_served_requests_arrive_event_names_its_adapter(server):
+    from kvtui.events import Arrive
+
+    seen = []
+    server.session.listeners.append(lambda e: seen.append(e) if isinstance(e, Arrive) else None)
+    by_model = {model: complete(server, model, OTHER).json()["id"] for model in ("lora-a", None)}
+    lora = {e.request_id: e.lora for e in seen}
+    assert (lora[by_model["lora-a"]], lora[by_model[None]]) == ("lora-a", None)
+
+
 def test_models_lists_the_adapters_with_their_parent(server):
     data = httpx.get(server.url + "/v1/models").json()["data"]
     assert [m["id"] for m in data] == ["tiny-llama", "lora-a", "lora-b"]

@@ -41,7 +41,8 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
                   passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
                   sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.audio_label,
-                  image=planned.image_label, client_id=getattr(getattr(planned, "client_id", None), "value", None))
+                  image=planned.image_label, client_id=getattr(getattr(planned, "client_id", None), "value", None),
+                  lora=getattr(planned, "adapter", None))
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

@@ -167,6 +167,8 @@ def _encoder(last) -> EncoderView | None:
 
 
 def _tags(r) -> str:
-    """A request row's tags: its pictures (img:<name>) and its per-row sampling state ("pen bias")."""
-    images = [f"img:{name.removesuffix('.png')}" for name in (r.image or "").split(",") if name]
-    return " ".join([*images, r.sampling] if r.sampling else images)
+    """A request row's tags: its LoRA adapter (lora:<name>), its pictures (img:<name>) and its per-row
+    sampling state ("pen bias")."""
+    tags = [f"lora:{r.lora}"] if r.lora else []
+    tags += [f"img:{name.removesuffix('.png')}" for name in (r.image or "").split(",") if name]
+    return " ".join([*tags, r.sampling] if r.sampling else tags)

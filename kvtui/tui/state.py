@@ -66,6 +66,7 @@ class _Request:
     sampling: str = ""  # its per-row sampling state's tags ("pen bias"), as its arrive event says
     audio: str | None = None  # a speech request's audio file name
     image: str | None = None  # an image request's pictures, as its arrive event names them
+    lora: str | None = None  # the LoRA adapter it runs under, as its arrive event names it
 
 
 class DashboardState:
@@ -149,7 +150,7 @@ class DashboardState:
     def _arrive(self, e: Arrive) -> None:
         r = self.requests.get(e.request_id) or _Request(e.request_id, len(self.requests) % PALETTE_SIZE)
         r.prompt_tokens, r.max_new_tokens, r.passphrase = e.prompt_len, e.max_new_tokens, e.passphrase
-        r.tenant, r.sampling, r.audio, r.image = e.tenant, " ".join(e.sampling), e.audio, e.image
+        r.tenant, r.sampling, r.audio, r.image, r.lora = e.tenant, " ".join(e.sampling), e.audio, e.image, e.lora
         if e.tenant is not None:
             self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r
