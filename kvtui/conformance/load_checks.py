@@ -9,6 +9,8 @@ near-tie or an unlabelled difference does not).
 
 from __future__ import annotations
 
+import secrets
+
 from kvtui.conformance.base import CheckResult, Server, not_applicable
 from kvtui.events import Contamination
 from kvtui.target.session import TargetSession
@@ -177,12 +179,14 @@ def prompt_cache(server: Server) -> CheckResult:
     A cache that keys a block by its tokens without what came before it serves the second sending the notes
     another conversation computed after its own passphrase (one whose passphrase fills as many tokens, so
     the notes' blocks align). SmolLM2 still answers with its own passphrase, token for token (measured:
-    the reused notes moved the top-2 gaps by up to 0.45 nats and changed no greedy token), so a lone answer
-    is also compared with its solo run by its logprobs: one that moved by more than the server's tolerance
-    was computed on state that is not its own.
+    the reused notes moved the top-2 gaps by up to 0.45 nats and changed no greedy token). So where the
+    server computes a cached prompt exactly as an uncached one (the control: exactness_control), a lone
+    answer is also compared with its solo run by its logprobs: one that moved by more than the server's
+    tolerance was computed on state that is not its own. Where it does not (llama.cpp's one-token
+    prefills round otherwise), logprob moves say nothing and only tokens count.
 
     Fail: an answer holds another conversation's passphrase, or a lone one differs from its solo run in a
-    token or, token-equal, in a logprob by more than the tolerance."""
+    token or (exact servers) in a logprob by more than the tolerance."""
     fill, rounds = (4, 2) if server.quick else (8, 4)
     common = f"prompts: {{kind: passphrase, template: \"{NOTES}\"}}\noutput_tokens: 20\nsampling: greedy\n"
     lone = scenario(CACHE, f"arrivals: {{process: rounds, rounds: [{{size: 1, count: {fill}}}]}}\n{common}", server.model)
@@ -193,20 +197,56 @@ def prompt_cache(server: Server) -> CheckResult:
     server.say(f"prompt cache: {sent}")
     refused = server.salt_refusal()
     detectors = ("canary",) if refused else ("reference", "canary")
+    control = None if refused else exactness_control(server)
     sessions = [run_session(server, lone, detectors), run_session(server, lone, detectors),
                 run_session(server, pairs, ("canary",))]
-    found = [describe(e) for s in sessions for e in counted(s)] + drifted(sessions[:2], server.tolerance)
+    exact = control is not None and control.nats == 0.0
+    found = [describe(e) for s in sessions for e in counted(s)] + (drifted(sessions[:2], server.tolerance)
+                                                                    if exact else [])
     finishes = [r for s in sessions for r in s.results.values()]
     cached = [r.cached_tokens for r in finishes if r.cached_tokens is not None]
     reuse = f"{sum(1 for c in cached if c)} of {len(finishes)} served cached prompt tokens ({sum(cached)} in all)" \
         if cached else "cached prompt tokens not reported"
     figures = (f"{sum(completed(s) for s in sessions)} of {len(finishes)} answered; {reuse}; "
                f"{sum(s.reference_checked for s in sessions)} lone ones compared with their solo run"
-               f"{solo_note(refused)}{largest_drift(sessions[:2])}")
+               f"{solo_note(refused)}{largest_drift(sessions[:2])}{control_note(control, refused)}")
     if found:
         more = f"; {len(found) - 3} more" if len(found) > 3 else ""
         return CheckResult(CACHE, TITLES[CACHE], "fail", sent, figures, "; ".join(found[:3]) + more)
     return CheckResult(CACHE, TITLES[CACHE], "pass", sent, figures)
+
+
+def exactness_control(server: Server) -> Drift | None:
+    """Whether the server computes a cached prompt exactly as an uncached one: one notes conversation of
+    its own (a fresh cache_salt no other request has; llama.cpp: its own slot) sent twice through the
+    cache, the second time finding its whole history cached, then alone past the cache; the logprob drift
+    of the second sending against the lone one (0 nats: exact). None when an answer has no logprobs or
+    the two differ in a token (the drift is then unknown)."""
+    from kvtui.target.openai import CHAT_PATH, StreamResult, parse_logprobs
+
+    text = NOTES.replace("{passphrase}", "CONTROL-" + secrets.token_hex(3).upper()).replace("\\n", "\n")
+    body = server.chat_body(text, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
+    salted = {**body, "cache_salt": secrets.token_hex(16)} if server.server_kind != "llama.cpp" else body
+    answers = []
+    with server.client() as client:
+        for sent in (salted, salted, server.uncached(body)):
+            r = client.post(CHAT_PATH, json=sent)
+            if r.status_code != 200:
+                return None
+            answers.append(StreamResult(sent_s=0.0, tokens=parse_logprobs(r.json()["choices"][0].get("logprobs"))))
+    return logprob_drift(answers[1], answers[2])
+
+
+def control_note(control: Drift | None, refused: str | None) -> str:
+    """The figures' note on the exactness control (exactness_control)."""
+    if refused:
+        return ""
+    if control is None:
+        return "; no exactness control (no logprobs, or its cached and lone answers differ): logprobs not judged"
+    if control.nats == 0.0:
+        return "; the server computes a cached prompt exactly (control moved 0 nats): logprobs judged"
+    return (f"; a cached prompt is not computed exactly (control moved {control.nats:.2g} nats): logprob moves "
+            "not judged")
 
 
 def drifts(sessions: list[TargetSession]) -> list[tuple[str, Drift]]:
