@@ -121,6 +121,9 @@ def test_each_mutant_fails_its_own_class(tokenizer, fault):
     result = verdicts(tokenizer, (fault,), [check])[check]
     assert result.verdict == "fail", result
     assert result.evidence  # a fail names what it saw
+    if fault == "prefix_key_no_parent":  # token-equal answers: the logprob comparison, on an exact server
+        assert "same tokens as its solo run, but a logprob moved" in result.evidence
+        assert "the server computes a cached prompt exactly (control moved 0 nats)" in result.figures
 
 
 @pytest.mark.smollm

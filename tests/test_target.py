@@ -690,6 +690,9 @@ def test_logprob_drift_is_the_largest_move_of_a_token_both_runs_list():
     other = result((" GARDEN", [(" GARDEN", -0.2), (" The", -1.7)]), (" pass", [(" pass", -0.01)]))
     assert logprob_drift(cached, other) is None  # a different token: first_divergence judges it
     assert logprob_drift(StreamResult(sent_s=0.0, pieces=[" The"]), solo) is None  # no logprobs
+    # two ids with one text (byte tokens shown as "\ufffd") are left out: their logprobs cannot be told apart
+    twin = result((" x", [(" x", -0.1), ("\ufffd", -3.0), ("\ufffd", -5.0)]))
+    assert logprob_drift(twin, twin).nats == 0.0
 
 
 def test_cli_audit_target_names_the_replaced_neighbours(tmp_path):

@@ -8,6 +8,7 @@ evidence for a fail. A check that cannot reach the server raises `TargetError` (
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,7 @@ from typing import Literal
 
 import httpx
 
-from kvtui.target.openai import CHAT_PATH
+from kvtui.target.openai import CHAT_PATH, StreamResult, stream_request
 from kvtui.target.options import DEFAULT_TOLERANCE, TargetOptions
 from kvtui.target.solo_check import uncached
 
@@ -88,6 +89,13 @@ class Server:
             return dict(body)
         return uncached(body, self.server_kind)
 
+    def salted(self, body: dict, salt: str) -> dict:
+        """`body` under the cache namespace `salt`: its cache_salt; as it is where the server refuses the salt or
+        is llama.cpp (no namespaces: its one prompt cache)."""
+        if self.salt_refusal() or self.server_kind == "llama.cpp":
+            return dict(body)
+        return {**body, "cache_salt": salt}
+
     def chat_body(self, text: str, *, max_tokens: int, **extra) -> dict:
         """A chat completions body with one user message `text` (non-streamed unless `extra` says so)."""
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **extra}
@@ -120,6 +128,16 @@ class CheckResult:
     def as_dict(self) -> dict:
         """The result as plain JSON-ready data."""
         return asdict(self)
+
+
+async def send(server: Server, bodies: list[dict], together: bool) -> list[StreamResult]:
+    """Stream each chat body to the server, one at a time or all at once (`together`); the results in order.
+    Never raises for a server or network failure (the result's finish_reason is then "error")."""
+    async with server.async_client() as client:
+        if together:
+            return list(await asyncio.gather(*(stream_request(client, CHAT_PATH, b, timeout_s=server.timeout_s)
+                                               for b in bodies)))
+        return [await stream_request(client, CHAT_PATH, b, timeout_s=server.timeout_s) for b in bodies]
 
 
 def not_applicable(check: str, title: str, sent: str, why: str, figures: str = "") -> CheckResult:

@@ -31,8 +31,8 @@ import secrets
 
 import httpx
 
-from kvtui.conformance.base import CheckResult, Server, not_applicable, refusal, salt_words, short
-from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
+from kvtui.conformance.base import CheckResult, Server, not_applicable, refusal, salt_words, send, short
+from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult
 from kvtui.target.solo_check import first_divergence
 
 IMAGES = "images"
@@ -64,19 +64,7 @@ def _body(server: Server, url: str, salt: str | None, *, uuid: str | None = None
                  top_logprobs=TOP_LOGPROBS) if stream else {}
     body = server.chat_body("", max_tokens=tokens, temperature=0.0, **extra)
     body["messages"][0]["content"] = [{"type": "text", "text": PROMPT[0]}, part, {"type": "text", "text": PROMPT[1]}]
-    if salt is None:
-        return server.uncached(body)
-    if server.salt_refusal() or server.server_kind == "llama.cpp":
-        return body
-    return {**body, "cache_salt": salt}
-
-
-async def _send(server: Server, bodies: list[dict], together: bool) -> list[StreamResult]:
-    async with server.async_client() as client:
-        if together:
-            return list(await asyncio.gather(*(stream_request(client, CHAT_PATH, b, timeout_s=server.timeout_s)
-                                               for b in bodies)))
-        return [await stream_request(client, CHAT_PATH, b, timeout_s=server.timeout_s) for b in bodies]
+    return server.uncached(body) if salt is None else server.salted(body, salt)
 
 
 def _answered(results: list[StreamResult], what: str) -> None:
@@ -105,7 +93,7 @@ def images(server: Server) -> CheckResult:
     if r.status_code >= 400:
         return not_applicable(IMAGES, TITLE, sent, f"the server takes no images: {refusal(r)}")
     r.raise_for_status()
-    solo = asyncio.run(_send(server, [_body(server, url, None) for _, url in pictures], together=False))
+    solo = asyncio.run(send(server, [_body(server, url, None) for _, url in pictures], together=False))
     _answered(solo, "solo")
     distinct = len({_key(s) for s in solo})
     if distinct == 1:
@@ -114,11 +102,11 @@ def images(server: Server) -> CheckResult:
                               f"{n} solo answers, 1 distinct")
     salt = secrets.token_hex(16)
     cached = [_body(server, url, salt) for _, url in pictures]
-    lone = asyncio.run(_send(server, cached, together=False))
-    together = asyncio.run(_send(server, [_body(server, url, salt) for _, url in pictures], together=True))
+    lone = asyncio.run(send(server, cached, together=False))
+    together = asyncio.run(send(server, [_body(server, url, salt) for _, url in pictures], together=True))
     _answered(lone + together, "through the prefix cache")
     uuid = f"kvtui-{secrets.token_hex(8)}"
-    labelled = asyncio.run(_send(server, [_body(server, url, None, uuid=uuid) for _, url in pictures[:2]],
+    labelled = asyncio.run(send(server, [_body(server, url, None, uuid=uuid) for _, url in pictures[:2]],
                                  together=False))
     uuid_note = _uuid_refused(labelled)
     if uuid_note is None:

@@ -9,10 +9,12 @@ near-tie or an unlabelled difference does not).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 
-from kvtui.conformance.base import CheckResult, Server, not_applicable
+from kvtui.conformance.base import CheckResult, Server, not_applicable, send
 from kvtui.events import Contamination
+from kvtui.target.openai import TOP_LOGPROBS
 from kvtui.target.session import TargetSession
 from kvtui.target.solo_check import Drift, logprob_drift
 
@@ -192,8 +194,9 @@ def prompt_cache(server: Server) -> CheckResult:
     lone = scenario(CACHE, f"arrivals: {{process: rounds, rounds: [{{size: 1, count: {fill}}}]}}\n{common}", server.model)
     pairs = scenario(CACHE, f"seed: 1\narrivals: {{process: rounds, rounds: [{{size: 2, count: {rounds}}}]}}\n{common}",
                      server.model)
-    sent = (f"{fill} conversations one at a time (the passphrase, then ~110 tokens of notes every one shares), then "
-            f"the same {fill} again, each sending then alone past the cache; then {rounds} rounds of 2 new ones at once")
+    sent = (f"a control conversation twice through the cache, then alone past it; {fill} conversations one at a time "
+            f"(the passphrase, then ~110 tokens of notes every one shares), then the same {fill} again, each sending "
+            f"then alone past the cache; then {rounds} rounds of 2 new ones at once")
     server.say(f"prompt cache: {sent}")
     refused = server.salt_refusal()
     detectors = ("canary",) if refused else ("reference", "canary")
@@ -218,23 +221,21 @@ def prompt_cache(server: Server) -> CheckResult:
 
 def exactness_control(server: Server) -> Drift | None:
     """Whether the server computes a cached prompt exactly as an uncached one: one notes conversation of
-    its own (a fresh cache_salt no other request has; llama.cpp: its own slot) sent twice through the
-    cache, the second time finding its whole history cached, then alone past the cache; the logprob drift
-    of the second sending against the lone one (0 nats: exact). None when an answer has no logprobs or
-    the two differ in a token (the drift is then unknown)."""
-    from kvtui.target.openai import CHAT_PATH, StreamResult, parse_logprobs
-
+    its own (under a fresh cache_salt no other request has; llama.cpp has one cache for all) sent twice
+    through the cache, then alone past it. Returns the logprob drift of the second sending against the
+    lone one (0 nats: exact), or None when that cannot be told: an answer failed or has no logprobs, the
+    two differ in a token, the second sending took no prompt tokens from the cache (or the server does
+    not say), or the lone one took some."""
     text = NOTES.replace("{passphrase}", "CONTROL-" + secrets.token_hex(3).upper()).replace("\\n", "\n")
-    body = server.chat_body(text, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5)
-    salted = {**body, "cache_salt": secrets.token_hex(16)} if server.server_kind != "llama.cpp" else body
-    answers = []
-    with server.client() as client:
-        for sent in (salted, salted, server.uncached(body)):
-            r = client.post(CHAT_PATH, json=sent)
-            if r.status_code != 200:
-                return None
-            answers.append(StreamResult(sent_s=0.0, tokens=parse_logprobs(r.json()["choices"][0].get("logprobs"))))
-    return logprob_drift(answers[1], answers[2])
+    body = server.chat_body(text, max_tokens=8, temperature=0.0, stream=True, stream_options={"include_usage": True},
+                            logprobs=True, top_logprobs=TOP_LOGPROBS)
+    salted = server.salted(body, secrets.token_hex(16))
+    _, again, alone = asyncio.run(send(server, [salted, salted, server.uncached(body)], together=False))
+    if again.finish_reason not in ("stop", "length") or alone.finish_reason not in ("stop", "length"):
+        return None
+    if not again.cached_tokens or alone.cached_tokens:
+        return None
+    return logprob_drift(again, alone)
 
 
 def control_note(control: Drift | None, refused: str | None) -> str:
@@ -242,7 +243,8 @@ def control_note(control: Drift | None, refused: str | None) -> str:
     if refused:
         return ""
     if control is None:
-        return "; no exactness control (no logprobs, or its cached and lone answers differ): logprobs not judged"
+        return ("; no exactness control (an answer without logprobs, or the cache not read by the second sending "
+                "or read by the lone one): logprobs not judged")
     if control.nats == 0.0:
         return "; the server computes a cached prompt exactly (control moved 0 nats): logprobs judged"
     return (f"; a cached prompt is not computed exactly (control moved {control.nats:.2g} nats): logprob moves "

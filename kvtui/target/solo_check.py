@@ -117,17 +117,25 @@ class Drift:
 
 def logprob_drift(batched: StreamResult, solo: StreamResult) -> Drift | None:
     """The largest move of a listed token's logprob between two answers with the same tokens (the same
-    prompt computed twice, e.g. once through the prefix cache and once past it). None when either run
-    has no logprobs, the answers differ (first_divergence judges those) or no token is listed by both."""
+    prompt computed twice, e.g. once through the prefix cache and once past it). A token listed twice in
+    one run's top list (two ids with one text, where the server gives text only) is left out: its two
+    logprobs cannot be told apart. None when either run has no logprobs, the answers differ
+    (first_divergence judges those) or no token is listed once by both."""
     if not batched.tokens or [t.key for t in batched.tokens] != [t.key for t in solo.tokens]:
         return None
     best = None
     for i, (a, b) in enumerate(zip(batched.tokens, solo.tokens)):
-        theirs = dict(b.top)
-        for key, logprob in a.top:
+        ours, theirs = _listed_once(a.top), _listed_once(b.top)
+        for key, logprob in ours.items():
             if key in theirs and (best is None or abs(logprob - theirs[key]) > best.nats):
                 best = Drift(i, abs(logprob - theirs[key]), a.token)
     return best
+
+
+def _listed_once(top) -> dict:
+    """key -> logprob of the keys a top list holds once."""
+    keys = [key for key, _ in top]
+    return {key: logprob for key, logprob in top if keys.count(key) == 1}
 
 
 def _id(result: StreamResult, i: int) -> int | None:
