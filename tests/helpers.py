@@ -42,9 +42,9 @@ def assert_equals_solo(loaded, prompt: list[int], params: SamplingParams, tokens
     FinishedRequestReport keep them) equal its solo run's, or first differ by a float32 rounding flip:
 
     - greedy: the top-2 logit gap at the differing token is under NEAR_TIE in either run;
-    - sampled: both runs drew the same uniform, its draw point lies within FLIP_MARGIN of an end of the
-      chosen token's interval in both runs, and no logit listed by both moved more than FLIP_LOGITS
-      against another.
+    - sampled: both runs drew the same uniform, the chosen ranks are neighbours (or one rank, two tokens
+      swapped), its draw point lies within FLIP_MARGIN of an end of the chosen token's interval in both
+      runs, and no logit listed by both moved more than FLIP_LOGITS against another.
 
     Past a flip the two runs continue from different tokens, so only the lengths are compared.
     Raises AssertionError naming `what`, the position, both tokens and why it is not a flip."""
@@ -61,6 +61,7 @@ def assert_equals_solo(loaded, prompt: list[int], params: SamplingParams, tokens
         return
     ours, solo_draw = draws[index], ref.draws[index]
     assert ours.u == solo_draw.u, f"{said} (different uniforms {ours.u} and {solo_draw.u})"
+    assert abs(ours.rank - solo_draw.rank) <= 1, f"{said} (ranks {ours.rank} and {solo_draw.rank}: not neighbours)"
     for draw in (ours, solo_draw):
         low, high, _ = draw.bounds(draw.rank)
         distance = min(abs(draw.point - low), abs(draw.point - high))

@@ -147,9 +147,12 @@ def test_smollm2_paged_prefix_caching_and_preemption_equal_solo(smollm2):
         assert outputs[i] == solo(smollm2, prompt, params[i])
 
 
+SAMPLED_DAMAGE = ("not neighbours", "from its interval's ends")  # the chosen ranks far apart, or the draw far from a boundary
+
+
 @pytest.mark.parametrize("fault, temperature, why", [
-    ("shared_position_offset", 0.8, "from its interval's ends"), ("shared_position_offset", 0.0, "not a near tie"),
-    ("unmasked_cache_padding", 0.8, "from its interval's ends"), ("shared_rng", 0.8, "different uniforms")])
+    ("shared_position_offset", 0.8, SAMPLED_DAMAGE), ("shared_position_offset", 0.0, ("not a near tie",)),
+    ("unmasked_cache_padding", 0.8, SAMPLED_DAMAGE), ("shared_rng", 0.8, ("different uniforms",))])
 def test_the_float_flip_allowance_still_fails_real_damage(tiny, fault, temperature, why):
     """assert_equals_solo lets a divergence pass only as a rounding flip at a boundary (or a greedy near
     tie): a leak across requests, or one random stream shared by all, still fails it."""
@@ -167,4 +170,4 @@ def test_the_float_flip_allowance_still_fails_real_damage(tiny, fault, temperatu
         except AssertionError as error:
             failures.append(str(error))
     assert len(failures) >= 2, failures
-    assert all("differs from its solo run" in f and why in f for f in failures), failures
+    assert all("differs from its solo run" in f and any(w in f for w in why) for f in failures), failures

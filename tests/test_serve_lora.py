@@ -97,8 +97,10 @@ def test_a_served_requests_arrive_event_names_its_adapter(server):
     from kvtui.events import Arrive
 
     seen = []
-    server.session.listeners.append(lambda e: seen.append(e) if isinstance(e, Arrive) else None)
+    listener = lambda e: seen.append(e) if isinstance(e, Arrive) else None  # noqa: E731
+    server.session.listeners.append(listener)
     by_model = {model: complete(server, model, OTHER).json()["id"] for model in ("lora-a", None)}
+    server.session.listeners.remove(listener)
     lora = {e.request_id: e.lora for e in seen}
     assert (lora[by_model["lora-a"]], lora[by_model[None]]) == ("lora-a", None)
 

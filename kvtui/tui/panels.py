@@ -229,7 +229,7 @@ def window(text: str, phrase: str | None, width: int) -> str:
 
 
 def _answer(r: RequestView, width: int) -> Text:
-    """The row's text in `width` cells: its sampling state's tags first (dim: "pen bias"), then the part
+    """The row's text in `width` cells: its tags first (dim: "lora:lora-a img:copper pen bias"), then the part
     around the passphrase it holds (another request's, highlighted as a leak, else its own in green),
     else the end of what it generated so far."""
     focus = clean(r.text_focus)

@@ -115,7 +115,8 @@ class RequestView:
         attention_mass: latest share of its attention on other requests' keys (0..1) or None.
         color: palette index.
         tenant: who sent it (None: one tenant); blocks: paged KV blocks in its table.
-        sampling: its per-row sampling state, short ("pen bias ban min"; "" for a plain request).
+        sampling: its row's tags, short: its LoRA adapter (lora:<name>), its pictures (img:<name>) and its
+            per-row sampling state ("pen bias ban min"); "" for a plain request.
     """
 
     id: str
