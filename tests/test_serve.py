@@ -53,10 +53,11 @@ def metrics(server: ServeServer) -> dict[tuple[str, tuple], float]:
 WAIT_S = 300  # subprocess and HTTP waits: generous, a loaded 2-core machine imports torch in tens of seconds
 
 
-def until(predicate, timeout_s: float = 60.0) -> None:
+def until(predicate, timeout_s: float = 60.0, state=None) -> None:
+    """Poll `predicate` every 20 ms; on timeout, fail with what `state()` (if given) returns then."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out; state: {state() if state else '-'}"
         time.sleep(0.02)
 
 
@@ -414,18 +415,24 @@ def test_a_client_that_disconnects_aborts_its_request_and_frees_its_slot(tiny_se
     engine = tiny_server.session.engine
     body = {"prompt": "go on", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}  # seconds of decoding
     before = metrics(tiny_server).get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0)
+
+    def state():
+        running = {r.request_id: (r.status.name, len(r.generated_ids)) for r in list(engine.scheduler.running)}
+        return dict(running=running, waiting=engine.num_waiting, free=engine.pool.num_free,
+                    in_flight=tiny_server.bridge.in_flight())
+
     with httpx.stream("POST", tiny_server.url + "/v1/completions", json={**body, "stream": True}) as response:
-        next(response.iter_lines())
-        until(lambda: engine.num_running == 1)
-    until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_slots)
+        first = json.loads(next(line for line in response.iter_lines() if line.startswith("data: "))[6:])
+        until(lambda: first["id"] in state()["running"], state=state)  # this request, mid-decode
+    until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_slots, state=state)
 
     # not streamed: the client sends its request and hangs up at once
     payload = json.dumps(body).encode()
     with socket.create_connection((tiny_server.options.host, tiny_server.port)) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        until(lambda: engine.num_running == 1)
-    until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_slots)
+        until(lambda: engine.num_running == 1, state=state)
+    until(lambda: engine.num_running == 0 and engine.pool.num_free == engine.pool.num_slots, state=state)
     aborted = metrics(tiny_server)[("vllm:request_success_total", (("finished_reason", "abort"),))]
     assert aborted - before == 2
     assert tiny_server.bridge.in_flight() == 0
