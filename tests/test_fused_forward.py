@@ -22,7 +22,7 @@ def test_llama_models_take_the_fused_forward_and_others_the_modules(tiny):
     assert Engine(tiny["tiny-gpt2"].model, config).runner.forward_path == "modules"
 
 
-@pytest.mark.parametrize("kernel", ["linear", "input_major", "prepacked"])
+@pytest.mark.parametrize("kernel", ["linear", "tiled", "input_major", "prepacked"])
 def test_the_models_own_linears_still_compute_the_same_after_the_relayout(kernel, monkeypatch):
     """The fused forward re-lays the model's q/k/v/o/gate/up/down weights for whichever kernel the CPU
     measurement chooses (forced here), holding each weight once: views into the fused tensors, or

@@ -48,6 +48,27 @@ def test_every_kernel_computes_nn_linear_on_the_fused_outputs(kernel, dtype, row
     assert (type(holder.a).__name__ == "PackedSlice") == (kernel == "prepacked")
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_tiled_kernel_writes_every_tile_into_its_own_columns(monkeypatch, bias):
+    """With tiles narrower than the layer (TILE 16 over 40 outputs: tiles of 16, 16 and 8), the tiled kernel
+    equals F.linear on the whole weight, bias and all, column for column, and the modules keep their own
+    outputs."""
+    monkeypatch.setattr(linear, "TILE", 16)
+    torch.manual_seed(1)
+    holder = torch.nn.Module()
+    holder.a, holder.b = torch.nn.Linear(24, 30, bias=bias), torch.nn.Linear(24, 10, bias=bias)
+    weight = torch.cat([holder.a.weight.detach(), holder.b.weight.detach()]).clone()
+    full_bias = torch.cat([holder.a.bias.detach(), holder.b.bias.detach()]).clone() if bias else None
+    fused = linear.FusedLinear([holder.a, holder.b], "tiled", [(holder, "a"), (holder, "b")])
+    x = torch.randn(2, 5, 24)
+    with torch.inference_mode():
+        out = fused(x)
+        expected = F.linear(x, weight, full_bias)
+        assert out.shape == (2, 5, 40)
+        assert torch.allclose(out, expected, atol=1e-6, rtol=1e-6)
+        assert torch.allclose(holder.b(x), expected[..., 30:], atol=1e-6, rtol=1e-6)
+
+
 def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch):
     """The first choice measures (the fastest per token over a decode and a prefill pass wins) and writes
     kernels.json; a later process (the in-process memory cleared) reads it back without measuring."""
@@ -55,10 +76,10 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
 
     def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
         calls.append(kernels)
-        per_rows = {"linear": (0.020, 0.080), "input_major": (0.012, 0.120), "prepacked": (0.016, 0.060)}
+        per_rows = {"linear": (0.020, 0.080), "tiled": (0.021, 0.080), "input_major": (0.012, 0.120), "prepacked": (0.016, 0.060)}
         return {"layers": {k: {linear.DECODE_ROWS: per_rows[k][0], linear.PREFILL_ROWS: per_rows[k][1]}
                            for k in kernels},
-                "head": {"linear": 0.004, "input_major": 0.003} if head else {}, "layers_timed": 2}
+                "head": {"linear": 0.004, "tiled": 0.0035, "input_major": 0.003} if head else {}, "layers_timed": 2}
 
     monkeypatch.setattr(linear, "measure", fake_measure)
     shapes = [(64, 128), (64, 64)]
@@ -81,8 +102,8 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
 
 
 def test_a_tied_head_never_takes_a_kernel_that_would_copy_the_embedding(fresh_store, monkeypatch):
-    """A tied head is the embedding table: only F.linear or input-major (the table re-laid in place) are
-    offered to it, never prepacked; an untied head may take any."""
+    """A tied head is the embedding table: only F.linear, tiled F.linear or input-major (the table re-laid in
+    place) are offered to it, never prepacked; an untied head may take any."""
     offered = []
 
     def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
@@ -93,7 +114,7 @@ def test_a_tied_head_never_takes_a_kernel_that_would_copy_the_embedding(fresh_st
     monkeypatch.setattr(linear, "measure", fake_measure)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), False)
-    assert offered[0] == ("linear", "input_major")
+    assert offered[0] == ("linear", "tiled", "input_major")
     assert set(offered[1]) == set(linear.KERNELS) - ({"prepacked"} if not linear.prepack_available(torch.float32) else set())
 
 
@@ -104,7 +125,7 @@ def test_a_forced_kernel_wins_and_a_wrong_one_is_one_clear_error(fresh_store, mo
     choice = linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
     assert choice["why"] == f"forced by {linear.ENV}" and choice["head_kernel"] == "linear"  # tied: no copy
     monkeypatch.setenv(linear.ENV, "fastest")
-    with pytest.raises(ValueError, match="KVTUI_LINEAR_KERNEL='fastest': choose one of linear, input_major"):
+    with pytest.raises(ValueError, match="KVTUI_LINEAR_KERNEL='fastest': choose one of linear, tiled, input_major"):
         linear.choose_kernel(torch.float32, [(8, 8)], 1)
     assert not fresh_store.exists()  # forced choices are not stored
 
@@ -228,4 +249,4 @@ def test_a_wrong_forced_kernel_is_one_line_and_exit_2_when_a_run_loads_its_model
         load_model("tiny-llama", "float32", "cpu")
     assert exit_info.value.exit_code == 2
     err = capsys.readouterr().err
-    assert "KVTUI_LINEAR_KERNEL='bogus': choose one of linear, input_major" in err and "Traceback" not in err
+    assert "KVTUI_LINEAR_KERNEL='bogus': choose one of linear, tiled, input_major" in err and "Traceback" not in err
