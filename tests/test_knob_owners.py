@@ -175,3 +175,20 @@ def test_serve_detectors_default_is_serve_options():
     flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "detectors")
     assert flag.default == ",".join(ServeOptions().detectors) == (
         "reference,canary,attention_flow,slot_taint,constraint,sampling_provenance")
+
+
+def test_serve_takes_a_smaller_step_budget_than_a_scenario():
+    """A server's token budget per step is 256 (its first arrivals' prefills end sooner: see
+    kvtui/serve/options.py), from the flag's default through to the served engine's config, while a
+    scenario without one keeps the engine's 1024."""
+    import typer
+
+    from kvtui.cli.app import app
+    from kvtui.scenario.schema import EngineSection
+    from kvtui.serve.options import ServeOptions
+    from kvtui.serve.server import serve_scenario
+
+    flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "max_tokens_per_step")
+    assert flag.default == ServeOptions().max_tokens_per_step == 256
+    assert serve_scenario(ServeOptions(model="tiny-llama")).engine_config().max_tokens_per_step == 256
+    assert EngineSection().config().max_tokens_per_step == EngineConfig().max_tokens_per_step == 1024

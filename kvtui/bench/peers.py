@@ -9,7 +9,7 @@ The systems a user would serve with, run A B A B (each once per round, in the sa
 started once before the first round, their starts not timed; after each system the servers are given
 time to finish their background work, so kvtui's reference checks never run into the next system):
   - kvtui engine: the continuous-batching engine in this process, fed as requests arrive, packed
-    layout, fused forward, no detectors;
+    layout, fused forward, no detectors, kvtui serve's token budget per step (256);
   - kvtui serve with its default detectors, and with --detectors none: the same engine behind the
     OpenAI-compatible API in a process of its own (packed, 16 slots), streamed over HTTP;
   - llama.cpp llama-server (when built; -np 16, the GGUF's Q4_1 weights, cache_prompt false);
@@ -42,6 +42,7 @@ from kvtui.bench.common import Spread, make_prompts
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.metrics import percentile
+from kvtui.serve.options import SERVE_MAX_TOKENS_PER_STEP
 
 RATE = 8.0  # requests per second: faster than any of the systems serves them, so throughput is capacity
 
@@ -110,14 +111,16 @@ def run_solo(model, work: Workload) -> Outcome:
     return out
 
 
-def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed", enforce_eager: bool = False
-              ) -> Outcome:
+def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed", enforce_eager: bool = False,
+              max_tokens_per_step: int = SERVE_MAX_TOKENS_PER_STEP) -> Outcome:
     """The engine on the wall clock, requests submitted when they arrive. The packed layout computes
     no padding when prefills and decodes share a step; padded pads every decode row to the prefill.
-    enforce_eager: transformers' own modules instead of the fused forward."""
+    enforce_eager: transformers' own modules instead of the fused forward. max_tokens_per_step: the
+    step's token budget, kvtui serve's by default."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 1
     engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
-                                        enforce_eager=enforce_eager), eos_token_ids=(), clock="wall")
+                                        enforce_eager=enforce_eager, max_tokens_per_step=max_tokens_per_step),
+                    eos_token_ids=(), clock="wall")
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     states, out = {}, Outcome([None] * len(order), [0.0] * len(order), [0.0] * len(order))
     while order or engine.has_unfinished():

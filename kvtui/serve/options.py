@@ -1,5 +1,6 @@
 """`kvtui serve`'s options (ServeOptions), light to import: the command line reads its flags'
-defaults from here. The engine knobs' defaults are the engine's own (kvtui.config.EngineConfig)."""
+defaults from here. The engine knobs' defaults are the engine's own (kvtui.config.EngineConfig), but for
+the token budget per step (SERVE_MAX_TOKENS_PER_STEP)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,20 @@ _ENGINE = EngineConfig()  # the engine knobs' defaults
 # The detectors a server runs by default, the default of `kvtui serve --detectors`. prefix_provenance is
 # not among them: name it in --detectors to check prefix-cache hits (--kv paged --prefix-caching).
 SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint", "sampling_provenance")
+# A server's token budget per step, smaller than a scenario's (EngineConfig: 1024), as vLLM keeps a smaller
+# max_num_batched_tokens for its API server than for its offline LLM class. A step of 256 prompt tokens is
+# already as efficient per token as a larger one (the linear layers run near the CPU's peak from about
+# 128 rows), while a smaller budget ends the first arrivals' prefills sooner and lets running decodes take a
+# token in every prefill step. On the peers workload (docs/performance.md), one thread of a 2-core AMD
+# EPYC (avx2, no avx512): TTFT p50 2.2-2.3 s at 256 against 3.7-3.9 s at 1024, output tokens/s 39.2-40.3
+# against 38.8-39.3.
+SERVE_MAX_TOKENS_PER_STEP = 256
 
 
 @dataclass(frozen=True)
 class ServeOptions:
     """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests), with its
-    defaults. `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest
+    defaults but the token budget per step (SERVE_MAX_TOKENS_PER_STEP). `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest
     request body taken (bytes; 413 past it); `enable_prompt_embeds`: take
     vLLM's `prompt_embeds` (completions) and prompt_embeds content parts (chat), else 400."""
 
@@ -33,7 +42,7 @@ class ServeOptions:
     slots: int = _ENGINE.num_slots
     max_len: int = _ENGINE.max_len
     max_batch_size: int = _ENGINE.max_batch_size
-    max_tokens_per_step: int = _ENGINE.max_tokens_per_step
+    max_tokens_per_step: int = SERVE_MAX_TOKENS_PER_STEP
     layout: str = _ENGINE.layout
     kv: str = _ENGINE.kv
     block_size: int = _ENGINE.block_size
