@@ -178,8 +178,9 @@ def test_serve_detectors_default_is_serve_options():
 
 
 def test_serve_takes_a_smaller_step_budget_than_a_scenario():
-    """A server's token budget per step is 256 (its first arrivals' prefills end sooner: see
-    kvtui/serve/options.py), from the flag's default through to the served engine's config, while a
+    """A server's token budget per step is 256 when none is given (its first arrivals' prefills end
+    sooner: see kvtui/serve/options.py), or its batch size when that is larger (each running request's
+    decode token fits in a step), through to the served engine's config; a given budget wins; a
     scenario without one keeps the engine's 1024."""
     import typer
 
@@ -189,6 +190,9 @@ def test_serve_takes_a_smaller_step_budget_than_a_scenario():
     from kvtui.serve.server import serve_scenario
 
     flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "max_tokens_per_step")
-    assert flag.default == ServeOptions().max_tokens_per_step == 256
-    assert serve_scenario(ServeOptions(model="tiny-llama")).engine_config().max_tokens_per_step == 256
+    assert flag.default is None and "default 256, or --max-batch-size when larger" in flag.help
+    budget = lambda **kw: serve_scenario(ServeOptions(model="tiny-llama", **kw)).engine_config().max_tokens_per_step  # noqa: E731
+    assert budget() == 256
+    assert budget(max_batch_size=300, slots=300) == 300
+    assert budget(max_batch_size=300, slots=300, max_tokens_per_step=512) == 512
     assert EngineSection().config().max_tokens_per_step == EngineConfig().max_tokens_per_step == 1024

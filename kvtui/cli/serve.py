@@ -20,6 +20,7 @@ from kvtui.cli.options import (
 )
 from kvtui.config import KNOB_BOUNDS, DType, KVMode, Layout
 from kvtui.serve import API_KEY_ENV
+from kvtui.serve.options import SERVE_MAX_TOKENS_PER_STEP
 
 # The engine knobs' bounds are the engine's (kvtui.config.KNOB_BOUNDS). max_len, max_tokens_per_step and
 # max_waiting take only the lower bound here: the scenario built from the flags refuses a value past the top.
@@ -49,8 +50,10 @@ def serve(
                                                    f"{SERVE.max_len}; a Whisper model: its decoder's positions, "
                                                    "448 for whisper-tiny.en).", min=_B["max_len"].low)] = None,
     max_batch_size: Annotated[int, typer.Option(help="Most requests in one step.", min=_BATCH.low, max=_BATCH.high)] = SERVE.max_batch_size,
-    max_tokens_per_step: Annotated[int, typer.Option(help="Token budget of one step (chunked prefill past it).",
-                                                     min=_B["max_tokens_per_step"].low)] = SERVE.max_tokens_per_step,
+    max_tokens_per_step: Annotated[Optional[int], typer.Option(help="Token budget of one step (chunked prefill "
+                                                               f"past it; default {SERVE_MAX_TOKENS_PER_STEP}, or "
+                                                               "--max-batch-size when larger).",
+                                                               min=_B["max_tokens_per_step"].low)] = None,
     max_waiting: Annotated[Optional[int], typer.Option(help="Most requests queued for a slot; more get 429 "
                                                        "(default: no limit).", min=_B["max_waiting"].low)] = SERVE.max_waiting,
     layout: Annotated[Layout, typer.Option(help="Batch layout.")] = SERVE.layout,

@@ -14,22 +14,24 @@ _ENGINE = EngineConfig()  # the engine knobs' defaults
 # The detectors a server runs by default, the default of `kvtui serve --detectors`. prefix_provenance is
 # not among them: name it in --detectors to check prefix-cache hits (--kv paged --prefix-caching).
 SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint", "sampling_provenance")
-# A server's token budget per step, smaller than a scenario's (EngineConfig: 1024), as vLLM keeps a smaller
-# max_num_batched_tokens for its API server than for its offline LLM class. A step of 256 prompt tokens is
-# already as efficient per token as a larger one (the linear layers run near the CPU's peak from about
-# 128 rows), while a smaller budget ends the first arrivals' prefills sooner and lets running decodes take a
-# token in every prefill step. On the peers workload (docs/performance.md), one thread of a 2-core AMD
-# EPYC (avx2, no avx512): TTFT p50 2.2-2.3 s at 256 against 3.7-3.9 s at 1024, output tokens/s 39.2-40.3
-# against 38.8-39.3.
+# A server's token budget per step, smaller than a scenario's (EngineConfig: 1024), as vLLM keeps a
+# smaller max_num_batched_tokens for its API server than for its offline LLM class. A step of 256 prompt
+# tokens is already as efficient per token as a larger one (the linear layers run near the CPU's peak
+# from about 128 rows), while a smaller budget ends the first arrivals' prefills sooner and lets running
+# decodes take a token in every prefill step. On the peers workload (docs/performance.md), one thread of
+# a 2-core AMD EPYC (avx2, no avx512): TTFT p50 2.2-2.3 s at 256 against 3.7-3.9 s at 1024, output
+# tokens/s 39.2-40.3 against 38.8-39.3. Never below max_batch_size (serve_budget): decodes take one
+# token each first, so a smaller budget would leave the later rows and every prefill waiting.
 SERVE_MAX_TOKENS_PER_STEP = 256
 
 
 @dataclass(frozen=True)
 class ServeOptions:
     """`kvtui serve`'s choices. Engine knobs as kvtui.config.EngineConfig (tokens, requests), with its
-    defaults but the token budget per step (SERVE_MAX_TOKENS_PER_STEP). `api_key`: the Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest
-    request body taken (bytes; 413 past it); `enable_prompt_embeds`: take
-    vLLM's `prompt_embeds` (completions) and prompt_embeds content parts (chat), else 400."""
+    defaults but the token budget per step (None: serve_budget). `api_key`: the Bearer token /v1/*
+    needs (None: open); `max_request_bytes`: the largest request body taken (bytes; 413 past it);
+    `enable_prompt_embeds`: take vLLM's `prompt_embeds` (completions) and prompt_embeds content parts
+    (chat), else 400."""
 
     model: str = "default"
     dtype: str = "float32"
@@ -42,7 +44,7 @@ class ServeOptions:
     slots: int = _ENGINE.num_slots
     max_len: int = _ENGINE.max_len
     max_batch_size: int = _ENGINE.max_batch_size
-    max_tokens_per_step: int = SERVE_MAX_TOKENS_PER_STEP
+    max_tokens_per_step: int | None = None  # None: serve_budget(max_batch_size)
     layout: str = _ENGINE.layout
     kv: str = _ENGINE.kv
     block_size: int = _ENGINE.block_size
@@ -63,3 +65,9 @@ class ServeOptions:
     enable_lora: bool = False
     allow_runtime_lora_updating: bool = False
     extra: dict = field(default_factory=dict)  # more engine-section fields (tests)
+
+
+def serve_budget(max_batch_size: int) -> int:
+    """The token budget per step a server takes when none is given: SERVE_MAX_TOKENS_PER_STEP, or
+    `max_batch_size` when larger (every running request's decode token fits in one step)."""
+    return max(SERVE_MAX_TOKENS_PER_STEP, max_batch_size)

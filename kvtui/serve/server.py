@@ -26,7 +26,7 @@ import uvicorn
 from kvtui.serve.app import ServeContext, ServerState, create_app
 from kvtui.serve.bridge import EngineBridge
 from kvtui.serve.metrics import ServeMetrics
-from kvtui.serve.options import ServeOptions
+from kvtui.serve.options import ServeOptions, serve_budget
 
 # where a scenario field comes from on the command line, for error messages
 FLAGS = {"engine.kv": "--kv", "engine.block_size": "--block-size", "engine.prefix_caching": "--prefix-caching",
@@ -49,8 +49,8 @@ def serve_scenario(options: ServeOptions):
     from kvtui.scenario import Scenario
 
     engine = {"slots": options.slots, "max_len": options.max_len, "max_batch_size": options.max_batch_size,
-              "max_tokens_per_step": options.max_tokens_per_step, "layout": options.layout,
-              "max_waiting": options.max_waiting, "kv": options.kv, **options.extra}
+              "max_tokens_per_step": options.max_tokens_per_step or serve_budget(options.max_batch_size),
+              "layout": options.layout, "max_waiting": options.max_waiting, "kv": options.kv, **options.extra}
     if options.kv == "paged":
         engine.update(block_size=options.block_size, prefix_caching=options.prefix_caching)
     if options.kv_offload_blocks:
