@@ -191,4 +191,5 @@ def test_the_profile_part_times_every_phase_and_names_the_linear_kernel(tiny, tm
     assert all(r["phases_s"]["attention_flow"] > 0 for r in result["rows"] if r["detectors"] and r["batch"] > 1)
     kernel = result["linear_kernel"]
     assert kernel["kernel"] == tiny["tiny-llama"].model._kvtui_fused.kernel
-    assert f"Linear kernel: {kernel['kernel']}: " in output.with_suffix(".md").read_text()
+    head = tiny["tiny-llama"].model._kvtui_fused.head.kernel
+    assert f"Linear kernel: {kernel['kernel']} (LM head: {head}): " in output.with_suffix(".md").read_text()

@@ -32,6 +32,7 @@ def test_the_models_own_linears_still_compute_the_same_after_the_relayout(kernel
     from kvtui.models import build_tiny
 
     monkeypatch.setenv(linear.ENV, kernel)
+    monkeypatch.setattr(linear, "TILE", 48)  # tiled: qkv (128 wide), o, gate_up, down and the head (259) in tiles
     model, _ = build_tiny("tiny-llama")  # a fresh instance: the kernel is chosen when it is first fused
     cfg = model.config
     engine = Engine(model, EngineConfig(num_slots=1, max_len=64))

@@ -136,7 +136,8 @@ def markdown(result: dict) -> list[str]:
     kernel = result.get("linear_kernel")
     lines = []
     if kernel:
-        lines += [f"Linear kernel: {kernel['kernel']}: {kernel['why']}.", ""]
+        lines += [f"Linear kernel: {kernel['kernel']} (LM head: {kernel.get('head_kernel', kernel['kernel'])}): "
+                  f"{kernel['why']}.", ""]
         layers = (kernel.get("ms") or {}).get("layers") or {}
         if layers:
             counts = list(next(iter(layers.values())))

@@ -4,7 +4,7 @@ and larger matrix multiplies, on weights laid out for the CPU's GEMM.
 What changes against `LlamaModel.forward` with the "kvtui" attention (and nothing else does):
   - q, k and v come from one matrix multiply over a fused weight, and gate and up from one; each fused
     weight is held once, in the layout of the linear kernel chosen for this CPU by measurement at load
-    (kvtui/engine/linear.py: F.linear, input-major `x @ W`, or oneDNN prepacked), and the model's own
+    (kvtui/engine/linear.py: F.linear, tiled F.linear, input-major `x @ W`, or oneDNN prepacked), and the model's own
     q/k/v/gate/up/o/down modules keep working on it (views into it, or PackedSlice modules over a
     prepacked weight), so `model.generate` on the same instance still runs. A tied LM head stays the
     embedding table (re-laid input-major in place when that multiplies faster), never a copy.
@@ -112,7 +112,7 @@ def kernel_choice(model, announce=None) -> dict:
 
 def choose_kernels_at_load(model, announce) -> None:
     """Pick the linear kernel now for a model the fused forward runs on the CPU (others: nothing), so a
-    one-time measurement (about 12 s for SmolLM2) is announced (`announce`, one line) before a run or a
+    one-time measurement (about 15 s for SmolLM2) is announced (`announce`, one line) before a run or a
     server starts instead of pausing its first step."""
     if supports(model) and model.device.type == "cpu":
         kernel_choice(model, announce)

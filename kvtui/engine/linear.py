@@ -63,7 +63,7 @@ class FusedLinear:
     """One linear layer over the concatenated outputs of `linears` (q, k and v; gate and up; or one
     layer alone), its weight held once, in `kernel`'s layout.
 
-    With "linear" and "input_major" each nn.Linear's weight (and bias) becomes a view into the fused
+    With "linear", "tiled" and "input_major" each nn.Linear's weight (and bias) becomes a view into the fused
     tensor, so the model's own modules keep computing on the same numbers. A prepacked weight is opaque
     (oneDNN's blocked layout): the nn.Linear modules are then replaced in `owner` by `PackedSlice`
     modules that run this layer and keep their own columns, so `model.generate` and --enforce-eager
@@ -261,7 +261,7 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     and shapes; else `measure` now and store it. The layers' kernel is the one with the smallest
     DECODE_ROWS-row time / DECODE_ROWS + PREFILL_ROWS-row time / PREFILL_ROWS (time per token, decode
     and prefill tokens weighed alike); the head's the fastest at DECODE_ROWS rows. `announce` (one line)
-    hears about a measurement before it starts (about 12 s for SmolLM2 on one thread, once per machine).
+    hears about a measurement before it starts (about 15 s for SmolLM2 on one thread, once per machine).
 
     Returns {"kernel", "head_kernel", "why": one line, "ms": {"layers": {kernel: {rows: ms}}, "head":
     {kernel: ms}} or {}}.
