@@ -191,7 +191,10 @@ def test_serve_takes_a_smaller_step_budget_than_a_scenario():
 
     flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "max_tokens_per_step")
     assert flag.default is None and "default 256, or --max-batch-size when larger" in flag.help
-    budget = lambda **kw: serve_scenario(ServeOptions(model="tiny-llama", **kw)).engine_config().max_tokens_per_step  # noqa: E731
+
+    def budget(**options) -> int:
+        return serve_scenario(ServeOptions(model="tiny-llama", **options)).engine_config().max_tokens_per_step
+
     assert budget() == 256
     assert budget(max_batch_size=300, slots=300) == 300
     assert budget(max_batch_size=300, slots=300, max_tokens_per_step=512) == 512

@@ -32,8 +32,12 @@ def test_every_kernel_computes_nn_linear_on_the_fused_outputs(kernel, dtype, row
         pytest.skip(f"oneDNN cannot prepack {dtype} in this torch build")
     monkeypatch.setattr(linear, "TILE", 12)
     tiles = []
-    monkeypatch.setattr(linear.torch, "addmm", lambda *a, **k: tiles.append(k["out"].shape) or torch.ops.aten.addmm.out(
-        *a, out=k["out"]))
+
+    def addmm(*args, out):  # torch.addmm, noting each tile's output shape
+        tiles.append(out.shape)
+        return torch.ops.aten.addmm.out(*args, out=out)
+
+    monkeypatch.setattr(linear.torch, "addmm", addmm)
     torch.manual_seed(0)
     holder = torch.nn.Module()
     holder.a, holder.b = torch.nn.Linear(40, 24, dtype=dtype), torch.nn.Linear(40, 8, dtype=dtype)
