@@ -193,3 +193,55 @@ def test_the_profile_part_times_every_phase_and_names_the_linear_kernel(tiny, tm
     assert kernel["kernel"] == tiny["tiny-llama"].model._kvtui_fused.kernel
     head = tiny["tiny-llama"].model._kvtui_fused.head.kernel
     assert f"Linear kernel: {kernel['kernel']} (LM head: {head}): " in output.with_suffix(".md").read_text()
+
+
+def test_the_in_process_engine_run_records_each_steps_positions_and_sampled_rows(tiny):
+    from kvtui.bench.peers import run_kvtui
+
+    work = Workload(prompts=[[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20]], outputs=[3, 2, 4],
+                    arrivals=[0.0, 0.0, 0.0])
+    out = run_kvtui(tiny["tiny-llama"].model, work)
+    # step 1 prefills all three prompts (16 positions, 3 first tokens); then one decode row per unfinished request
+    assert out.steps == [(16, 3), (3, 3), (2, 2), (1, 1)]
+    assert sum(sampled for _, sampled in out.steps) == sum(work.outputs) == sum(len(t) for t in out.tokens)
+
+
+def test_the_floor_replays_each_distinct_step_on_every_linear_layer_and_the_head_once_per_repeat(tiny, monkeypatch):
+    from kvtui.bench import peers
+    from kvtui.engine.fused import fused_for
+    from kvtui.engine.linear import FusedLinear
+
+    model = tiny["tiny-llama"].model
+    fused = fused_for(model)
+    clock, calls, real_call = [0.0], [], FusedLinear.__call__
+
+    def counting_call(self, x):  # a clock that advances by the rows each linear layer multiplies
+        calls.append(("head" if self is fused.head else "layer", x.shape[0]))
+        clock[0] += x.shape[0]
+        return real_call(self, x)
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(FusedLinear, "__call__", counting_call)
+    monkeypatch.setattr(peers, "time", FakeTime)
+    floor = peers.linear_floor_s(model, [(5, 2), (1, 1), (5, 2)], repeats=2)
+    layers = 4 * len(fused.layers)
+    assert sorted(set(calls)) == [("head", 1), ("head", 2), ("layer", 1), ("layer", 5)]
+    assert calls.count(("layer", 5)) == 2 * layers and calls.count(("head", 2)) == 2  # two repeats, once per shape
+    assert calls.count(("layer", 1)) == 2 * layers and calls.count(("head", 1)) == 2
+    assert floor == 2 * (5 * layers + 2) + (1 * layers + 1)  # (5, 2) counts twice in the schedule
+
+
+def test_the_floor_is_stated_against_vllm_when_it_ran():
+    from kvtui.bench.peers import _floor_lines
+
+    floor = {"steps": 46, "engine_step_s": 9.0, "floor_s": 6.8, "floor_tokens_per_s": 49.85}
+    systems = {"kvtui engine": {"tokens_per_s": 37.7}, "vLLM CPU 0.32 (1 thread)": {"tokens_per_s": 44.9}}
+    line = _floor_lines(floor, systems)[1]
+    assert "46 steps, 9.00 s" in line and "alone took 6.80 s (76%)" in line
+    assert "49.9 output tokens/s, 1.11x vLLM CPU" in line
+    assert "vLLM" not in _floor_lines(floor, {"kvtui engine": {"tokens_per_s": 37.7}})[1]
+    assert _floor_lines(None, systems) == []

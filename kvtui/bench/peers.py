@@ -41,6 +41,7 @@ import torch
 from kvtui.bench.common import Spread, make_prompts
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
+from kvtui.engine.fused import supports
 from kvtui.metrics import percentile
 from kvtui.serve.options import SERVE_MAX_TOKENS_PER_STEP
 
@@ -75,6 +76,8 @@ class Outcome:
     last: list[float] = field(default_factory=list)
     step_s: float = 0.0  # the engine's steps, wall seconds (in-process kvtui only)
     step_wait_s: float = 0.0  # of which its thread was off the CPU (preempted: no event loop here)
+    steps: list[tuple[int, int]] = field(default_factory=list)  # in-process kvtui only: per step, (positions
+    # computed, rows sampled): the shapes its linear layers and LM head ran at (see linear_floor_s)
 
     def figures(self, work: Workload, reference: list | None) -> dict:
         ttft = [f - a for f, a in zip(self.first, work.arrivals)]
@@ -130,15 +133,56 @@ def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed",
             states[i] = engine.submit(f"r{i}", work.prompts[i], SamplingParams(max_new_tokens=work.outputs[i],
                                                                                ignore_eos=True), arrival_s=work.arrivals[i])
         if engine.has_unfinished():
+            sampled = sum(len(s.generated_ids) for s in states.values())
             wall, cpu = time.perf_counter(), time.thread_time()
-            engine.step()
+            event = engine.step()
             out.step_s += time.perf_counter() - wall
             out.step_wait_s += max(0.0, time.perf_counter() - wall - (time.thread_time() - cpu))
+            out.steps.append((event.query_positions, sum(len(s.generated_ids) for s in states.values()) - sampled))
         elif order:
             time.sleep(max(0.0, min(work.arrivals[order[0]] - engine.now(), 0.05)))
     for i, state in states.items():
         out.tokens[i], out.first[i], out.last[i] = list(state.generated_ids), state.token_times_s[0], state.token_times_s[-1]
     return out
+
+
+@torch.inference_mode()
+def linear_floor_s(model, steps: list[tuple[int, int]], repeats: int = 2) -> float:
+    """A step schedule replayed on the model's matrix multiplies alone: per step of `steps` ((positions
+    computed, rows sampled), Outcome.steps), every layer's fused qkv, o, gate_up and down linear layers on
+    that many rows and the LM head on the sampled rows, in the kernels the fused forward chose at load,
+    weights walked layer by layer as in a step (random inputs). Returns the sum over steps of each shape's
+    best of `repeats` timings, seconds: what the engine would take on that schedule if attention, norms,
+    rotary, SiLU, sampling, scheduling and Python cost nothing, so no change outside the matrix
+    multiplies can run the schedule faster on this CPU.
+
+    Raises:
+        ValueError: the fused forward does not run `model` (kvtui.engine.fused.supports).
+    """
+    from kvtui.engine.fused import fused_for
+
+    fused = fused_for(model)
+    dtype = fused.embed.weight.dtype
+    timed: dict[tuple[int, int], float] = {}
+    for rows, sampled in set(steps):
+        inputs = {n: torch.randn(rows, n, dtype=dtype) for n in {lin.in_features for lin in _linears(fused.layers[0])}}
+        head_input = torch.randn(sampled, fused.head.in_features, dtype=dtype)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer in fused.layers:
+                for linear in _linears(layer):
+                    linear(inputs[linear.in_features])
+            if sampled:
+                fused.logits(head_input)
+            best = min(best, time.perf_counter() - start)
+        timed[(rows, sampled)] = best
+    return sum(timed[shape] for shape in steps)
+
+
+def _linears(layer) -> tuple:
+    """A fused layer's linear layers in the order a step runs them."""
+    return layer.qkv, layer.o, layer.gate_up, layer.down
 
 
 class _StepClock:
@@ -381,9 +425,20 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         scraped = {label: server_metrics(url) for label, (_, _, url) in systems.items() if url is not None}
     for label, figures in per_round.items():
         results[label] = {**_merge_rounds(figures), **scraped.get(label, {})}
+    floor = _engine_floor(loaded.model, work, console) if supports(loaded.model) else None
     return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
             "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
-            "targets": _targets(results, threads)}
+            "targets": _targets(results, threads), "floor": floor}
+
+
+def _engine_floor(model, work: Workload, console) -> dict:
+    """One more in-process engine run, and its step schedule replayed on its matrix multiplies alone
+    (linear_floor_s): the engine's step seconds, the floor's, and the output tokens/s at the floor."""
+    console.print("  peers: the kvtui engine's steps on their matrix multiplies alone")
+    outcome = run_kvtui(model, work)
+    floor = linear_floor_s(model, outcome.steps)
+    return {"steps": len(outcome.steps), "engine_step_s": outcome.step_s, "floor_s": floor,
+            "floor_tokens_per_s": sum(work.outputs) / floor}
 
 
 def _eager(model, work: Workload) -> Outcome:
@@ -554,7 +609,20 @@ def markdown(result: dict) -> list[str]:
         lines += ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
         lines += [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: {'met' if t['ratio'] >= t['goal'] else 'not met'})"
                   for t in result["targets"]]
-    return lines
+    return lines + _floor_lines(result.get("floor"), systems)
+
+
+def _floor_lines(floor: dict | None, systems: dict) -> list[str]:
+    """The matrix-multiply floor (see linear_floor_s) in words, against vLLM CPU where it ran."""
+    if not floor:
+        return []
+    vllm = next((f for label, f in systems.items() if label.startswith("vLLM CPU")), None)
+    against = "" if vllm is None else f", {floor['floor_tokens_per_s'] / vllm['tokens_per_s']:.2f}x vLLM CPU"
+    return ["", f"Matrix-multiply floor: one more engine run took {floor['steps']} steps, {floor['engine_step_s']:.2f} s; "
+                f"the same steps on the linear layers and LM head alone took {floor['floor_s']:.2f} s "
+                f"({floor['floor_s'] / floor['engine_step_s']:.0%}). With everything else free the engine would "
+                f"give {floor['floor_tokens_per_s']:.1f} output tokens/s{against}: no change outside the matrix "
+                "multiplies can beat that on this CPU."]
 
 
 __all__ = ["Spread", "Workload", "markdown", "markdown_bf16", "run", "run_bf16"]
