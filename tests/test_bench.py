@@ -206,42 +206,63 @@ def test_the_in_process_engine_run_records_each_steps_positions_and_sampled_rows
     assert sum(sampled for _, sampled in out.steps) == sum(work.outputs) == sum(len(t) for t in out.tokens)
 
 
-def test_the_floor_replays_each_distinct_step_on_every_linear_layer_and_the_head_once_per_repeat(tiny, monkeypatch):
+def test_the_floor_replays_each_distinct_step_on_every_linear_layer_and_the_head_keeping_the_best_repeat(tiny,
+                                                                                                   monkeypatch):
     from kvtui.bench import peers
     from kvtui.engine.fused import fused_for
     from kvtui.engine.linear import FusedLinear
 
     model = tiny["tiny-llama"].model
     fused = fused_for(model)
-    clock, calls, real_call = [0.0], [], FusedLinear.__call__
+    clock, calls, real_call, real_randn = [0.0], [], FusedLinear.__call__, peers.torch.randn
+    reads = [0]  # perf_counter reads: start and end of each repeat, two repeats per shape
 
     def counting_call(self, x):  # a clock that advances by the rows each linear layer multiplies
-        calls.append(("head" if self is fused.head else "layer", x.shape[0]))
+        calls.append((id(self), x.shape[0]))
         clock[0] += x.shape[0]
         return real_call(self, x)
+
+    def costly_randn(*args, **kwargs):  # making inputs must not count
+        clock[0] += 10_000
+        return real_randn(*args, **kwargs)
 
     class FakeTime:
         @staticmethod
         def perf_counter():
+            reads[0] += 1
+            if reads[0] in (2, 8):  # the first shape's first repeat and the second's last cost 1000 more
+                clock[0] += 1000
             return clock[0]
 
     monkeypatch.setattr(FusedLinear, "__call__", counting_call)
+    monkeypatch.setattr(peers.torch, "randn", costly_randn)
     monkeypatch.setattr(peers, "time", FakeTime)
-    floor = peers.linear_floor_s(model, [(5, 2), (1, 1), (5, 2)], repeats=2)
+    floor = peers.linear_floor_s(model, [(5, 2), (1, 1), (0, 0), (5, 2)], repeats=2)
+    linears = [lin for layer in fused.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for rows, sampled in ((5, 2), (1, 1)):  # every layer's own linear layers, twice (two repeats), and the head
+        assert sorted(i for i, n in calls if n == rows and i != id(fused.head)) == sorted(2 * [id(lin) for lin in linears])
+        assert [i for i, n in calls if n == sampled].count(id(fused.head)) == 2
+    assert not any(n == 0 for _, n in calls)  # a step without positions is not replayed
     layers = 4 * len(fused.layers)
-    assert sorted(set(calls)) == [("head", 1), ("head", 2), ("layer", 1), ("layer", 5)]
-    assert calls.count(("layer", 5)) == 2 * layers and calls.count(("head", 2)) == 2  # two repeats, once per shape
-    assert calls.count(("layer", 1)) == 2 * layers and calls.count(("head", 1)) == 2
-    assert floor == 2 * (5 * layers + 2) + (1 * layers + 1)  # (5, 2) counts twice in the schedule
+    assert floor == 2 * (5 * layers + 2) + (1 * layers + 1)  # each shape's cheaper repeat; (5, 2) counts twice
 
 
-def test_the_floor_is_stated_against_vllm_when_it_ran():
-    from kvtui.bench.peers import _floor_lines
+def test_the_floor_is_measured_like_the_systems_and_stated_against_vllm(tiny, monkeypatch):
+    from kvtui.bench import peers
 
-    floor = {"steps": 46, "engine_step_s": 9.0, "floor_s": 6.8, "floor_tokens_per_s": 49.85}
-    systems = {"kvtui engine": {"tokens_per_s": 37.7}, "vLLM CPU 0.32 (1 thread)": {"tokens_per_s": 44.9}}
-    line = _floor_lines(floor, systems)[1]
-    assert "46 steps, 9.00 s" in line and "alone took 6.80 s (76%)" in line
-    assert "49.9 output tokens/s, 1.11x vLLM CPU" in line
-    assert "vLLM" not in _floor_lines(floor, {"kvtui engine": {"tokens_per_s": 37.7}})[1]
-    assert _floor_lines(None, systems) == []
+    work = Workload(prompts=[[5, 6, 7]], outputs=[4], arrivals=[0.0])
+    outcome = Outcome(tokens=[[1, 2, 3, 4]], first=[1.0], last=[10.0], step_s=8.0, steps=[(3, 1)] * 4)
+    monkeypatch.setattr(peers, "run_kvtui", lambda model, w: outcome)
+    monkeypatch.setattr(peers, "linear_floor_s", lambda model, steps: 6.0 if steps == outcome.steps else None)
+    floor = peers._engine_floor(object(), work, Console(file=open("/dev/null", "w")))
+    # the makespan (10 s) with the 8 s of steps replaced by their 6 s floor: 4 tokens / 8 s
+    assert floor == {"steps": 4, "engine_step_s": 8.0, "floor_s": 6.0, "floor_tokens_per_s": 0.5}
+    systems = {"kvtui engine": {"tokens_per_s": 0.4, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0, "e2e_p50_s": 1.0,
+                                "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1},
+               "vLLM CPU 0.32 (1 thread)": {"tokens_per_s": 0.25, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
+                                            "e2e_p50_s": 1.0, "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1}}
+    line = peers.markdown({"systems": systems, "floor": floor})[-1]
+    assert line.startswith("Linear-layer floor: one more engine run's 4 steps took 8.00 s;")
+    assert "alone took 6.00 s (75%)" in line and "0.5 output tokens/s, 2.00x vLLM CPU" in line
+    assert "vLLM" not in peers._floor_lines(floor, {"kvtui engine": systems["kvtui engine"]})[1]
+    assert peers.markdown({"systems": systems})[-1].startswith("| vLLM CPU")  # no floor, no line
