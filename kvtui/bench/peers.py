@@ -41,7 +41,7 @@ import torch
 from kvtui.bench.common import Spread, make_prompts
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
-from kvtui.engine.fused import supports
+from kvtui.engine.fused import fused_for, supports
 from kvtui.metrics import percentile
 from kvtui.serve.options import SERVE_MAX_TOKENS_PER_STEP
 
@@ -162,8 +162,6 @@ def linear_floor_s(model, steps: list[tuple[int, int]], repeats: int = 2) -> flo
     Raises:
         ValueError: the fused forward does not run `model` (kvtui.engine.fused.supports).
     """
-    from kvtui.engine.fused import fused_for
-
     fused = fused_for(model)
     like = {"dtype": fused.embed.weight.dtype, "device": fused.embed.weight.device}
     timed: dict[tuple[int, int], float] = {(0, 0): 0.0}
