@@ -1,16 +1,21 @@
-"""The documentation stands alone and stays true: no pointers outside the repository, links that
-resolve, the fault table checked against the fault catalogue, the scenario reference equal to what the
-schema generates, the README's main job writing to an ignored path, and the license pyproject names."""
+"""The documentation stands alone and stays true: no pointers outside the repository, links (and their
+anchors) that resolve, every `kvtui ...` command in the README and docs/ naming a real command and only
+its real options, scripts that exist, the fault table checked against the fault catalogue, the scenario
+reference equal to what the schema generates, the README a front page (short, linking every doc) whose
+main job writes to an ignored path, and the license pyproject names."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+import typer
 
+from kvtui.cli.app import app
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.faults import FAULTS
 from kvtui.scenario import schema_docs
@@ -18,10 +23,13 @@ from kvtui.scenario.schema import Scenario
 from kvtui.scenario.timeline import RUNTIME_KNOBS
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/architecture.md", "docs/faults.md", "docs/scenarios.md", "docs/findings.md",
-        "recordings/README.md"]
+DOCS = ["README.md", "recordings/README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+README_MAX_LINES = 200  # a front page: what kvtui is, set-up, the example output, a tour; the reference is in docs/
 # sha256 of the Apache License 2.0 text as the Apache Software Foundation publishes it (LICENSE-2.0.txt)
 APACHE_2_SHA256 = "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4"
+FENCE = re.compile(r"^```[^\n]*\n.*?^```", re.S | re.M)  # a fenced code block, fences included
+COMMAND_START = re.compile(r"(?:^|(?<=[\s(\"'$]))kvtui[ \t]+(?=[\w-])")  # `kvtui` as a command, not kvtui's
+COMMAND_ENDS = (" #", "&&", "||", ";", " | ", " & ", " > ", "`")  # where the shell ends a command
 
 
 def text(path: str) -> str:
@@ -43,18 +51,143 @@ def test_nothing_points_outside_the_repository():
     assert hits == []
 
 
+def headings(markdown: str) -> set[str]:
+    """GitHub's anchors for the headings of a Markdown file, outside code blocks."""
+    return {schema_docs.anchor(h) for h in re.findall(r"^#+ (.+)$", FENCE.sub("", markdown), re.M)}
+
+
 @pytest.mark.parametrize("doc", DOCS)
 def test_relative_links_resolve(doc):
+    """Every relative link names a file that exists and, when it names a section of a Markdown file, a
+    heading that file has (sections moved out of the README left links pointing at anchors it lost)."""
     base = (ROOT / doc).parent
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text(doc))
-    missing = [link for link in links if "://" not in link and not (base / link).exists()]
+    links = re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", FENCE.sub("", text(doc)))
+    missing = [link for link, _ in links if link and "://" not in link and not (base / link).exists()]
     assert missing == []
+    broken = [f"{link}{section}" for link, section in links if section and "://" not in link
+              and (not link or link.endswith(".md")) and (base / link).exists()
+              and section not in headings((base / link if link else ROOT / doc).read_text(encoding="utf-8"))]
+    assert broken == []
 
 
-def test_readme_links_the_docs():
+def test_readme_is_a_front_page_linking_every_doc():
+    """The README stays short and sends readers on: it links the docs each topic lives in, and every doc
+    is linked from the README or from a doc the README links (no page nobody can reach)."""
     readme = text("README.md")
-    for target in ("docs/architecture.md", "docs/faults.md", "docs/scenarios.md", "recordings/README.md"):
-        assert f"]({target})" in readme, target
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    for target in ("docs/usage.md", "docs/serve.md", "docs/audits.md", "docs/conformance.md", "docs/faults.md",
+                   "docs/scenarios.md", "docs/inputs.md", "docs/performance.md", "docs/architecture.md",
+                   "docs/dashboard.md", "docs/engine.md", "recordings/README.md"):
+        assert f"]({target}" in readme, target
+    linked = {(ROOT / link).resolve() for link in re.findall(r"\]\(([^)#\s]+\.md)", readme)}
+    reached = set(linked)
+    for page in linked:
+        reached |= {(page.parent / link).resolve() for link in re.findall(r"\]\(([^)#\s]+\.md)", page.read_text())}
+    assert sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if p.resolve() not in reached) == []
+
+
+def kvtui_commands(markdown: str) -> list[str]:
+    """Every `kvtui ...` command line in a Markdown text: in code blocks (shell lines, comments and quoted
+    strings included, a line continued with a backslash joined) and in inline code spans, each cut where
+    the shell would end it (a comment, `&&`, `;`, a pipe, a redirect, a closing quote)."""
+    lines = []
+    for block in FENCE.findall(markdown):
+        lines += block.replace("\\\n", " ").splitlines()[1:-1]
+    for paragraph in FENCE.sub("", markdown).split("\n\n"):
+        spans = re.findall(r"(`+)(.+?)(?<!`)\1(?!`)", paragraph.replace("\\|", "|").replace("\n", " "))
+        lines += [span for _, span in spans]
+    commands = []
+    for line in lines:
+        for found in COMMAND_START.finditer(line):
+            rest = line[found.start():]
+            quote = line[found.start() - 1] if found.start() and line[found.start() - 1] in "\"'" else ""
+            if quote:
+                rest = rest.split(quote, 1)[0]
+            end = min([rest.find(mark) for mark in COMMAND_ENDS if mark in rest] + [len(rest)])
+            commands.append(" ".join(rest[:end].split()).rstrip(")"))
+    return commands
+
+
+def command_problems(command: str) -> list[str]:
+    """What is wrong with one `kvtui ...` line against the command line itself (the Typer app): a command
+    kvtui does not have, or an option its command does not have. Placeholders (SCENARIO, URL, `...`) and
+    option values are not judged; an option that takes a value skips the next word."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # an unbalanced quote in prose: judge the words as written
+        words = command.split()
+    group = typer.main.get_command(app)
+    name = words[1]
+    if name == "--help" or re.fullmatch(r"[A-Z_]+", name):
+        return []
+    if name not in group.commands:
+        return [f"`{command}`: kvtui has no command {name!r}"]
+    takes_value = {"--help": False}
+    for param in group.commands[name].params:
+        for option in param.opts + param.secondary_opts:
+            if option.startswith("-"):
+                takes_value[option] = not param.is_flag
+    problems, skip = [], False
+    for word in words[2:]:
+        if skip:
+            skip = False
+            continue
+        word = word.strip("[](),")
+        if re.match(r"--?[A-Za-z]", word):
+            option = word.split("=", 1)[0]
+            if option not in takes_value:
+                problems.append(f"`{command}`: `kvtui {name}` has no option {option}")
+            skip = takes_value.get(option, False) and "=" not in word
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_kvtui_commands_in_the_docs_are_real(doc):
+    """Every `kvtui ...` line a reader may copy names a real command and only options it has."""
+    commands = kvtui_commands(text(doc))
+    assert [problem for command in commands for problem in command_problems(command)] == []
+
+
+def test_the_command_check_catches_a_flag_or_command_that_does_not_exist():
+    markdown = ("Run `kvtui run scenarios/passphrase.yaml --headles` or ``kvtui serv --port 8000``;\n"
+                "``{\"message\": \"The model `x` does not exist.\"}``, kvtui has no limit.\n\n"
+                "```sh\nkvtui serve --model x --port 8000 &   # kvtui bench --part overhead\n"
+                "kvtui audit s.yaml --timing \\\n    --cache-salt none --probe 4\n"
+                "textual serve \"kvtui replay r.jsonl --sumary\"\n```\n")
+    assert kvtui_commands(markdown) == ["kvtui serve --model x --port 8000", "kvtui bench --part overhead",
+                                        "kvtui audit s.yaml --timing --cache-salt none --probe 4",
+                                        "kvtui replay r.jsonl --sumary",
+                                        "kvtui run scenarios/passphrase.yaml --headles", "kvtui serv --port 8000"]
+    assert [p for c in kvtui_commands(markdown) for p in command_problems(c)] == [
+        "`kvtui audit s.yaml --timing --cache-salt none --probe 4`: `kvtui audit` has no option --probe",
+        "`kvtui replay r.jsonl --sumary`: `kvtui replay` has no option --sumary",
+        "`kvtui run scenarios/passphrase.yaml --headles`: `kvtui run` has no option --headles",
+        "`kvtui serv --port 8000`: kvtui has no command 'serv'"]
+    # a value that looks like an option belongs to the option before it; a negated flag is an option
+    assert command_problems("kvtui run ... --llama-server '-np 2' --no-batch-invariant -q") == []
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_scripts_named_in_the_docs_exist(doc):
+    named = set(re.findall(r"\bscripts/[\w.-]+\.(?:sh|py)\b", text(doc)))
+    assert sorted(name for name in named if not (ROOT / name).is_file()) == []
+
+
+def test_pointers_in_messages_name_a_doc_and_section_that_exist():
+    """A help text or error message that sends the user to the docs names a file that exists, and a section
+    it has ("(docs/serve.md, Images)"); none points into the README, which is a front page."""
+    sources = {path: path.read_text(encoding="utf-8") for path in sorted((ROOT / "kvtui").rglob("*.py"))}
+    into_readme = [f"{path.relative_to(ROOT)}: {hit}" for path, source in sources.items()
+                   for hit in re.findall(r"\(README\b[^)]*\)", source)]
+    assert into_readme == []
+    broken = []
+    for path, source in sources.items():
+        for doc, section in re.findall(r"\b(docs/[\w.-]+\.md)(?:, ([A-Z][^)\"]*))?\)", source):
+            if not (ROOT / doc).is_file():
+                broken.append(f"{path.relative_to(ROOT)}: {doc}")
+            elif section and schema_docs.anchor(section) not in headings(text(doc)):
+                broken.append(f"{path.relative_to(ROOT)}: {doc}, {section}")
+    assert broken == []
 
 
 def test_readme_main_job_records_to_an_ignored_untracked_path():
@@ -135,22 +268,28 @@ def test_gamma_burstiness_is_explained_as_vllm_does():
         assert phrase in gamma, phrase
 
 
+# pages that quote other projects' source files (vLLM's, transformers', llama.cpp's) by their own paths
+QUOTES_OTHER_SOURCES = {"docs/findings.md", "docs/findings-llama-hybrid.md", "docs/performance.md",
+                        "docs/vllm-prompt-embeds.md"}
+
+
 def test_modules_named_in_the_docs_exist():
     names = set()
-    for doc in ("docs/architecture.md", "docs/faults.md"):
+    for doc in sorted(set(DOCS) - QUOTES_OTHER_SOURCES):
         names |= set(re.findall(r"`(?:kvtui/)?([\w/]+\.py)`", text(doc)))
     files = {str(p.relative_to(ROOT / "kvtui")) for p in (ROOT / "kvtui").rglob("*.py")}
     files |= {p.name for p in (ROOT / "kvtui").rglob("*.py")}
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")}  # docs may name the test that pins a rule
     files |= {str(p.relative_to(ROOT)) for p in (ROOT / "scripts").glob("*.py")}
+    files |= {p.name for p in (ROOT / "scripts").glob("*.py")}
     assert sorted(names - files) == []
 
 
-def test_readme_fault_count_and_names_are_the_catalogues():
-    """The README's `kvtui faults` sentence gives the catalogue's count and names every fault (it said twelve
-    while the catalogue held 21 and more)."""
-    readme = text("README.md")
-    found = re.search(r"`kvtui faults` lists (\d+) named faults(.+?)\n\n", readme, re.S)
-    assert found is not None, "README: the sentence '`kvtui faults` lists N named faults' is gone"
+def test_fault_count_and_names_are_the_catalogues():
+    """docs/faults.md's `kvtui faults` sentence gives the catalogue's count and names every fault (in the
+    README it said twelve while the catalogue held 21 and more)."""
+    faults_doc = text("docs/faults.md")
+    found = re.search(r"`kvtui faults` lists (\d+) named faults(.+?)\n\n", faults_doc, re.S)
+    assert found is not None, "docs/faults.md: the sentence '`kvtui faults` lists N named faults' is gone"
     assert int(found.group(1)) == len(FAULTS)
     assert set(re.findall(r"`(\w+)`", found.group(2))) >= set(FAULTS)

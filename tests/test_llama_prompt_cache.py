@@ -9,8 +9,8 @@ source of any answer holding another conversation's passphrase.
 - With the fake server leaking (tests/fake_openai.py), every leak it made is named, victim and source.
 - Against the vendored llama-server (built by scripts/build-llama-server.sh; skipped otherwise), `-np 2`
   with its default flags (RAM cache, idle-slot caching and slot similarity on) and the control with them
-  off: the answers are what the server gives. What these runs found is in the README (server-audit
-  findings); the tests pin it: no foreign passphrase either way, every own passphrase echoed, and with
+  off: the answers are what the server gives. What these runs found is in docs/audits.md (llama.cpp's
+  host-RAM prompt cache); the tests pin it: no foreign passphrase either way, every own passphrase echoed, and with
   the default flags the shared opening served from the cache. Each server starts once for the module.
 """
 

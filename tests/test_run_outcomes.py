@@ -448,4 +448,4 @@ def test_image_prompts_against_a_target_are_refused_in_one_line_not_sent_as_text
     assert result.exit_code == 2 and result.stderr.splitlines() == [
         "error: scenarios/images.yaml: prompts kind image_passphrase cannot be sent to a --target yet: kvtui's "
         "client sends no image parts; run it locally (--model dinov2-smollm2), or serve that model with `kvtui "
-        "serve` and send image_url parts (README, Serving)"]
+        "serve` and send image_url parts (docs/serve.md, Images)"]

@@ -15,7 +15,7 @@ from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.parallel import child_sampling
 from kvtui.engine.request import StructuredOutputs
 
-xgr = pytest.importorskip("xgrammar", reason="pip install xgrammar==0.2.8 apache-tvm-ffi (see README)")
+xgr = pytest.importorskip("xgrammar", reason="pip install xgrammar==0.2.8 apache-tvm-ffi (see docs/serve.md)")
 from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402
 
 SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},

@@ -189,7 +189,7 @@ def test_role_only_first_chat_chunk_is_timed_as_vllm_bench_serve_times_it():
     """vLLM's chat stream opens with a chunk holding only `delta.role`, sent together with the first
     token's chunk. vLLM's bench serve (endpoint_request_func.py) timestamps every chunk with a choice:
     TTFT ends at that role chunk and the gap to the first content chunk is an ITL sample of ~0. kvtui
-    counts it the same way so its figures compare with bench serve's (the README says so).
+    counts it the same way so its figures compare with bench serve's (docs/audits.md, Endpoints used, says so).
     Fake clock: send at 0, role chunk and first token at 0.4, four more tokens 0.1 apart."""
     steps = [0.4, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8, 0.8]
     fake = FakeOpenAI(clock_steps=steps, now=0.0)

@@ -111,7 +111,7 @@ class TargetSession(RunBase):
         if any(getattr(p.input, "images", ()) for p in self.pending):
             raise ValueError("prompts kind image_passphrase cannot be sent to a --target yet: kvtui's client sends "
                              "no image parts; run it locally (--model dinov2-smollm2), or serve that model with "
-                             "`kvtui serve` and send image_url parts (README, Serving)")
+                             "`kvtui serve` and send image_url parts (docs/serve.md, Images)")
         if any(p.embeds_mask is not None for p in self.pending):
             self.api = self._embeds_api(options.api)
             self.embeds_table = embedding_table(model or scenario.model)
