@@ -139,6 +139,22 @@ def test_the_contamination_panel_never_splits_a_detector_from_its_count():
         assert entry in witnesses, lines
     assert not any(re.match(r"\d", line) for line in lines), lines
 
+@pytest.mark.parametrize("width", [31, 37, 55])
+def test_the_findings_line_never_splits_a_kind_from_its_count(width):
+    """The findings line was left to Rich's word wrap: at 55 cells (the panel on a 146 or 147 column
+    terminal) it drew `findings corruption 1 · cross_request 10 · cross_tenant` and `3` alone on the next
+    line. It now breaks between entries, as the witnesses line does."""
+    findings = (("corruption", 1), ("cross_request", 10), ("cross_tenant", 3))
+    snap = dataclasses.replace(build_snapshot(DashboardState()), findings=findings, by_detector=(("canary", 4),))
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(panels.contamination(snap, width, 20))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    head = lines[:lines.index("witnesses canary 4")]
+    assert " ".join(head) == "findings corruption 1 · cross_request 10 · cross_tenant 3", lines
+    for kind, n in findings:
+        assert any(f"{kind} {n}" in line for line in head), lines
+
+
 
 def live_source(tiny, text: str, detectors=LIVE_DETECTORS, clock: str = "wall", pacer=None) -> LiveSource:
     spec = parse_scenario(text)

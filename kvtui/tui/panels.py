@@ -361,7 +361,7 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
         text.append("no contamination detected\n", style="bold green")
     else:
         if snap.findings:
-            text.append("findings ", style="bold").append(" · ".join(f"{k} {n}" for k, n in snap.findings),
+            text.append("findings ", style="bold").append(_packed([f"{k} {n}" for k, n in snap.findings], width, 9),
                                                           style=f"bold {RED}").append("\n")
         text.append("witnesses ", style="dim").append(_packed([f"{d} {n}" for d, n in snap.by_detector], width, 10))
         text.append("\n")
