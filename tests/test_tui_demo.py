@@ -156,6 +156,23 @@ def test_the_findings_line_never_splits_a_kind_from_its_count(width):
 
 
 
+def test_the_contamination_panel_keeps_the_newest_report_in_a_short_panel():
+    """At 100x30 the panel is 36x9: at the demo's end the counts, the reference line and four attention
+    rows filled it, and the newest report (victim ← source, the evidence) was drawn below its last row,
+    cropped. The report's rows are now kept first; the attention rows take what is left."""
+    header, events, summary, _ = read_recording(DEMO)
+    state = DashboardState()
+    state.apply(header)
+    for e in events:
+        state.apply(e)
+    console = Console(width=36, record=True, file=io.StringIO())
+    console.print(panels.contamination(build_snapshot(state), 36, 9))
+    lines = console.export_text().splitlines()
+    assert len(lines) <= 9, lines
+    assert lines[-2].startswith("#65 reference cross r013") and lines[-1].startswith("  token 1: 18 vs solo 1301")
+    assert "attention on other requests' keys" in lines and any(line.startswith("  r012 ") for line in lines)
+
+
 def live_source(tiny, text: str, detectors=LIVE_DETECTORS, clock: str = "wall", pacer=None) -> LiveSource:
     spec = parse_scenario(text)
 

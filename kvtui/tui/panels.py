@@ -355,7 +355,8 @@ def _packed(items: list[str], width: int, first: int = 0) -> str:
 
 def contamination(snap: Snapshot, width: int, height: int) -> Text:
     """Counts by detector and kind, the attention-flow meter (share of attention on other requests'
-    keys) per request, and the latest detector reports (victim ← source, kind, evidence)."""
+    keys) for up to 4 requests, and the latest detector reports (victim ← source, kind, evidence). In a
+    short panel the newest report keeps its rows and the attention rows take what is left."""
     text = Text()
     if not snap.by_detector:
         text.append("no contamination detected\n", style="bold green")
@@ -369,15 +370,17 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
         checked, skipped, pending = snap.reference
         text.append(f"reference checked {checked}" + (f", skipped {skipped}" if skipped else "")
                     + (f", {pending} waiting" if pending else "") + "\n", style="dim")
-    flows = flow_rows(snap)
+    per_report = 1 if width >= 90 else 2
+    # the newest report's rows are kept first: the attention rows (and their title) take what is left
+    left = height - len(text.plain.splitlines()) - (per_report if snap.contamination else 0) - 1
+    flows = flow_rows(snap)[:max(min(left, 4), 0)]
     if flows:
         text.append("attention on other requests' keys\n", style="dim")
-        for r in flows[:4]:
+        for r in flows:
             style = RED if r.attention_mass > 0 else "green"
             text.append(f"{r.id:>6} ").append(bar(r.attention_mass, 10), style=style)
             text.append(f" {r.attention_mass:.2f}\n")
     room = max(height - len(text.plain.splitlines()), 1)
-    per_report = 1 if width >= 90 else 2
     for c in list(snap.contamination)[-max(room // per_report, 1):]:
         step = "" if c.step is None or c.step < 0 else f"#{c.step} "  # -1: not made in a step (a target run)
         who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
