@@ -123,6 +123,23 @@ def test_event_log_wraps_at_words():
     assert " ".join(" ".join(rows).replace("6.1s ⚑", "").split()) == text  # every word whole, in order
 
 
+def test_event_log_shows_whole_entries_from_the_top():
+    """At 100x30 the log is 36x6: the demo's four timeline lines wrap to 7 rows, and the panel's top row
+    was the tail of the oldest, `(timeline)`, without its time or symbol. An entry that does not fit whole
+    is now left out; one taller than the panel alone shows its head."""
+    log = (LogLine(1, 2.7, "fault", "fault shared_cache on (timeline)"),
+           LogLine(2, 2.7, "marker", "isolation off (shared_cache)"),
+           LogLine(3, 6.1, "fault", "fault shared_cache off (timeline)"),
+           LogLine(4, 6.1, "marker", "isolation restored"))
+    snap = dataclasses.replace(build_snapshot(DashboardState()), log=log)
+    assert panels.event_log(snap, 36, 6).plain.splitlines() == [
+        "    2.7s ▸ isolation off", "           (shared_cache)", "    6.1s ⚑ fault shared_cache off",
+        "           (timeline)", "    6.1s ▸ isolation restored"]
+    alone = dataclasses.replace(snap, log=(LogLine(5, 9.2, "error", "word " * 30),))
+    rows = panels.event_log(alone, 36, 3).plain.splitlines()
+    assert len(rows) == 3 and rows[0] == "    9.2s ! word word word word word", rows
+
+
 def test_the_contamination_panel_never_splits_a_detector_from_its_count():
     """At 100 columns the witnesses line wrapped inside an entry: `canary` / `7`."""
     header, events, summary, _ = read_recording(DEMO)

@@ -407,19 +407,23 @@ LOG_SYMBOLS = {"fault": "⚑", "marker": "▸", "timeline": "⏱", "reject": "�
 
 
 def event_log(snap: Snapshot, width: int, height: int) -> Text:
-    """The latest lines that fit: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
+    """The latest entries that fit whole: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
     ✗ rejection, ! error), the text, wrapped at spaces onto indented continuation lines (a word longer
-    than a line is cut; passphrases are not broken at their hyphens)."""
+    than a line is cut; passphrases are not broken at their hyphens). An older entry that would not fit
+    whole is left out rather than shown without its time; the newest alone, taller than the panel,
+    shows its first `height` rows."""
     if not snap.log:
         return Text("no events yet (markers, timeline, faults, rejections)", style="dim")
+    height = max(height, 1)
     rows: list[Text] = []
     indent = 9
     room = max(width - indent, 8)
-    for line in list(snap.log)[-max(height, 1):]:
+    for line in reversed(list(snap.log)[-height:]):
         style = LOG_STYLES.get(line.kind, "")
         body = f"{LOG_SYMBOLS.get(line.kind, '·')} {clean(line.text)}"
         parts = textwrap.wrap(body, room, subsequent_indent="  ", break_on_hyphens=False) or [body[:room]]
-        for n, part in enumerate(parts):
-            lead = f"{line.t:7.1f}s " if n == 0 else " " * indent
-            rows.append(Text().append(lead, style="dim" if n == 0 else "").append(part, style=style))
-    return Text("\n").join(rows[-max(height, 1):])
+        if rows and len(rows) + len(parts) > height:
+            break
+        rows[:0] = [Text().append(f"{line.t:7.1f}s " if n == 0 else " " * indent, style="dim" if n == 0 else "")
+                    .append(part, style=style) for n, part in enumerate(parts)]
+    return Text("\n").join(rows[:height])
