@@ -436,7 +436,8 @@ class Session(RunBase):
         for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
             sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
-                                  parent=p.request_id if sequence is not p else None)
+                                  parent=p.request_id if sequence is not p else None,
+                                  lora_version=state.input.lora.version if state.input.lora is not None else None)
             if self.canary is not None:
                 self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
                                       input_key=state.input.content_key)

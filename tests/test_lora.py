@@ -469,3 +469,32 @@ def test_the_delta_bound_refuses_exactly_what_overflows_the_dtype():
     assert delta_overflows(a, aligned, 1.0, torch.float16) is True
     assert delta_overflows(a, orthogonal, 1.0, torch.float16) is False
     assert delta_overflows(a, aligned, 1.0, torch.float32) is False
+
+
+# -- the summary row -------------------------------------------------------------------------------------------
+def test_the_summary_has_a_row_of_adapters_versions_and_reloads_and_a_replay_too(llama, tmp_path):
+    from rich.console import Console
+
+    from kvtui.cli.replay import replay_summary
+    from kvtui.record import read_recording
+    from kvtui.summary import print_summary
+
+    record = tmp_path / "lora.jsonl"
+    spec = parse_scenario(LOAD.format(seed=0, n=6, block=16, layout="padded", faults="", adapters="[lora-a, none]",
+                                      assign="round_robin", rate=4.0,
+                                      timeline="timeline: [{at_s: 0.3, set: {lora.reload: lora-a}}]"))
+    session = Session(spec, llama, clock="virtual", detectors=(), record_path=record)
+    session.run()
+    # arrivals every 0.25 s from 0, lora-a and the base model in turn: r000 (0 s) under lora-a v1; the reload at
+    # 0.3 s; r002 (0.5 s) and r004 (1.0 s) under v2; r001, r003, r005 the base model
+    assert session.summary.lora_requests == {"lora-a@1": 1, "none": 3, "lora-a@2": 2}
+    assert session.summary.lora_reloads == {"lora-a": 1}
+    console = Console(width=200, color_system=None)
+    with console.capture() as capture:
+        print_summary(session.summary, session.header(), console)
+    row = next(line for line in capture.get().splitlines() if line.strip().startswith("LoRA adapters"))
+    assert row.split("LoRA adapters", 1)[1].strip() == ("lora-a: 3 requests (v1 1, v2 2), reloaded 1 time; base "
+                                                        "model: 3 requests")
+    header, events, recorded, _ = read_recording(record)
+    replayed = replay_summary(header, events, recorded)
+    assert (replayed.lora_requests, replayed.lora_reloads) == ({"lora-a@1": 1, "none": 3, "lora-a@2": 2}, {"lora-a": 1})
