@@ -471,6 +471,37 @@ def test_the_delta_bound_refuses_exactly_what_overflows_the_dtype():
     assert delta_overflows(a, aligned, 1.0, torch.float32) is False
 
 
+# -- engine modes: one check for serve, run and validate; rejection codes that say what happened --------------
+def test_an_adapter_request_the_engine_cannot_run_is_coded_adapter_unsupported(llama, registry):
+    """It was coded `empty`, as if its prompt had no tokens (kvtui serve answered that as empty_prompt)."""
+    engine = Engine(llama.model, EngineConfig(num_slots=2, max_len=96, batch_invariant=True), eos_token_ids=())
+    bad = engine.submit("lora", RequestInput(tuple(PROMPTS[0]), lora=registry.get("lora-a")),
+                        SamplingParams(max_new_tokens=NEW))
+    engine.run_until_done()
+    assert (bad.finish_reason.value, bad.finish_code) == ("rejected", "adapter_unsupported")
+    assert bad.finish_detail == "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
+
+
+def test_batch_invariant_with_a_lora_section_is_one_error_naming_the_field(tmp_path):
+    from kvtui.scenario import load_scenario
+
+    path = tmp_path / "bi.yaml"
+    path.write_text("max_requests: 2\nmodel: tiny-llama\nengine: {batch_invariant: true}\nlora: {adapters: [lora-a]}\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert e.value.errors == [f"{path}:3: engine.batch_invariant: LoRA adapters are not supported in the "
+                              "batch-invariant mode, and the `lora` section loads lora-a; set engine.batch_invariant "
+                              "to false or leave it null (off when adapters run), or drop the `lora` section"]
+
+
+def test_a_session_refuses_adapters_its_engine_cannot_run(llama):
+    """Rather than rejecting every adapter request (8 of 12 were rejected, 0 findings, exit 0)."""
+    spec = parse_scenario("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-a, none]}\n")
+    with pytest.raises(ValueError) as e:
+        Session(spec, llama, clock="virtual", engine_overrides={"batch_invariant": True})
+    assert str(e.value) == "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
+
+
 # -- the summary row -------------------------------------------------------------------------------------------
 def test_the_summary_has_a_row_of_adapters_versions_and_reloads_and_a_replay_too(llama, tmp_path):
     from rich.console import Console
@@ -498,3 +529,47 @@ def test_the_summary_has_a_row_of_adapters_versions_and_reloads_and_a_replay_too
     header, events, recorded, _ = read_recording(record)
     replayed = replay_summary(header, events, recorded)
     assert (replayed.lora_requests, replayed.lora_reloads) == ({"lora-a@1": 1, "none": 3, "lora-a@2": 2}, {"lora-a": 1})
+
+
+LORA_RUN = "name: l\nmodel: tiny-llama\nmax_requests: 4\nlora: {adapters: [lora-a, none]}\noutput_tokens: 2\n"
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--batch-invariant"], "LoRA adapters are not supported in the batch-invariant mode, and the scenario's lora "
+                            "section loads lora-a: drop --batch-invariant, or the lora section"),
+    (["--enforce-eager"], "LoRA adapters run on kvtui's fused forward, which --enforce-eager replaces, and the "
+                          "scenario's lora section loads lora-a: drop --enforce-eager, or the lora section"),
+])
+def test_run_refuses_adapters_its_flags_cannot_run_before_loading_anything(monkeypatch, capsys, tmp_path, flags, line):
+    """`kvtui run` used to load the model, reject 8 of 12 adapter requests (coded `empty`), report 0 findings and
+    exit 0; `kvtui serve` refused the same flags in one line."""
+    import sys
+
+    import kvtui.models
+    from kvtui.cli.app import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the check")
+
+    monkeypatch.setattr(kvtui.models, "load_model", no_load)
+    monkeypatch.setattr(kvtui.models, "load_tokenizer", no_load)
+    path = tmp_path / "l.yaml"
+    path.write_text(LORA_RUN)
+    monkeypatch.setattr(sys, "argv", ["kvtui", "run", str(path), "--headless", *flags])
+    assert main() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {path}: {line}"]
+
+
+def test_validate_refuses_batch_invariant_with_adapters_in_one_line(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from kvtui.cli.app import main
+
+    path = tmp_path / "bi.yaml"
+    path.write_text(LORA_RUN + "engine: {batch_invariant: true}\n")
+    monkeypatch.setattr(sys, "argv", ["kvtui", "validate", str(path)])
+    assert main() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}:6: engine.batch_invariant: LoRA adapters are not supported in the batch-invariant mode, and "
+        "the `lora` section loads lora-a; set engine.batch_invariant to false or leave it null (off when adapters "
+        "run), or drop the `lora` section"]

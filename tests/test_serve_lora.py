@@ -354,3 +354,18 @@ def test_a_bad_startup_adapter_is_one_line_naming_the_field(tiny, tmp_path):
         server.load()
     assert str(e.value) == f"--lora-modules z: {bad}/adapter_config.json: r must be a positive integer (the adapter's " \
                            "rank), got 0"
+
+
+def test_serve_refuses_lora_with_the_modes_before_loading_the_model():
+    """The same check as `kvtui run` and the scenario schema (config.lora_mode_problem), before any weights load."""
+    def no_load(options):
+        raise AssertionError("the model was loaded before the check")
+
+    for extra, line in (({"batch_invariant": True}, "--enable-lora: LoRA adapters are not supported in the "
+                                                    "batch-invariant mode: drop --batch-invariant"),
+                        ({"enforce_eager": True}, "--enable-lora: LoRA adapters run on kvtui's fused forward, which "
+                                                  "--enforce-eager replaces: drop --enforce-eager")):
+        server = ServeServer(ServeOptions(model="tiny-llama", port=0, enable_lora=True, **extra), load=no_load)
+        with pytest.raises(ValueError) as e:
+            server.check()
+        assert str(e.value) == line
