@@ -502,6 +502,21 @@ def test_a_session_refuses_adapters_its_engine_cannot_run(llama):
     assert str(e.value) == "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
 
 
+def test_reloading_none_says_none_is_the_base_model():
+    """docs/scenarios.md listed `none` as a lora.reload value, and validate answered "add it to lora.adapters"
+    with `none` already there."""
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-a, none]}\n"
+                       "timeline: [{at_s: 1, set: {lora.reload: none}}]\n")
+    assert e.value.errors == ["<string>:4: timeline.0.set.lora.reload: `none` is the base model, not an adapter: the base model's "
+                              "weights are never reloaded; name a built-in adapter the `lora` section loads (lora-a, "
+                              "lora-b, lora-c), or drop the event"]
+    from kvtui.scenario.schema_docs import render
+
+    row = next(line for line in render().splitlines() if line.startswith("| `lora.reload` |"))
+    assert row.split(" | ")[1] == "one of `lora-a`, `lora-b`, `lora-c`"
+
+
 # -- the summary row -------------------------------------------------------------------------------------------
 def test_the_summary_has_a_row_of_adapters_versions_and_reloads_and_a_replay_too(llama, tmp_path):
     from rich.console import Console
