@@ -18,6 +18,7 @@ from kvtui.cli.inputs import (
     load_scenario,
     load_tokenizer,
     refuse_idle_faults,
+    refuse_lora_modes,
     refuse_misfit_faults,
 )
 from kvtui.cli.options import (
@@ -124,6 +125,7 @@ def run(
     if spec.request_ids is not None:
         say("note", f"{scenario}: request_ids act over HTTP, in a --target run (e.g. against `kvtui serve`); this "
                     "local run ignores them")
+    refuse_lora_modes(scenario, spec, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
     faults = fault_names(fault) + off
     chosen = parse_detectors(detectors)

@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
-from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, TooLong
+from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, TooLong, lora_mode_problem
 from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
@@ -134,7 +134,8 @@ class EngineSection(Strict):
         None, description="every row's logits bitwise independent of the batch (fixed row tiles, attention per "
                           "query position), so the reference check counts any differing token with no "
                           "tolerance; Llama-family models, slower (docs/faults.md); null: on for bfloat16 and "
-                          "float16 runs whose reference detector runs, off otherwise")
+                          "float16 runs whose reference detector runs, off otherwise (and with a `lora` section, "
+                          "whose adapters the mode cannot run: true is refused there)")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -357,17 +358,25 @@ class Scenario(Strict):
         return self
 
     def _check_lora(self) -> None:
-        """A `lora.reload` event must name an adapter the `lora` section loads."""
+        """Adapters need a Llama-family model and an engine mode that runs them (config.py
+        lora_mode_problem, as `kvtui serve` and `kvtui run`'s flags ask it); a `lora.reload` event must name
+        an adapter the `lora` section loads."""
         loaded = self.lora.loaded if self.lora is not None else ()
         cfg = read_config(self.model, self._base_dir) if loaded else None
         if cfg is not None and cfg.get("model_type") != "llama":
             raise Problem(f"LoRA adapters run on Llama-family models, not {self.model} ({cfg.get('model_type')})",
                           "drop the `lora` section or choose such a model (default, tiny-llama)", ("lora",))
+        problem = loaded and lora_mode_problem(batch_invariant=bool(self.engine.batch_invariant))
+        if problem:
+            raise Problem(f"{problem}, and the `lora` section loads {', '.join(loaded)}",
+                          "set engine.batch_invariant to false or leave it null (off when adapters run), or drop "
+                          "the `lora` section", ("engine", "batch_invariant"))
         for i, event in enumerate(self.timeline):
             name = (event.set or {}).get("lora.reload")
             if name is not None and name not in loaded:
-                raise Problem(f"lora.reload names {name!r}, which the `lora` section does not load",
-                              f"add it to lora.adapters (loaded: {', '.join(loaded) or 'none'})",
+                fix = (f"add it to lora.adapters (which load {', '.join(loaded)})" if loaded else
+                       f"add a `lora` section that loads it, e.g. `lora: {{adapters: [{name}, none]}}`")
+                raise Problem(f"lora.reload names {name!r}, which the `lora` section does not load", fix,
                               ("timeline", i, "set", "lora.reload"))
 
     def _check_forks(self) -> None:

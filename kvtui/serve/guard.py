@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import secrets
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from kvtui.serve import DEFAULT_MAX_REQUEST_BYTES
+from kvtui.serve.jsonsafe import JSONBody
 from kvtui.serve.protocol import ApiError
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "RequestGuard"]
@@ -48,7 +48,7 @@ class RequestGuard:
             receive, refused = await self._read_chunked(receive)
         if refused is not None:
             extra = {"www-authenticate": "Bearer"} if refused.status == 401 else None
-            await JSONResponse(refused.body(), status_code=refused.status, headers=extra)(scope, receive, send)
+            await JSONBody(refused.body(), status_code=refused.status, headers=extra)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
