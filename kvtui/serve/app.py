@@ -136,7 +136,9 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest body taken (413 past it);
     `runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating)."""
     app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       embeds_width=lambda: state.context.prompt_embeds.hidden_size
+                       if state.context is not None and state.context.prompt_embeds is not None else None)
     _error_handlers(app)
     add_transcription_route(app, state)
     if runtime_lora:
