@@ -153,6 +153,23 @@ def bad_cases(tmp_marker: str) -> list[tuple[str, object, str]]:
     ]
 
 
+def test_bytes_that_are_no_torch_file_are_said_in_the_clients_terms(embeds_server):
+    """torch.load's own words leaked ("(101)": a KeyError's bare number; miniz's central directory): the
+    message says what the bytes are instead."""
+    saved = base64.b64decode(b64(rows(0, 2)))
+    expected = f"expected a (num_tokens, {HIDDEN}) float32, bfloat16 or float16 tensor"
+    for raw, message in (
+            (b"hello world, not a zip", "prompt_embeds decodes to 22 bytes that are not a torch.save file (torch.save "
+                                        "writes a zip archive, starting PK; these start b'hello wo')"),
+            (saved[:300], "prompt_embeds decodes to a zip archive of 300 bytes that torch.load cannot read (cut short "
+                          "or damaged)")):
+        response = httpx.post(embeds_server.url + "/v1/completions", timeout=60,
+                              json={"prompt_embeds": base64.b64encode(raw).decode(), "max_tokens": 2})
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": f"{message}; {expected}", "type": "invalid_request_error",
+                                            "param": "prompt_embeds", "code": None}
+
+
 def test_every_bad_tensor_gets_400_naming_prompt_embeds_and_the_server_goes_on(embeds_server, oracle, tmp_path):
     marker = tmp_path / "pwned"
     url = embeds_server.url + "/v1/completions"
