@@ -307,9 +307,12 @@ def test_the_help_opened_while_loading_follows_the_runs_header(loaded, tmp_path)
 
 
 # -- start, SIGTERM, serve --------------------------------------------------------------------------------
-def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, label", [("tiny-llama", "tiny-llama"), ("default", "SmolLM2-135M-Instruct"),
+                                          ("smollm2", "SmolLM2-135M-Instruct")])
+def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkeypatch, model, label):
     """kvtui run (dashboard) loads the tokenizer, and with it torch, before it takes the screen: seconds.
-    A spinner says so before the first check that imports anything heavy."""
+    A spinner says so before the first check that imports anything heavy, naming the model as people know it
+    (it said "default's tokenizer")."""
     import types
 
     from typer.testing import CliRunner
@@ -336,10 +339,10 @@ def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkey
     monkeypatch.setattr(command, "load_tokenizer", lambda name: order.append(f"tokenizer {name}") or object())
     monkeypatch.setattr(command, "check_lengths", lambda *a: order.append("lengths checked"))
     monkeypatch.setattr(command, "_dashboard", lambda *a, **k: order.append("dashboard"))
-    result = CliRunner().invoke(cli, ["run", str(DATA / "tui_short.yaml"), "--model", "tiny-llama"])
+    result = CliRunner().invoke(cli, ["run", str(DATA / "tui_short.yaml"), "--model", model])
     assert result.exit_code == 0, result.output
-    assert order == ["status: checking the scenario with tiny-llama's tokenizer; the dashboard opens next",
-                     "model kind checked", "tokenizer tiny-llama", "lengths checked", "status closed", "dashboard"]
+    assert order == [f"status: checking the scenario with {label}'s tokenizer; the dashboard opens next",
+                     "model kind checked", f"tokenizer {model}", "lengths checked", "status closed", "dashboard"]
 
 
 def read_until(fd: int, pattern: str, timeout_s: float, seen: bytearray) -> bool:

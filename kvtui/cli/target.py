@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
+from kvtui.models.labels import model_label
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
@@ -144,7 +145,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     signals: list[int] = []
     try:
         summary, header, session = run_target_dashboard(
-            make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…",
+            make_session, loading_text=f"loading the tokenizer of {model_label(name)} and planning the requests…",
             on_signal=signals.append)
     except OSError as e:
         fail_unwritable(record, e)
