@@ -100,11 +100,10 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
     stopped or no request could complete, else by the scenario's `expect` (0, 1); 2 for bad input."""
     from kvtui.summary import print_contamination, print_summary
 
-    reachable(run)
     session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
     stopped = install_stop_handlers(session)
     try:
-        summary = _run(session, quiet)
+        summary = _run(session, quiet)  # its first act is the probe every --target command makes (reachable)
     except TargetError as e:
         session.abandon()
         fail(str(e))

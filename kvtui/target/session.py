@@ -245,7 +245,7 @@ class TargetSession(RunBase):
         if self.options.reference_url:  # the solo runs' server answers too, before any request is sent
             async with httpx.AsyncClient(base_url=self.options.reference_url.rstrip("/"),
                                          transport=self.options.transport) as reference:
-                await first_model(reference, self.options.reference_url, self.served_model, "--reference-target")
+                await first_model(reference, self.options.reference_url, self.options.served_model, "--reference-target")
 
     async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
         """Send each planned request at its arrival time; returns the request tasks."""
