@@ -43,6 +43,7 @@ from kvtui.cli.options import (
 )
 from kvtui.config import Clock, DType, Layout
 from kvtui.faults import default_isolation_off
+from kvtui.models.labels import model_label
 
 
 def run(
@@ -135,7 +136,7 @@ def run(
     if prefix_caching is not None:
         spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
     # the dashboard's checks load the tokenizer (seconds) before the screen is taken: a spinner says so at once
-    with nullcontext() if headless else err.status(f"checking the scenario with {model or spec.model}'s "
+    with nullcontext() if headless else err.status(f"checking the scenario with {model_label(model or spec.model)}'s "
                                                    "tokenizer; the dashboard opens next"):
         refuse_misfit_faults(scenario, spec, fault_names(fault), model)
         refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,

@@ -24,6 +24,7 @@ next step boundary.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
@@ -138,7 +139,9 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     `runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating)."""
     app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=JSONBody)
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       embeds_width=lambda: state.context.prompt_embeds.hidden_size
+                       if state.context is not None and state.context.prompt_embeds is not None else None)
     app.add_middleware(InternalErrors)  # outermost: any exception left is its request's JSON 500
     _error_handlers(app)
     add_transcription_route(app, state)
@@ -254,23 +257,70 @@ def _error_handlers(app: FastAPI) -> None:
         if isinstance(cause, LoneSurrogate):
             error = ApiError(400, str(cause), param=cause.path[0] if cause.path else None, code="invalid_unicode")
             return JSONBody(error.body(), status_code=400)
-        return JSONBody(_invalid_body(first).body(), status_code=400)
+        return JSONBody(_invalid_body(e.errors(), e.body).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONBody:
         return JSONBody(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
 
-def _invalid_body(first: dict) -> ApiError:
-    """The 400 for FastAPI's first validation error: `param` names the top-level field at fault, or null
-    when the body itself is (unparsable JSON, not an object), as OpenAI and vLLM answer."""
+def _invalid_body(errors: list[dict], body) -> ApiError:
+    """The 400 for FastAPI's validation errors: `param` names the top-level field at fault, or null when the
+    body itself is (unparsable JSON, not an object), as OpenAI and vLLM answer. The message names the
+    field as the request wrote it (`messages[0].content`, `logit_bias["5"]`), never pydantic's names for
+    the branches of a union (`prompt.str`, `prompt.list[int]`); of a union's errors it keeps those that
+    reached deepest into the value sent (the branch the value fits), their wants joined."""
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         where = first.get("loc", ("body", 0))[-1]
         why = (first.get("ctx") or {}).get("error", "")
         return ApiError(400, f"the body is not valid JSON ({why} at character {where}); send a JSON object")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc and isinstance(first["loc"][1], str) else None
-    return ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+    loc = tuple(first.get("loc", ()))
+    if len(loc) < 2 or not isinstance(loc[1], str):  # the body itself (not an object)
+        return ApiError(400, f"body: {first.get('msg', 'invalid request')}")
+    param = loc[1]
+    same = [(_user_path(e.get("loc", ())[1:], body), e.get("msg", "invalid")) for e in errors
+            if tuple(e.get("loc", ()))[:2] == loc[:2]]
+    deepest = max(len(path) for path, _ in same)
+    paths = [path for path, _ in same if len(path) == deepest]
+    wants = list(dict.fromkeys(msg for path, msg in same if path == paths[0]))
+    return ApiError(400, f"{_path_text(paths[0])}: {_joined(wants)}", param=param)
+
+
+def _user_path(loc: tuple, body) -> tuple:
+    """The parts of a pydantic error location that are keys and indexes of the request `body` itself (union
+    branch tags such as `str` or `list[int]` left out)."""
+    path, value = [], body
+    for part in loc:
+        if isinstance(value, dict) and isinstance(part, str) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        else:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _path_text(path: tuple) -> str:
+    """`messages[0].content`, `logit_bias["5"]`: a field's place as JSON paths write it."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier():
+            text += f".{part}" if text else part
+        else:
+            text += "[" + json.dumps(part) + "]"
+    return text or "body"
+
+
+def _joined(wants: list[str]) -> str:
+    """"Input should be a valid string or a valid list": several wants at one place, said once."""
+    prefix = "Input should be "
+    if len(wants) > 1 and all(w.startswith(prefix) for w in wants):
+        return prefix + " or ".join(w[len(prefix):] for w in wants)
+    return "; or ".join(wants)
 
 
 def _precompile(ctx: ServeContext, body) -> None:

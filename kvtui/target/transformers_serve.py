@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from kvtui.models.default import cache_dir
+from kvtui.target.reach import listed_first, models_error
 from kvtui.target.vllm_cpu import SCRIPTS, free_port, stop_group
 
 # The release the transformers serve tests pin (its findings: docs/findings.md); the default of
@@ -134,8 +135,12 @@ class TransformersServer:
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
         import httpx
 
-        listed = httpx.get(f"{self.url}/v1/models", timeout=30).json().get("data") or [{}]
-        self.model_name = listed[0].get("id")
+        response = httpx.get(f"{self.url}/v1/models", timeout=30)
+        problem = models_error(response, self.url, None)
+        if problem is not None:
+            self.stop()
+            raise RuntimeError(f"transformers serve started but {problem}")
+        self.model_name = listed_first(response).get("id")
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
