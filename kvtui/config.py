@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass, validated when it is built, and the one table of its
 numeric knobs' bounds (KNOB_BOUNDS) and of the knobs a running engine may change (RUNTIME_FIELDS).
-The scenario schema, the timeline, `kvtui serve`'s flags and Engine.reconfigure read them from here."""
+The scenario schema, the timeline, `kvtui serve`'s flags and Engine.reconfigure read them from here, and
+the modes in which LoRA adapters cannot run (lora_mode_problem)."""
 
 from __future__ import annotations
 
@@ -178,4 +179,18 @@ def _field_problem(name: str, value, default) -> str | None:
         return f"self.{name} = {value!r} must be {' or '.join(map(repr, KNOB_CHOICES[name]))}"
     if name in KNOB_BOUNDS and not (value is None and default is None):
         return KNOB_BOUNDS[name].problem(name, value)
+    return None
+
+
+def lora_mode_problem(*, enforce_eager: bool = False, batch_invariant: bool = False) -> str | None:
+    """Why an engine in these modes cannot run LoRA adapters, or None: they run in kvtui's fused forward,
+    which enforce_eager replaces and the batch-invariant mode does not extend to. The sentence names the
+    mode; each caller adds the fix where the mode was set (a flag, engine.batch_invariant). Needs no model
+    and imports nothing, so every command asks it before loading one: `kvtui serve` of its flags, the
+    scenario schema of engine.batch_invariant (`kvtui validate`, `kvtui run`), `kvtui run` of its flags;
+    engine/lora.py lora_problem adds the model's family."""
+    if enforce_eager:
+        return "LoRA adapters run on kvtui's fused forward, which --enforce-eager replaces"
+    if batch_invariant:
+        return "LoRA adapters are not supported in the batch-invariant mode"
     return None

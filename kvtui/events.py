@@ -96,6 +96,7 @@ class Arrive(_Frozen):
     image: str | None = None  # (v3) an image request's pictures (their names, comma-separated)
     client_id: str | None = None  # (v3, target runs) the request id its client sent (scenario request_ids)
     lora: str | None = None  # (v3) the LoRA adapter it runs under (its name; None: the base model)
+    lora_version: int | None = None  # (v3) that adapter's version (1, +1 at each reload); None: the base model
 
 
 class FirstToken(_Frozen):
@@ -109,8 +110,10 @@ class Finish(_Frozen):
     """A request left the engine: finished (stop, length), aborted, rejected, or `error`: its own
     sampling or stop check raised in kvtui's engine (the rest of the batch went on), or against a target
     server (`kvtui run --target`) an HTTP error, a timeout or a broken stream; the text is in `detail`.
-    `code` (v2) names the cause of a rejection or an engine error for machines (kvtui.engine.FinishCode:
-    empty, too_long, out_of_vocabulary, queue_full, internal_error); None otherwise."""
+    `code` (v2) names the cause of a rejection or an engine error for machines, one code per cause
+    (kvtui.engine.FinishCode: empty, too_long, out_of_vocabulary, queue_full, internal_error,
+    invalid_logit_bias, invalid_bad_words, invalid_structured_output, unsupported_input,
+    adapter_unsupported; model_not_found from a session); None otherwise."""
 
     type: Literal["request.finish"] = "request.finish"
     t: float | None
@@ -864,6 +867,10 @@ class Summary(_Frozen):
     encoder_cache_bytes: int | None = None
     # (v3, target runs with request_ids) the request-id audit's one line (kvtui/target/request_ids.py)
     request_id_audit: str | None = None
+    # (v3) runs with LoRA adapters: arrived requests by adapter and version ("lora-a@2"; "none": the base
+    # model), and the timeline's reloads by adapter; None when no request ran under an adapter
+    lora_requests: dict[str, int] | None = None
+    lora_reloads: dict[str, int] | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

@@ -24,6 +24,7 @@ from kvtui.events import (
     ServerSample,
     StepEvent,
     Summary,
+    TimelineApplied,
 )
 
 PERCENTILES = (50, 90, 95, 99)
@@ -122,6 +123,36 @@ def rejection_code(finish: Finish) -> str:
     return next((c for text, c in _DETAIL_CODES if text in finish.detail), "other")
 
 
+class LoraCounts:
+    """A run's LoRA figures from its events: arrived requests by adapter and version (Arrive.lora,
+    lora_version; "none" for the base model) and the timeline's reloads by adapter."""
+
+    def __init__(self) -> None:
+        self.requests: Counter = Counter()
+        self.reloads: Counter = Counter()
+        self.used = False  # some request ran under an adapter
+
+    def arrive(self, e: Arrive) -> None:
+        lora = getattr(e, "lora", None)
+        if lora is None:
+            self.requests["none"] += 1
+            return
+        self.used = True
+        version = getattr(e, "lora_version", None)
+        self.requests[lora if version is None else f"{lora}@{version}"] += 1
+
+    def timeline(self, e: TimelineApplied) -> None:
+        name = (e.set or {}).get("lora.reload")
+        if name:
+            self.reloads[name] += 1
+
+    def fields(self) -> dict:
+        """Summary's lora_requests and lora_reloads ({} when no request ran under an adapter)."""
+        if not self.used and not self.reloads:
+            return {}
+        return dict(lora_requests=dict(self.requests), lora_reloads=dict(self.reloads))
+
+
 class Metrics:
     """Accumulates a run's figures from its events; `summary()` gives the final ones.
 
@@ -174,6 +205,7 @@ class Metrics:
         self.offload_queries = self.offload_hits = self.offload_stores = 0  # the KV offload tier (tokens, blocks)
         self.cached_tokens: int | None = None  # target runs: prompt tokens the server reported cached
         self.server_prefix = ServerPrefixCounters()
+        self.lora = LoraCounts()
 
     def add_event(self, event) -> None:
         """Feed one typed event (kvtui.events); live runs and replays feed the same events, so a
@@ -191,6 +223,9 @@ class Metrics:
                 self.arrived_alone += 1
             else:
                 self.parents.add(event.parent)
+            self.lora.arrive(event)
+        elif isinstance(event, TimelineApplied):
+            self.lora.timeline(event)
         elif isinstance(event, ReferenceStatus):
             self.reference = event
         elif isinstance(event, ServerSample):
@@ -337,6 +372,6 @@ class Metrics:
             reference_uncached_verified=self.reference.uncached_verified if self.reference else None,
             reference_skipped_by_reason=self.reference.skipped_by_reason if self.reference else None,
             prompt_tokens_cached=self.cached_tokens, **self.paged_fields(), **self.server_prefix.fields(),
-            **self.encoder_fields(),
+            **self.encoder_fields(), **self.lora.fields(),
             **session_fields,
         )

@@ -226,11 +226,18 @@ class Session(RunBase):
         return engine
 
     def _adapters(self, scenario):
-        """The LoRA adapters requests may name (engine/lora.py AdapterRegistry), the scenario's loaded."""
-        from kvtui.engine.lora import AdapterRegistry
+        """The LoRA adapters requests may name (engine/lora.py AdapterRegistry), the scenario's loaded.
+        Raises ValueError (one line) when this engine cannot run them (its model, --enforce-eager, the
+        batch-invariant mode), rather than rejecting every adapter request."""
+        from kvtui.engine.lora import AdapterRegistry, lora_problem
 
         registry = AdapterRegistry(self.loaded.model, self.loaded.model_id)
-        for name in scenario.lora.loaded if getattr(scenario, "lora", None) is not None else ():
+        names = scenario.lora.loaded if getattr(scenario, "lora", None) is not None else ()
+        problem = names and lora_problem(self.loaded.model, enforce_eager=self.config.enforce_eager,
+                                         batch_invariant=self.config.batch_invariant)
+        if problem:
+            raise ValueError(problem)
+        for name in names:
             registry.load(name)
         return registry
 
@@ -436,7 +443,8 @@ class Session(RunBase):
         for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
             sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
-                                  parent=p.request_id if sequence is not p else None)
+                                  parent=p.request_id if sequence is not p else None,
+                                  lora_version=state.input.lora.version if state.input.lora is not None else None)
             if self.canary is not None:
                 self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
                                       input_key=state.input.content_key)

@@ -114,6 +114,7 @@ def _rows(s: Summary, target: bool = False, header: Header | None = None) -> lis
     rows = [
         ("requests", requests_text(s)),
         *_failed_row(s),
+        *_lora_row(s),
         ("prompt tokens", str(s.prompt_tokens)),
         ("generated tokens", str(s.generated_tokens)),
         ("duration", f"{s.duration_s:.2f} s over {s.steps} steps (all steps together took {s.measured_step_wall_s:.2f} s "
@@ -185,6 +186,42 @@ def _failed_row(s: Summary) -> list[tuple[str, str]]:
     which = ", ".join(f"{reason} {n}" for reason, n in failed.items())
     return [("failed requests", f"{sum(failed.values())} ({which}): no complete answer, so not in the token "
                                 "counts, throughput, latency or reference checks")]
+
+
+def lora_text(requests: dict[str, int], reloads: dict[str, int]) -> str:
+    """'lora-a: 6 requests (v1 3, v2 3), reloaded 1 time; lora-b: 3 requests (v1 3); base model: 3 requests',
+    from Summary's lora_requests ("name@version" -> arrived requests; "none": the base model) and
+    lora_reloads (name -> timeline reloads). An adapter reloaded but never used still shows."""
+    versions: dict[str, list[tuple[int, int]]] = {name: [] for name in reloads}
+    unversioned: dict[str, int] = {}
+    for key, n in requests.items():
+        if key == "none":
+            continue
+        name, _, version = key.partition("@")
+        if version.isdigit():
+            versions.setdefault(name, []).append((int(version), n))
+        else:  # a recording from before lora_version
+            unversioned[name] = unversioned.get(name, 0) + n
+            versions.setdefault(name, [])
+    parts = []
+    for name, seen in sorted(versions.items()):
+        total = sum(n for _, n in seen) + unversioned.get(name, 0)
+        text = f"{name}: {total} request{'s' if total != 1 else ''}"
+        if seen:
+            text += f" ({', '.join(f'v{v} {n}' for v, n in sorted(seen))})"
+        if reloads.get(name):
+            text += f", reloaded {reloads[name]} time{'s' if reloads[name] != 1 else ''}"
+        parts.append(text)
+    base = requests.get("none", 0)
+    parts.append(f"base model: {base} request{'s' if base != 1 else ''}")
+    return "; ".join(parts)
+
+
+def _lora_row(s: Summary) -> list[tuple[str, str]]:
+    """The LoRA adapters' row (adapters, their versions and reloads), for a run that used adapters."""
+    if s.lora_requests is None:
+        return []
+    return [("LoRA adapters", lora_text(s.lora_requests, s.lora_reloads or {}))]
 
 
 def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Serve kvtui's default model (SmolLM2-135M-Instruct, the float32 copy kvtui converts into its cache) with
-# `transformers serve --continuous-batching` (transformers' own OpenAI-compatible server, from the
-# transformers kvtui runs on: nothing else to install), on the CPU, and wait until /health answers.
+# `transformers serve --continuous-batching` (transformers' own OpenAI-compatible server), on the CPU, and
+# wait until /health answers. By default it is the transformers of the python3 on PATH (kvtui's venv:
+# nothing else to install); --transformers VERSION serves a release scripts/install-transformers-serve.sh
+# installed into a venv of its own (the tests pin 5.24.0, the release docs/findings.md's finding is on).
 #
 # Continuous batching there is transformers' paged-attention manager (generation/continuous_batching):
 # a KV cache of --num-blocks blocks of --block-size tokens. Settings that hold on a small shared CPU
@@ -9,7 +11,7 @@
 # FORCE_MODEL argument, so the first request does not load it). The served model's name is the model
 # folder's path, as /v1/models lists it.
 #
-# Usage: scripts/serve-transformers.sh [--port P] [--model DIR] [--python PY] [--num-blocks N]
+# Usage: scripts/serve-transformers.sh [--port P] [--model DIR] [--python PY | --transformers VERSION] [--num-blocks N]
 #                                      [--block-size N] [--threads N] [--wait SECONDS] [--log FILE]
 #                                      [--detach --pid-file F] [-- EXTRA TRANSFORMERS SERVE ARGS...]
 #   --port        TCP port on 127.0.0.1 (default 8020)
@@ -17,6 +19,8 @@
 #                 converts it once)
 #   --python      the Python whose transformers serves (default: python3 on PATH, e.g. kvtui's venv);
 #                 it needs fastapi, uvicorn and openai (pip install -e '.[test]' has them)
+#   --transformers  serve this transformers release, from the venv scripts/install-transformers-serve.sh
+#                 VERSION made under kvtui's cache (instead of --python)
 #   --num-blocks  KV cache blocks (--cb-num-blocks, default 64)
 #   --block-size  tokens per KV block (--cb-block-size, default 16)
 #   --threads     OpenMP threads for the model (OMP_NUM_THREADS, default 1)
@@ -37,6 +41,7 @@ DEFAULT_MODEL_DIR="$CACHE/SmolLM2-135M-Instruct-b179c9523d0e"
 PORT=8020
 MODEL=""
 PYTHON=python3
+RELEASE=""
 NUM_BLOCKS=64
 BLOCK_SIZE=16
 THREADS=1
@@ -46,7 +51,7 @@ DETACH=0
 PID_FILE=""
 EXTRA=()
 
-die() { echo "serve-transformers: error: $*" >&2; exit "${2:-2}"; }
+die() { echo "serve-transformers: error: $1" >&2; exit "${2:-2}"; }
 say() { echo "serve-transformers: $*"; }
 
 while [ $# -gt 0 ]; do
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
     --port) PORT="${2:?--port needs a number}"; shift 2 ;;
     --model) MODEL="${2:?--model needs a folder}"; shift 2 ;;
     --python) PYTHON="${2:?--python needs an interpreter}"; shift 2 ;;
+    --transformers) RELEASE="${2:?--transformers needs a release, e.g. 5.24.0}"; shift 2 ;;
     --num-blocks) NUM_BLOCKS="${2:?--num-blocks needs a number}"; shift 2 ;;
     --block-size) BLOCK_SIZE="${2:?--block-size needs a number}"; shift 2 ;;
     --threads) THREADS="${2:?--threads needs a number}"; shift 2 ;;
@@ -71,6 +77,16 @@ for pair in "--port:$PORT" "--num-blocks:$NUM_BLOCKS" "--block-size:$BLOCK_SIZE"
 done
 [ "$DETACH" = 0 ] || [ -n "$PID_FILE" ] || die "--detach needs --pid-file FILE (to stop the server later)"
 
+if [ -n "$RELEASE" ]; then
+  case "$RELEASE" in
+    *[!0-9a-z.]*) die "--transformers $RELEASE: give a whole release such as 5.24.0" ;;
+    [0-9]*.[0-9]*.[0-9]*) ;;
+    *) die "--transformers $RELEASE: give a whole release such as 5.24.0" ;;
+  esac
+  PYTHON="$CACHE/transformers-serve/$RELEASE/venv/bin/python"
+  [ -x "$PYTHON" ] && [ -f "$CACHE/transformers-serve/$RELEASE/stamp.txt" ] \
+    || die "--transformers $RELEASE: not installed in $CACHE/transformers-serve/$RELEASE: run scripts/install-transformers-serve.sh $RELEASE"
+fi
 if [ -z "$MODEL" ]; then
   MODEL="$DEFAULT_MODEL_DIR"
   [ -f "$MODEL/config.json" ] || die "kvtui's default model is not converted yet ($MODEL): run \`kvtui model\` once"

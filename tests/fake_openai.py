@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 
 PASSPHRASE = re.compile(r"[A-Z]+-[A-Z]+-\d\d")
+PAGE = "<!DOCTYPE html>\n<html><head><title>Not Found</title></head><body><h1>Not Found</h1></body></html>\n"
 
 LLAMACPP_METRICS = """\
 # HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached tokens
@@ -59,6 +60,8 @@ class FakeOpenAI:
             skips it for `cache_prompt: false`; "ignores_salt" keys it by the prompt alone; None: no cache,
             nothing reported.
         owned_by: /v1/models' `owned_by` (e.g. "llamacpp", "vllm"), None to leave it out.
+        html: passphrases whose requests get a 200 text/html page (PAGE) instead of a stream; "event": those
+            get a stream whose first event's data is that page (not JSON).
     """
 
     delay_s: float = 0.0
@@ -73,6 +76,8 @@ class FakeOpenAI:
     model: str = "fake-model"
     prefix_cache: str | None = None
     owned_by: str | None = None
+    html: tuple[str, ...] = ()
+    html_as: str = "page"  # "page": a text/html answer; "event": an event stream whose data is the page
     now: float = 0.0
     in_flight: int = 0
     max_in_flight: int = 0
@@ -168,6 +173,10 @@ class FakeOpenAI:
         own = (PASSPHRASE.search(json.dumps(body.get("messages") or body.get("prompt"))) or [None])[0]
         if own in self.fail:
             return httpx.Response(500, json={"error": {"message": f"boom for {own}"}})
+        if own in self.html and self.html_as == "page":
+            return httpx.Response(200, headers={"content-type": "text/html; charset=utf-8"}, text=PAGE)
+        if own in self.html:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=f"data: {PAGE}\n\n")
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(body, own))
 
     async def _stream(self, body: dict, own: str | None):
@@ -255,6 +264,45 @@ class FakeHTTPServer:
 
             def _send(self, code: int, text: str):
                 self.send_response(code)
+                self.send_header("Content-Length", str(len(text.encode())))
+                self.end_headers()
+                self.wfile.write(text.encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+class PageServer:
+    """A web server that is not an OpenAI-compatible API: every GET and POST gets `status` with an HTML page
+    (PAGE, text/html), as a wrong base URL or a proxy's error page does. `with PageServer(404) as url:`."""
+
+    def __init__(self, status: int = 404, content_type: str = "text/html; charset=utf-8", text: str = PAGE) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                self._page()
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._page()
+
+            def _page(self):
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(text.encode())))
                 self.end_headers()
                 self.wfile.write(text.encode())

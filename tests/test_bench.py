@@ -266,3 +266,98 @@ def test_the_floor_is_measured_like_the_systems_and_stated_against_vllm(tiny, mo
     assert "alone took 6.00 s (75%)" in line and "0.5 output tokens/s, 2.00x vLLM CPU" in line
     assert "vLLM" not in peers._floor_lines(floor, {"kvtui engine": systems["kvtui engine"]})[1]
     assert peers.markdown({"systems": systems})[-1].startswith("| vLLM CPU")  # no floor, no line
+
+
+# -- the peers' forced output lengths ------------------------------------------------------------------------
+class _Completions:
+    """A streaming /v1/completions on 127.0.0.1 (a thread) that generates at most `cap` tokens of a request's
+    max_tokens, then ends with finish_reason "length" if it reached max_tokens, else "stop" (as a server
+    that stops at its end-of-sequence token, ignoring ignore_eos, does). `bodies`: what it was sent."""
+
+    def __init__(self, cap: int) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner, self.bodies = self, []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                owner.bodies.append(body)
+                n = min(cap, body["max_tokens"])
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                for k in range(n):
+                    self.wfile.write(f'data: {json.dumps({"choices": [{"text": f" t{k}"}]})}\n\n'.encode())
+                reason = "length" if n == body["max_tokens"] else "stop"
+                self.wfile.write(f'data: {json.dumps({"choices": [{"text": "", "finish_reason": reason}]})}\n\n'
+                                 "data: [DONE]\n\n".encode())
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_a_server_that_stops_before_the_forced_length_is_left_out_in_one_line():
+    """tokens/s credits each request its forced length, so a server whose request ended short (finish_reason
+    "stop") is left out of the A/B rounds after its first run, with one line; one that honours every length
+    runs every round."""
+    import io
+
+    from kvtui.bench.peers import _ab_rounds, _stream_all, forced_length_shortfall
+
+    work = Workload(prompts=[[1, 2], [3, 4], [5, 6]], outputs=[2, 5, 8], arrivals=[0.0, 0.0, 0.0])
+    honest, short = _Completions(cap=100), _Completions(cap=3)
+    try:
+        outcome = _stream_all(short.url, work, {})
+        assert outcome.finish == ["length", "stop", "stop"] and outcome.tokens == [" t0 t1", " t0 t1 t2", " t0 t1 t2"]
+        assert forced_length_shortfall(outcome) == (
+            "2 of 3 requests ended before their forced output length (r001 stop, r002 stop), so its tokens/s would "
+            "count tokens it never generated")
+        assert forced_length_shortfall(_stream_all(honest.url, work, {})) is None
+        assert [b["ignore_eos"] for b in short.bodies] == [True] * 3  # the bench asked for the lengths
+        out = io.StringIO()
+        systems = {"honest": (lambda: _stream_all(honest.url, work, {}), "text", None),
+                   "short": (lambda: _stream_all(short.url, work, {}), "text", None)}
+        per_round = _ab_rounds(systems, [], 2, work, {"text": [" t0 t1"] * 3, "tokens": []},
+                               Console(file=out, width=400))
+    finally:
+        honest.close()
+        short.close()
+    assert list(per_round) == ["honest"] and len(per_round["honest"]) == 2
+    assert per_round["honest"][0]["equal_to_solo"] == 1  # r000's two tokens are the reference's
+    assert len(short.bodies) == 3 + 3  # the check above, then round 1 only
+    assert out.getvalue().splitlines() == [
+        "  peers: round 1/2: honest", "  peers: round 1/2: short",
+        "  peers: short left out: 2 of 3 requests ended before their forced output length (r001 stop, r002 stop), "
+        "so its tokens/s would count tokens it never generated",
+        "  peers: round 2/2: honest"]
+
+
+def test_the_shortfall_names_the_first_three_requests_and_a_missing_finish():
+    from kvtui.bench.peers import forced_length_shortfall
+
+    outcome = Outcome(finish=[None, "length", "error", "stop", "stop"])
+    assert forced_length_shortfall(outcome) == (
+        "4 of 5 requests ended before their forced output length (r000 no finish_reason, r002 error, r003 stop ...), "
+        "so its tokens/s would count tokens it never generated")
+    assert forced_length_shortfall(Outcome()) is None  # in process: no finish reasons, not judged
+
+
+def test_kvtui_serve_ends_every_forced_request_with_length():
+    """The bench's own servers pass the length check: kvtui serve (tiny-llama) honours ignore_eos."""
+    from kvtui.bench.peers import _stream_all, forced_length_shortfall
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    work = Workload(prompts=[[5, 6, 7], [8, 9], [10, 11, 12, 13]], outputs=[4, 12, 7], arrivals=[0.0, 0.0, 0.0])
+    with ServeServer(ServeOptions(model="tiny-llama", port=0, slots=4, max_len=64, detectors=(), threads=1)) as srv:
+        outcome = _stream_all(srv.url, work, {})
+    assert outcome.finish == ["length"] * 3 and forced_length_shortfall(outcome) is None

@@ -59,11 +59,12 @@ def test_bad_input_is_one_line_and_exit_2(args, line):
     assert out.returncode == 2 and out.stderr.strip() == line and out.stdout == ""
 
 
-def test_an_unreachable_target_is_one_line_and_exit_3():
+def test_an_unreachable_target_is_the_run_commands_one_line_and_exit_2():
     out = kvtui("conformance", "--target", "http://127.0.0.1:9", "--check", "solo_parity")
-    assert out.returncode == 3 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("error: --target http://127.0.0.1:9: /v1/models did not "
-                                                          "answer with a model")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: cannot reach http://127.0.0.1:9 (ConnectError: All connection attempts failed); check --target "
+        "(http://HOST:PORT) and that the server is up"]
 
 
 def test_markdown_and_json_carry_each_verdict():

@@ -2,11 +2,12 @@
 
 - vLLM CPU 0.32 shares the session's server (tests/conftest.py vllm_url, the "vllm" xdist group): the whole
   quick command, every class; every applicable check passes, images is n/a (SmolLM2 takes none). About 90 s.
-- transformers serve: a server of this module's own (the request-id check leaves it dead), the
-  "transformers_serve" xdist group: the whole quick command; it refuses cache_salt, prompt_embeds and
-  response_format, gives one choice for n > 1: each of those classes is n/a with the server's answer; the
-  prompt cache passes (judged by the canary alone); the request ids fail (duplicate ids kill its batching
-  worker). About 60 s with its start.
+- transformers serve 5.24.0, pinned (scripts/install-transformers-serve.sh's venv, as
+  tests/test_transformers_serve.py; the request-ids failure is that release's, 5.25.0 passes the class): a
+  server of this module's own (the request-id check leaves it dead), the "transformers_serve" xdist group:
+  the whole quick command; it refuses cache_salt, prompt_embeds and response_format, gives one choice for
+  n > 1: each of those classes is n/a with the server's answer; the prompt cache passes (judged by the
+  canary alone); the request ids fail (duplicate ids kill its batching worker). About 60 s with its start.
 - llama-server: the whole quick command (a server of the test's own): tenant salts fail (no cache_salt), the
   rest pass or are n/a (prompt embeddings, images). About 80 s with its start.
 
@@ -83,7 +84,8 @@ def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
 
 @pytest.fixture(scope="module")
 def transformers_url(tmp_path_factory):
-    """transformers serve for this module alone (the request-id check kills its batching worker)."""
+    """transformers serve 5.24.0 (the pinned release) for this module alone (the request-id check kills its
+    batching worker)."""
     from conftest import transformers_serve
 
     for srv in transformers_serve(tmp_path_factory):
@@ -94,6 +96,8 @@ def transformers_url(tmp_path_factory):
 @pytest.mark.smollm
 @pytest.mark.xdist_group("transformers_serve")
 def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_ids(transformers_url, tmp_path):
+    """Pinned 5.24.0: every row is that release's answer; on 5.25.0 the request-ids row passes (its batching
+    is keyed by ids of the server's own)."""
     out, found = conformance(transformers_url, tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
     assert {name: c["verdict"] for name, c in found.items()} == {

@@ -331,3 +331,260 @@ def test_a_bfloat16_run_with_adapters_runs_them(tiny):
     session = Session(spec, load_model("tiny-llama", dtype="bfloat16", progress=False), clock="virtual")
     session.run()
     assert session.summary.finish_reasons == {"length": 4} and session.config.batch_invariant is False
+
+
+# -- bad adapter folders: every value one line naming the file and the field or tensor -------------------------
+def _folder(registry, tmp_path, name: str = "bad"):
+    """A copy of tiny-llama's lora-a folder to spoil."""
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(registry.get("lora-a").path, folder)
+    return folder
+
+
+def _set_config(folder, change) -> None:
+    import json
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    change(config)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+BAD_CONFIGS = [  # (how adapter_config.json is spoiled, what the one line says after "<folder>/adapter_config.json: ")
+    (lambda c: c.update(r=0), "r must be a positive integer (the adapter's rank), got 0"),
+    (lambda c: c.update(r=-4), "r must be a positive integer (the adapter's rank), got -4"),
+    (lambda c: c.update(r="8"), "r must be a positive integer (the adapter's rank), got \"8\""),
+    (lambda c: c.update(r=2.5), "r must be a positive integer (the adapter's rank), got 2.5"),
+    (lambda c: c.update(r=True), "r must be a positive integer (the adapter's rank), got true"),
+    (lambda c: c.pop("r"), "r is missing (the adapter's rank); peft's save_pretrained writes it"),
+    (lambda c: c.update(lora_alpha="x"), "lora_alpha must be a finite number, got \"x\""),
+    (lambda c: c.update(lora_alpha=None), "lora_alpha must be a finite number, got null"),
+    (lambda c: c.update(lora_alpha=float("nan")), "lora_alpha must be a finite number, got nan"),
+    (lambda c: c.update(lora_alpha=float("inf")), "lora_alpha must be a finite number, got inf"),
+    (lambda c: c.pop("lora_alpha"), "lora_alpha is missing (the adapter's scale); peft's save_pretrained writes it"),
+    (lambda c: c.update(use_rslora="yes"), "use_rslora must be true or false, got \"yes\""),
+    (lambda c: c.update(target_modules=5), "target_modules must be a non-empty list of module names, got 5"),
+    (lambda c: c.update(target_modules=[]), "target_modules must be a non-empty list of module names, got []"),
+    (lambda c: c.update(target_modules=["q_proj", "lm_head"]),
+     "target_modules: kvtui runs LoRA on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, not 'lm_head'"),
+    (lambda c: c.update(target_modules="(q_proj"),
+     "target_modules must be a list of module names or a regular expression, got \"(q_proj\" (missing ), unterminated "
+     "subpattern at position 0)"),
+    (lambda c: c.update(peft_type="IA3"), "peft_type must be \"LORA\" (a LoRA adapter), got \"IA3\""),
+    (lambda c: c.update(lora_dropout=2), "lora_dropout must be a number from 0 to below 1, got 2"),
+    (lambda c: c.update(bias=1), "bias must be one of none, all, lora_only, got 1"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_CONFIGS, ids=[m.split(" ")[0] + str(i) for i, (_, m) in
+                                                           enumerate(BAD_CONFIGS)])
+def test_every_bad_adapter_config_value_is_one_line_naming_the_field(llama, registry, tmp_path, change, message):
+    """r: 0 used to raise ZeroDivisionError and a string lora_alpha a TypeError (a plain-text 500 in kvtui
+    serve); a negative or fractional r, a NaN alpha or target_modules: 5 loaded as if nothing were wrong."""
+    from kvtui.engine.lora import load_adapter
+
+    folder = _folder(registry, tmp_path)
+    _set_config(folder, change)
+    with pytest.raises(ValueError) as caught:
+        load_adapter(llama.model, "bad", folder)
+    assert str(caught.value) == f"{folder / 'adapter_config.json'}: {message}"
+
+
+def test_a_config_that_is_no_json_object_is_one_line(llama, registry, tmp_path):
+    from kvtui.engine.lora import load_adapter
+
+    folder = _folder(registry, tmp_path)
+    (folder / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError) as caught:
+        load_adapter(llama.model, "bad", folder)
+    assert str(caught.value) == (f"{folder / 'adapter_config.json'}: expected a JSON object of peft LoraConfig fields, "
+                                 "got list")
+
+
+@pytest.mark.parametrize("missing", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_missing_file_is_named_with_its_folder_not_peft_hub_text(llama, registry, tmp_path, missing):
+    """peft takes a local folder without its files for a hub id ("Repo id must be in the form ...")."""
+    from kvtui.engine.lora import load_adapter
+
+    folder = _folder(registry, tmp_path)
+    (folder / missing).unlink()
+    with pytest.raises(ValueError) as caught:
+        load_adapter(llama.model, "bad", folder)
+    also = " (nor adapter_model.bin)" if missing == "adapter_model.safetensors" else ""
+    assert str(caught.value) == (f"{folder}: no {missing}{also} in this folder; a peft LoRA folder holds "
+                                 "adapter_config.json and adapter_model.safetensors (peft's save_pretrained writes "
+                                 "both)")
+
+
+def _spoil_weights(folder, change) -> str:
+    """Apply change(state dict) to the folder's weights; returns the first key (sorted)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "adapter_model.safetensors")
+    change(state)
+    save_file(state, folder / "adapter_model.safetensors")
+    return sorted(state)[0]
+
+
+@pytest.mark.parametrize("what,change,says", [
+    ("nan", lambda s, k: s[k].__setitem__((0, 0), float("nan")), "holds NaN; an adapter's weights must be finite numbers"),
+    ("inf", lambda s, k: s[k].__setitem__((1, 2), -float("inf")),
+     "holds infinity; an adapter's weights must be finite numbers"),
+])
+def test_non_finite_adapter_weights_are_refused_at_load_naming_the_tensor(llama, registry, tmp_path, what, change, says):
+    """They used to load (and the adapter's requests answer NaN logprobs: a plain-text 500 in kvtui serve)."""
+    from kvtui.engine.lora import load_adapter
+
+    folder = _folder(registry, tmp_path)
+    key = _spoil_weights(folder, lambda s: change(s, sorted(s)[0]))
+    with pytest.raises(ValueError) as caught:
+        load_adapter(llama.model, "bad", folder)
+    assert str(caught.value) == f"{folder / 'adapter_model.safetensors'}: {key} {says}"
+
+
+def test_weights_whose_delta_overflows_the_models_dtype_are_refused(llama, registry, tmp_path):
+    """Every weight x 1e20: each is a finite float32, but lora_B @ lora_A x scaling (~1e40 x r) is not; peft's
+    merged model would hold inf there. It used to load."""
+    from kvtui.engine.lora import load_adapter
+
+    folder = _folder(registry, tmp_path)
+    _spoil_weights(folder, lambda s: [t.mul_(1e20) for t in s.values()])
+    with pytest.raises(ValueError) as caught:
+        load_adapter(llama.model, "big", folder)
+    assert str(caught.value) == (f"{folder / 'adapter_model.safetensors'}: layer 0 down_proj: lora_B @ lora_A x scaling "
+                                 "(the weight delta peft's merge adds) overflows float32, the model's dtype: the "
+                                 "adapter's weights are too large")
+
+
+def test_the_delta_bound_refuses_exactly_what_overflows_the_dtype():
+    """The Cauchy-Schwarz bound only decides when the product is computed: B's row and A's column of norm 300
+    bound an entry by 90000 > float16's 65504, yet orthogonal they give 0 (kept); aligned, 90000 (refused), as
+    float16's own product of the two says."""
+    from kvtui.engine.lora_files import delta_overflows
+
+    a = torch.tensor([[300.0], [0.0]])  # [r=2, in=1]
+    aligned, orthogonal = torch.tensor([[300.0, 0.0]]), torch.tensor([[0.0, 300.0]])  # [out=1, r=2]
+    assert not torch.isfinite(aligned.half() @ a.half()).all() and torch.isfinite(orthogonal.half() @ a.half()).all()
+    assert delta_overflows(a, aligned, 1.0, torch.float16) is True
+    assert delta_overflows(a, orthogonal, 1.0, torch.float16) is False
+    assert delta_overflows(a, aligned, 1.0, torch.float32) is False
+
+
+# -- engine modes: one check for serve, run and validate; rejection codes that say what happened --------------
+def test_an_adapter_request_the_engine_cannot_run_is_coded_adapter_unsupported(llama, registry):
+    """It was coded `empty`, as if its prompt had no tokens (kvtui serve answered that as empty_prompt)."""
+    engine = Engine(llama.model, EngineConfig(num_slots=2, max_len=96, batch_invariant=True), eos_token_ids=())
+    bad = engine.submit("lora", RequestInput(tuple(PROMPTS[0]), lora=registry.get("lora-a")),
+                        SamplingParams(max_new_tokens=NEW))
+    engine.run_until_done()
+    assert (bad.finish_reason.value, bad.finish_code) == ("rejected", "adapter_unsupported")
+    assert bad.finish_detail == "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
+
+
+def test_batch_invariant_with_a_lora_section_is_one_error_naming_the_field(tmp_path):
+    from kvtui.scenario import load_scenario
+
+    path = tmp_path / "bi.yaml"
+    path.write_text("max_requests: 2\nmodel: tiny-llama\nengine: {batch_invariant: true}\nlora: {adapters: [lora-a]}\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert e.value.errors == [f"{path}:3: engine.batch_invariant: LoRA adapters are not supported in the "
+                              "batch-invariant mode, and the `lora` section loads lora-a; set engine.batch_invariant "
+                              "to false or leave it null (off when adapters run), or drop the `lora` section"]
+
+
+def test_a_session_refuses_adapters_its_engine_cannot_run(llama):
+    """Rather than rejecting every adapter request (8 of 12 were rejected, 0 findings, exit 0)."""
+    spec = parse_scenario("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-a, none]}\n")
+    with pytest.raises(ValueError) as e:
+        Session(spec, llama, clock="virtual", engine_overrides={"batch_invariant": True})
+    assert str(e.value) == "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
+
+
+def test_reloading_none_says_none_is_the_base_model():
+    """docs/scenarios.md listed `none` as a lora.reload value, and validate answered "add it to lora.adapters"
+    with `none` already there."""
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario("max_requests: 2\nmodel: tiny-llama\nlora: {adapters: [lora-a, none]}\n"
+                       "timeline: [{at_s: 1, set: {lora.reload: none}}]\n")
+    assert e.value.errors == ["<string>:4: timeline.0.set.lora.reload: `none` is the base model, not an adapter: the base model's "
+                              "weights are never reloaded; name a built-in adapter the `lora` section loads (lora-a, "
+                              "lora-b, lora-c), or drop the event"]
+    from kvtui.scenario.schema_docs import render
+
+    row = next(line for line in render().splitlines() if line.startswith("| `lora.reload` |"))
+    assert row.split(" | ")[1] == "one of `lora-a`, `lora-b`, `lora-c`"
+
+
+# -- the summary row -------------------------------------------------------------------------------------------
+def test_the_summary_has_a_row_of_adapters_versions_and_reloads_and_a_replay_too(llama, tmp_path):
+    from rich.console import Console
+
+    from kvtui.cli.replay import replay_summary
+    from kvtui.record import read_recording
+    from kvtui.summary import print_summary
+
+    record = tmp_path / "lora.jsonl"
+    spec = parse_scenario(LOAD.format(seed=0, n=6, block=16, layout="padded", faults="", adapters="[lora-a, none]",
+                                      assign="round_robin", rate=4.0,
+                                      timeline="timeline: [{at_s: 0.3, set: {lora.reload: lora-a}}]"))
+    session = Session(spec, llama, clock="virtual", detectors=(), record_path=record)
+    session.run()
+    # arrivals every 0.25 s from 0, lora-a and the base model in turn: r000 (0 s) under lora-a v1; the reload at
+    # 0.3 s; r002 (0.5 s) and r004 (1.0 s) under v2; r001, r003, r005 the base model
+    assert session.summary.lora_requests == {"lora-a@1": 1, "none": 3, "lora-a@2": 2}
+    assert session.summary.lora_reloads == {"lora-a": 1}
+    console = Console(width=200, color_system=None)
+    with console.capture() as capture:
+        print_summary(session.summary, session.header(), console)
+    row = next(line for line in capture.get().splitlines() if line.strip().startswith("LoRA adapters"))
+    assert row.split("LoRA adapters", 1)[1].strip() == ("lora-a: 3 requests (v1 1, v2 2), reloaded 1 time; base "
+                                                        "model: 3 requests")
+    header, events, recorded, _ = read_recording(record)
+    replayed = replay_summary(header, events, recorded)
+    assert (replayed.lora_requests, replayed.lora_reloads) == ({"lora-a@1": 1, "none": 3, "lora-a@2": 2}, {"lora-a": 1})
+
+
+LORA_RUN = "name: l\nmodel: tiny-llama\nmax_requests: 4\nlora: {adapters: [lora-a, none]}\noutput_tokens: 2\n"
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--batch-invariant"], "LoRA adapters are not supported in the batch-invariant mode, and the scenario's lora "
+                            "section loads lora-a: drop --batch-invariant, or the lora section"),
+    (["--enforce-eager"], "LoRA adapters run on kvtui's fused forward, which --enforce-eager replaces, and the "
+                          "scenario's lora section loads lora-a: drop --enforce-eager, or the lora section"),
+])
+def test_run_refuses_adapters_its_flags_cannot_run_before_loading_anything(monkeypatch, capsys, tmp_path, flags, line):
+    """`kvtui run` used to load the model, reject 8 of 12 adapter requests (coded `empty`), report 0 findings and
+    exit 0; `kvtui serve` refused the same flags in one line."""
+    import sys
+
+    import kvtui.models
+    from kvtui.cli.app import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the check")
+
+    monkeypatch.setattr(kvtui.models, "load_model", no_load)
+    monkeypatch.setattr(kvtui.models, "load_tokenizer", no_load)
+    path = tmp_path / "l.yaml"
+    path.write_text(LORA_RUN)
+    monkeypatch.setattr(sys, "argv", ["kvtui", "run", str(path), "--headless", *flags])
+    assert main() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {path}: {line}"]
+
+
+def test_validate_refuses_batch_invariant_with_adapters_in_one_line(monkeypatch, capsys, tmp_path):
+    import sys
+
+    from kvtui.cli.app import main
+
+    path = tmp_path / "bi.yaml"
+    path.write_text(LORA_RUN + "engine: {batch_invariant: true}\n")
+    monkeypatch.setattr(sys, "argv", ["kvtui", "validate", str(path)])
+    assert main() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}:6: engine.batch_invariant: LoRA adapters are not supported in the batch-invariant mode, and "
+        "the `lora` section loads lora-a; set engine.batch_invariant to false or leave it null (off when adapters "
+        "run), or drop the `lora` section"]

@@ -37,15 +37,12 @@ def reference_tokens(model, prompt: list[int], n: int) -> list[int]:
 
 
 def poison(engine: Engine, slot: int, start: int, value: float) -> None:
-    """Leave `value` in every layer's K and V of `slot` from position `start` on, as a previous owner would
-    (whose writes, through PooledCacheLayer.update, clear the pool's all-finite flag on a non-finite value;
-    test_fused_forward checks that on real writes)."""
-    import math
-
+    """Leave `value` in every layer's K and V of `slot` from position `start` on, written straight into the
+    pool's tensors as a previous owner, a buggy writer or stray memory could leave it: none of the pool's
+    own bookkeeping is told (test_fused_forward leaves NaN there through real writes)."""
     for layer in range(engine.pool.num_layers):
         engine.pool.keys[layer][slot, :, start:] = value
         engine.pool.values[layer][slot, :, start:] = value
-        engine.pool.finite[layer] = engine.pool.finite[layer] and math.isfinite(value)
 
 
 CLEAN = [17, 42, 99, 7, 250]  # 5 tokens
@@ -150,10 +147,10 @@ def test_the_poisoned_slot_is_harmless_in_half_precision_too(dtype):
         assert clean.generated_ids == alone.generated_ids and len(clean.generated_ids) == 8
 
 
-def test_decode_steps_batch_their_rows_in_one_call_unless_a_masked_tail_is_not_finite(tiny, oracle, monkeypatch):
-    """The fast decode path (one SDPA call over the slots' view, each row masked past its own length)
-    runs when every masked position it reads is finite, and gives the oracle's tokens; with NaN past a
-    row's length it steps aside for the per-row path, which never reads there."""
+def test_decode_steps_batch_their_rows_in_one_call_over_a_nan_tail_too(tiny, oracle, monkeypatch):
+    """The fast decode path (one SDPA call over the slots' view, each row masked past its own length) runs
+    whether or not a slot holds NaN past its next owner's length, and gives the oracle's tokens both
+    ways: the pool zeroes what a row reads past its own length before the shared call reads it."""
     from kvtui.engine import attention
 
     calls = []
@@ -171,6 +168,76 @@ def test_decode_steps_batch_their_rows_in_one_call_unless_a_masked_tail_is_not_f
         return [s.generated_ids for s in states]
 
     expected = [reference_tokens(oracle, p, 8) for p in (CLEAN, LONG, LONG[:12])]
-    assert run(poisoned=False) == expected and calls  # batched
+    assert run(poisoned=False) == expected and len(calls) == 7 * 2  # 7 decode steps x 2 layers, batched
     calls.clear()
-    assert run(poisoned=True) == expected and not calls  # the NaN tail: per row
+    assert run(poisoned=True) == expected and len(calls) == 7 * 2  # the NaN tail: batched all the same
+
+
+# -- unused KV memory filled with NaN / inf before any request arrives ----------------------------------------------
+
+FILL_PROMPTS = [[5, 6, 7], LONG, LONG[:12], list(range(60, 80))]
+FILL_ARRIVALS = [0, 0, 0, 3]  # the last one arrives while the others decode: a step with prefill and decode chunks
+FILL_NEW = [8, 4, 8, 8]  # r1 ends first: its free slot then lies inside the others' span of slots, read and dropped
+
+
+def fill_unused(pool, keys: float, values: float) -> None:
+    """Write `keys` / `values` straight into every layer's K / V of the whole pool (every slot or block, the
+    null block too): what an earlier process, a buggy writer or stray memory could leave there. Nothing of
+    the pool's own bookkeeping is told."""
+    for layer in range(pool.num_layers):
+        pool.keys[layer].fill_(keys)
+        pool.values[layer].fill_(values)
+
+
+@pytest.mark.parametrize("fill", [(float("nan"), float("nan")), (float("inf"), float("-inf")),
+                                  (float("-inf"), float("inf"))], ids=["nan", "inf,-inf", "-inf,inf"])
+@pytest.mark.parametrize("kv", ["slots", "paged"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("path", ["fused", "eager", "invariant", "flow"])
+def test_unused_kv_filled_with_nan_or_inf_before_requests_arrive_changes_no_answer(tiny, fill, kv, layout, path,
+                                                                                   monkeypatch):
+    """Every slot or block of a fresh engine's pool holds NaN or +-inf in K and V before the first request
+    arrives. Requests of 3 to 30 prompt tokens then run batched (decode rows of different lengths, and a
+    late arrival whose prefill shares steps with the others' decodes), on each attention path: the fused
+    forward, transformers' own modules (enforce_eager), the batch-invariant mode and the attention_flow
+    measurement. Each request's greedy tokens equal transformers' own `generate` on a separate instance,
+    and no step reports a non-finite logit. Over slots the decode rows share one call over a span of
+    slots (padding and the free slot between them included) on every path but the batch-invariant one."""
+    from helpers import oracle_model
+
+    from kvtui.engine import attention
+
+    spans, real = [], attention._span_plan
+
+    def spy(rows, *args):
+        plan = real(rows, *args)
+        if plan is not None:
+            spans.append((plan[1] - plan[0], len(rows)))  # slots the call reads, rows of the step in it
+        return plan
+
+    monkeypatch.setattr(attention, "_span_plan", spy)
+    config = EngineConfig(num_slots=4, max_len=64, max_batch_size=4, layout=layout, max_tokens_per_step=24,
+                          kv=kv, block_size=4, enforce_eager=path == "eager", batch_invariant=path == "invariant")
+    engine = Engine(tiny["tiny-llama"].model, config, eos_token_ids=())
+    engine.measure_flow = path == "flow"
+    fill_unused(engine.pool, *fill)
+    states, reports, waiting = {}, [], list(range(len(FILL_PROMPTS)))
+    while waiting or engine.has_unfinished():
+        while waiting and FILL_ARRIVALS[waiting[0]] <= len(reports):
+            i = waiting.pop(0)
+            states[i] = engine.submit(f"r{i}", FILL_PROMPTS[i], SamplingParams(max_new_tokens=FILL_NEW[i],
+                                                                               ignore_eos=True))
+        reports.append(engine.step())
+        assert len(reports) < 200, "the engine did not finish"
+    assert any(len(r.running) == 4 for r in reports)  # the late arrival ran beside the other three
+    oracle = oracle_model("tiny-llama", "sdpa")
+    for i, prompt in enumerate(FILL_PROMPTS):
+        with torch.inference_mode():
+            out = oracle.generate(torch.tensor([prompt]), max_new_tokens=FILL_NEW[i], min_new_tokens=FILL_NEW[i],
+                                  do_sample=False, pad_token_id=0)
+        assert list(states[i].generated_ids) == out[0, len(prompt):].tolist(), f"r{i}"
+    assert [r.request_id for report in reports for r in report.running if r.nonfinite] == []
+    if kv == "slots" and path != "invariant":
+        assert (4, 3) in spans  # slots 0, 2 and 3 decode: slot 1, free, read and dropped
+    else:
+        assert spans == []  # paged KV and the batch-invariant mode read each row's own positions only

@@ -172,5 +172,33 @@ def test_kvtui_calibrate_numeric_stores_the_measurement(tiny_bf16, cache):
     assert done.exit_code == 0, done.output
     assert "numeric tolerance" in done.stdout and "round 1:" in done.stderr
     assert tolerance.load(tiny_bf16) is not None  # where a bfloat16 run of tiny-llama on this CPU reads it
-    float32 = CliRunner().invoke(app, ["calibrate", "--numeric", "--model", "tiny-llama"])
-    assert float32.exit_code == 0 and "keeps the built-in tolerance" in float32.stdout
+
+
+def test_kvtui_calibrate_numeric_without_dtype_measures_bfloat16_and_float16(cache):
+    """With no --dtype it measured nothing (float32, the default) and exited 0: it measures both dtypes whose
+    batch rounding the reference detector needs, each stored where that dtype's runs read it."""
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+    from kvtui.models import load_model
+
+    done = CliRunner().invoke(app, ["calibrate", "--numeric", "--model", "tiny-llama"])
+    assert done.exit_code == 0, done.output
+    lines = done.stdout.splitlines()
+    assert [line.split(": ")[0] for line in lines] == ["bfloat16", "bfloat16", "float16", "float16"]
+    assert [line.split(": ")[1].split()[:2] for line in lines] == [["numeric", "tolerance"], ["stored", "in"]] * 2
+    for dtype in ("bfloat16", "float16"):
+        assert tolerance.load(load_model("tiny-llama", dtype=dtype, progress=False)) is not None
+
+
+def test_kvtui_calibrate_numeric_of_float32_says_what_to_pass():
+    from typer.testing import CliRunner
+
+    from kvtui.cli import app
+
+    float32 = CliRunner().invoke(app, ["calibrate", "--numeric", "--model", "tiny-llama", "--dtype", "float32"])
+    assert float32.exit_code == 2 and float32.stdout == ""
+    assert float32.stderr.splitlines() == [
+        "error: --dtype float32: --numeric measures the batch rounding of bfloat16 and float16; float32 keeps the "
+        "built-in tolerance (0.001 logits, far above its rounding): pass --dtype bfloat16 or --dtype float16, or "
+        "leave --dtype out to measure both"]

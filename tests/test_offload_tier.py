@@ -277,6 +277,27 @@ def _cross_adapter(steps) -> set[tuple[str, str]]:
             if b.writer_key != b.reader_key}
 
 
+def test_validate_refuses_a_tier_larger_than_memory_from_the_models_geometry(tmp_path, monkeypatch):
+    """kv_offload_blocks: 10000000 validated (about 7 TB for SmolLM2); validate now checks the tier with the pool
+    against the memory available, without loading the model: one line naming the field, the bytes and the fit."""
+    from typer.testing import CliRunner
+
+    import kvtui.scenario.schema as schema
+    from kvtui.cli.app import app
+
+    monkeypatch.setattr(schema, "available_memory_bytes", lambda: 64 * 2**30)
+    path = tmp_path / "huge.yaml"
+    path.write_text("name: huge\nmax_requests: 1\n"
+                    "engine: {kv: paged, prefix_caching: true, kv_offload_blocks: 10000000}\n")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2 and result.stdout == ""
+    # SmolLM2 in float32: 30 layers x K and V x 3 KV heads x 64 x 4 bytes x 16 tokens = 737,280 bytes a block
+    assert result.stderr.splitlines() == [
+        f"error: {path}:3: engine.kv_offload_blocks: a KV offload tier of 10000000 blocks needs 6866.5 GiB of host "
+        "memory for SmolLM2-135M-Instruct (float32) beside the KV pool's 180.7 MiB, more than the 64.0 GiB of memory "
+        "available; lower engine.kv_offload_blocks (at most about 92949 blocks fit)"]
+
+
 def test_a_tier_larger_than_the_hosts_memory_is_refused_in_one_line(tmp_path):
     from typer.testing import CliRunner
 

@@ -262,7 +262,7 @@ def test_a_bad_words_id_outside_the_vocabulary_rejects_that_request_alone(tiny):
     bad = engine.submit("bad", [5, 6], SamplingParams(max_new_tokens=4, bad_words_ids=((7, 10**6),)))
     good = engine.submit("good", [5, 6], SamplingParams(max_new_tokens=4, bad_words_ids=((7,),)))
     engine.run_until_done()
-    assert (bad.finish_reason.value, bad.finish_code) == ("rejected", "out_of_vocabulary")
+    assert (bad.finish_reason.value, bad.finish_code) == ("rejected", "invalid_bad_words")
     assert "bad_words" in bad.finish_detail and len(good.generated_ids) == 4 and 7 not in good.generated_ids
 
 

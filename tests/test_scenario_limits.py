@@ -73,7 +73,8 @@ def test_budget_that_holds_no_slot_is_refused_at_validation():
         parse_scenario("max_requests: 2\nengine: {kv_budget_bytes: 1000000}\n", source="s.yaml")
     assert info.value.errors == [
         (f"s.yaml:2: engine.kv_budget_bytes: kv_budget_bytes 1000000 holds no slot: one slot of max_len 512 needs "
-        f"{30 * 3 * 64 * 2 * 4 * 512} bytes for default (float32); raise engine.kv_budget_bytes or lower engine.max_len")]
+        f"{30 * 3 * 64 * 2 * 4 * 512} bytes for SmolLM2-135M-Instruct (float32); raise engine.kv_budget_bytes or "
+        "lower engine.max_len")]
 
 
 def test_kv_pool_refuses_before_allocating():

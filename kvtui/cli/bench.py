@@ -47,7 +47,8 @@ def bench(
 
 def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model to calibrate for.")] = MODEL,
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
+    dtype: Annotated[Optional[DType], typer.Option(help=f"Model dtype (default {DTYPE}; with --numeric: "
+                                                   "bfloat16 and float16, each in turn).")] = None,
     device: Annotated[str, typer.Option(help="torch device.")] = ENGINE.device,
     numeric: Annotated[bool, typer.Option("--numeric", help="Measure instead how far batching moves the logits "
                                           "in this dtype on this CPU: the reference detector's numeric tolerance.")]
@@ -56,10 +57,11 @@ def calibrate_cmd(
     """Fit the virtual clock's step-cost model to this machine (a few seconds of engine steps) and store
     it for the model, dtype and device; virtual-clock runs of that model use it from then on. With
     --numeric, measure the batched-against-solo logit spread instead and store it for the model, dtype,
-    CPU, torch version and threads; reference checks of bfloat16 and float16 runs label with it."""
-    loaded = load_model(model, dtype, device)
+    CPU, torch version and threads; reference checks of bfloat16 and float16 runs label with it (without
+    --dtype both are measured; float32 needs none: one line and exit 2)."""
     if numeric:
-        return _calibrate_numeric(loaded)
+        return _calibrate_numeric(model, dtype, device)
+    loaded = load_model(model, dtype or DTYPE, device)
     from kvtui.calibrate import calibrate
 
     data = calibrate(loaded, device=device, console=err)
@@ -70,20 +72,27 @@ def calibrate_cmd(
     out.print(f"stored in {data['file']}; `kvtui run --cost-model default` ignores it")
 
 
-def _calibrate_numeric(loaded) -> None:
-    """`kvtui calibrate --numeric`: measure, store and print the numeric tolerance (kvtui/detect/tolerance.py)."""
-    from kvtui.detect.tolerance import CALIBRATED_DTYPES, measure, store
+def _calibrate_numeric(model: str, dtype: str | None, device: str) -> None:
+    """`kvtui calibrate --numeric`: measure, store and print the numeric tolerance (kvtui/detect/tolerance.py) of
+    `dtype`, or of every dtype that needs one (bfloat16, float16) when None; a dtype that needs none (float32)
+    is one line and exit 2 naming what to pass."""
+    from kvtui.detect.tolerance import CALIBRATED_DTYPES, FLOAT32, measure, store
 
-    if loaded.dtype not in CALIBRATED_DTYPES:
-        out.print(f"{str(loaded.dtype).replace('torch.', '')} keeps the built-in tolerance (1e-3 logits, far above its "
-                  "batch rounding); --numeric measures bfloat16 and float16")
-        return
-    try:
-        record = measure(loaded, progress=lambda line: err.print(f"  {line}"))
-    except ValueError as e:
-        fail(str(e))
-    path = store(record)
-    out.print(f"numeric tolerance {record['tolerance']:.3g} logits = {record['safety']:g} x largest spread "
-              f"{record['largest']:.3g} ({record['positions']} positions, {record['cpu']}, torch {record['torch']}, "
-              f"{record['threads']} thread{'s' if record['threads'] != 1 else ''}, {record['seconds']:.0f} s)")
-    out.print(f"stored in {path}; reference checks of {record['model']} in {record['dtype']} on this CPU use it")
+    measured = [str(d).replace("torch.", "") for d in CALIBRATED_DTYPES]
+    if dtype is not None and dtype not in measured:
+        fail(f"--dtype {dtype}: --numeric measures the batch rounding of {' and '.join(measured)}; {dtype} keeps "
+             f"the built-in tolerance ({FLOAT32:g} logits, far above its rounding): pass "
+             f"{' or '.join(f'--dtype {d}' for d in measured)}, or leave --dtype out to measure both")
+    for name in [dtype] if dtype is not None else measured:
+        loaded = load_model(model, name, device)
+        try:
+            record = measure(loaded, progress=lambda line, name=name: err.print(f"  {name} {line}"))
+        except ValueError as e:
+            fail(str(e))
+        path = store(record)
+        out.print(f"{name}: numeric tolerance {record['tolerance']:.3g} logits = {record['safety']:g} x largest "
+                  f"spread {record['largest']:.3g} ({record['positions']} positions, {record['cpu']}, torch "
+                  f"{record['torch']}, {record['threads']} thread{'s' if record['threads'] != 1 else ''}, "
+                  f"{record['seconds']:.0f} s)", soft_wrap=True)
+        out.print(f"{name}: stored in {path}; reference checks of {record['model']} in {record['dtype']} on this CPU "
+                  "use it", soft_wrap=True)

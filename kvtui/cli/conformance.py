@@ -1,7 +1,8 @@
 """`kvtui conformance`: every black-box isolation check against one server (kvtui/conformance/), as one
 table. With --target, the server at that URL; without, a `kvtui serve` of kvtui's own engine started in
-this process (with --fault, a mutant). Exit 0 every applicable check passed, 1 one failed, 2 bad input,
-3 the server could not be reached or failed a request outright."""
+this process (with --fault, a mutant). Exit 0 every applicable check passed, 1 one failed, 2 bad input (a
+--target that cannot be reached or does not answer /v1/models with JSON included: kvtui.target.reach), 3 the
+server failed a request outright during the checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, out, say
+from kvtui.cli.console import EXIT_BAD_INPUT, EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, out, say
 from kvtui.cli.options import (
     TARGET,
     TARGET_PANEL,
@@ -122,17 +123,17 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
     from kvtui.conformance import CHECKS, Server, run_checks
     from kvtui.conformance.report import print_table, write_json, write_markdown
     from kvtui.models import ModelLoadError, load_tokenizer
-    from kvtui.target.session import SERVER_KINDS, TargetError
+    from kvtui.target.reach import TargetError, probe
+    from kvtui.target.session import SERVER_KINDS
 
+    try:  # the one first contact every --target command makes, before the tokenizer's seconds
+        first = probe(url, served_model)
+    except TargetError as e:
+        fail(str(e), EXIT_BAD_INPUT if label is None else EXIT_RUNTIME)  # a --target URL, or kvtui's own server
     try:
         tokenizer = load_tokenizer(model)
     except ModelLoadError as e:
         fail(f"--model: {e}")
-    try:
-        first = httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"][0]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-        fail(f"--target {url}: /v1/models did not answer with a model ({type(e).__name__}: {e}); check the URL "
-             "(http://HOST:PORT) and that the server is up", EXIT_RUNTIME)
     kind = SERVER_KINDS.get(first.get("owned_by"))
     server = Server(url=url, model=model, tokenizer=tokenizer, served_model=served_model or first.get("id"),
                     server_kind=kind, timeout_s=timeout, tolerance=tolerance, quick=quick,
@@ -149,7 +150,9 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
               f"{total} checks", markup=False, highlight=False)
     try:
         results = run_checks(server, names, on_result=progress)
-    except (TargetError, httpx.HTTPError) as e:
+    except TargetError as e:  # its line names the URL
+        fail(str(e), EXIT_RUNTIME)
+    except httpx.HTTPError as e:
         fail(f"{url}: {e}", EXIT_RUNTIME)
     title = label or url
     print_table(results, title, out)

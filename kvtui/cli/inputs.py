@@ -159,3 +159,18 @@ def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tupl
                                            if prefix_caching is False else "") if x) or "these options"
         fail(f"{path}: {where}: {why} (with {changed}), so it would never fire; drop {changed}, or add "
              "--clear-faults to run without the scenario's faults")
+
+
+def refuse_lora_modes(path: Path, spec, *, enforce_eager: bool, batch_invariant: bool | None) -> None:
+    """Exit 2 with one line, before any model loads, when the scenario loads LoRA adapters and
+    --enforce-eager or --batch-invariant puts the engine in a mode that cannot run them: the check
+    (config.lora_mode_problem) `kvtui serve` asks of its flags and the scenario schema of
+    engine.batch_invariant."""
+    from kvtui.config import lora_mode_problem
+
+    loaded = spec.lora.loaded if spec.lora is not None else ()
+    problem = loaded and lora_mode_problem(enforce_eager=enforce_eager, batch_invariant=bool(batch_invariant))
+    if problem:
+        flag = "--enforce-eager" if enforce_eager else "--batch-invariant"
+        fail(f"{path}: {problem}, and the scenario's lora section loads {', '.join(loaded)}: drop {flag}, or the "
+             "lora section")

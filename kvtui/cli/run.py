@@ -18,6 +18,7 @@ from kvtui.cli.inputs import (
     load_scenario,
     load_tokenizer,
     refuse_idle_faults,
+    refuse_lora_modes,
     refuse_misfit_faults,
 )
 from kvtui.cli.options import (
@@ -42,6 +43,7 @@ from kvtui.cli.options import (
 )
 from kvtui.config import Clock, DType, Layout
 from kvtui.faults import default_isolation_off
+from kvtui.models.labels import model_label
 
 
 def run(
@@ -124,6 +126,7 @@ def run(
     if spec.request_ids is not None:
         say("note", f"{scenario}: request_ids act over HTTP, in a --target run (e.g. against `kvtui serve`); this "
                     "local run ignores them")
+    refuse_lora_modes(scenario, spec, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     off = default_isolation_off(spec.engine.kv, spec.engine.prefix_caching) if isolation == "off" else ()
     faults = fault_names(fault) + off
     chosen = parse_detectors(detectors)
@@ -133,7 +136,7 @@ def run(
     if prefix_caching is not None:
         spec = _with_prefix_caching(scenario, spec, prefix_caching, headless)
     # the dashboard's checks load the tokenizer (seconds) before the screen is taken: a spinner says so at once
-    with nullcontext() if headless else err.status(f"checking the scenario with {model or spec.model}'s "
+    with nullcontext() if headless else err.status(f"checking the scenario with {model_label(model or spec.model)}'s "
                                                    "tokenizer; the dashboard opens next"):
         refuse_misfit_faults(scenario, spec, fault_names(fault), model)
         refuse_idle_faults(scenario, spec, fault_names(fault), off, layout=layout, clear_faults=clear_faults,

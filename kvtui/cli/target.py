@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
+from kvtui.models.labels import model_label
 from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
@@ -102,7 +103,7 @@ def run_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None, 
     session = build_target_session(spec, scenario_path, run, model=model, record=record, detectors=detectors)
     stopped = install_stop_handlers(session)
     try:
-        summary = _run(session, quiet)
+        summary = _run(session, quiet)  # its first act is the probe every --target command makes (reachable)
     except TargetError as e:
         session.abandon()
         fail(str(e))
@@ -123,7 +124,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     checks (recording path, the server answering) exit 2 before the dashboard takes the terminal. The
     tokenizer (importing torch and transformers takes 5-15 s on 2 busy cores) is loaded and the requests
     planned with the dashboard up; a bad model is said there and exits 2 once it closes."""
-    from kvtui.target.session import check_reachable, timeline_warnings
+    from kvtui.target.session import timeline_warnings
     from kvtui.tui.launch import check_writable
     from kvtui.tui.target_source import run_target_dashboard
 
@@ -131,11 +132,9 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     try:
         if record is not None:
             check_writable(record)
-        check_reachable(target_options(run))
     except OSError as e:
         fail_unwritable(record, e)
-    except TargetError as e:
-        fail(str(e))
+    reachable(run)
     for line in timeline_warnings(spec):
         say("warning", line)
 
@@ -145,7 +144,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     signals: list[int] = []
     try:
         summary, header, session = run_target_dashboard(
-            make_session, loading_text=f"loading the tokenizer of {name} and planning the requests…",
+            make_session, loading_text=f"loading the tokenizer of {model_label(name)} and planning the requests…",
             on_signal=signals.append)
     except OSError as e:
         fail_unwritable(record, e)
@@ -186,6 +185,7 @@ def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None
     from kvtui.summary import print_contamination
     from kvtui.target.audit import run_target_audit
 
+    reachable(run)
     try:
         tokenizer = load_tokenizer(model or spec.model)
     except ModelLoadError as e:
@@ -220,6 +220,7 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.target.timing import CONFIG_TEXT, print_target_timing, run_target_timing, verdict
 
+    reachable(run)
     try:
         tokenizer = load_tokenizer(model or spec.model)
     except ModelLoadError as e:
@@ -243,6 +244,17 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
         return
     out.print(f"tenants kept apart with {judged}: no probe read another tenant's cached blocks, and TTFT does not "
               "tell a matching guess apart; the same salt does share (the control)", markup=False, highlight=False)
+
+
+def reachable(run: TargetRun) -> None:
+    """The first contact every --target command makes before anything slow (kvtui.target.reach.probe: the
+    server, and the reference server when named, answer /v1/models with JSON); else one line and exit 2."""
+    from kvtui.target.session import check_reachable
+
+    try:
+        check_reachable(target_options(run))
+    except TargetError as e:
+        fail(str(e))
 
 
 def target_options(run: TargetRun) -> TargetOptions:

@@ -19,6 +19,7 @@ import httpx
 
 from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, salt_words, short
 from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
+from kvtui.target.reach import json_body
 from kvtui.target.solo_check import first_divergence
 
 N, STRUCTURED = "parallel_sampling", "structured_output"
@@ -90,7 +91,8 @@ def parallel_sampling(server: Server) -> CheckResult:
         if 400 <= r.status_code < 500:
             return not_applicable(N, TITLES[N], sent, f"the server refuses n={n}: {refusal(r)}")
         r.raise_for_status()
-        choices, starts = _choices(r.json()), _starts(r.json())
+        answer = json_body(r)
+        choices, starts = _choices(answer), _starts(answer)
         if len(choices) != n:
             return not_applicable(N, TITLES[N], sent, f"asked for n={n}, the server gave {len(choices)} "
                                   f"choice{'' if len(choices) == 1 else 's'}")
@@ -99,8 +101,9 @@ def parallel_sampling(server: Server) -> CheckResult:
             one = client.post(CHAT_PATH, json=server.uncached(server.chat_body(
                 text, max_tokens=tokens, **{**sampling, "seed": seed + i})))
             one.raise_for_status()
-            separate.append(_choices(one.json())[0])
-            separate_starts.append(_starts(one.json())[0])
+            alone = json_body(one)
+            separate.append(_choices(alone)[0])
+            separate_starts.append(_starts(alone)[0])
     differ = [i for i in range(n) if choices[i] != separate[i]]
     distinct = len(set(choices))
     figures = f"{n - len(differ)} of {n} choices equal their seeded run; {distinct} distinct choices"

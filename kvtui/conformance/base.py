@@ -3,7 +3,8 @@
 
 A check is a function `(Server) -> CheckResult`. It sends its own requests, judges them, and says
 what it sent, its verdict (pass, fail, or n/a with the reason), the figures it measured and the
-evidence for a fail. A check that cannot reach the server raises `TargetError` (the command's exit 3).
+evidence for a fail. A check that cannot reach the server, or reads an answer that is not JSON
+(kvtui.target.reach.json_body), raises `TargetError` (the command's exit 3).
 """
 
 from __future__ import annotations

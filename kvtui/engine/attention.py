@@ -7,11 +7,14 @@ the batch-invariant mode, each query position alone on either path: kvtui/engine
 own-range (the default): each chunk's queries attend to exactly its own request's keys, positions
     0 .. end-1 of its slot, read as a view of the pool (no copy); with paged KV, its blocks gathered
     through its block table in order (a copy). Keys of other requests and whatever
-    an earlier owner left past the chunk's end are never read, so they cannot reach the output, NaN
-    or not. The computation per chunk is the one a solo run of that request does.
+    an earlier owner left past the chunk's end never reach the output, NaN or not. The computation
+    per chunk is the one a solo run of that request does.
     `torch.nn.functional.scaled_dot_product_attention` (grouped-query heads without repeating K/V)
     does the work, or the exact eager softmax(q k^T * scale) v when the attention_flow detector
-    needs the probabilities.
+    needs the probabilities. Decode chunks over the slot pool share one call over a span of slots,
+    each row masked past its own length; the rows of the span are independent, and the positions a
+    row reads past its length are zeros the pool wrote for it (KVPool.clear_tails, asked for by the
+    span's plan), so a masked position adds exactly zero whatever an earlier owner left there.
 mask (while a fault that changes the mask is on: no_request_mask, unmasked_cache_padding,
     causal_offset, fp16_cache): the batch's keys are gathered through the step's key map and masked
     with the step's [R, 1, Q, K] table. Masked scores are replaced (not added to), and a value row
@@ -69,6 +72,7 @@ class StepState:
     _span: object = None  # the batched-decode plan (see span()), built once per step; False: none
     _flow_plan: object = None  # the measured-decode plan (see flow_plan()), built once per step; False: none
     _mixed: object = None  # the decode chunks of a mixed step (see mixed_plan()), built once per step; False: none
+    pool: KVPool | None = None  # the slot pool a span plan reads (its tails zeroed first); None: no span plans
     flow_acc: torch.Tensor | None = None  # [S, K] the measured-decode path's sums, before settle_flow
 
     def settle_flow(self) -> None:
@@ -97,11 +101,11 @@ class StepState:
     def span(self, device):
         """The batched-decode plan, or None: when the decode rows' slots lie in a range no more than twice
         their number, one SDPA call over the pool's view of that range, with a boolean mask that ends
-        each row at its own length, replaces one call per row (where the layer's pool is all finite:
-        KVPool.finite). Returns (lo, hi, order, mask [span, 1, 1, K]) where `order` maps rows to view
-        rows (None when they coincide)."""
+        each row at its own length, replaces one call per row. Returns (lo, hi, order, mask [span, 1, 1,
+        K]) where `order` maps rows to view rows (None when they coincide); the positions each row reads
+        past its own length are zeros by then (_span_plan)."""
         if self._span is None:
-            self._span = _span_plan(self.decode_rows(), device) or False
+            self._span = _span_plan(self.decode_rows(), device, self.pool) or False
         return self._span or None
 
     def flow_plan(self, device):
@@ -113,7 +117,7 @@ class StepState:
         if self._flow_plan is None:
             segs = self.batch.segments
             simple = self.measure_flow and segs and all(s.num_tokens == 1 and s.blocks is None for s in segs)
-            self._flow_plan = _flow_plan(segs, device) if simple else False
+            self._flow_plan = _flow_plan(segs, device, self.pool) if simple else False
         return self._flow_plan or None
 
     def mixed_plan(self, device):
@@ -123,7 +127,7 @@ class StepState:
         per step."""
         if self._mixed is None:
             decode = [s for s in self.batch.segments if s.num_tokens == 1 and s.blocks is None]
-            span = _span_plan(tuple((i, s.slot, s.end_pos) for i, s in enumerate(decode)), device)
+            span = _span_plan(tuple((i, s.slot, s.end_pos) for i, s in enumerate(decode)), device, self.pool)
             as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
             self._mixed = False if span is None else (
                 set(decode), (as_index([s.row for s in decode]), as_index([s.q_start for s in decode])), span)
@@ -170,8 +174,6 @@ class PooledCacheLayer(CacheLayerMixin):
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["kvtui_state"] = state
-            attn_kwargs["kvtui_finite"] = None  # set below, after this step's writes
-        pool_k, pool_v = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
         k_rows, v_rows = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [R, Q, Hkv, D]
         writes = [(b.write_row, b.write_col, b.write_slot, b.write_pos)]
         if state.fp16 and b.pad_write_row is not None:
@@ -180,13 +182,8 @@ class PooledCacheLayer(CacheLayerMixin):
             new_k, new_v = k_rows[rows, cols], v_rows[rows, cols]  # [N, Hkv, D]
             if state.fp16:  # stored as float16: overflow -> inf, NaN kept
                 new_k, new_v = new_k.half(), new_v.half()
-            new_k, new_v = new_k.to(pool_k.dtype), new_v.to(pool_v.dtype)
-            if self.pool.finite[self.layer_idx] and not _sums_finite(new_k, new_v):
-                self.pool.finite[self.layer_idx] = False
-            pool_k[slots, :, positions] = new_k
-            pool_v[slots, :, positions] = new_v
-        if isinstance(attn_kwargs, dict):
-            attn_kwargs["kvtui_finite"] = self.pool.finite[self.layer_idx]
+            self.pool.write(self.layer_idx, slots, positions, new_k, new_v)
+        pool_k, pool_v = self.pool.keys[self.layer_idx], self.pool.values[self.layer_idx]
         if state.own_range:
             return pool_k, pool_v
         keys = pool_k[b.key_slot, :, b.key_pos].transpose(1, 2)  # [R, Hkv, K, D]
@@ -245,18 +242,17 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
     if state.invariant:
         return invariant_attention(query, key, value, scaling, state, own_keys), None
     if state.own_range:
-        return _own_range(query, key, value, scaling, state, bool(kwargs.get("kvtui_finite"))), None
+        return _own_range(query, key, value, scaling, state), None
     return _masked(query, key, value, attention_mask, scaling, state), None
 
 
-def _own_range(query, pool_k, pool_v, scaling: float, state: StepState, finite: bool = False) -> torch.Tensor:
-    """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view). `finite`: every value in
-    this layer's pool is finite (KVPool.finite), so a key masked out of a shared call adds exactly zero
-    (0 x NaN would not): only then do decode chunks share one call over a span of slots."""
+def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch.Tensor:
+    """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view); decode chunks over the slot
+    pool in one call over a span of slots where their slots are close (StepState.span, mixed_plan)."""
     rows = state.decode_rows()
     if rows:  # the common decode step: no scatter into a zeroed output
         plan = state.span(query.device)
-        if plan is not None and finite:
+        if plan is not None:
             return _decode_span(query, pool_k, pool_v, scaling, plan)
         outs = [F.scaled_dot_product_attention(query[r : r + 1], pool_k[slot : slot + 1, :, :end],
                                                pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
@@ -264,11 +260,11 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState, finite: 
         return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
     measured = state.flow_plan(query.device)
     if measured is not None:
-        return _decode_flow(query, pool_k, pool_v, scaling, state, measured, finite)
+        return _decode_flow(query, pool_k, pool_v, scaling, state, measured)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
     segments = state.batch.segments
     mixed = None if state.measure_flow else state.mixed_plan(query.device)
-    if mixed is not None and finite:  # the decode chunks in one call
+    if mixed is not None:  # the decode chunks in one call
         decode, (rows, cols), span = mixed
         q = query[rows, :, cols].unsqueeze(2)  # [S, Hq, 1, D]
         out[rows, cols] = _decode_span(q, pool_k, pool_v, scaling, span)[:, 0]
@@ -287,7 +283,7 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState, finite: 
     return out
 
 
-def _flow_plan(segments: tuple, device):
+def _flow_plan(segments: tuple, device, pool: KVPool | None):
     """See StepState.flow_plan. Also, when the rows' slots are distinct and lie in a range no more than
     twice their number, the view plan of _span_plan (the keys read in place, no gather)."""
     as_index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
@@ -299,23 +295,23 @@ def _flow_plan(segments: tuple, device):
         rows += [s.row] * s.end_pos
         cols += [s.q_start] * s.end_pos
         keys += range(s.key_start, s.key_start + s.end_pos)
-    span = _span_plan(tuple((s.row, s.slot, s.end_pos) for s in segments), device) if len(segments) > 1 else None
+    span = _span_plan(tuple((s.row, s.slot, s.end_pos) for s in segments), device, pool) if len(segments) > 1 else None
     return (as_index([s.slot for s in segments]), as_index([s.row for s in segments]),
             as_index([s.q_start for s in segments]), valid, (as_index(rows), as_index(cols), as_index(keys)), span)
 
 
-def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan, finite: bool = False) -> torch.Tensor:
+def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan) -> torch.Tensor:
     """A measured decode step in one batch: softmax(q k^T * scale) v per chunk over its own slot's keys
     0 .. end-1 (transformers' eager formula, as _eager), keys past a chunk's end masked to probability
-    exactly 0 (their values zeroed in a gathered copy; read in place from the pool when every such
-    value is finite, so a NaN left there by an earlier owner adds nothing, as on the per-chunk path).
-    The probabilities summed over heads are added to the step's flow sums (StepState.settle_flow).
-    Returns [R, Q, Hq, D]."""
+    exactly 0: read in place from the pool over a span of slots (where the positions past each row's
+    end are zeros the pool wrote: _span_plan), else from a gathered copy with those values zeroed, so
+    what an earlier owner left there adds nothing, as on the per-chunk path. The probabilities summed
+    over heads are added to the step's flow sums (StepState.settle_flow). Returns [R, Q, Hq, D]."""
     slots, rows, cols, valid, _, span = plan
     k_len = valid.shape[1]
     q = query[rows, :, cols]  # [S, Hq, D]
     n, hq, d = q.shape
-    if span is not None and finite:  # the pool's slots lo..hi-1 in place
+    if span is not None:  # the pool's slots lo..hi-1 in place
         lo, hi, order = span[0], span[1], span[2]
         k, v = pool_k[lo:hi, :, :k_len], pool_v[lo:hi, :, :k_len]
         if order is not None:
@@ -344,30 +340,24 @@ def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan, 
     return out
 
 
-def _span_plan(rows: tuple, device):
-    """See StepState.span. None when there are fewer than two rows or their slots are too scattered."""
-    if len(rows) < 2:
+def _span_plan(rows: tuple, device, pool: KVPool | None):
+    """See StepState.span. None when there are fewer than two rows, their slots are too scattered, or no
+    pool is given. Before returning a plan it has `pool` zero what each row will read past its own end
+    (KVPool.clear_tails): a plan never exists without that."""
+    if len(rows) < 2 or pool is None:
         return None
     slots = [slot for _, slot, _ in rows]
     lo, hi = min(slots), max(slots) + 1
     if hi - lo > 2 * len(rows) or len(set(slots)) != len(slots):
         return None
     k_len = max(end for _, _, end in rows)
+    pool.clear_tails(((slot, end) for _, slot, end in rows), k_len)
     mask = torch.ones((hi - lo, 1, 1, k_len), dtype=torch.bool, device=device)  # rows not in the step: unread
     for _, slot, end in rows:
         mask[slot - lo, 0, 0, end:] = False
     in_order = slots == list(range(lo, hi))
     order = None if in_order else torch.tensor([slot - lo for slot in slots], device=device)
     return lo, hi, order, mask
-
-
-def _sums_finite(keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether every K and V value a step writes is finite. A NaN or an infinity makes a sum non-finite, so
-    a finite sum settles it in two reductions; a non-finite one (which finite values give only by
-    overflowing) is settled value by value."""
-    if bool(torch.isfinite(keys.sum() + values.sum())):
-        return True
-    return bool(torch.isfinite(keys).all() and torch.isfinite(values).all())
 
 
 def _decode_span(query, pool_k, pool_v, scaling: float, plan) -> torch.Tensor:

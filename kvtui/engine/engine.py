@@ -256,12 +256,16 @@ class Engine:
         return request  # a held sibling whose grammar fails is rejected with its lead (_release_forks)
 
     def _input_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
-        """(code, detail) when the request's input does not fit the model (see Engine.submit)."""
+        """(code, detail) when the request's input does not fit the model (unsupported_input) or its LoRA
+        adapter cannot run in this engine (adapter_unsupported); see Engine.submit."""
         problem = self.encoder.problem(request.input)
-        if not problem and request.input.lora is not None:  # adapters run on the fused forward only
+        if problem:
+            return FinishCode.UNSUPPORTED_INPUT, problem
+        if request.input.lora is not None:  # adapters run on the fused forward only
             problem = lora_problem(self.model, enforce_eager=self.runner.fused is None,
                                    batch_invariant=self.runner.tiles is not None)
-        return (FinishCode.EMPTY, problem) if problem else None
+            return (FinishCode.ADAPTER_UNSUPPORTED, problem) if problem else None
+        return None
 
     def _prompt_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:
         """(code, detail) when the prompt itself cannot run: empty, a token id the model's embedding
@@ -290,8 +294,8 @@ class Engine:
                                                    f"{vocab} tokens (ids 0 to {vocab - 1})")
         bad = next((t for seq in params.bad_words_ids for t in seq if not 0 <= t < vocab), None)
         if bad is not None:
-            return FinishCode.OUT_OF_VOCABULARY, (f"bad_words token id {bad} is out of vocabulary: the model has "
-                                                  f"{vocab} tokens (ids 0 to {vocab - 1})")
+            return FinishCode.INVALID_BAD_WORDS, (f"bad_words token id {bad} is out of vocabulary: the model has "
+                                                 f"{vocab} tokens (ids 0 to {vocab - 1})")
         return None
 
     def _admission_problem(self, request: RequestState) -> tuple[FinishCode, str] | None:

@@ -5,8 +5,18 @@ in the model dtype. A slot is a request's private region; the free list hands ou
 slot first (deterministic), a finished request returns its slot at once, and the next admitted
 request reuses it starting at position 0 (its cache_len resets; the old contents are masked out).
 
-Only plain Python bookkeeping lives here besides the two tensor lists; reads and writes of the
-tensors happen in runner.py.
+Every write into the K/V tensors goes through a method of the pool (`write`, `allocate`, `copy_prefix`,
+`clear_tails`; paged: `write`, `copy_block`, `restore_block`); tests/test_pool_writes.py scans kvtui/ and
+fails on a write anywhere else. Reads happen in attention.py (and in the detectors' observe.py and
+the offload tier's offload.py).
+
+Stale bytes never reach a request: a slot's positions past its owner's length hold whatever an earlier
+owner (or anything else) left there, NaN and inf included, and the masked attention paths that read
+past a row's length (one SDPA call over a span of slots) would turn a masked NaN into a NaN output
+(0 x NaN). So before such a read the pool zeroes the positions it will read past each row's length,
+unless it already zeroed them for the slot's current owner and nothing was written there since
+(`clear_tails`): each position is zeroed at most once per owner in the common case, a cost in
+proportion to what is read. Nothing is assumed about memory the pool did not zero itself.
 
 PagedKVPool is the paged alternative (`engine.kv: paged`): blocks of block_size tokens reached
 through per-request block tables, whose bookkeeping lives in block_manager.py.
@@ -37,7 +47,24 @@ def slot_bytes(num_layers: int, num_kv_heads: int, max_len: int, head_dim: int, 
     return 2 * num_layers * num_kv_heads * max_len * head_dim * itemsize
 
 
-class KVPool:
+TAIL_SLACK = 64  # positions zeroed past what a read needs, so a decode step's growing reads zero rarely
+
+
+class _PoolTensors:
+    """The K and V tensors of a pool (`keys`, `values`: one per layer) and the write every forward makes."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    def write(self, layer: int, where: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """Store one layer's new K and V rows: keys/values [N, Hkv, D] (cast to the pool dtype) at
+        [where[i], :, positions[i]] ([N] int64 each: slots and positions, or blocks and offsets)."""
+        self.keys[layer][where, :, positions] = keys.to(self.dtype)
+        self.values[layer][where, :, positions] = values.to(self.dtype)
+
+
+class KVPool(_PoolTensors):
     """Preallocated KV cache slots with an owner table and a free list.
 
     Args:
@@ -104,11 +131,14 @@ class KVPool:
         try:
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            # per layer: True while every K and V value in the pool is finite (zeros at first; every write
-            # goes through PooledCacheLayer.update, which clears the flag for good on a non-finite one)
-            self.finite = [True] * self.num_layers
             # who last wrote each position: a request serial, -1 never written (see observe.py); CPU bookkeeping
             self.writer = torch.full((self.num_slots, self.max_len), -1, dtype=torch.long)
+            # per slot, [lo, hi): positions the pool zeroed for the slot's current owner (clear_tails)
+            self._zeroed = [(0, 0)] * self.num_slots
+            # per slot, 1 + the highest position written since its owner took it or since clear_tails last zeroed
+            # from that owner's length (write keeps it); a write past the owner's length makes this larger
+            self._top = torch.zeros(self.num_slots, dtype=torch.long, device=self.device)
+            self._last_write: tuple | None = None  # the index tensors write() last accounted for
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             self.keys = self.values = []
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
@@ -145,6 +175,8 @@ class KVPool:
         slot = heapq.heappop(self._free)
         self.owner[slot] = request_id
         self.times_used[slot] += 1
+        self._zeroed[slot] = (0, 0)  # nothing in a newly taken slot is known: clear_tails zeroes what is read
+        self._top[slot] = 0
         if fresh:
             shape = (self.num_kv_heads, self.max_len, self.head_dim)
             for layer in range(self.num_layers):
@@ -152,7 +184,52 @@ class KVPool:
                 self.values[layer][slot] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.writer[slot] = -1
             self.last_len[slot] = 0
+            self._zeroed[slot] = (0, self.max_len)
         return slot
+
+    def write(self, layer: int, where: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """Store one layer's new K and V rows: keys/values [N, Hkv, D] at [where[i], :, positions[i]] (slots
+        and positions, [N] int64 each), and note per slot the highest position written, so clear_tails
+        knows when a write landed past an owner's length (the fp16_cache fault's pads, a shared_cache or
+        racy_threads step's writes into another request's slot). The note is taken once per pair of index
+        tensors: every layer of a step writes through the same pair."""
+        if self._last_write is None or self._last_write[0] is not where or self._last_write[1] is not positions:
+            self._last_write = (where, positions)  # held, so a new pair never reuses these objects' ids
+            if len(positions):
+                self._top.scatter_reduce_(0, where.to(self._top.device), positions.to(self._top.device) + 1, "amax")
+        super().write(layer, where, positions, keys, values)
+
+    def clear_tails(self, rows, k_len: int) -> None:
+        """Make positions end .. k_len - 1 of each (slot, end) in `rows` hold zeros in every layer's K and V
+        before a read that covers them masked (end: the slot's owner's length after this step's writes).
+
+        A masked key adds exactly nothing only when its K and V are finite (softmax gives it probability 0,
+        and 0 x NaN is NaN), and a slot holds there whatever an earlier owner, or anything else, left. The
+        pool zeroes such a range once per owner and extends it as the reads grow (TAIL_SLACK positions
+        ahead, at most max_len), and zeroes again from `end` when anything was written at or past `end`
+        since. Zeroed positions are tagged never written (-1). Positions below `end` are the owner's own
+        and are never touched."""
+        top = None
+        for slot, end in rows:
+            if end >= k_len:
+                continue
+            lo, hi = self._zeroed[slot]
+            if top is None:
+                top = self._top.tolist()
+            if lo <= end <= hi and top[slot] <= end:  # [end, hi) still zero
+                if k_len <= hi:
+                    continue
+                start = hi
+            else:
+                lo, start = end, end
+            stop = min(self.max_len, k_len + TAIL_SLACK)
+            for keys, values in zip(self.keys, self.values):
+                keys[slot, :, start:stop] = 0
+                values[slot, :, start:stop] = 0
+            self.writer[slot, start:stop] = -1
+            self._zeroed[slot] = (lo, stop)
+            self._top[slot] = top[slot] = min(top[slot], end)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy positions 0 .. length - 1 of slot `src` (K, V of every layer, and their writer tags)
@@ -182,7 +259,7 @@ def block_bytes(num_layers: int, num_kv_heads: int, block_size: int, head_dim: i
     return slot_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
 
 
-class PagedKVPool:
+class PagedKVPool(_PoolTensors):
     """Preallocated KV blocks, addressed through per-request block tables (kvtui.engine.block_manager).
 
     Layout per layer: keys[layer] and values[layer] are `[num_blocks, num_kv_heads, block_size,
@@ -231,9 +308,6 @@ class PagedKVPool:
         try:
             self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            # per layer: True while every K and V value in the pool is finite (zeros at first; every write
-            # goes through PooledCacheLayer.update, which clears the flag for good on a non-finite one)
-            self.finite = [True] * self.num_layers
             self.writer = torch.full((self.num_blocks, self.block_size), -1, dtype=torch.long)
         except (RuntimeError, MemoryError) as e:
             self.keys = self.values = []
@@ -257,3 +331,11 @@ class PagedKVPool:
             keys[dst] = keys[src]
             values[dst] = values[src]
         self.writer[dst] = self.writer[src]
+
+    def restore_block(self, block: int, data: torch.Tensor, tags: list[int]) -> None:
+        """Write `data` [layers, 2, Hkv, block_size, D] (K then V of every layer, head-major) into block
+        `block`, and its writer tags (the KV offload tier's restore, engine/offload.py)."""
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            keys[block] = data[layer, 0].to(keys.device, keys.dtype)
+            values[block] = data[layer, 1].to(values.device, values.dtype)
+        self.writer[block] = torch.tensor(tags, dtype=self.writer.dtype)

@@ -24,13 +24,15 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvtui.config import lora_mode_problem
+from kvtui.engine.lora_files import TARGETS, check_files, check_weights, delta_overflows, read_config
 from kvtui.faults import FaultName
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
@@ -66,18 +68,16 @@ class LoraAdapter:
 
 
 def lora_problem(model, *, enforce_eager: bool = False, batch_invariant: bool = False) -> str | None:
-    """Why an engine over `model` cannot run LoRA adapters (one line), or None: they run in kvtui's fused
-    forward, so on Llama-family causal LMs, not with enforce_eager nor batch_invariant."""
+    """Why an engine over `model` cannot run LoRA adapters (one line with the fix), or None: they run in
+    kvtui's fused forward, so on Llama-family causal LMs, not with enforce_eager nor batch_invariant
+    (lora_mode_problem)."""
     from kvtui.engine import fused
 
     if not fused.supports(model):
         return (f"LoRA adapters run on Llama-family models (kvtui's fused forward), not "
                 f"{getattr(model.config, 'model_type', '?')!r}: drop the adapter or choose such a model")
-    if enforce_eager:
-        return "LoRA adapters run on kvtui's fused forward: drop --enforce-eager (engine.enforce_eager)"
-    if batch_invariant:
-        return "LoRA adapters are not supported in the batch-invariant mode: drop --batch-invariant"
-    return None
+    problem = lora_mode_problem(enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+    return problem and f"{problem}: drop {'--enforce-eager' if enforce_eager else '--batch-invariant'}"
 
 
 def _column_ranges(config) -> dict[str, tuple[str, int, int, int]]:
@@ -95,7 +95,8 @@ def _column_ranges(config) -> dict[str, tuple[str, int, int, int]]:
 
 
 def _check_config(config, path) -> float:
-    """The scaling of a peft LoraConfig kvtui can run; ValueError (one line) for one it cannot."""
+    """The scaling of a peft LoraConfig kvtui can run (its values checked by lora_files.read_config);
+    ValueError (one line) for one using a peft feature kvtui does not run."""
     if str(getattr(config, "peft_type", "")).split(".")[-1].upper() != "LORA":
         raise ValueError(f"{path}: not a LoRA adapter (peft_type {config.peft_type})")
     if config.use_dora or config.rank_pattern or config.alpha_pattern or config.modules_to_save \
@@ -110,43 +111,62 @@ def load_adapter(model, name: str, path, version: int = 1) -> LoraAdapter:
 
     Returns a LoraAdapter with A and B in the model's dtype on its device.
     Raises:
-        ValueError: a folder peft cannot read, an adapter kvtui cannot run (see _check_config), a target
-            module other than q/k/v/o/gate/up/down_proj, or weights whose shapes do not fit the model.
+        ValueError (one line naming the file and the field or tensor): a missing adapter_config.json or
+            weights file, a bad config value (lora_files.check_config), a folder peft cannot read, an
+            adapter kvtui cannot run (see _check_config), a target module other than
+            q/k/v/o/gate/up/down_proj, weights whose shapes or rank do not fit the model and config, a
+            weight that is NaN or infinite, or a weight delta not finite in the model's dtype.
     """
     from peft import LoraConfig
     from peft.utils import load_peft_weights
 
+    folder = Path(path)
+    weights_file = check_files(folder)
+    read_config(folder)
     try:
-        config = LoraConfig.from_pretrained(str(path))
-        state = load_peft_weights(str(path), device="cpu")
+        config = LoraConfig.from_pretrained(str(folder))
+        state = load_peft_weights(str(folder), device="cpu")
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, safetensors' SafetensorError, ...: one line
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot read LoRA adapter {name!r} from {path}: {reason}") from None
     scaling = _check_config(config, path)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    check_weights(state, weights_file)
+    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in state.items():
         match = _KEY.search(key)
         if match is None or match.group(2) not in TARGETS:
             raise ValueError(f"{path}: weight {key} is not a LoRA A/B of q/k/v/o/gate/up/down_proj")
-        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = (key, tensor)
     digest = hashlib.sha256(f"kvtui:lora:{scaling!r}".encode())
     for key in sorted(state):
         digest.update(key.encode() + state[key].to(torch.float32).contiguous().numpy().astype("<f4").tobytes())
-    weights = _place(model, pairs, path)
+    weights = _place(model, pairs, weights_file, int(config.r), scaling)
     return LoraAdapter(name, version, digest.hexdigest()[:16], str(path), int(config.r), float(scaling), weights)
 
 
-def _place(model, pairs: dict, path) -> dict:
-    """(layer, fused layer) -> ((start, stop, A, B), ...) from {(layer, module): {"A": .., "B": ..}}."""
+def _place(model, pairs: dict, file: Path, rank: int, scaling: float) -> dict:
+    """(layer, fused layer) -> ((start, stop, A, B), ...) from {(layer, module): {"A": (key, A), "B": ..}},
+    A and B cast to the model's dtype. ValueError (one line naming `file`'s tensor) for shapes that do not
+    fit the model, a rank other than the config's r, or a weight or delta not finite in the model's dtype."""
     ranges, emb = _column_ranges(model.config), model.get_input_embeddings().weight
     out: dict = {}
     for (layer, module), ab in sorted(pairs.items()):
         group, start, stop, width = ranges[module]
-        a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None or b.shape[0] != stop - start or a.shape[0] != b.shape[1] \
-                or a.shape[1] != width or layer >= model.config.num_hidden_layers:
-            raise ValueError(f"{path}: layer {layer} {module} does not fit this model")
-        out.setdefault((layer, group), []).append((start, stop, a.to(emb.device, emb.dtype), b.to(emb.device, emb.dtype)))
+        (a_key, a), (b_key, b) = ab.get("A", (None, None)), ab.get("B", (None, None))
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or b.shape[0] != stop - start \
+                or a.shape[0] != b.shape[1] or a.shape[1] != width or layer >= model.config.num_hidden_layers:
+            raise ValueError(f"{file.parent}: layer {layer} {module} does not fit this model")
+        if a.shape[0] != rank:
+            raise ValueError(f"{file}: {a_key} has rank {a.shape[0]}, adapter_config.json's r is {rank}")
+        cast_a, cast_b = a.to(emb.device, emb.dtype), b.to(emb.device, emb.dtype)
+        dtype = str(emb.dtype).removeprefix("torch.")
+        for key, cast in ((a_key, cast_a), (b_key, cast_b)):
+            if not bool(torch.isfinite(cast).all()):
+                raise ValueError(f"{file}: {key} does not fit {dtype} (the model's dtype): a value overflows it")
+        if delta_overflows(a, b, scaling, emb.dtype):
+            raise ValueError(f"{file}: layer {layer} {module}: lora_B @ lora_A x scaling (the weight delta peft's "
+                             f"merge adds) overflows {dtype}, the model's dtype: the adapter's weights are too large")
+        out.setdefault((layer, group), []).append((start, stop, cast_a, cast_b))
     return {k: tuple(v) for k, v in out.items()}
 
 

@@ -149,9 +149,4 @@ def restore(pool, entry: TierEntry, block: int, faults: frozenset[str]) -> None:
         data = entry.data.reshape(layers, 2, heads, size, dim)
     else:
         data = entry.data.transpose(2, 3)
-    for layer, (keys, values) in enumerate(zip(pool.keys, pool.values)):
-        keys[block] = data[layer, 0].to(keys.device, keys.dtype)
-        values[block] = data[layer, 1].to(values.device, values.dtype)
-        if not bool(torch.isfinite(data[layer]).all()):
-            pool.finite[layer] = False
-    pool.writer[block] = torch.tensor(entry.tags, dtype=pool.writer.dtype)
+    pool.restore_block(block, data, entry.tags)

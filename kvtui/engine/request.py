@@ -37,11 +37,16 @@ class FinishReason(str, enum.Enum):
 
 class FinishCode(str, enum.Enum):
     """Machine-readable cause of a rejection or an error (RequestState.finish_code), so a server maps it
-    to a status without reading the prose of `finish_detail`:
+    to a status without reading the prose of `finish_detail`; each cause has its own code:
     `empty` (no prompt tokens), `too_long` (prompt, or prompt + max_new_tokens, above max_len or the
     paged pool), `out_of_vocabulary` (a prompt token id outside [0, vocab size)), `queue_full` (the
     waiting queue is at config.max_waiting), `internal_error` (the request's own sampling, log-probability
-    or stop-string step raised), `invalid_logit_bias` (a logit_bias token id outside the vocabulary)."""
+    or stop-string step raised), `invalid_logit_bias` (a logit_bias token id outside the vocabulary),
+    `invalid_bad_words` (a bad_words token id outside the vocabulary), `invalid_structured_output` (its
+    grammar did not compile), `unsupported_input` (an input this model cannot take: audio to a
+    decoder-only model, none to a speech model, images without an image encoder, prompt_embeds rows of
+    another width), `adapter_unsupported` (a LoRA adapter this engine cannot run: its model family, or
+    --enforce-eager / the batch-invariant mode)."""
 
     EMPTY = "empty"
     TOO_LONG = "too_long"
@@ -49,7 +54,10 @@ class FinishCode(str, enum.Enum):
     QUEUE_FULL = "queue_full"
     INTERNAL_ERROR = "internal_error"
     INVALID_LOGIT_BIAS = "invalid_logit_bias"
+    INVALID_BAD_WORDS = "invalid_bad_words"
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"  # its grammar (schema, regex, choices) did not compile
+    UNSUPPORTED_INPUT = "unsupported_input"
+    ADAPTER_UNSUPPORTED = "adapter_unsupported"
 
 
 MAX_N = 16  # sequences one request may fork into (parallel sampling)

@@ -166,7 +166,7 @@ class ModelRunner:
         """
         batch = self._to_device(batch)
         state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16,
-                          invariant=self.tiles is not None)
+                          invariant=self.tiles is not None, pool=self.pool)
         try:
             logits = self._run_body(batch, state, **({} if lora is None else {"lora": lora}))
             state.settle_flow()
@@ -190,7 +190,8 @@ class ModelRunner:
 
         def work(index: int, batch: BatchTensors) -> None:
             batch = self._to_device(batch)
-            state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16, invariant=self.tiles is not None)
+            state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16, invariant=self.tiles is not None,
+                              pool=self.pool)
 
             def forward() -> None:
                 try:

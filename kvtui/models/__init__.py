@@ -16,6 +16,7 @@ import importlib
 _EXPORTS = {
     "DEFAULT_GGUF_SHA256": "default", "DEFAULT_MODEL_ID": "default", "INSTALL_COMMAND": "default",
     "cache_dir": "default", "default_model_path": "default",
+    "model_label": "labels",
     "load_model": "loader", "parse_dtype": "loader", "check_model_available": "loader",
     "TINY_NAMES": "tiny", "build_tiny": "tiny", "build_tiny_tokenizer": "tiny",
     "LoadedModel": "types", "ModelLoadError": "types",

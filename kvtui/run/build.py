@@ -30,19 +30,21 @@ def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detector
         reference_tolerance=reference_tolerance)
 
 
-def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None) -> Arrive:
+def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None,
+                 lora_version: int | None = None) -> Arrive:
     """The request.arrive event of a planned request (kvtui.scenario.PlannedRequest) at its arrival_s.
 
     Args:
         max_new_tokens: the limit the request runs under when it is not the plan's (a local engine
             may cap it, `on_too_long: cap`); None: the plan's.
-        parent: parallel sampling (n > 1): the planned request this sequence is one of."""
+        parent: parallel sampling (n > 1): the planned request this sequence is one of.
+        lora_version: the version of its LoRA adapter it runs under (None: the base model, or not known)."""
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
                   passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
                   sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.audio_label,
                   image=planned.image_label, client_id=getattr(getattr(planned, "client_id", None), "value", None),
-                  lora=getattr(planned, "adapter", None))
+                  lora=getattr(planned, "adapter", None), lora_version=lora_version)
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:

@@ -5,7 +5,8 @@ listed adapters (`none`: the base model), in turn or drawn by the seed (its own 
 rest of the plan stays put). The names are kvtui's built-in local adapters (kvtui/models/lora.py: made
 once per model in kvtui's cache with a fixed seed). A timeline event `set: {lora.reload: lora-a}` loads
 that adapter again with new weights (the next seed), as vLLM's /v1/load_lora_adapter reloads a name:
-its version goes up by one, and requests submitted from then on run under the new weights.
+its version goes up by one, and requests submitted from then on run under the new weights. `none` is
+the base model, whose weights are never reloaded, so it is no reload target (one error line).
 """
 
 from __future__ import annotations
@@ -13,13 +14,28 @@ from __future__ import annotations
 import random
 from typing import Annotated, Literal
 
+import pydantic
 from pydantic import Field
 
 from kvtui.models.lora import BUILTIN_ADAPTERS
 from kvtui.scenario.base import Strict
+from kvtui.scenario.errors import Problem
 
 BASE = "none"
 AdapterName = Literal[tuple(BUILTIN_ADAPTERS) + (BASE,)]
+
+
+def _not_base(value):
+    """`lora.reload: none` refused in words: `none` is the base model, not an adapter to reload."""
+    if value == BASE:
+        raise Problem("`none` is the base model, not an adapter: the base model's weights are never reloaded",
+                      f"name a built-in adapter the `lora` section loads ({', '.join(BUILTIN_ADAPTERS)}), or drop "
+                      "the event")
+    return value
+
+
+# what a timeline's `lora.reload` may name: a built-in adapter (the section must load it: schema.py)
+ReloadName = Annotated[Literal[tuple(BUILTIN_ADAPTERS)], pydantic.BeforeValidator(_not_base)]
 
 
 class LoraSection(Strict):

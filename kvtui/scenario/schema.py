@@ -41,10 +41,11 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import Field
 
-from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, TooLong
+from kvtui.config import EngineConfig, KVMode, Layout, PaddingSide, SlotReuse, TooLong, lora_mode_problem
 from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
+from kvtui.models.labels import model_label
 from kvtui.names import did_you_mean
 from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson, Rounds
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
@@ -127,14 +128,17 @@ class EngineSection(Strict):
     kv_offload_blocks: bounded("kv_offload_blocks") | None = Field(
         None, description="blocks a host-memory offload tier under the prefix cache holds (LRU): evicted full "
                           "blocks are stored there and restored on a later prefix hit, as LMCache and vLLM's "
-                          "offloading connector do; null or 0: no tier (paged KV with prefix_caching)")
+                          "offloading connector do; null or 0: no tier (paged KV with prefix_caching); a block "
+                          "takes the pool's bytes per block, and the tier with the pool must fit in the memory "
+                          "available (validate checks it from the model's geometry)")
     watermark: bounded("watermark") = Field(
         _D.watermark, description="share of the usable blocks admission keeps free (paged; vLLM V0's default)")
     batch_invariant: bool | None = Field(
         None, description="every row's logits bitwise independent of the batch (fixed row tiles, attention per "
                           "query position), so the reference check counts any differing token with no "
                           "tolerance; Llama-family models, slower (docs/faults.md); null: on for bfloat16 and "
-                          "float16 runs whose reference detector runs, off otherwise")
+                          "float16 runs whose reference detector runs, off otherwise (and with a `lora` section, "
+                          "whose adapters the mode cannot run: true is refused there)")
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -357,17 +361,26 @@ class Scenario(Strict):
         return self
 
     def _check_lora(self) -> None:
-        """A `lora.reload` event must name an adapter the `lora` section loads."""
+        """Adapters need a Llama-family model and an engine mode that runs them (config.py
+        lora_mode_problem, as `kvtui serve` and `kvtui run`'s flags ask it); a `lora.reload` event must name
+        an adapter the `lora` section loads."""
         loaded = self.lora.loaded if self.lora is not None else ()
         cfg = read_config(self.model, self._base_dir) if loaded else None
         if cfg is not None and cfg.get("model_type") != "llama":
-            raise Problem(f"LoRA adapters run on Llama-family models, not {self.model} ({cfg.get('model_type')})",
+            raise Problem(f"LoRA adapters run on Llama-family models, not {model_label(self.model)} "
+                          f"({cfg.get('model_type')})",
                           "drop the `lora` section or choose such a model (default, tiny-llama)", ("lora",))
+        problem = loaded and lora_mode_problem(batch_invariant=bool(self.engine.batch_invariant))
+        if problem:
+            raise Problem(f"{problem}, and the `lora` section loads {', '.join(loaded)}",
+                          "set engine.batch_invariant to false or leave it null (off when adapters run), or drop "
+                          "the `lora` section", ("engine", "batch_invariant"))
         for i, event in enumerate(self.timeline):
             name = (event.set or {}).get("lora.reload")
             if name is not None and name not in loaded:
-                raise Problem(f"lora.reload names {name!r}, which the `lora` section does not load",
-                              f"add it to lora.adapters (loaded: {', '.join(loaded) or 'none'})",
+                fix = (f"add it to lora.adapters (which load {', '.join(loaded)})" if loaded else
+                       f"add a `lora` section that loads it, e.g. `lora: {{adapters: [{name}, none]}}`")
+                raise Problem(f"lora.reload names {name!r}, which the `lora` section does not load", fix,
                               ("timeline", i, "set", "lora.reload"))
 
     def _check_forks(self) -> None:
@@ -410,7 +423,7 @@ class Scenario(Strict):
         try:
             check_batch_invariant(cfg)
         except IncompatibleModel as e:
-            raise Problem(f"model {self.model}: {e.problem}", e.fix, ("model",)) from None
+            raise Problem(f"model {model_label(self.model)}: {e.problem}", e.fix, ("model",)) from None
         try:
             shape = shape_from_config(cfg)
             check_max_len(cfg, self.engine.max_len)
@@ -435,8 +448,14 @@ class Scenario(Strict):
         total, free = pool_bytes(blocks, e.block_size, per_block), available_memory_bytes()
         if free is not None and total > free:
             raise Problem(f"paged KV pool of {blocks} blocks x {e.block_size} tokens needs {gib(total)} for "
-                          f"{self.model} ({self.dtype}), more than the {gib(free)} of memory available",
+                          f"{model_label(self.model)} ({self.dtype}), more than the {gib(free)} of memory available",
                           f"lower engine.{where[1]}", where)
+        tier = (e.kv_offload_blocks or 0) * per_block  # the tier holds whole blocks' K/V, filled as the pool evicts
+        if free is not None and tier and total + tier > free:
+            raise Problem(f"a KV offload tier of {e.kv_offload_blocks} blocks needs {gib(tier)} of host memory for "
+                          f"{model_label(self.model)} ({self.dtype}) beside the KV pool's {gib(total)}, more than "
+                          f"the {gib(free)} of memory available", "lower engine.kv_offload_blocks (at most about "
+                          f"{max((free - total) // per_block, 0)} blocks fit)", ("engine", "kv_offload_blocks"))
 
     def _check_memory(self, per_slot: int) -> None:
         e, budget = self.engine, self.engine.kv_budget_bytes
@@ -445,12 +464,13 @@ class Scenario(Strict):
             (("engine",), "lower engine.slots or engine.max_len")
         if slots < 1:
             raise Problem(f"kv_budget_bytes {budget} holds no slot: one slot of max_len {e.max_len} needs "
-                          f"{per_slot} bytes for {self.model} ({self.dtype})",
+                          f"{per_slot} bytes for {model_label(self.model)} ({self.dtype})",
                           "raise engine.kv_budget_bytes or lower engine.max_len", where)
         need, free = pool_bytes(slots, e.max_len, per_slot), available_memory_bytes()
         if free is not None and need > free:
-            raise Problem(f"KV pool of {slots} slots x {e.max_len} tokens needs {gib(need)} for {self.model} "
-                          f"({self.dtype}), more than the {gib(free)} of memory available", fix, where)
+            raise Problem(f"KV pool of {slots} slots x {e.max_len} tokens needs {gib(need)} for "
+                          f"{model_label(self.model)} ({self.dtype}), more than the {gib(free)} of memory available",
+                          fix, where)
 
     def _check_stop(self) -> None:
         a = self.arrivals

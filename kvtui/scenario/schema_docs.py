@@ -274,7 +274,8 @@ def knob_table() -> list[str]:
         elif knob == "on":
             what = "with `fault`: on (default true) or off"
         elif knob == "lora.reload":
-            what = "loads that LoRA adapter (named in `lora.adapters`) again with new weights: version + 1"
+            what = ("loads that LoRA adapter (named in `lora.adapters`) again with new weights: version + 1; "
+                    "`none` is the base model, never reloaded")
         else:
             what = f"engine `{engine_field}` from the next step"
         rows.append("| " + " | ".join(cell(t) for t in (

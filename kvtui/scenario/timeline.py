@@ -19,7 +19,7 @@ from kvtui.config import KNOB_BOUNDS, Layout, PaddingSide, SlotReuse, TooLong
 from kvtui.names import did_you_mean
 from kvtui.scenario.base import FAULT_NAMES, MAX_RATE, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem, describe, short
-from kvtui.scenario.lora import AdapterName
+from kvtui.scenario.lora import ReloadName
 
 _strict = pydantic.ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -49,7 +49,7 @@ RUNTIME_KNOBS: dict[str, tuple[str | None, TypeAdapter]] = {
     "engine.on_too_long": ("on_too_long", _adapter(TooLong)),
     "engine.max_waiting": ("max_waiting", _adapter(bounded("max_waiting") | None)),
     "fault": (None, _adapter(Literal[FAULT_NAMES])),
-    "lora.reload": (None, _adapter(AdapterName)),  # a LoRA adapter loaded again with new weights (scenario/lora.py)
+    "lora.reload": (None, _adapter(ReloadName)),  # a LoRA adapter loaded again with new weights (scenario/lora.py)
     "on": (None, _adapter(bool)),
 }
 

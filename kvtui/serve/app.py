@@ -24,6 +24,7 @@ next step boundary.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import secrets
@@ -34,7 +35,7 @@ from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -47,6 +48,7 @@ from kvtui.serve.embeds import ENABLE_HINT, EmbedsSpec, chat_input, completion_i
 from kvtui.serve.fanout import Choices
 from kvtui.serve.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from kvtui.serve.images import has_images, refuse_images
+from kvtui.serve.jsonsafe import InternalErrors, JSONBody, NonFiniteNumber
 from kvtui.serve.lora import ServedAdapters, add_lora_routes, not_found
 from kvtui.serve.metrics import CONTENT_TYPE, ServeMetrics
 from kvtui.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, LoneSurrogate, sampling_params
@@ -135,8 +137,12 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     """The application; `state.context` is set by the server once the model is loaded. `api_key`: the
     Bearer token /v1/* needs (None: open); `max_request_bytes`: the largest body taken (413 past it);
     `runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating)."""
-    app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app = FastAPI(title="kvtui serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=JSONBody)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       embeds_width=lambda: state.context.prompt_embeds.hidden_size
+                       if state.context is not None and state.context.prompt_embeds is not None else None)
+    app.add_middleware(InternalErrors)  # outermost: any exception left is its request's JSON 500
     _error_handlers(app)
     add_transcription_route(app, state)
     if runtime_lora:
@@ -241,33 +247,80 @@ def _embeds_spec(ctx: ServeContext, param: str) -> EmbedsSpec:
 
 def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def api_error(request: Request, e: ApiError) -> JSONBody:
+        return JSONBody(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, e: RequestValidationError) -> JSONBody:
         first = e.errors()[0] if e.errors() else {}
         cause = (first.get("ctx") or {}).get("error")
         if isinstance(cause, LoneSurrogate):
             error = ApiError(400, str(cause), param=cause.path[0] if cause.path else None, code="invalid_unicode")
-            return JSONResponse(error.body(), status_code=400)
-        return JSONResponse(_invalid_body(first).body(), status_code=400)
+            return JSONBody(error.body(), status_code=400)
+        return JSONBody(_invalid_body(e.errors(), e.body).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONBody:
+        return JSONBody(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
 
-def _invalid_body(first: dict) -> ApiError:
-    """The 400 for FastAPI's first validation error: `param` names the top-level field at fault, or null
-    when the body itself is (unparsable JSON, not an object), as OpenAI and vLLM answer."""
+def _invalid_body(errors: list[dict], body) -> ApiError:
+    """The 400 for FastAPI's validation errors: `param` names the top-level field at fault, or null when the
+    body itself is (unparsable JSON, not an object), as OpenAI and vLLM answer. The message names the
+    field as the request wrote it (`messages[0].content`, `logit_bias["5"]`), never pydantic's names for
+    the branches of a union (`prompt.str`, `prompt.list[int]`); of a union's errors it keeps those that
+    reached deepest into the value sent (the branch the value fits), their wants joined."""
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         where = first.get("loc", ("body", 0))[-1]
         why = (first.get("ctx") or {}).get("error", "")
         return ApiError(400, f"the body is not valid JSON ({why} at character {where}); send a JSON object")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc and isinstance(first["loc"][1], str) else None
-    return ApiError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+    loc = tuple(first.get("loc", ()))
+    if len(loc) < 2 or not isinstance(loc[1], str):  # the body itself (not an object)
+        return ApiError(400, f"body: {first.get('msg', 'invalid request')}")
+    param = loc[1]
+    same = [(_user_path(e.get("loc", ())[1:], body), e.get("msg", "invalid")) for e in errors
+            if tuple(e.get("loc", ()))[:2] == loc[:2]]
+    deepest = max(len(path) for path, _ in same)
+    paths = [path for path, _ in same if len(path) == deepest]
+    wants = list(dict.fromkeys(msg for path, msg in same if path == paths[0]))
+    return ApiError(400, f"{_path_text(paths[0])}: {_joined(wants)}", param=param)
+
+
+def _user_path(loc: tuple, body) -> tuple:
+    """The parts of a pydantic error location that are keys and indexes of the request `body` itself (union
+    branch tags such as `str` or `list[int]` left out)."""
+    path, value = [], body
+    for part in loc:
+        if isinstance(value, dict) and isinstance(part, str) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        else:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _path_text(path: tuple) -> str:
+    """`messages[0].content`, `logit_bias["5"]`: a field's place as JSON paths write it."""
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier():
+            text += f".{part}" if text else part
+        else:
+            text += "[" + json.dumps(part) + "]"
+    return text or "body"
+
+
+def _joined(wants: list[str]) -> str:
+    """"Input should be a valid string or a valid list": several wants at one place, said once."""
+    prefix = "Input should be "
+    if len(wants) > 1 and all(w.startswith(prefix) for w in wants):
+        return prefix + " or ".join(w[len(prefix):] for w in wants)
+    return "; or ".join(wants)
 
 
 def _precompile(ctx: ServeContext, body) -> None:
@@ -362,7 +415,7 @@ async def _serve(ctx: ServeContext, request: Request, body, prompts: list[Prompt
                                      background=BackgroundTask(choices.abort, ctx.bridge))
         answer = await _whole(choices, first, formatter, listener, echo)
         choices.close()
-        return JSONResponse(answer)
+        return JSONBody(answer)
     except ClientGone:
         choices.abort(ctx.bridge)
         return Response(status_code=499)
@@ -445,43 +498,58 @@ async def _whole(choices: Choices, item, formatter: Formatter, listener: asyncio
 async def _stream(ctx: ServeContext, choices: Choices, item, formatter: Formatter, texts: list[TextStream],
                   echo: list[str], *, include_usage: bool):
     """The server-sent events of a streamed response, each chunk with its choice's index (a choice's first
-    chunk begins with its prompt's echo); a client that goes away aborts the request."""
-    finished, done, heads = False, {}, _Heads(choices, echo)
+    chunk begins with its prompt's echo), then `[DONE]`; a client that goes away aborts the request. A
+    chunk that would hold NaN or an infinity (JSON has neither) ends the stream with a non_finite_output
+    error event instead, and aborts the request."""
+    finished: list[bool] = [False]  # set once the request ended on its own (nothing to abort)
     try:
-        if formatter.chat:
-            for index in range(choices.total):
-                yield sse(formatter.role_chunk(index))
-        while True:
-            if isinstance(item, TokenOut):
-                delta, entries = texts[item.index].add(item.token_id), [item.logprobs] if item.logprobs else []
-                head = heads.take(item.index)
-                if head or delta or entries:
-                    yield sse(formatter.chunk(head + delta, entries, index=item.index))
-            elif isinstance(item, Finish) and item.finish_reason in ("error", "rejected"):  # vLLM's way: an error
-                finished = True  # event, then [DONE]
-                yield sse(engine_error(item).body())
-                break
-            elif isinstance(item, Finish):
-                index = choices.index_of(item.request_id)
-                done[index] = item
-                yield sse(formatter.chunk(heads.take(index) + texts[index].finish(item.output_text), [],
-                                          item.finish_reason, index=index))
-            else:  # Closed: every choice still open ends as aborted
-                for index in sorted(set(range(choices.total)) - set(done)):
-                    yield sse(formatter.chunk(heads.take(index), [], "abort", index=index))
-            if isinstance(item, Closed) or len(done) == choices.total:
-                finished = True
-                if include_usage and len(done) == choices.total:
-                    yield sse(formatter.usage_chunk(choices.prompt_tokens,
-                                                    sum(len(f.output_ids) for f in done.values()),
-                                                    choices.cached_tokens))
-                break
-            item = await choices.queue.get()
+        try:
+            async for event in _chunks(choices, item, formatter, texts, echo, include_usage, finished):
+                yield event
+        except NonFiniteNumber as e:
+            log.error("a stream chunk held %s at %s; the stream ends with a non_finite_output error", e.value,
+                      e.where)
+            yield sse(e.error().body())
         yield sse("[DONE]")
     finally:
-        if not finished:
+        if not finished[0]:
             choices.abort(ctx.bridge)
         choices.close()
+
+
+async def _chunks(choices: Choices, item, formatter: Formatter, texts: list[TextStream], echo: list[str],
+                  include_usage: bool, finished: list[bool]):
+    """_stream's events before `[DONE]`; sets finished[0] once the request ended (all choices, an error, or
+    the server closing)."""
+    done, heads = {}, _Heads(choices, echo)
+    if formatter.chat:
+        for index in range(choices.total):
+            yield sse(formatter.role_chunk(index))
+    while True:
+        if isinstance(item, TokenOut):
+            delta, entries = texts[item.index].add(item.token_id), [item.logprobs] if item.logprobs else []
+            head = heads.take(item.index)
+            if head or delta or entries:
+                yield sse(formatter.chunk(head + delta, entries, index=item.index))
+        elif isinstance(item, Finish) and item.finish_reason in ("error", "rejected"):  # vLLM's way: an error
+            finished[0] = True  # event, then [DONE]
+            yield sse(engine_error(item).body())
+            return
+        elif isinstance(item, Finish):
+            index = choices.index_of(item.request_id)
+            done[index] = item
+            yield sse(formatter.chunk(heads.take(index) + texts[index].finish(item.output_text), [],
+                                      item.finish_reason, index=index))
+        else:  # Closed: every choice still open ends as aborted
+            for index in sorted(set(range(choices.total)) - set(done)):
+                yield sse(formatter.chunk(heads.take(index), [], "abort", index=index))
+        if isinstance(item, Closed) or len(done) == choices.total:
+            finished[0] = True
+            if include_usage and len(done) == choices.total:
+                yield sse(formatter.usage_chunk(choices.prompt_tokens, sum(len(f.output_ids) for f in done.values()),
+                                                choices.cached_tokens))
+            return
+        item = await choices.queue.get()
 
 
 class _Heads:

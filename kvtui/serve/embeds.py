@@ -107,13 +107,20 @@ def _read(data, spec: EmbedsSpec, param: str) -> torch.Tensor:
     except pickle.UnpicklingError:  # weights_only refused an object: pickled code or a class it does not read
         raise ApiError(400, f"{param} holds objects other than tensors, which are never unpickled here; "
                        f"{expected}", param=param) from None
-    except Exception as e:  # noqa: BLE001 - any unreadable file: not a zip, truncated
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise ApiError(400, f"{param} could not be read as torch.save bytes of a tensor ({why}); {expected}",
-                       param=param) from None
+    except Exception:  # noqa: BLE001 - any unreadable file: not a zip, truncated (torch's words are its internals)
+        raise ApiError(400, f"{param} {_unreadable(raw)}; {expected}", param=param) from None
     if not isinstance(tensor, torch.Tensor):
         raise ApiError(400, f"{param} holds a {type(tensor).__name__}, not a tensor; {expected}", param=param)
     return tensor
+
+
+def _unreadable(raw: bytes) -> str:
+    """Why bytes torch.load refused are no torch.save file, in the client's terms (torch's own words name its
+    internals: a KeyError's bare number, miniz's central directory)."""
+    if not raw.startswith(b"PK\x03\x04"):
+        return (f"decodes to {len(raw)} bytes that are not a torch.save file (torch.save writes a zip archive, "
+                f"starting PK; these start {raw[:8]!r})")
+    return f"decodes to a zip archive of {len(raw)} bytes that torch.load cannot read (cut short or damaged)"
 
 
 def _checked(tensor: torch.Tensor, spec: EmbedsSpec, param: str) -> torch.Tensor:

@@ -9,9 +9,14 @@ is accepted and ignored (every picture becomes one 224 x 224 encoder input); vLL
 mm_uuid_trusted fault.
 
 Decoding is bounded: the base64 text is checked against MAX_IMAGE_CHARS (413) before it is decoded, and
-the picture's width x height, read from its header, against MAX_IMAGE_PIXELS (413) before Pillow decodes
-its pixels. Pillow opens the bytes only with the decoders of the accepted formats, and `.load()` decodes
-them fully inside the same try, so a truncated or corrupt file is a 400, never a half-read picture.
+the picture's width and height, read from its header, against MAX_IMAGE_SIDE each and MAX_IMAGE_PIXELS in
+all (400 `image_too_large`) before Pillow decodes its pixels. Both bounds matter: a PNG of 1 x 39,000,000
+pixels (151 kB) is under the total, yet its decode, hash and resize took 4.7 s here (AMD EPYC, 2 cores)
+and held the GIL for up to 1.8 s at a time, so /health waited behind it; 16384 x 2441, at both bounds,
+takes 1.0 s and lets other threads run (gaps of 0.02 s). The decode runs in the server's tokenizing
+threads (kvtui/serve/app.py), never on the event loop. Pillow opens the bytes only with the decoders of
+the accepted formats, and `.load()` decodes them fully inside the same try, so a truncated or corrupt
+file is a 400, never a half-read picture.
 Each refusal names the part (`messages[i].content[j]...`) and says what to send.
 
 Where an image goes in the prompt: the chat template is rendered with a marker in the part's place,
@@ -33,6 +38,7 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
 FORMATS = tuple(sorted(set(MEDIA_TYPES.values())))  # the only decoders Pillow may use here
 MAX_IMAGE_CHARS = 20 * 1024 * 1024  # base64 characters of one picture (about 15 MB of file)
 MAX_IMAGE_PIXELS = 40_000_000  # width x height of one picture, checked before its pixels are decoded
+MAX_IMAGE_SIDE = 16_384  # width and height each (the picture becomes 224 x 224): see the module docstring
 SEND = ("send the picture inline as {\"type\": \"image_url\", \"image_url\": {\"url\": "
         "\"data:image/png;base64,<base64 of the file>\"}} (PNG, JPEG, WebP, GIF or BMP)")
 NO_IMAGES_HINT = "start `kvtui serve --model dinov2-smollm2` to send images"
@@ -91,8 +97,9 @@ def decode_image(url: str, param: str):
 
     Raises:
         ApiError: 400 naming `param` for a network URL, a URL that is not base64 data of an accepted image
-            type, or bytes Pillow cannot read completely; 413 for base64 past MAX_IMAGE_CHARS or a picture
-            past MAX_IMAGE_PIXELS.
+            type, or bytes Pillow cannot read completely; 400 `image_too_large` for a picture past MAX_IMAGE_SIDE
+            a side or MAX_IMAGE_PIXELS in all (read from its header, before any pixel is decoded); 413 for base64
+            past MAX_IMAGE_CHARS.
     """
     return _pillow(_data_bytes(url, param), param)
 
@@ -131,11 +138,9 @@ def _pillow(raw: bytes, param: str):
     image = None
     try:
         image = Image.open(io.BytesIO(raw), formats=FORMATS)
-        width, height = image.size
-        if width * height > MAX_IMAGE_PIXELS:
-            raise ApiError(413, f"{param} is {width} x {height} pixels; at most {MAX_IMAGE_PIXELS} pixels are taken "
-                           "per picture (it is resized to 224 x 224 anyway): send a smaller picture", param=param,
-                           code="request_too_large")
+        width, height = image.size  # from the header: nothing is decoded yet
+        if max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
+            raise _too_many_pixels(param, f"is {width} x {height} pixels")
         image.load()
     except ApiError:
         raise
@@ -143,8 +148,7 @@ def _pillow(raw: bytes, param: str):
         raise ApiError(400, f"{param} is not a picture Pillow reads as PNG, JPEG, WebP, GIF or BMP; {SEND}",
                        param=param) from None
     except Image.DecompressionBombError:
-        raise ApiError(413, f"{param} decodes to too many pixels; send a smaller picture", param=param,
-                       code="request_too_large") from None
+        raise _too_many_pixels(param, "decodes to too many pixels") from None
     except Exception as e:  # noqa: BLE001 - truncated or corrupt data: any decoder error
         why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         kind = getattr(image, "format", None) or "image"
@@ -152,3 +156,9 @@ def _pillow(raw: bytes, param: str):
                        f"{SEND}", param=param) from None
     return image
 
+
+def _too_many_pixels(param: str, what: str) -> ApiError:
+    """The 400 for a picture past the pixel bounds (`what`: "is W x H pixels")."""
+    return ApiError(400, f"{param} {what}; at most {MAX_IMAGE_SIDE} pixels a side and {MAX_IMAGE_PIXELS} in all are "
+                    "taken per picture (it is resized to 224 x 224 anyway): send a smaller picture", param=param,
+                    code="image_too_large")

@@ -14,7 +14,10 @@
   vLLM. Loading a loaded name again is vLLM's 400 unless `load_inplace` is true: then it is a reload, the
   adapter's next version (engine/lora.py AdapterRegistry), which requests submitted from then on run
   under; the prefix-cache key carries the version, so they never reuse the old version's blocks (unless
-  the fault lora_reload_stale takes the version out of the key).
+  the fault lora_reload_stale takes the version out of the key). A folder that cannot be run (a missing
+  file, a bad adapter_config.json value, weights that are NaN, infinite or too large for the model's
+  dtype: engine/lora_files.py) is a 400 naming the file and the field or tensor; anything unexpected is
+  the request's JSON 500 (serve/jsonsafe.py), never a plain-text one.
 
 Threads: a folder is read (and a local adapter made) in a tokenizing thread; the engine thread installs
 it between two steps (Session.call_external), in order with the requests queued before and after it,
@@ -228,8 +231,8 @@ async def _load(ctx, body: LoadLoRAAdapterRequest, off_loop) -> str:
                           "adapter in place, set 'load_inplace' to True.")
     try:
         adapter, root = await off_loop(read_adapter, ctx.loaded, body.lora_name, body.lora_path)
-    except ValueError as e:
-        raise ApiError(400, str(e), code=400, kind="BadRequestError") from None
+    except ValueError as e:  # every bad folder, file, config value or weight (engine/lora_files.py): one line
+        raise ApiError(400, str(e), param="lora_path", code=400, kind="BadRequestError") from None
     installed = await _in_engine(ctx, lambda registry: registry.add(adapter))
     served.add(LoraModule(body.lora_name, body.lora_path), installed, root)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtui.models.labels import model_label
 from kvtui.serve.server import ServeOptions, ServeServer
 
 
@@ -53,7 +54,7 @@ def run_serve(options: ServeOptions, *, dashboard: bool = False, note: Callable[
 
         if bf16 := bf16_note(options.dtype, options.device):
             note(bf16)
-        note(f"loading {options.model}; {server.url}/health answers 503 until it is ready")
+        note(f"loading {model_label(options.model)}; {server.url}/health answers 503 until it is ready")
         _load(server)
         if dashboard:
             return _dashboard(server)

@@ -7,22 +7,36 @@ log-probabilities in each endpoint's shape.
   where each top_logprobs dict holds the k most likely tokens and the sampled one (as vLLM).
 
 Token strings are each token decoded alone, special tokens kept (as vLLM); `bytes` is that string's
-UTF-8 encoding. Every logprob is a natural log. With `n > 1` a response holds n choices, `index` 0 ..
-n - 1 (each stream chunk carries its choice's index), and `usage.completion_tokens` sums them all.
+UTF-8 encoding. Every logprob is a natural log; -inf (probability 0) is written -9999.0, as vLLM
+writes it. With `n > 1` a response holds n choices, `index` 0 .. n - 1 (each stream chunk carries its
+choice's index), and `usage.completion_tokens` sums them all.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import time
 
+from kvtui.serve.jsonsafe import dumps
+
 Entry = tuple[tuple[int, float], ...]  # (token id, logprob): the sampled token first, then the top k
+MIN_LOGPROB = -9999.0  # a logprob of -inf (probability 0) as vLLM writes it: JSON has no infinity
 
 
 def sse(payload: dict | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string).
+
+    Raises:
+        jsonsafe.NonFiniteNumber: the payload holds NaN or an infinity (the stream then ends with an error).
+    """
+    data = payload if isinstance(payload, str) else dumps(payload)
     return f"data: {data}\n\n"
+
+
+def logprob_value(logprob: float) -> float:
+    """A logprob as a response carries it: -inf (a token of probability 0) is vLLM's -9999.0; NaN stays
+    NaN, which the JSON writer refuses (jsonsafe: the request gets an error, never a bare NaN)."""
+    return MIN_LOGPROB if logprob == -math.inf else logprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -67,8 +81,8 @@ class Formatter:
         for (token_id, logprob), *top in entries:
             text = self._token(token_id)
             out["tokens"].append(text)
-            out["token_logprobs"].append(logprob)
-            out["top_logprobs"].append({self._token(t): lp for t, lp in [*top, (token_id, logprob)]})
+            out["token_logprobs"].append(logprob_value(logprob))
+            out["top_logprobs"].append({self._token(t): logprob_value(lp) for t, lp in [*top, (token_id, logprob)]})
             out["text_offset"].append(self._offset.get(index, 0))
             self._offset[index] = self._offset.get(index, 0) + len(text)
         return out
@@ -78,7 +92,7 @@ class Formatter:
 
         def spelled(t: int, lp: float) -> dict:
             text = self._token(t)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": logprob_value(lp), "bytes": list(text.encode("utf-8"))}
 
         return {**spelled(token_id, logprob), "top_logprobs": [spelled(t, lp) for t, lp in top]}
 

@@ -166,16 +166,24 @@ class ServeServer:
 
     def check(self) -> None:
         """What load() checks before it reads any weights: the fault names and where they act, the engine
-        values, the model's name or path (when the default loader loads it).
+        values, the --lora-modules folders and LoRA against --enforce-eager / --batch-invariant
+        (config.py lora_mode_problem, as `kvtui run` asks it), the model's name or path (when the
+        default loader loads it).
 
         Raises:
             ValueError: a bad engine value or fault name; kvtui.models.ModelLoadError: an unknown model
                 or one that is not installed.
         """
         self._checked_scenario()
+        from kvtui.config import lora_mode_problem
         from kvtui.serve.lora import check_modules
 
         check_modules(self.options.lora_modules)
+        problem = self.lora_enabled and lora_mode_problem(enforce_eager=self.options.enforce_eager,
+                                                          batch_invariant=bool(self.options.batch_invariant))
+        if problem:  # before any weights load: the flags alone decide it
+            flag = "--enforce-eager" if self.options.enforce_eager else "--batch-invariant"
+            raise ValueError(f"{self._lora_flag}: {problem}: drop {flag}")
         if self._load is _load_model:
             from kvtui.models import check_model_available
 
@@ -216,6 +224,11 @@ class ServeServer:
         """--enable-lora, or adapters given with --lora-modules."""
         return self.options.enable_lora or bool(self.options.lora_modules)
 
+    @property
+    def _lora_flag(self) -> str:
+        """The flag that turned LoRA on, for error lines."""
+        return "--lora-modules" if self.options.lora_modules else "--enable-lora"
+
     def _load_adapters(self) -> None:
         """With LoRA on: check the model can run adapters and read the --lora-modules adapters (making the
         built-in local ones). Raises ValueError (one line naming the flag)."""
@@ -225,11 +238,10 @@ class ServeServer:
         self.adapters = ServedAdapters(self.metrics.model_name, self.lora_enabled)
         if not self.lora_enabled:
             return
-        flag = "--lora-modules" if self.options.lora_modules else "--enable-lora"
         problem = lora_problem(self.loaded.model, enforce_eager=self.options.enforce_eager,
                                batch_invariant=bool(self.options.batch_invariant))
         if problem:
-            raise ValueError(f"{flag}: {problem}")
+            raise ValueError(f"{self._lora_flag}: {problem}")
         for module in self.options.lora_modules:
             try:
                 adapter, root = read_adapter(self.loaded, module.name, module.path)

@@ -23,13 +23,14 @@ import re
 import secrets
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models.whisper import SAMPLE_RATE
 from kvtui.serve.audio import AudioError, decode_audio
 from kvtui.serve.bridge import NotAccepting
+from kvtui.serve.jsonsafe import JSONBody
 from kvtui.serve.protocol import ApiError
 
 FORMATS = ("json", "text", "verbose_json")
@@ -182,9 +183,9 @@ def _answer(finish, fields: dict, *, duration_s: float) -> Response:
         return PlainTextResponse(text + "\n")
     usage = {"type": "duration", "seconds": round(duration_s, 3)}
     if fields["format"] == "json":
-        return JSONResponse({"text": text, "usage": usage})
+        return JSONBody({"text": text, "usage": usage})
     segment = {"id": 0, "seek": 0, "start": 0.0, "end": round(duration_s, 3), "text": text,
                "tokens": list(finish.output_ids), "temperature": fields["temperature"], "avg_logprob": None,
                "compression_ratio": None, "no_speech_prob": None}
-    return JSONResponse({"task": "transcribe", "language": "english", "duration": round(duration_s, 3),
+    return JSONBody({"task": "transcribe", "language": "english", "duration": round(duration_s, 3),
                          "text": text, "segments": [segment], "usage": usage})

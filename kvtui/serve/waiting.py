@@ -21,6 +21,9 @@ ENGINE_ERRORS = {"queue_full": (429, "rate_limit_exceeded", None),
                  "empty": (400, "empty_prompt", "prompt"),
                  "out_of_vocabulary": (400, "out_of_vocabulary", "prompt"),
                  "invalid_logit_bias": (400, "invalid_logit_bias", "logit_bias"),
+                 "invalid_bad_words": (400, "invalid_bad_words", "bad_words"),
+                 "unsupported_input": (400, "model_not_supported", None),  # an input the model cannot take
+                 "adapter_unsupported": (400, "model_not_supported", "model"),  # an adapter this engine cannot run
                  "internal_error": (500, "internal_error", None),
                  "model_not_found": (404, 404, "model"),  # an adapter unloaded after the request came in
                  "invalid_structured_output": (400, "invalid_structured_output", None)}

@@ -10,6 +10,8 @@ serve`) whose internals are not visible: what can be checked is what its HTTP en
 - `server_probe`: polls `/metrics` (Prometheus) and llama.cpp's `/slots`.
 - `solo_check`, `audit`: the black-box reference check and noninterference audit.
 - `options`: TargetOptions, how to reach and drive a server.
+- `reach`: the first contact (GET /v1/models) every command makes, and the one wording for an answer
+  that is not JSON (TargetError, BadAnswer).
 - `llama_server`, `vllm_cpu`: start llama.cpp's server or vLLM for tests and findings.
 The dashboard on a target lives in kvtui/tui/ (target_source, server_track, server_panels), the
 `--target` commands in kvtui/cli/target.py.

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from kvtui.models.default import cache_dir
+from kvtui.target.reach import is_json
 
 ENV_BINARY = "KVTUI_LLAMA_SERVER"
 BUILD_HINT = "run scripts/build-llama-server.sh"
@@ -176,7 +177,8 @@ class LlamaServer:
             response = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0)
         except httpx.HTTPError:
             return False
-        return response.status_code == 200 and response.json().get("status") == "ok"
+        data = response.json() if response.status_code == 200 and is_json(response) else None
+        return isinstance(data, dict) and data.get("status") == "ok"
 
     def _fail(self, message: str) -> None:
         tail = self.log_tail()

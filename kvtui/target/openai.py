@@ -23,12 +23,13 @@ logprob}]}`. Natural-log probabilities: differences of logprobs at one position 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
+from kvtui.target.reach import BadAnswer, answered, stream_event
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 TOP_LOGPROBS = 5  # alternatives per token: a near tie of three still shows both runs' choices
@@ -191,6 +192,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
     except asyncio.TimeoutError:
         result.timed_out = True
         return _failed(result, f"timeout: no complete answer within {timeout_s:g} s")
+    except BadAnswer as e:  # its message says what came back (not JSON, an error event)
+        return _failed(result, str(e))
     except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         return _failed(result, f"{type(e).__name__}: {e}".strip())
     if result.error is None and result.finish_reason is None:
@@ -206,12 +209,21 @@ async def _read_stream(client: httpx.AsyncClient, path: str, body: dict, result:
             detail = (await response.aread()).decode("utf-8", "replace").strip()
             _failed(result, f"HTTP {response.status_code}: {detail[:300]}")
             return
+        events, other = 0, []  # data lines read; the start of anything else (what came instead of a stream)
         async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                if not events and line.strip() and sum(map(len, other)) < 200:
+                    other.append(line)
+                continue
+            events += 1
             chunks = len(result.chunk_times_s)
             if _read_event(line, result, clock):
                 return
             if on_chunk is not None and len(result.chunk_times_s) > chunks:
                 on_chunk(result, result.pieces[-1])
+        if not events:  # e.g. a 200 text/html page: no server-sent event at all
+            raise BadAnswer(f"POST {response.request.url.path} "
+                            f"{answered(response, ' '.join(other), 'not a stream of server-sent events')}")
 
 
 def _failed(result: StreamResult, error: str) -> StreamResult:
@@ -223,16 +235,15 @@ def _read_event(line: str, result: StreamResult, clock: Callable[[], float]) -> 
     """Fold one SSE line into `result`; True at `data: [DONE]`. Comments and other fields are skipped.
 
     Raises:
-        ValueError: a data line that is not JSON; KeyError/TypeError/IndexError: a malformed chunk.
+        BadAnswer: a data line that is not a JSON object, or an error event; KeyError/TypeError/IndexError: a
+            malformed chunk.
     """
     if not line.startswith("data:"):
         return False
     payload = line[5:].strip()
     if payload == "[DONE]":
         return True
-    data = json.loads(payload)
-    if isinstance(data, dict) and "error" in data and not data.get("choices"):
-        raise ValueError(f"server error in stream: {json.dumps(data['error'])[:300]}")
+    data = stream_event(payload)
     if data.get("choices"):
         _add_chunk(data["choices"][0], result, clock())
     usage = data.get("usage")

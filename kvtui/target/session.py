@@ -47,6 +47,8 @@ from kvtui.run.sink import Listener, RunSink
 from kvtui.target.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
 from kvtui.target.openai import StreamResult, request_body, stream_request
 from kvtui.target.options import TargetOptions
+from kvtui.target.reach import TargetError as TargetError  # re-exported: the run's one error for its callers
+from kvtui.target.reach import first_model, probe
 from kvtui.target.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.target.server_probe import ServerProbe
 from kvtui.target.solo_check import reference_event, uncached
@@ -59,10 +61,6 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class _ClientCancel(Exception):
     """Raised from a stream's chunk callback to cut a request the scenario cancels (rounds' `cancel`)."""
-
-
-class TargetError(Exception):
-    """The target cannot be used at all (unreachable, not an HTTP server). One line for the user."""
 
 
 # what /v1/models' `owned_by` says of the server
@@ -189,7 +187,7 @@ class TargetSession(RunBase):
         """Drive the whole scenario, then the reference checks; returns the summary (also written last).
 
         Raises:
-            TargetError: the server cannot be reached at all (nothing was sent).
+            TargetError: the server cannot be reached at all or does not answer JSON (nothing was sent).
         """
         return asyncio.run(self.run_async(on_progress))
 
@@ -233,12 +231,21 @@ class TargetSession(RunBase):
         return self.close()
 
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
-        """Check the server answers; take the served model's name from /v1/models unless given."""
+        """Check the server (and the reference server, when named) answers /v1/models with JSON; take the
+        served model's name from it unless given.
+
+        Raises:
+            TargetError: as kvtui.target.reach.first_model.
+        """
         first = await first_model(client, self.options.url, self.served_model)
         if self.served_model is None:
             self.served_model = first.get("id")
         if first.get("owned_by") in SERVER_KINDS:
             self.server_kind = SERVER_KINDS[first["owned_by"]]
+        if self.options.reference_url:  # the solo runs' server answers too, before any request is sent
+            async with httpx.AsyncClient(base_url=self.options.reference_url.rstrip("/"),
+                                         transport=self.options.transport) as reference:
+                await first_model(reference, self.options.reference_url, self.options.served_model, "--reference-target")
 
     async def _drive(self, client: httpx.AsyncClient) -> list[asyncio.Task]:
         """Send each planned request at its arrival time; returns the request tasks."""
@@ -511,40 +518,16 @@ class TargetSession(RunBase):
                                request_id_audit=line)
 
 
-async def first_model(client: httpx.AsyncClient, url: str, served_model: str | None) -> dict:
-    """The first entry of the server's /v1/models ({} when it lists none or answers otherwise).
-
-    Raises:
-        TargetError: the server cannot be reached, or /v1/models is not found and no served model is
-            named (the URL is probably not the server's base URL).
-    """
-    try:
-        response = await client.get("/v1/models", timeout=10.0)
-    except httpx.HTTPError as e:
-        raise TargetError(f"cannot reach {url} ({type(e).__name__}: {e}); "
-                          "check --target (http://HOST:PORT) and that the server is up") from None
-    if response.status_code == 404 and served_model is None:
-        raise TargetError(f"{url}/v1/models answered 404 Not Found: is {url} the server's base URL? Give "
-                          "http://HOST:PORT (kvtui adds /v1/...), or name the model with --served-model if the "
-                          "server has no /v1/models")
-    try:
-        first = response.json()["data"][0] if response.status_code == 200 else {}
-    except (ValueError, KeyError, IndexError, TypeError):
-        first = {}
-    return first if isinstance(first, dict) else {}
-
-
 def check_reachable(options: TargetOptions) -> None:
-    """Ask the server at `options.url` for /v1/models once, before anything slow is set up.
+    """Ask the server at `options.url` (and the reference server, when one is named) for /v1/models once,
+    before anything slow is set up (kvtui.target.reach.probe: the one check every command makes).
 
     Raises:
-        TargetError: as first_model.
+        TargetError: as kvtui.target.reach.first_model.
     """
-    async def ask() -> None:
-        async with httpx.AsyncClient(base_url=options.url.rstrip("/"), transport=options.transport) as client:
-            await first_model(client, options.url, options.served_model)
-
-    asyncio.run(ask())
+    probe(options.url, options.served_model, transport=options.transport)
+    if options.reference_url:
+        probe(options.reference_url, options.served_model, transport=options.transport, flag="--reference-target")
 
 
 def overlap_warnings(planned) -> list[str]:

@@ -45,8 +45,8 @@ import httpx
 
 from kvtui.audit_timing import DEFAULT_PROBES, DEFAULT_TARGET_BLOCK_SIZE, make_probes, roc_auc
 from kvtui.target.openai import COMPLETIONS_PATH, stream_request
+from kvtui.target.reach import TargetError, first_model
 from kvtui.target.server_probe import parse_info
-from kvtui.target.session import TargetError
 
 AUC_LIMIT = 0.9
 CONFIGS = ("different", "same", "none")
@@ -182,17 +182,8 @@ async def measure(prober: _Prober, tokenizer, config: str, *, count: int, block_
 async def _audit(options, tokenizer, *, probes: int, block_size: int | None, say) -> tuple[ServerCache, list]:
     async with httpx.AsyncClient(base_url=options.url.rstrip("/"), transport=options.transport,
                                  timeout=httpx.Timeout(options.timeout_s)) as client:
-        try:
-            models = await client.get("/v1/models", timeout=10.0)
-        except httpx.HTTPError as e:
-            raise TargetError(f"cannot reach {options.url} ({type(e).__name__}: {e}); "
-                              "check --target (http://HOST:PORT) and that the server is up") from None
-        model = options.served_model
-        if model is None:
-            try:
-                model = models.json()["data"][0]["id"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                model = None
+        first = await first_model(client, options.url, options.served_model)
+        model = options.served_model or first.get("id")
         cache = await server_cache(client, block_size)
         say(f"audit --timing: probes of {cache.block_size} tokens a block ({cache.source})")
         prober = _Prober(client, model, options.timeout_s)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvtui.target.openai import StreamResult
+from kvtui.target.reach import answered, excerpt
 
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
 
@@ -66,11 +67,13 @@ async def transcribe_request(client: httpx.AsyncClient, planned, form: dict[str,
     if response.status_code != 200:
         return _failed(result, f"HTTP {response.status_code}: {response.text.strip()[:300]}")
     try:
-        text = response.json()["text"]
-    except (ValueError, KeyError, TypeError) as e:
-        return _failed(result, f"the answer is not a transcription JSON ({type(e).__name__}: {e})")
+        data = response.json()
+    except ValueError:
+        return _failed(result, f"POST {TRANSCRIPTIONS_PATH} {answered(response)}")
+    text = data.get("text") if isinstance(data, dict) else None
     if not isinstance(text, str):
-        return _failed(result, "the answer's `text` is not a string")
+        return _failed(result, f"POST {TRANSCRIPTIONS_PATH} answered JSON without a `text` string (not a "
+                               f"transcription): {excerpt(response.text)}")
     result.pieces = re.findall(r"\s*\S+", text.strip()) or [""]
     result.first_s = result.end_s = now
     result.chunk_times_s = [now]  # one answer, not streamed: a single chunk

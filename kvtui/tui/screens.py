@@ -118,7 +118,7 @@ HELP = """\
   events         timeline markers, fault switches, rejections, errors
 
 [b]Keys[/b] (also in the command palette, ctrl+p)
-  i        isolation on/off (switches the scenario's fault set: {faults})
+  i        isolation on/off (switches the scenario's fault set{faults})
   f        pick faults from a list (✗: cannot act in this run's layout or KV mode)
   space    pause / resume            n    one step while paused
   + / -    arrival rate x1.25 / ÷1.25 (replay: playback speed)
@@ -132,8 +132,17 @@ the run says why it cannot act instead; r restarts a run that has ended, q quits
 """
 
 
+def help_text(isolation_faults: tuple[str, ...]) -> str:
+    """The help screen's text for a run whose `i` key switches `isolation_faults` (empty: the run's header has
+    not arrived yet, so the set is not known; the model is still loading)."""
+    faults = f": {', '.join(isolation_faults)}" if isolation_faults else ", shown once loaded"
+    return HELP.format(faults=faults)
+
+
 class HelpScreen(ModalScreen[None]):
-    """What the panels show and what the keys do, in a box that scrolls where the terminal is short."""
+    """What the panels show and what the keys do, in a box that scrolls where the terminal is short. Its
+    text follows the run's header: the app calls `show_faults` with each snapshot's fault set, so a help
+    opened while the model loads names the run's set once the header arrives."""
 
     BINDINGS = [Binding("escape,question_mark,q", "close", "close")]
 
@@ -143,7 +152,15 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Static(HELP.format(faults=", ".join(self.isolation_faults)), id="help-text")
+            yield Static(help_text(self.isolation_faults), id="help-text")
+
+    def show_faults(self, isolation_faults: tuple[str, ...]) -> None:
+        """Redraw the text for the set `i` switches now (a no-op when it is unchanged)."""
+        if isolation_faults == self.isolation_faults:
+            return
+        self.isolation_faults = isolation_faults
+        if self.is_mounted:
+            self.query_one("#help-text", Static).update(help_text(isolation_faults))
 
     def on_mount(self) -> None:
         self.query_one("#help", VerticalScroll).focus()  # the arrow keys and PgUp/PgDn scroll it

@@ -186,7 +186,7 @@ class Snapshot:
         seq: how many events the state had applied.
         scenario, model, dtype, clock, layout: from the header.
         step: last engine step index (-1 before the first); t: run clock (seconds).
-        active_faults: faults on now; isolation_faults: the set `i` switches on.
+        active_faults: faults on now; isolation_faults: the set `i` switches on (() before the header arrives).
         slots, requests: the slot map and the request table rows (active, waiting, then the most
             recently finished), at most MAX_TABLE_ROWS rows.
         arrived, running, waiting, finished, rejected: request counts.

@@ -315,11 +315,13 @@ class DashboardState:
     # -- reading -----------------------------------------------------------------------------
     @property
     def isolation_faults(self) -> tuple[str, ...]:
+        """The faults `i` switches on, from the run's header; () before the header arrives (the model is still
+        loading: the set is not known, and the default set would be a guess)."""
         header = self.header
-        return isolation_fault_set(header.engine.get("faults") if header else (),
-                                   header.scenario.get("timeline") if header else (),
-                                   header.engine.get("kv") or "slots" if header else "slots",
-                                   bool(header.engine.get("prefix_caching")) if header else False)
+        if header is None:
+            return ()
+        return isolation_fault_set(header.engine.get("faults"), header.scenario.get("timeline"),
+                                   header.engine.get("kv") or "slots", bool(header.engine.get("prefix_caching")))
 
 
 def knob_value(value) -> str:
