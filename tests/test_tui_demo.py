@@ -123,6 +123,23 @@ def test_event_log_wraps_at_words():
     assert " ".join(" ".join(rows).replace("6.1s ⚑", "").split()) == text  # every word whole, in order
 
 
+def test_event_log_shows_whole_entries_from_the_top():
+    """At 100x30 the log is 36x6: the demo's four timeline lines wrap to 7 rows, and the panel's top row
+    was the tail of the oldest, `(timeline)`, without its time or symbol. An entry that does not fit whole
+    is now left out; one taller than the panel alone shows its head."""
+    log = (LogLine(1, 2.7, "fault", "fault shared_cache on (timeline)"),
+           LogLine(2, 2.7, "marker", "isolation off (shared_cache)"),
+           LogLine(3, 6.1, "fault", "fault shared_cache off (timeline)"),
+           LogLine(4, 6.1, "marker", "isolation restored"))
+    snap = dataclasses.replace(build_snapshot(DashboardState()), log=log)
+    assert panels.event_log(snap, 36, 6).plain.splitlines() == [
+        "    2.7s ▸ isolation off", "           (shared_cache)", "    6.1s ⚑ fault shared_cache off",
+        "           (timeline)", "    6.1s ▸ isolation restored"]
+    alone = dataclasses.replace(snap, log=(LogLine(5, 9.2, "error", "word " * 30),))
+    rows = panels.event_log(alone, 36, 3).plain.splitlines()
+    assert len(rows) == 3 and rows[0] == "    9.2s ! word word word word word", rows
+
+
 def test_the_contamination_panel_never_splits_a_detector_from_its_count():
     """At 100 columns the witnesses line wrapped inside an entry: `canary` / `7`."""
     header, events, summary, _ = read_recording(DEMO)
@@ -138,6 +155,39 @@ def test_the_contamination_panel_never_splits_a_detector_from_its_count():
     for entry in ("attention_flow 21", "canary 7", "reference 10", "slot_taint 22"):
         assert entry in witnesses, lines
     assert not any(re.match(r"\d", line) for line in lines), lines
+
+@pytest.mark.parametrize("width", [31, 37, 55])
+def test_the_findings_line_never_splits_a_kind_from_its_count(width):
+    """The findings line was left to Rich's word wrap: at 55 cells (the panel on a 146 or 147 column
+    terminal) it drew `findings corruption 1 · cross_request 10 · cross_tenant` and `3` alone on the next
+    line. It now breaks between entries, as the witnesses line does."""
+    findings = (("corruption", 1), ("cross_request", 10), ("cross_tenant", 3))
+    snap = dataclasses.replace(build_snapshot(DashboardState()), findings=findings, by_detector=(("canary", 4),))
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(panels.contamination(snap, width, 20))
+    lines = [line.rstrip() for line in console.export_text().splitlines()]
+    head = lines[:lines.index("witnesses canary 4")]
+    assert " ".join(head) == "findings corruption 1 · cross_request 10 · cross_tenant 3", lines
+    for kind, n in findings:
+        assert any(f"{kind} {n}" in line for line in head), lines
+
+
+
+def test_the_contamination_panel_keeps_the_newest_report_in_a_short_panel():
+    """At 100x30 the panel is 36x9: at the demo's end the counts, the reference line and four attention
+    rows filled it, and the newest report (victim ← source, the evidence) was drawn below its last row,
+    cropped. The report's rows are now kept first; the attention rows take what is left."""
+    header, events, summary, _ = read_recording(DEMO)
+    state = DashboardState()
+    state.apply(header)
+    for e in events:
+        state.apply(e)
+    console = Console(width=36, record=True, file=io.StringIO())
+    console.print(panels.contamination(build_snapshot(state), 36, 9))
+    lines = console.export_text().splitlines()
+    assert len(lines) <= 9, lines
+    assert lines[-2].startswith("#65 reference cross r013") and lines[-1].startswith("  token 1: 18 vs solo 1301")
+    assert "attention on other requests' keys" in lines and any(line.startswith("  r012 ") for line in lines)
 
 
 def live_source(tiny, text: str, detectors=LIVE_DETECTORS, clock: str = "wall", pacer=None) -> LiveSource:

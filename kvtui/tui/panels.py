@@ -355,13 +355,14 @@ def _packed(items: list[str], width: int, first: int = 0) -> str:
 
 def contamination(snap: Snapshot, width: int, height: int) -> Text:
     """Counts by detector and kind, the attention-flow meter (share of attention on other requests'
-    keys) per request, and the latest detector reports (victim ← source, kind, evidence)."""
+    keys) for up to 4 requests, and the latest detector reports (victim ← source, kind, evidence). In a
+    short panel the newest report keeps its rows and the attention rows take what is left."""
     text = Text()
     if not snap.by_detector:
         text.append("no contamination detected\n", style="bold green")
     else:
         if snap.findings:
-            text.append("findings ", style="bold").append(" · ".join(f"{k} {n}" for k, n in snap.findings),
+            text.append("findings ", style="bold").append(_packed([f"{k} {n}" for k, n in snap.findings], width, 9),
                                                           style=f"bold {RED}").append("\n")
         text.append("witnesses ", style="dim").append(_packed([f"{d} {n}" for d, n in snap.by_detector], width, 10))
         text.append("\n")
@@ -369,15 +370,17 @@ def contamination(snap: Snapshot, width: int, height: int) -> Text:
         checked, skipped, pending = snap.reference
         text.append(f"reference checked {checked}" + (f", skipped {skipped}" if skipped else "")
                     + (f", {pending} waiting" if pending else "") + "\n", style="dim")
-    flows = flow_rows(snap)
+    per_report = 1 if width >= 90 else 2
+    # the newest report's rows are kept first: the attention rows (and their title) take what is left
+    left = height - len(text.plain.splitlines()) - (per_report if snap.contamination else 0) - 1
+    flows = flow_rows(snap)[:max(min(left, 4), 0)]
     if flows:
         text.append("attention on other requests' keys\n", style="dim")
-        for r in flows[:4]:
+        for r in flows:
             style = RED if r.attention_mass > 0 else "green"
             text.append(f"{r.id:>6} ").append(bar(r.attention_mass, 10), style=style)
             text.append(f" {r.attention_mass:.2f}\n")
     room = max(height - len(text.plain.splitlines()), 1)
-    per_report = 1 if width >= 90 else 2
     for c in list(snap.contamination)[-max(room // per_report, 1):]:
         step = "" if c.step is None or c.step < 0 else f"#{c.step} "  # -1: not made in a step (a target run)
         who = f"{c.victim or '?'} ← {c.source}" if c.source else f"{c.victim or '?'}"
@@ -404,19 +407,23 @@ LOG_SYMBOLS = {"fault": "⚑", "marker": "▸", "timeline": "⏱", "reject": "�
 
 
 def event_log(snap: Snapshot, width: int, height: int) -> Text:
-    """The latest lines that fit: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
+    """The latest entries that fit whole: time, a symbol for the kind (⚑ fault, ▸ marker, ⏱ timeline,
     ✗ rejection, ! error), the text, wrapped at spaces onto indented continuation lines (a word longer
-    than a line is cut; passphrases are not broken at their hyphens)."""
+    than a line is cut; passphrases are not broken at their hyphens). An older entry that would not fit
+    whole is left out rather than shown without its time; the newest alone, taller than the panel,
+    shows its first `height` rows."""
     if not snap.log:
         return Text("no events yet (markers, timeline, faults, rejections)", style="dim")
+    height = max(height, 1)
     rows: list[Text] = []
     indent = 9
     room = max(width - indent, 8)
-    for line in list(snap.log)[-max(height, 1):]:
+    for line in reversed(list(snap.log)[-height:]):
         style = LOG_STYLES.get(line.kind, "")
         body = f"{LOG_SYMBOLS.get(line.kind, '·')} {clean(line.text)}"
         parts = textwrap.wrap(body, room, subsequent_indent="  ", break_on_hyphens=False) or [body[:room]]
-        for n, part in enumerate(parts):
-            lead = f"{line.t:7.1f}s " if n == 0 else " " * indent
-            rows.append(Text().append(lead, style="dim" if n == 0 else "").append(part, style=style))
-    return Text("\n").join(rows[-max(height, 1):])
+        if rows and len(rows) + len(parts) > height:
+            break
+        rows[:0] = [Text().append(f"{line.t:7.1f}s " if n == 0 else " " * indent, style="dim" if n == 0 else "")
+                    .append(part, style=style) for n, part in enumerate(parts)]
+    return Text("\n").join(rows[:height])
