@@ -46,16 +46,17 @@ so only a client-side audit (`kvtui run --target` with a scenario's `request_ids
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import Literal
 
 from kvtui.model_kinds import ModelKind
 
 
-class FaultName(StrEnum):
+class FaultName(str, Enum):
     """The fault names, typed: use these members at the code paths a fault changes (`FaultName.STALE_SLOT
-    in faults`). Each member is its string (`FaultName.STALE_SLOT == "stale_slot"`), so the names in
-    scenarios, recordings and `--fault` flags stay as they are."""
+    in faults`). Each member is its string (`FaultName.STALE_SLOT == "stale_slot"`, `f"{name}"` its value),
+    so the names in scenarios, recordings and `--fault` flags stay as they are. A `(str, Enum)`: Python 3.10
+    has no enum.StrEnum."""
 
     SHARED_CACHE = "shared_cache"
     RACY_THREADS = "racy_threads"
@@ -94,6 +95,12 @@ class FaultName(StrEnum):
     TIER_PARTIAL_LOAD = "tier_partial_load"
     # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
     REQUEST_ID_KEYED = "request_id_keyed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
