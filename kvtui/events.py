@@ -12,7 +12,7 @@ so `kvtui replay` plays every version. recordings/README.md lists every field of
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
@@ -714,15 +714,22 @@ class RecordingFailed(_Frozen):
     error: str
 
 
-class SkipReason(StrEnum):
+class SkipReason(str, Enum):
     """Why a completed request was left without a reference check (the keys of
-    ReferenceStatus.skipped_by_reason; a member equals its string value, as recorded)."""
+    ReferenceStatus.skipped_by_reason; a member equals its string value, as recorded, and prints as it). A
+    `(str, Enum)`: Python 3.10 has no enum.StrEnum."""
 
     STOPPED = "stopped"
     QUEUE_FULL = "queue_full"
     SAMPLED = "sampled"
     ERROR = "error"
     SERVER_STOPPED = "server_stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 # each SkipReason in words

@@ -46,14 +46,17 @@ so only a client-side audit (`kvtui run --target` with a scenario's `request_ids
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 from typing import Literal
 
+from kvtui.model_kinds import ModelKind
 
-class FaultName(StrEnum):
+
+class FaultName(str, Enum):
     """The fault names, typed: use these members at the code paths a fault changes (`FaultName.STALE_SLOT
-    in faults`). Each member is its string (`FaultName.STALE_SLOT == "stale_slot"`), so the names in
-    scenarios, recordings and `--fault` flags stay as they are."""
+    in faults`). Each member is its string (`FaultName.STALE_SLOT == "stale_slot"`, `f"{name}"` its value),
+    so the names in scenarios, recordings and `--fault` flags stay as they are. A `(str, Enum)`: Python 3.10
+    has no enum.StrEnum."""
 
     SHARED_CACHE = "shared_cache"
     RACY_THREADS = "racy_threads"
@@ -93,6 +96,12 @@ class FaultName(StrEnum):
     # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
     REQUEST_ID_KEYED = "request_id_keyed"
 
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code).
@@ -103,8 +112,6 @@ ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "nume
                             "stopped_serving"]
 REQUEST_ID_KINDS = ("hung", "lost", "stopped_serving")
 KV_MODES = ("slots", "paged")
-DECODER_ONLY, ENCODER_DECODER = "decoder-only", "encoder-decoder"
-IMAGE_TEXT = "image-text"  # a decoder-only LM with an image encoder (dinov2-smollm2): text faults act on it too
 
 
 @dataclass(frozen=True)
@@ -123,9 +130,9 @@ class Fault:
             cross_tenant when another tenant's cached KV is served (paged KV prefix caching).
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
-        models: the kinds of model it acts on: "decoder-only", "encoder-decoder" (cross-attention faults),
-            "image-text" (image faults; a fault that acts on decoder-only models acts on image-text ones too);
-            () for a server fault, which acts on no model.
+        models: the ModelKinds it acts on: DECODER_ONLY, ENCODER_DECODER (cross-attention faults), IMAGE_TEXT
+            (image faults; a fault that acts on decoder-only models acts on image-text ones too); () for a server
+            fault, which acts on no model. None acts on HYBRID, which kvtui's engine does not run.
         scope: "engine" (it acts in the engine, in a local run and in `kvtui serve` alike) or "server" (it acts
             in `kvtui serve`'s HTTP layer only: `kvtui serve --fault NAME`; a local run refuses it).
     """
@@ -139,7 +146,7 @@ class Fault:
     kind: ContaminationKind
     kv: tuple[str, ...] = ("slots",)
     needs: tuple[str, ...] = ()
-    models: tuple[str, ...] = (DECODER_ONLY, ENCODER_DECODER)
+    models: tuple[ModelKind, ...] = (ModelKind.DECODER_ONLY, ModelKind.ENCODER_DECODER)
     scope: Literal["engine", "server"] = "engine"
 
 
@@ -151,7 +158,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("racy_threads", "one thread per request over a shared cache variable: state races, shape errors",
           "runner: a Python thread per request, all through one cache-state variable",
           "outputs differ from run to run; shape errors",
-          ("padded", "packed"), ("reference",), "cross_request", KV_MODES, models=(DECODER_ONLY,)),
+          ("padded", "packed"), ("reference",), "cross_request", KV_MODES, models=(ModelKind.DECODER_ONLY,)),
     Fault("no_request_mask", "packed batch without the block-diagonal mask: queries see other requests' keys",
           "batching (packed): a plain causal mask over the concatenated requests",
           "A drifts toward B; passphrases leak",
@@ -207,78 +214,78 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the n answers of one request overwrite each other's newest K/V: each sequence reads a sibling's "
           "tokens at its own positions and drifts from its solo run",
           ("padded", "packed"), ("slot_taint", "attention_flow", "reference"), "cross_request", ("paged",),
-          models=(DECODER_ONLY,)),
+          models=(ModelKind.DECODER_ONLY,)),
     Fault("stale_bitmask", "structured output's bitmask row is not reset for a plain request: it keeps the last "
           "grammar that used the row",
           "engine/grammar.py: GrammarStage.apply leaves a plain row's bitmask row as its previous owner filled it",
           "a plain request that shares a step with a constrained one is restricted to what another request's "
           "grammar allowed: its answer turns into digits, JSON or one of the other's choices",
           ("padded", "packed"), ("constraint", "reference"), "cross_request", KV_MODES,
-          models=(DECODER_ONLY,)),
+          models=(ModelKind.DECODER_ONLY,)),
     # -- per-row sampling state: they act on requests with penalties, bias, bans or sampling --
     Fault("row_state_misalign", "per-row sampling state not moved when a row leaves: a row uses its neighbour's",
           "row_state: on a departure the ids move up but the state arrays are cut at the end",
           "a request gets another's penalties, bias, banned words, temperature or generator: banned words "
           "appear, a plain request avoids words it never banned, a seeded answer changes",
           ("padded", "packed"), ("constraint", "sampling_provenance", "reference"), "cross_request", KV_MODES,
-          models=(DECODER_ONLY,)),
+          models=(ModelKind.DECODER_ONLY,)),
     Fault("shared_rng", "one generator for all requests: a seeded request's draws depend on its neighbours",
           "row_state: every sampled row draws from one generator, reseeded when a request joins",
           "the same seed gives a different answer under load than alone",
           ("padded", "packed"), ("sampling_provenance", "reference"), "cross_request", KV_MODES,
-          models=(DECODER_ONLY,)),
+          models=(ModelKind.DECODER_ONLY,)),
     Fault("penalty_shared_history", "penalties count the whole batch's tokens, not the request's own",
           "row_state: repetition, frequency and presence penalties read every row's prompt and output",
           "a penalized request avoids words its neighbours used: its answer drifts under load",
           ("padded", "packed"), ("sampling_provenance", "reference"), "cross_request", KV_MODES,
-          models=(DECODER_ONLY,)),
+          models=(ModelKind.DECODER_ONLY,)),
     Fault("stale_cross_kv", "Whisper: the cross-attention K/V table is indexed by slot and not refreshed when a slot is reused",
           "encoder: a request admitted into a reused slot reads the cross K/V its previous owner's audio left there",
           "a new request transcribes the previous occupant's audio: its passphrase shows up in the wrong transcript",
           ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", ("slots",),
-          models=(ENCODER_DECODER,)),
+          models=(ModelKind.ENCODER_DECODER,)),
     Fault("cross_row_misalign", "Whisper: cross K/V indexed by batch row, not compacted when a row leaves the batch",
           "encoder: row i reads the i-th entry of a table built in admission order that keeps finished requests",
           "after a request finishes, its neighbours read the wrong audio: transcripts swap mid-sentence",
           ("padded", "packed"), ("slot_taint", "canary", "reference"), "cross_request", KV_MODES,
-          models=(ENCODER_DECODER,)),
+          models=(ModelKind.ENCODER_DECODER,)),
     Fault("encoder_cache_unkeyed", "Whisper: the encoder cache is keyed by the decoder prompt instead of the audio's content",
           "encoder cache: every request with the same decoder prompt hits the first one's encoder output",
           "every transcript repeats the first audio's words",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "canary", "reference"), "cross_request", KV_MODES,
-          models=(ENCODER_DECODER,)),
+          models=(ModelKind.ENCODER_DECODER,)),
     Fault("cross_kv_prefix_cached", "Whisper: decoder prefix-cache keys leave out the audio's hash",
           "block_manager (via the engine): self-attention blocks of the same decoder prompt are shared across audio",
           "self-attention K/V computed against another audio is reused: the transcript drifts toward that audio",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
-          ("paged",), ("prefix_caching",), models=(ENCODER_DECODER,)),
+          ("paged",), ("prefix_caching",), models=(ModelKind.ENCODER_DECODER,)),
     Fault("embeds_unkeyed", "prefix-cache keys cover placeholder ids only, not the supplied embedding rows",
           "block_manager (via RequestState.cache_keys): a supplied row's position is keyed by its placeholder id",
           "two prompts given as embeddings of the same length share KV: B answers with A's prompt",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference", "canary"),
-          "cross_request", ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+          "cross_request", ("paged",), ("prefix_caching",), models=(ModelKind.DECODER_ONLY,)),
     Fault("embeds_mask_unkeyed", "prefix-cache keys cover the ids and the embeddings tensor, not the mask saying "
           "which positions are embeddings (vLLM #56655)",
           "block_manager (via RequestState.cache_keys): a position is keyed by (id, the tensor's row there)",
           "a prompt whose mask differs from a cached one's, with equal ids and tensor, reuses its KV",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"),
-          "cross_request", ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+          "cross_request", ("paged",), ("prefix_caching",), models=(ModelKind.DECODER_ONLY,)),
     Fault("mm_hash_missing", "image models: prefix-cache keys of image positions leave out the image's hash",
           "engine/inputs.py RequestInput.position_keys: an image position is keyed by its placeholder id",
           "a request showing another picture with the same text reuses the first picture's KV and answers it",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference", "canary"),
-          "cross_request", ("paged",), ("prefix_caching",), models=(IMAGE_TEXT,)),
+          "cross_request", ("paged",), ("prefix_caching",), models=(ModelKind.IMAGE_TEXT,)),
     Fault("mm_uuid_trusted", "image models: the image encoder cache is keyed by the client's uuid, not the picture",
           "engine/image_side.py ImageInputs.key_of: a request's uuid for its image is the cache key",
           "a client that reuses an image uuid gets another picture's features: the answer names that picture",
           ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
-          models=(IMAGE_TEXT,)),
+          models=(ModelKind.IMAGE_TEXT,)),
     Fault("stale_image_embedding", "image models: one image embedding buffer, filled by the last image encoded, "
           "read by every later image (llama-cpp-python #90)",
           "engine/image_side.py ImageInputs._entry: every image reads the buffer the last encode filled",
           "requests whose picture was encoded earlier, or cached, answer about the last encoded picture",
           ("padded", "packed"), ("slot_taint", "reference", "canary"), "cross_request", KV_MODES,
-          models=(IMAGE_TEXT,)),
+          models=(ModelKind.IMAGE_TEXT,)),
     # -- LoRA adapters (engine/lora.py): the prefix-cache key and the adapter a request runs under --
     Fault("lora_unkeyed_prefix", "the prefix-cache key leaves out the request's LoRA adapter: requests under "
           "different adapters (or none) share cached blocks",
@@ -286,14 +293,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "a request under adapter B is served K/V computed under adapter A or the base model: its answer "
           "drifts toward what the other adapter would say",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
-          ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+          ("paged",), ("prefix_caching",), models=(ModelKind.DECODER_ONLY,)),
     Fault("lora_reload_stale", "the prefix-cache key names the LoRA adapter but not its version: after a reload "
           "requests reuse blocks the old weights computed (vLLM #42125, fixed by #48352)",
           "engine/lora.py prefix_salt (via engine/paged.py): the first block's extra key is the adapter's name only",
           "after an adapter is reloaded with new weights, requests with a cached prefix answer partly with the "
           "old weights' K/V",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
-          ("paged",), ("prefix_caching",), models=(DECODER_ONLY,)),
+          ("paged",), ("prefix_caching",), models=(ModelKind.DECODER_ONLY,)),
     # -- the KV offload tier (engine/offload.py): evicted blocks stored in host memory, restored on a hit --
     Fault("tier_key_drops_partition", "the offload tier keys blocks by their token ids alone: no cache_salt, and "
           "image or embedding positions by their placeholder ids",
@@ -344,16 +351,16 @@ def server_faults(names) -> tuple[str, ...]:
     return tuple(n for n in names if n in FAULTS and FAULTS[n].scope == "server")
 
 
-def acts_on(name: str, kind: str) -> bool:
-    """Whether fault `name` acts on a model of `kind` (a decoder-only fault acts on image-text models too;
-    a server fault on none: it acts outside the engine)."""
+def acts_on(name: str, kind: ModelKind | str) -> bool:
+    """Whether fault `name` acts on a model of `kind` (a ModelKind, or its string as a recording holds it; a
+    decoder-only fault acts on image-text models too; a server fault on none: it acts outside the engine)."""
     models = FAULTS[name].models
-    return kind in models or (kind == IMAGE_TEXT and DECODER_ONLY in models)
+    return kind in models or (kind == ModelKind.IMAGE_TEXT and ModelKind.DECODER_ONLY in models)
 
 
-def faults_for(kv: str = "slots", model: str = DECODER_ONLY) -> tuple[str, ...]:
-    """The faults that act in KV mode `kv` on a `model` kind ("decoder-only", "encoder-decoder",
-    "image-text"), in catalogue order."""
+def faults_for(kv: str = "slots", model: ModelKind | str = ModelKind.DECODER_ONLY) -> tuple[str, ...]:
+    """The faults that act in KV mode `kv` on a `model` kind (a ModelKind or its string), in catalogue
+    order."""
     return tuple(name for name, fault in FAULTS.items() if kv in fault.kv and acts_on(name, model))
 
 
@@ -374,12 +381,6 @@ def fault_misfit(name: str, layout: str, kv: str = "slots", prefix_caching: bool
     if layout not in fault.layouts:
         return f"fault {name} acts in the {' or '.join(fault.layouts)} layout only, not {layout}"
     return ""
-
-
-def model_kind(config) -> str:
-    """DECODER_ONLY or ENCODER_DECODER for a transformers model config: the one rule that says which kind
-    a model is (its `is_encoder_decoder`), read by the engine's encoder side and by LoadedModel.kind."""
-    return ENCODER_DECODER if getattr(config, "is_encoder_decoder", False) else DECODER_ONLY
 
 
 FP16_MASK_CONSTANT = -1e9  # the classic hand-written mask constant; float16 rounds it to -inf

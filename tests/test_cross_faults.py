@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtui.faults import ENCODER_DECODER, FAULTS
+from kvtui.faults import FAULTS
+from kvtui.model_kinds import ModelKind
 from kvtui.models import load_model
 from kvtui.scenario import load_scenario, parse_scenario
 from kvtui.session import Session
@@ -17,7 +18,7 @@ from kvtui.session import Session
 ROOT = Path(__file__).resolve().parent.parent
 AUDIO = ROOT / "scenarios" / "audio"
 TEXT_DETECTORS = {"canary"}
-CROSS = [name for name, fault in FAULTS.items() if fault.models == (ENCODER_DECODER,)]
+CROSS = [name for name, fault in FAULTS.items() if fault.models == (ModelKind.ENCODER_DECODER,)]
 # loads that make each fault act: slots reused (stale_cross_kv), rows leaving at different times
 # (cross_row_misalign), several requests with the same decoder prompt (encoder_cache_unkeyed), and a
 # shared initial prompt longer than a few blocks under prefix caching (cross_kv_prefix_cached)

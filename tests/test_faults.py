@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtui.events import Arrive, Finish, Marker
-from kvtui.faults import DECODER_ONLY, FAULTS
+from kvtui.faults import FAULTS
+from kvtui.model_kinds import ModelKind
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 
@@ -164,7 +165,7 @@ def events_of(session, kind=None, detector=None):
             if (kind is None or e.kind == kind) and (detector is None or e.detector == detector)]
 
 
-CASES = [(name, layout, kv) for name, fault in FAULTS.items() if DECODER_ONLY in fault.models  # cross faults: test_cross_faults.py
+CASES = [(name, layout, kv) for name, fault in FAULTS.items() if ModelKind.DECODER_ONLY in fault.models  # cross faults: test_cross_faults.py
          for layout in fault.layouts for kv in fault.kv]
 # the canary needs a model that echoes its passphrase (tiny-llama's text is random): checked on SmolLM2 below
 TEXT_DETECTORS = {"canary"}
@@ -349,7 +350,7 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
 
 @pytest.mark.smollm
 @pytest.mark.parametrize("name", [n for n, f in FAULTS.items() if TEXT_DETECTORS & set(f.caught_by)
-                                  and DECODER_ONLY in f.models])  # speech models: test_cross_faults.py
+                                  and ModelKind.DECODER_ONLY in f.models])  # speech models: test_cross_faults.py
 def test_text_detectors_catch_the_fault_on_smollm2(smollm2, name):
     """The canary column of the truth table: the library's fault scenario on SmolLM2, which echoes
     passphrases, makes a victim say another request's passphrase."""

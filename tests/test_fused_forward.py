@@ -11,7 +11,8 @@ from test_faults import scenario
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
-from kvtui.faults import DECODER_ONLY, FAULTS
+from kvtui.faults import FAULTS
+from kvtui.model_kinds import ModelKind
 from kvtui.session import Session
 
 
@@ -88,7 +89,7 @@ def test_step_logits_equal_transformers_forward_on_a_separate_instance(tiny, enf
 
 
 CASES = [(name, layout, kv) for name, fault in FAULTS.items() for layout in fault.layouts for kv in fault.kv
-         if name != "racy_threads" and DECODER_ONLY in fault.models
+         if name != "racy_threads" and ModelKind.DECODER_ONLY in fault.models
          and not name.startswith("lora_")]  # adapters run on the fused forward only: --enforce-eager refuses them  # the fused forward runs text models  # racy_threads runs per-thread forwards through the same layers; below
 
 

@@ -11,7 +11,8 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.inputs import ImagePart, RequestInput
-from kvtui.faults import FAULTS, IMAGE_TEXT
+from kvtui.faults import FAULTS
+from kvtui.model_kinds import ModelKind
 from kvtui.models import build_tiny, load_model
 from kvtui.models.dinov2 import build_tiny_dinov2, image_hash, image_tensor
 from kvtui.models.projector import CANARY_WORDS, SeededProjector, canary_image, prompt_with_image
@@ -125,7 +126,7 @@ def test_images_are_refused_alone_by_a_text_model_and_bad_pixels_by_an_image_mod
     assert state.finish_reason.value == "rejected" and "(3, 224, 224)" in state.finish_detail
 
 
-IMAGE_FAULTS = [name for name, f in FAULTS.items() if f.models == (IMAGE_TEXT,)]
+IMAGE_FAULTS = [name for name, f in FAULTS.items() if f.models == (ModelKind.IMAGE_TEXT,)]
 LOAD = """name: image-truth-table
 seed: 0
 max_requests: 8

@@ -19,6 +19,7 @@ PACKAGE = ROOT / "kvtui"
 
 RANK = {
     "names": -1,  # the did-you-mean rule: imports nothing of kvtui, so every room may use it
+    "model_kinds": -1,  # ModelKind: the fault catalogue and the model registry both read it
     "kvtui": 0, "config": 0, "faults": 0, "memory": 0,  # plain facts: names, defaults, bounds
     "events": 1,  # the event types every room speaks (the engine returns its StepEvent)
     "models": 2, "engine": 3,

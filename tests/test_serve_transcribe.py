@@ -406,12 +406,12 @@ def test_whisper_tiny_en_hears_the_clip_in_flac_ogg_and_mp3_at_other_rates(whisp
 def test_serve_defaults_max_len_to_the_decoders_positions(name, request):
     """`kvtui serve --model <whisper>` without --max-len takes the decoder's learned positions (serve's
     default 512 is more than a Whisper decoder has and would be refused)."""
-    from kvtui.cli.serve import SPEECH_MAX_LEN
+    from kvtui.cli.serve import speech_max_len
     from kvtui.models import load_model
 
     if name == "whisper-tiny.en":
         request.getfixturevalue("whisper_en")
-    assert SPEECH_MAX_LEN[name] == load_model(name, progress=False).model.config.max_target_positions
+    assert speech_max_len(name) == load_model(name, progress=False).model.config.max_target_positions
 
 
 @pytest.mark.whisper

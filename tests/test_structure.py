@@ -62,3 +62,21 @@ def test_committed_recordings_validate_and_replay_to_their_summaries():
         assert {k: v for k, v in replayed.model_dump().items() if k in written} == written, path.name
 
 
+
+
+def test_no_module_uses_what_the_oldest_python_pyproject_allows_lacks():
+    """pyproject says requires-python >=3.10, and Python 3.10's enum has no StrEnum (added in 3.11): importing
+    a module that takes it fails there before anything runs. Typed names are `(str, Enum)` with `__str__`
+    and `__format__` giving the value (kvtui.model_kinds.ModelKind, FaultName, SkipReason)."""
+    assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+    since_311 = {"enum": {"StrEnum", "ReprEnum"}, "typing": {"Self", "LiteralString", "Never", "assert_never"}}
+    found = []
+    for path in sorted((ROOT / "kvtui").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in since_311:
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if a.name in since_311[node.module]]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.attr in since_311.get(node.value.id, ()):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert found == []

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvtui.detect.spoken import match_spoken
-from kvtui.models import ModelLoadError, check_model_available, load_model, load_tokenizer
-from kvtui.models import loader as loader_mod
+from kvtui.model_kinds import ModelKind
+from kvtui.models import ModelLoadError, check_model_available, load_model, load_tokenizer, registry
 from kvtui.models import whisper as wh
 from kvtui.models.compat import NAMED_CONFIGS, IncompatibleModel, ModelShape, check_max_len, shape_from_config
 from kvtui.models.ct2 import CT2FormatError, read_ct2
@@ -47,9 +47,11 @@ def _passphrase(clip: Path) -> str:
 # --- fast: no real weights -------------------------------------------------------------------------
 
 def test_loader_knows_the_whisper_names():
-    assert loader_mod.WHISPER_NAMES == wh.WHISPER_NAMES
+    assert [(e.name, e.kind) for e in registry.ENTRIES if e.kind is ModelKind.ENCODER_DECODER] == [
+        ("whisper-tiny.en", ModelKind.ENCODER_DECODER), ("tiny-whisper", ModelKind.ENCODER_DECODER)]
+    assert wh.WHISPER_MODEL_ID == "whisper-tiny.en"
     check_model_available("tiny-whisper")
-    assert "whisper-tiny.en" in loader_mod.ACCEPTED
+    assert "whisper-tiny.en" in registry.accepted()
 
 
 def test_missing_package_is_one_line_naming_pip(monkeypatch):

@@ -46,6 +46,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.fused import fused_for, supports
 from kvtui.metrics import percentile
+from kvtui.models.registry import SMOLLM2, find_model
 from kvtui.serve.options import SERVE_MAX_TOKENS_PER_STEP
 
 RATE = 8.0  # requests per second: faster than any of the systems serves them, so throughput is capacity
@@ -494,7 +495,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
     from kvtui.target.llama_server import find_llama_server
     from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
 
-    default_model = name in ("default", "smollm2")
+    default_model = find_model(name) is SMOLLM2
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
     systems = {"kvtui engine": (lambda: run_kvtui(loaded.model, work), "tokens", None)}
     pids = []

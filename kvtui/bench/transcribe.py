@@ -28,6 +28,7 @@ import torch
 
 from kvtui.bench.common import Spread
 from kvtui.engine.inputs import RequestInput
+from kvtui.models.registry import WHISPER_TINY_EN
 
 NEW_TOKENS = 64  # more than any shipped clip's transcript (12-16 tokens): every run ends at end-of-text
 CLIPS_DIR = Path(__file__).resolve().parents[2] / "scenarios" / "audio"
@@ -42,7 +43,7 @@ def _whisper(loaded):
         return loaded
     from kvtui.models import load_model
 
-    return load_model("whisper-tiny.en", progress=False)
+    return load_model(WHISPER_TINY_EN.name, progress=False)
 
 
 def _engine(loaded, slots: int, new_tokens: int):
@@ -129,7 +130,7 @@ def run(loaded, *, name: str, quick: bool, console, repeats: int | None = None, 
     features = torch.stack([a.features for a in audio])
     prompt, eot = decoder_prompt(whisper.tokenizer), int(whisper.eos_token_ids[0])
     n = min(NEW_TOKENS, whisper.model.config.max_target_positions - len(prompt) - 1)  # tiny-whisper: 64 positions
-    ct2 = ct2_model() if whisper.model_id == "whisper-tiny.en" else None
+    ct2 = ct2_model() if whisper.model_id == WHISPER_TINY_EN.name else None
     runs = {
         "kvtui_sequential": lambda: kvtui_run(whisper, audio, prompt, batched=False, new_tokens=n),
         "kvtui_batched": lambda: kvtui_run(whisper, audio, prompt, batched=True, new_tokens=n),

@@ -114,14 +114,14 @@ def refuse_misfit_faults(path: Path, spec, faults: tuple[str, ...], model: str |
     settings, since no setting makes such a fault act. Models known by name only (a path is checked
     when it is loaded)."""
     from kvtui.faults import FAULTS, acts_on, server_faults
-    from kvtui.scenario.plan import model_kind_of_name
+    from kvtui.models.registry import kind_of
 
     for served in server_faults(faults):
         fail(f"{path}: --fault {served} acts in kvtui serve's HTTP layer, not in kvtui's engine, so a local run "
              f"cannot show it; serve with `kvtui serve --fault {served}` and audit that server with `kvtui run "
              "scenarios/request_ids.yaml --target http://127.0.0.1:8000 --headless`")
     name = model or spec.model
-    kind = model_kind_of_name(name)
+    kind = kind_of(name)
     wrong = next((f for f in faults if kind is not None and not acts_on(f, kind)), None)
     if wrong:
         fail(f"{path}: --fault {wrong} does not act on {kind} models like {name}; it acts on "

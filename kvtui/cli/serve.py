@@ -28,8 +28,13 @@ _B = KNOB_BOUNDS
 _SLOTS, _BATCH, _BLOCK = _B["num_slots"], _B["max_batch_size"], _B["block_size"]
 
 
-# A speech model's decoder has fewer learned positions (max_target_positions) than serve's default max_len.
-SPEECH_MAX_LEN = {"whisper-tiny.en": 448, "tiny-whisper": 64}
+def speech_max_len(model: str) -> int | None:
+    """The decoder's learned positions (max_target_positions in its registry entry's config) of a speech model
+    (`--model` any spelling), which has fewer than serve's default max_len; None for any other model."""
+    from kvtui.models.registry import find_model
+
+    entry = find_model(model)
+    return (entry.config or {}).get("max_target_positions") if entry is not None else None
 
 
 def serve(
@@ -113,7 +118,7 @@ def serve(
         fail(f"{'--prefix-caching' if prefix_caching else '--block-size'} needs paged KV: add --kv paged")
     if kv_offload_blocks and not prefix_caching:
         fail("--kv-offload-blocks needs the prefix cache: add --kv paged --prefix-caching")
-    max_len = max_len or SPEECH_MAX_LEN.get(model, SERVE.max_len)
+    max_len = max_len or speech_max_len(model) or SERVE.max_len
     try:
         modules = parse_lora_modules(lora_modules)
     except ValueError as e:

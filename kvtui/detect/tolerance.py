@@ -47,7 +47,7 @@ import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
-from kvtui.faults import ENCODER_DECODER, model_kind
+from kvtui.model_kinds import ModelKind, model_kind
 
 SAFETY = 2.0
 BUDGET_S = 10.0  # seconds: further rounds (other seeds) while the measurement took less
@@ -123,7 +123,7 @@ def measure(loaded, *, prompts=PROMPTS, new_tokens: int = NEW_TOKENS, compositio
     FLOAT32)), `largest` (logits: the largest spread or top-2 gap change seen), `safety`, `positions`
     compared, `rounds`, `by_composition` (each composition's largest), `seconds`, `created`.
     Raises ValueError for a model whose decoder needs more than token ids (an encoder-decoder)."""
-    if model_kind(loaded.model.config) == ENCODER_DECODER:
+    if model_kind(loaded.model.config) is ModelKind.ENCODER_DECODER:
         raise ValueError("an encoder-decoder model needs audio to run; no numeric calibration for it")
     started = time.perf_counter()
     vocab = loaded.model.get_input_embeddings().num_embeddings

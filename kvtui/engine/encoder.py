@@ -44,7 +44,8 @@ from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.runner import ModelRunner
 from kvtui.events import EncoderHitEntry, TaintEntry
-from kvtui.faults import ENCODER_DECODER, FP16_MASK_CONSTANT, FaultName
+from kvtui.faults import FP16_MASK_CONSTANT, FaultName
+from kvtui.model_kinds import ModelKind
 
 # The virtual clock's cost of one audio through the encoder (seconds): Whisper tiny.en's encoder forward on
 # one 30 s input (always padded to 1500 positions) measured at 0.27 s on 2 CPU cores (torch 2.13, 2
@@ -181,7 +182,7 @@ class CrossAttentionInputs:
         runner: the EncoderDecoderRunner; capacity: encoder cache entries.
     """
 
-    model_kind = ENCODER_DECODER
+    model_kind = ModelKind.ENCODER_DECODER
 
     def __init__(self, runner: EncoderDecoderRunner, capacity: int) -> None:
         self.runner = runner

@@ -21,7 +21,7 @@ one place that reads the model's kind); the Scheduler owns it and calls it; it n
 | finish(request_id) | Scheduler.finish | the request lets its encoder output go |
 | report() | Engine, step report | the StepEvent's encoder fields |
 
-Attributes every implementation has: `model_kind` (kvtui.faults.DECODER_ONLY or ENCODER_DECODER: which
+Attributes every implementation has: `model_kind` (a kvtui.model_kinds.ModelKind: which
 faults act on the engine), `runner` (the ModelRunner the engine forwards through).
 """
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvtui.faults import DECODER_ONLY
+from kvtui.model_kinds import ModelKind
 
 if TYPE_CHECKING:
     from kvtui.engine.inputs import RequestInput
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 class EncoderSide(Protocol):
     """The verbs every encoder side offers (see the module docstring for who calls each)."""
 
-    model_kind: str
+    model_kind: ModelKind
 
     def configure(self, faults: frozenset[str]) -> None:
         """Take the faults this side acts on from the next step."""
@@ -81,7 +81,7 @@ class TokenInputs:
             (a bare scheduler in tests).
     """
 
-    model_kind = DECODER_ONLY
+    model_kind = ModelKind.DECODER_ONLY
 
     def __init__(self, hidden_size: int | None = None) -> None:
         self.hidden_size = hidden_size

@@ -35,7 +35,8 @@ from kvtui.engine.row_state import NOT_SAMPLED
 from kvtui.engine.runner import ModelRunner, batch_invariant_problem, model_geometry
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
-from kvtui.faults import ENCODER_DECODER, FAULTS, FaultName, acts_on, check_fault_names, model_kind
+from kvtui.faults import FAULTS, FaultName, acts_on, check_fault_names
+from kvtui.model_kinds import ModelKind, model_kind
 from kvtui.models.compat import check_model
 
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
@@ -138,8 +139,8 @@ class Engine:
         return self.scheduler.encoder
 
     @property
-    def model_kind(self) -> str:
-        """kvtui.faults.DECODER_ONLY or ENCODER_DECODER, as the loaded model is (its encoder side says)."""
+    def model_kind(self) -> ModelKind:
+        """The loaded model's ModelKind (DECODER_ONLY, ENCODER_DECODER or IMAGE_TEXT), as its encoder side says."""
         return self.scheduler.encoder.model_kind
 
     def token_embeddings(self, token_ids) -> torch.Tensor:
@@ -693,7 +694,7 @@ def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False
 
     Raises:
         ValueError: batch_invariant where the model or enforce_eager does not allow it (ModelRunner)."""
-    if model_kind(model.config) == ENCODER_DECODER:
+    if model_kind(model.config) is ModelKind.ENCODER_DECODER:
         if batch_invariant:
             raise ValueError(batch_invariant_problem(model))
         runner = EncoderDecoderRunner(model, pool)

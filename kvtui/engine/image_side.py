@@ -26,7 +26,8 @@ import torch
 from kvtui.engine.encoder_cache import EncoderCache
 from kvtui.engine.encoder_side import TokenInputs
 from kvtui.events import TaintEntry
-from kvtui.faults import IMAGE_TEXT, FaultName
+from kvtui.faults import FaultName
+from kvtui.model_kinds import ModelKind
 
 
 @dataclass(eq=False)
@@ -64,7 +65,7 @@ class ImageInputs(TokenInputs):
             entries the cache keeps (held ones always stay).
     """
 
-    model_kind = IMAGE_TEXT
+    model_kind = ModelKind.IMAGE_TEXT
 
     def __init__(self, hidden_size: int, image_encoder, capacity: int) -> None:
         super().__init__(hidden_size)

@@ -18,13 +18,13 @@ _EXPORTS = {
     "cache_dir": "default", "default_model_path": "default",
     "model_label": "labels",
     "load_model": "loader", "parse_dtype": "loader", "check_model_available": "loader",
-    "TINY_NAMES": "tiny", "build_tiny": "tiny", "build_tiny_tokenizer": "tiny",
+    "build_tiny": "tiny", "build_tiny_tokenizer": "tiny",
     "LoadedModel": "types", "ModelLoadError": "types",
     "load_tokenizer": "tokenizer",
 }
 
 __all__ = [
-    "DEFAULT_GGUF_SHA256", "DEFAULT_MODEL_ID", "INSTALL_COMMAND", "TINY_NAMES", "LoadedModel", "ModelLoadError",
+    "DEFAULT_GGUF_SHA256", "DEFAULT_MODEL_ID", "INSTALL_COMMAND", "LoadedModel", "ModelLoadError",
     "build_tiny", "build_tiny_tokenizer", "cache_dir", "check_model_available", "default_model_path", "load_model",
     "load_tokenizer",
     "parse_dtype",

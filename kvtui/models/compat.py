@@ -24,24 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-# Geometry of the named models, as a config.json would hold it. Checked against the loaded models in
-# tests/test_compat.py. "default" is SmolLM2-135M-Instruct (the GGUF's llama.* metadata);
-# the tiny ones are built in kvtui/models/tiny.py.
-NAMED_CONFIGS: dict[str, dict] = {
-    "default": {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576, "max_position_embeddings": 8192,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
-    "tiny-llama": {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 2048,
-                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    "tiny-gpt2": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 2048},
-    # encoder-decoders: the decoder's geometry (its self-attention KV) and learned position table
-    "whisper-tiny.en": {"model_type": "whisper", "decoder_layers": 4, "decoder_attention_heads": 6, "d_model": 384,
-                        "max_target_positions": 448},
-    "tiny-whisper": {"model_type": "whisper", "decoder_layers": 2, "decoder_attention_heads": 4, "d_model": 64,
-                     "max_target_positions": 64},
-}
-NAMED_CONFIGS["smollm2"] = NAMED_CONFIGS["default"]
+from kvtui.models import registry
+
+# Geometry of the named models (each name and alias), as a config.json would hold it: the registry entries'
+# `config`. Checked against the loaded models in tests/test_compat.py.
+NAMED_CONFIGS: dict[str, Mapping] = {name: entry.config for entry in registry.ENTRIES if entry.config is not None
+                                     for name in entry.names}
 
 # RoPE keys: a config holding any of these (not null) has rotary positions, not a learned table.
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "rotary_dim", "rotary_pct", "rotary_emb_base")

@@ -48,9 +48,10 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvtui.models import default as _default
+from kvtui.models.registry import TINY_QWEN35MOE
 from kvtui.models.types import ModelLoadError, one_line, quiet_progress_bars
 
-HYBRID_NAME = "tiny-qwen35moe"  # kvtui.models.loader spells it out too
+HYBRID_NAME = TINY_QWEN35MOE.name  # "tiny-qwen35moe"
 HYBRID_SEED = 0
 INITIALIZER_RANGE = 0.5
 A_LOG = -4.0  # gated-delta decay per token: exp(-exp(A_LOG) * softplus(dt_bias = 1)) = 0.976

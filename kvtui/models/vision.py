@@ -19,9 +19,6 @@ import torch
 
 from kvtui.models.projector import CANARY_WORDS
 
-DINOV2_SMOLLM2 = "dinov2-smollm2"
-TINY_VISION = "tiny-vision"
-VISION_NAMES = (DINOV2_SMOLLM2, TINY_VISION)
 CANARY_SEED = 0  # the canary pictures' seed (projector.canary_image)
 NUM_CANARIES = 8  # pictures the closed-form projector maps onto words: 8 of 8 echoed (docs/inputs.md)
 IMAGE_TOKENS = 1  # prompt positions one image takes with kvtui's image models (one projected row)

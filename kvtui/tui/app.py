@@ -14,7 +14,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer
 
-from kvtui.faults import DECODER_ONLY, ENCODER_DECODER, FAULT_NAMES, acts_on, fault_misfit
+from kvtui.faults import FAULT_NAMES, acts_on, fault_misfit
+from kvtui.model_kinds import ModelKind
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
@@ -193,7 +194,7 @@ class KvtuiApp(App[dict | None]):
         snap = self.snapshot
         kind = snap.model_kind if snap else None
         if kind is None:  # a recording made before the header named the kind: a speech model has an encoder cache
-            kind = ENCODER_DECODER if snap is not None and snap.encoder is not None else DECODER_ONLY
+            kind = ModelKind.ENCODER_DECODER if snap is not None and snap.encoder is not None else ModelKind.DECODER_ONLY
         names = tuple(name for name in FAULT_NAMES if acts_on(name, kind))
         if snap is None:
             return names, {}
