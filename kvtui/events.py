@@ -607,7 +607,7 @@ class SamplingEvidence(_Frozen):
 
 
 class RequestIdEvidence(_Frozen):
-    """(v3) The request-id audit of a target server (kvtui/target/request_ids.py): what the client of a
+    """(v3) The request-id audit of a target server (kvtui/remote/request_ids.py): what the client of a
     request whose id collided with another's saw (hung, lost), or a probe with a fresh id after the load
     (stopped_serving)."""
 
@@ -872,7 +872,7 @@ class Summary(_Frozen):
     encoder_cache_misses: int | None = None
     encoder_cache_entries: int | None = None
     encoder_cache_bytes: int | None = None
-    # (v3, target runs with request_ids) the request-id audit's one line (kvtui/target/request_ids.py)
+    # (v3, target runs with request_ids) the request-id audit's one line (kvtui/remote/request_ids.py)
     request_id_audit: str | None = None
     # (v3) runs with LoRA adapters: arrived requests by adapter and version ("lora-a@2"; "none": the base
     # model), and the timeline's reloads by adapter; None when no request ran under an adapter

@@ -105,7 +105,7 @@ class FaultName(str, Enum):
 
 # numeric: a near tie flipped by numerical batch variance; unknown: a target server's output differed from
 # its solo run and the server gave no logprobs to tell which (neither counts toward the exit code).
-# The request-id audit of a target server (kvtui/target/request_ids.py) adds: hung (no whole answer within
+# The request-id audit of a target server (kvtui/remote/request_ids.py) adds: hung (no whole answer within
 # the wait), lost (the server dropped the request: a 5xx, an error in the stream, a stream cut short) and
 # stopped_serving (requests with fresh ids, or /health, failed after the load)
 ContaminationKind = Literal["cross_request", "cross_tenant", "corruption", "numeric", "unknown", "hung", "lost",

@@ -118,7 +118,7 @@ def kvtui_serve(n: int, max_tokens: int, port: int, detectors: str) -> dict:
 
 def llama_server(n: int, max_tokens: int, parallel: int) -> dict:
     from kvtui.models import default_model_path
-    from kvtui.target.llama_server import LlamaServer
+    from kvtui.remote.llama_server import LlamaServer
 
     with LlamaServer(default_model_path(), parallel=parallel, threads=1, ctx_per_slot=512) as server:
         return measure(server.url, n, max_tokens)

@@ -80,12 +80,12 @@ def transformers_serve(tmp_path_factory, python: str | None = None):
     """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
     started, yielded, stopped (skips where it cannot run; a failed start fails the fixture).
 
-    python None: the release the findings are pinned to (kvtui.target.transformers_serve.PINNED_VERSION,
+    python None: the release the findings are pinned to (kvtui.remote.transformers_serve.PINNED_VERSION,
     from scripts/install-transformers-serve.sh's venv; skipped naming that command when it is missing), so
     a newer transformers in kvtui's own venv does not change what these tests hold. Otherwise the
     interpreter whose transformers serves (sys.executable: the transformers kvtui runs on)."""
     from kvtui.models import load_model
-    from kvtui.target.transformers_serve import (
+    from kvtui.remote.transformers_serve import (
         TransformersServer,
         find_pinned_transformers_serve,
         find_transformers_serve,

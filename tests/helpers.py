@@ -159,7 +159,7 @@ def vllm_server(tmp_path_factory, extra_args: tuple[str, ...] = ()):
     from conftest import smollm2_available
 
     from kvtui.models import load_model
-    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+    from kvtui.remote.vllm_cpu import VllmCpuServer, find_vllm_cpu
 
     reason = find_vllm_cpu()
     if reason:

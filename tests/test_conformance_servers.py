@@ -31,7 +31,7 @@ def test_llama_server_shares_its_prompt_cache_across_salts_and_keeps_the_rest_ap
     """The whole quick command: llama.cpp has no cache_salt (tenant salts fail on its own cached-token
     counts), takes n and json_schema and keeps each apart, refuses prompt embeddings and images."""
     from kvtui.models import default_model_path
-    from kvtui.target.llama_server import LlamaServer, find_llama_server
+    from kvtui.remote.llama_server import LlamaServer, find_llama_server
 
     if find_llama_server() is None:
         pytest.skip("llama-server not built: run scripts/build-llama-server.sh")

@@ -2,8 +2,8 @@
 still a dependency) finds no import circle between modules or between rooms, and none running back up.
 
 Every room has a rank (docs/architecture.md, "Rooms"); a module may import its own room and rooms of a
-lower rank only. So engine/, detect/ and events.py import none of tui/, serve/, target/ or the CLI; the
-dashboard (tui/) imports no target/ or serve/ (it reads events and snapshots); target/ imports no tui/;
+lower rank only. So engine/, detect/ and events.py import none of tui/, serve/, remote/ or the CLI; the
+dashboard (tui/) imports no remote/ or serve/ (it reads events and snapshots); remote/ imports no tui/;
 nothing imports the CLI. A new room fails the test until it is given a rank here and in the doc.
 """
 
@@ -27,7 +27,7 @@ RANK = {
     "metrics": 5, "record": 5, "summary": 5, "audit_timing": 5,
     "run": 6,  # the run spine: sink, event builders, verdict, noninterference audit
     "session": 7,  # the local run loop
-    "audit": 8, "target": 8,  # the local audit; runs against HTTP servers
+    "audit": 8, "remote": 8,  # the local audit; the client that drives remote servers
     "tui": 9,  # the dashboard
     "serve": 10,  # the OpenAI-compatible server (its --dashboard opens the dashboard)
     "bench": 11, "conformance": 11,  # benchmarks; every isolation audit against one server (starts kvtui serve)

@@ -39,7 +39,7 @@ audit_timing.DEFAULT_PROBES, audit_timing.DEFAULT_TARGET_BLOCK_SIZE = 17, 65
 from kvtui.cli.app import app
 from kvtui.scenario.schema import Bucketing, EngineSection
 from kvtui.scenario.timeline import RUNTIME_KNOBS
-from kvtui.target.timing import run_target_timing, server_cache
+from kvtui.remote.timing import run_target_timing, server_cache
 
 async def published_none():
     transport = httpx.MockTransport(lambda request: httpx.Response(404))

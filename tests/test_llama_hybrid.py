@@ -40,7 +40,7 @@ THREADS = "-t 1 -tb 1"
 def gguf() -> Path:
     from kvtui.models import ModelLoadError
     from kvtui.models.hybrid import hybrid_gguf
-    from kvtui.target.llama_server import find_llama_server
+    from kvtui.remote.llama_server import find_llama_server
 
     if find_llama_server() is None:
         pytest.skip("llama-server not built: run scripts/build-llama-server.sh")
@@ -71,7 +71,7 @@ def test_llama_server_greedy_tokens_equal_transformers_generate(gguf):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvtui.target.llama_server import LlamaServer
+    from kvtui.remote.llama_server import LlamaServer
 
     folder = gguf.parent
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -118,9 +118,9 @@ def test_np4_with_cache_reuse_restores_recurrent_state_and_every_answer_holds(gg
     checkpoints and host-RAM prompts for the conversations' next turns, cut cancelled streams, and every
     completed answer still equals its solo run. It turns --cache-reuse off for this model at startup."""
     from kvtui.models import load_tokenizer
+    from kvtui.remote.llama_server import LlamaServerPair
+    from kvtui.remote.session import TargetOptions, TargetSession
     from kvtui.scenario import load_scenario
-    from kvtui.target.llama_server import LlamaServerPair
-    from kvtui.target.session import TargetOptions, TargetSession
 
     events = []
     with LlamaServerPair(gguf, f"-np 4 --cache-reuse 16 {THREADS} -lv 4") as pair:

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtui.events import Contamination, Finish
 from kvtui.models import build_tiny_tokenizer
 from kvtui.record import read_recording
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import load_scenario, plan_requests
-from kvtui.target.session import TargetOptions, TargetSession
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 SCENARIO = Path(__file__).parent.parent / "scenarios" / "llama_prompt_cache.yaml"
@@ -57,7 +57,7 @@ def test_the_canary_names_every_restored_passphrase_with_its_source():
 # -- the vendored llama-server --------------------------------------------------------------------------
 def start_server(extra_args=()):
     from kvtui.models import ModelLoadError, default_model_path
-    from kvtui.target.llama_server import LlamaServer, find_llama_server
+    from kvtui.remote.llama_server import LlamaServer, find_llama_server
 
     if find_llama_server() is None:
         pytest.skip("llama-server not built: run scripts/build-llama-server.sh")

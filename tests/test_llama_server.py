@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtui.target.llama_server import ENV_BINARY, LlamaServer, LlamaServerError, find_llama_server
+from kvtui.remote.llama_server import ENV_BINARY, LlamaServer, LlamaServerError, find_llama_server
 
 pytestmark = pytest.mark.llama_server
 
@@ -91,7 +91,7 @@ def test_logprobs_shape_and_greedy_choice(client):
 
 
 def test_streaming_sse_matches_non_streaming(client):
-    # A connection of its own: llama-server closes the connection after a stream (see kvtui.target.llama_server).
+    # A connection of its own: llama-server closes the connection after a stream (see kvtui.remote.llama_server).
     with httpx.stream("POST", f"{client.base_url}/v1/chat/completions", timeout=120,
                       json={"messages": MESSAGES, "temperature": 0, "max_tokens": 32, "stream": True}) as r:
         assert r.status_code == 200

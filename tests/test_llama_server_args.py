@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtui.target.llama_server import DEFAULT_PARALLEL, model_gguf, parse_server_args
+from kvtui.remote.llama_server import DEFAULT_PARALLEL, model_gguf, parse_server_args
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 SCENARIO = str(Path(__file__).parent.parent / "scenarios" / "llama_hybrid_prompt_cache.yaml")

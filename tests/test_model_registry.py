@@ -175,7 +175,7 @@ def test_without_its_entry_no_reader_knows_a_model(monkeypatch):
     assert kind_of("tiny-gpt2") is None
     with pytest.raises(ScenarioError, match="unknown model 'tiny-gpt2'"):
         parse_scenario(PLAIN + "tiny-gpt2")
-    from kvtui.target.embeds import embedding_table
+    from kvtui.remote.embeds import embedding_table
 
     with pytest.raises(ModelLoadError, match="model 'tiny-gpt2' is not supported there"):
         embedding_table("tiny-gpt2")
@@ -239,7 +239,7 @@ def test_validate_takes_an_image_model_named_in_capitals():
 
 
 def test_prompt_embeds_rows_for_a_tiny_model_named_in_another_case():
-    from kvtui.target.embeds import embedding_table
+    from kvtui.remote.embeds import embedding_table
 
     assert torch.equal(embedding_table(" Tiny-Llama"), embedding_table("tiny-llama"))
 

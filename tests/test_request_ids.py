@@ -1,4 +1,4 @@
-"""The request-id audit (a scenario's `request_ids`, kvtui/target/request_ids.py) and kvtui serve's fault
+"""The request-id audit (a scenario's `request_ids`, kvtui/remote/request_ids.py) and kvtui serve's fault
 request_id_keyed.
 
 - The plan deals ids to groups in arrival order; ids travel in the header and the body as asked.
@@ -32,11 +32,11 @@ from kvtui.cli import app as kvtui_app
 from kvtui.events import Contamination
 from kvtui.models import build_tiny_tokenizer, load_tokenizer
 from kvtui.record import read_recording
+from kvtui.remote.request_ids import id_fields, id_headers
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import ScenarioError, load_scenario, parse_scenario, plan_requests
 from kvtui.scenario.request_ids import ClientId
 from kvtui.serve.server import ServeOptions, ServeServer
-from kvtui.target.request_ids import id_fields, id_headers
-from kvtui.target.session import TargetOptions, TargetSession
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = build_tiny_tokenizer()

@@ -125,7 +125,7 @@ def test_isolation_intact_gives_no_findings_on_mixed_sampling_scenarios(tiny, sp
 
 
 def test_a_target_run_sends_each_requests_penalties_by_their_api_names(tiny):
-    from kvtui.target.openai import request_body
+    from kvtui.remote.openai import request_body
 
     spec = parse_scenario("""
 name: t

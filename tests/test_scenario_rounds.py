@@ -9,9 +9,9 @@ from fake_openai import FakeOpenAI
 
 from kvtui.events import Arrive, Finish
 from kvtui.models import build_tiny_tokenizer
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import ScenarioError, parse_scenario, plan_requests
 from kvtui.session import Session
-from kvtui.target.session import TargetOptions, TargetSession
 
 TOK = build_tiny_tokenizer()
 ROUNDS = "{process: rounds, rounds: [{size: 1, count: 3}, {size: 2, count: 2}, {size: 3}]}"

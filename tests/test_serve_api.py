@@ -14,8 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtui.remote.server_probe import parse_info
 from kvtui.serve.server import ServeOptions, ServeServer
-from kvtui.target.server_probe import parse_info
 
 IGNORED = "The following fields were present in the request but ignored: "
 

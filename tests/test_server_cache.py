@@ -17,9 +17,9 @@ from rich.console import Console
 from kvtui.events import Finish, ReferenceStatus, ServerSample
 from kvtui.metrics import Metrics
 from kvtui.models import build_tiny_tokenizer
+from kvtui.remote.server_probe import parse_info, parse_metrics
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import parse_scenario
-from kvtui.target.server_probe import parse_info, parse_metrics
-from kvtui.target.session import TargetOptions, TargetSession
 
 TOK = build_tiny_tokenizer()
 SALT = re.compile(r"^[0-9a-f]{32}$")
@@ -87,7 +87,7 @@ def test_a_server_that_reports_nothing_is_checked_but_not_verified():
 
 
 def test_every_audit_request_goes_past_the_cache_and_a_cached_one_is_not_compared():
-    from kvtui.target.audit import run_target_audit
+    from kvtui.remote.audit import run_target_audit
 
     fake = FakeOpenAI(prefix_cache="honours_salt")
     audit = run_target_audit(scenario(4), TOK, TargetOptions(url="http://fake", transport=fake.transport()))
@@ -245,7 +245,7 @@ def test_timing_audit_without_client_salts_fails_on_a_shared_cache(tiny_paged):
 
 
 def test_timing_verdict_needs_the_control():
-    from kvtui.target.timing import TargetTimingRow, verdict
+    from kvtui.remote.timing import TargetTimingRow, verdict
 
     def row(config: str, hits: int | None, auc: float = 0.5) -> TargetTimingRow:
         return TargetTimingRow(config, 8, 8, 0.1, 0.1, auc, hits is not None, hits, None if hits is None else 16 * hits)

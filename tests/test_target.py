@@ -23,9 +23,9 @@ from fake_openai import LLAMACPP_METRICS, FakeHTTPServer, FakeOpenAI
 from kvtui.events import Finish, FirstToken, ServerSample
 from kvtui.models import build_tiny_tokenizer
 from kvtui.record import read_recording
+from kvtui.remote.server_probe import parse_metrics, parse_slots
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import parse_scenario, plan_requests
-from kvtui.target.server_probe import parse_metrics, parse_slots
-from kvtui.target.session import TargetOptions, TargetSession
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 TOK = build_tiny_tokenizer()
@@ -323,7 +323,7 @@ def test_cli_run_target_refuses_a_recording_that_cannot_take_its_first_line(tmp_
 
 # -- noninterference -------------------------------------------------------------------------------------
 def test_noninterference_audit_against_a_correct_and_a_leaking_server():
-    from kvtui.target.audit import run_target_audit
+    from kvtui.remote.audit import run_target_audit
 
     spec = scenario(4)
     options = dict(url="http://fake", max_concurrency=8)
@@ -345,7 +345,7 @@ def test_noninterference_audit_against_a_correct_and_a_leaking_server():
 @pytest.fixture(scope="module")
 def llama_server_url():
     from kvtui.models import ModelLoadError, default_model_path
-    from kvtui.target.llama_server import LlamaServer, find_llama_server
+    from kvtui.remote.llama_server import LlamaServer, find_llama_server
 
     if find_llama_server() is None:
         pytest.skip("llama-server not built: run scripts/build-llama-server.sh")
@@ -643,8 +643,8 @@ def test_holding_arrivals_delays_the_rest_of_the_plan_by_the_time_held():
 
 def test_divergence_labels_from_both_runs_top_logprobs():
     """Hand-made logprobs in the two shapes servers send; the labels follow from the numbers here."""
-    from kvtui.target.openai import StreamResult, parse_logprobs
-    from kvtui.target.solo_check import first_divergence
+    from kvtui.remote.openai import StreamResult, parse_logprobs
+    from kvtui.remote.solo_check import first_divergence
 
     def result(*entries) -> StreamResult:
         tokens = parse_logprobs({"content": [{"token": tok, "logprob": top[0][1],
@@ -673,8 +673,8 @@ def test_divergence_labels_from_both_runs_top_logprobs():
 def test_logprob_drift_is_the_largest_move_of_a_token_both_runs_list():
     """Two answers with the same tokens: the drift is the largest |logprob difference| over the tokens both
     runs list at a position; answers that differ, or carry no logprobs, have none."""
-    from kvtui.target.openai import StreamResult, parse_logprobs
-    from kvtui.target.solo_check import logprob_drift
+    from kvtui.remote.openai import StreamResult, parse_logprobs
+    from kvtui.remote.solo_check import logprob_drift
 
     def result(*entries) -> StreamResult:
         tokens = parse_logprobs({"content": [{"token": tok, "logprob": top[0][1],

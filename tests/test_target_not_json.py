@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from kvtui.cli import app
 from kvtui.models import build_tiny_tokenizer
+from kvtui.remote.openai import CHAT_PATH, StreamResult, stream_request
+from kvtui.remote.reach import TargetError, json_body
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import parse_scenario, plan_requests
-from kvtui.target.openai import CHAT_PATH, StreamResult, stream_request
-from kvtui.target.reach import TargetError, json_body
-from kvtui.target.session import TargetOptions, TargetSession
 
 TOK = build_tiny_tokenizer()
 START = "'<!DOCTYPE html> <html><head><title>Not Found</title></head>…'"  # PAGE on one line, cut to 60 characters

@@ -15,12 +15,12 @@ import torch
 from kvtui.events import Contamination
 from kvtui.models import build_tiny, load_tokenizer
 from kvtui.record import read_recording
+from kvtui.remote.embeds import chat_parts, completion_embeds, embedding_table
+from kvtui.remote.openai import CHAT_PATH, COMPLETIONS_PATH
+from kvtui.remote.options import TargetOptions
+from kvtui.remote.session import TargetSession
 from kvtui.scenario import load_scenario, plan_requests
 from kvtui.serve.server import ServeOptions, ServeServer
-from kvtui.target.embeds import chat_parts, completion_embeds, embedding_table
-from kvtui.target.openai import CHAT_PATH, COMPLETIONS_PATH
-from kvtui.target.options import TargetOptions
-from kvtui.target.session import TargetSession
 
 ROOT = Path(__file__).resolve().parents[1]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]

@@ -20,9 +20,9 @@ from rich.console import Console
 from kvtui.events import Contamination, Header, ReferenceEvidence
 from kvtui.metrics import Metrics
 from kvtui.models import ModelLoadError, build_tiny_tokenizer
+from kvtui.remote.session import TargetError, TargetOptions, TargetSession
 from kvtui.scenario import parse_scenario, plan_requests
 from kvtui.summary import differing_excerpts, evidence_text, print_summary
-from kvtui.target.session import TargetError, TargetOptions, TargetSession
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 TOK = build_tiny_tokenizer()

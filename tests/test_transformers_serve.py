@@ -5,7 +5,7 @@ batching does with two overlapping requests that share one x-request-id: one cli
 request fails, and the batching worker is dead: every later request of every client and /health get 503
 (docs/findings.md).
 
-The server is transformers 5.24.0, pinned (kvtui.target.transformers_serve.PINNED_VERSION, installed by
+The server is transformers 5.24.0, pinned (kvtui.remote.transformers_serve.PINNED_VERSION, installed by
 scripts/install-transformers-serve.sh into a venv of its own), not the transformers kvtui runs on: the
 finding belongs to 5.24.0, whose serving code keys the batching manager by the client's x-request-id.
 5.25.0 keys it by ids of its own (the same audit there: 0 hung, 0 lost, both probes answered, /health
@@ -80,7 +80,7 @@ def fake_python(path: Path) -> Path:
 
 def test_script_names_the_log_when_the_server_dies_before_it_is_ready(tmp_path):
     """One line, the log's path last, and exit 1 (the exit code was once printed into the message)."""
-    from kvtui.target.vllm_cpu import free_port
+    from kvtui.remote.vllm_cpu import free_port
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -116,7 +116,7 @@ def install(*args: str, cache: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_install_script_defaults_to_the_release_the_tests_pin():
-    from kvtui.target.transformers_serve import PINNED_VERSION
+    from kvtui.remote.transformers_serve import PINNED_VERSION
 
     assert subprocess.run(["bash", "-n", str(INSTALL)], capture_output=True).returncode == 0
     assert re.search(r'VERSION="\$\{TRANSFORMERS_SERVE_VERSION:-([^}]+)\}"', INSTALL.read_text()).group(1) == \
@@ -153,7 +153,7 @@ def test_the_install_script_refuses_bad_input_in_one_line(args, env, line, tmp_p
 
 
 def test_the_pinned_finder_names_the_install_command(tmp_path, monkeypatch):
-    from kvtui.target.transformers_serve import find_pinned_transformers_serve, install_dir
+    from kvtui.remote.transformers_serve import find_pinned_transformers_serve, install_dir
 
     monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
     assert install_dir() == tmp_path / "transformers-serve" / "5.24.0"

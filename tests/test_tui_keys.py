@@ -443,8 +443,8 @@ def test_sigterm_stops_the_target_dashboard_and_says_which_signal(tmp_path, monk
     from textual.app import App
 
     from kvtui.models import build_tiny_tokenizer
+    from kvtui.remote.session import TargetOptions, TargetSession
     from kvtui.scenario import parse_scenario
-    from kvtui.target.session import TargetOptions, TargetSession
     from kvtui.tui.target_source import run_target_dashboard
 
     spec = parse_scenario("name: term\nseed: 3\nmax_requests: 64\nmodel: tiny-llama\narrivals: {process: poisson, "

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fake_openai import FakeOpenAI
 
 from kvtui.models import build_tiny_tokenizer
+from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.run.outcome import verdict
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
-from kvtui.target.session import TargetOptions, TargetSession
 
 SCENARIO = """name: verdict-test
 seed: 3

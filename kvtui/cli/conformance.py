@@ -1,7 +1,7 @@
 """`kvtui conformance`: every black-box isolation check against one server (kvtui/conformance/), as one
 table. With --target, the server at that URL; without, a `kvtui serve` of kvtui's own engine started in
 this process (with --fault, a mutant). Exit 0 every applicable check passed, 1 one failed, 2 bad input (a
---target that cannot be reached or does not answer /v1/models with JSON included: kvtui.target.reach), 3 the
+--target that cannot be reached or does not answer /v1/models with JSON included: kvtui.remote.reach), 3 the
 server failed a request outright during the checks."""
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
     from kvtui.conformance import CHECKS, Server, run_checks
     from kvtui.conformance.report import print_table, write_json, write_markdown
     from kvtui.models import ModelLoadError, load_tokenizer
-    from kvtui.target.reach import TargetError, probe
-    from kvtui.target.session import SERVER_KINDS
+    from kvtui.remote.reach import TargetError, probe
+    from kvtui.remote.session import SERVER_KINDS
 
     try:  # the one first contact every --target command makes, before the tokenizer's seconds
         first = probe(url, served_model)

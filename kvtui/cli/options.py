@@ -15,8 +15,8 @@ from kvtui.config import EngineConfig
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.faults import FAULT_NAMES
 from kvtui.names import did_you_mean
+from kvtui.remote.options import TargetOptions
 from kvtui.serve.options import ServeOptions
-from kvtui.target.options import TargetOptions
 
 ENGINE = EngineConfig()  # the engine's defaults
 SERVE = ServeOptions()  # `kvtui serve`'s defaults

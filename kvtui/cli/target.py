@@ -14,7 +14,7 @@ from rich.markup import escape
 from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, fail, fail_unwritable, out, say
 from kvtui.cli.finish import exit_if_signalled, finish_headless, install_stop_handlers
 from kvtui.models.labels import model_label
-from kvtui.target.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
+from kvtui.remote.session import TARGET_DETECTORS, TargetError, TargetOptions, TargetSession
 
 ENGINE_ONLY = {"--fault": "fault", "--isolation off": "isolation", "--layout": "layout", "--dtype": "dtype",
                "--clear-faults": "clear_faults", "--device": "device", "--prefix-caching": "prefix_caching",
@@ -124,7 +124,7 @@ def dashboard_target(spec, scenario_path: Path, run: TargetRun, *, model: str | 
     checks (recording path, the server answering) exit 2 before the dashboard takes the terminal. The
     tokenizer (importing torch and transformers takes 5-15 s on 2 busy cores) is loaded and the requests
     planned with the dashboard up; a bad model is said there and exits 2 once it closes."""
-    from kvtui.target.session import timeline_warnings
+    from kvtui.remote.session import timeline_warnings
     from kvtui.tui.launch import check_writable
     from kvtui.tui.target_source import run_target_dashboard
 
@@ -182,8 +182,8 @@ def _print_dashboard_result(summary, header, session: TargetSession, record: Pat
 def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None) -> None:
     """`kvtui audit SCENARIO --target URL`: three runs, the changed answers, exit 1 when one counts."""
     from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.remote.audit import run_target_audit
     from kvtui.summary import print_contamination
-    from kvtui.target.audit import run_target_audit
 
     reachable(run)
     try:
@@ -216,9 +216,9 @@ def audit_target(spec, scenario_path: Path, run: TargetRun, *, model: str | None
 def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block_size: int | None,
                   cache_salt: str) -> None:
     """`kvtui audit SCENARIO --timing --target URL`: the three configurations, the table, the verdict;
-    exit 1 when one tenant can tell another's prefix (kvtui/target/timing.py)."""
+    exit 1 when one tenant can tell another's prefix (kvtui/remote/timing.py)."""
     from kvtui.models import ModelLoadError, load_tokenizer
-    from kvtui.target.timing import CONFIG_TEXT, print_target_timing, run_target_timing, verdict
+    from kvtui.remote.timing import CONFIG_TEXT, print_target_timing, run_target_timing, verdict
 
     reachable(run)
     try:
@@ -247,9 +247,9 @@ def timing_target(spec, run: TargetRun, *, model: str | None, probes: int, block
 
 
 def reachable(run: TargetRun) -> None:
-    """The first contact every --target command makes before anything slow (kvtui.target.reach.probe: the
+    """The first contact every --target command makes before anything slow (kvtui.remote.reach.probe: the
     server, and the reference server when named, answer /v1/models with JSON); else one line and exit 2."""
-    from kvtui.target.session import check_reachable
+    from kvtui.remote.session import check_reachable
 
     try:
         check_reachable(target_options(run))
@@ -267,10 +267,10 @@ def target_options(run: TargetRun) -> TargetOptions:
 @contextlib.contextmanager
 def started_llama_server(args_text: str, model: str) -> Iterator[tuple[str, str]]:
     """`kvtui run --llama-server ARGS`: llama-server on `model`'s GGUF with ARGS and its cache-off control
-    (kvtui.target.llama_server.LlamaServerPair); yields (server URL, control URL) and stops both after.
+    (kvtui.remote.llama_server.LlamaServerPair); yields (server URL, control URL) and stops both after.
     Bad ARGS or model: one line, exit 2; a server that does not start: one line and its log tail, exit 3."""
     from kvtui.models import ModelLoadError
-    from kvtui.target.llama_server import LlamaServerError, LlamaServerPair, model_gguf
+    from kvtui.remote.llama_server import LlamaServerError, LlamaServerPair, model_gguf
 
     try:
         gguf = model_gguf(model)

@@ -18,9 +18,9 @@ import json
 import httpx
 
 from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, salt_words, short
-from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
-from kvtui.target.reach import json_body
-from kvtui.target.solo_check import first_divergence
+from kvtui.remote.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult, stream_request
+from kvtui.remote.reach import json_body
+from kvtui.remote.solo_check import first_divergence
 
 N, STRUCTURED = "parallel_sampling", "structured_output"
 TITLES = {N: "n > 1 (parallel sampling)", STRUCTURED: "structured output beside plain requests"}

@@ -4,7 +4,7 @@
 A check is a function `(Server) -> CheckResult`. It sends its own requests, judges them, and says
 what it sent, its verdict (pass, fail, or n/a with the reason), the figures it measured and the
 evidence for a fail. A check that cannot reach the server, or reads an answer that is not JSON
-(kvtui.target.reach.json_body), raises `TargetError` (the command's exit 3).
+(kvtui.remote.reach.json_body), raises `TargetError` (the command's exit 3).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Literal
 
 import httpx
 
-from kvtui.target.openai import CHAT_PATH, StreamResult, stream_request
-from kvtui.target.options import DEFAULT_TOLERANCE, TargetOptions
-from kvtui.target.solo_check import uncached
+from kvtui.remote.openai import CHAT_PATH, StreamResult, stream_request
+from kvtui.remote.options import DEFAULT_TOLERANCE, TargetOptions
+from kvtui.remote.solo_check import uncached
 
 Verdict = Literal["pass", "fail", "n/a"]
 VERDICTS: tuple[Verdict, ...] = ("pass", "fail", "n/a")

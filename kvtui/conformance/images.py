@@ -32,8 +32,8 @@ import secrets
 import httpx
 
 from kvtui.conformance.base import CheckResult, Server, not_applicable, refusal, salt_words, send, short
-from kvtui.target.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult
-from kvtui.target.solo_check import first_divergence
+from kvtui.remote.openai import CHAT_PATH, TOP_LOGPROBS, StreamResult
+from kvtui.remote.solo_check import first_divergence
 
 IMAGES = "images"
 TITLE = "images"

@@ -1,4 +1,4 @@
-"""The checks that replay a small scenario with kvtui's target session (kvtui/target/session.py): solo
+"""The checks that replay a small scenario with kvtui's target session (kvtui/remote/session.py): solo
 parity under load, request ids, prompt embeddings and the prompt cache across conversations.
 
 Each builds its scenario here (passphrase prompts, greedy), runs it with the session's own detectors
@@ -14,9 +14,9 @@ import secrets
 
 from kvtui.conformance.base import CheckResult, Server, not_applicable, send
 from kvtui.events import Contamination
-from kvtui.target.openai import TOP_LOGPROBS
-from kvtui.target.session import TargetSession
-from kvtui.target.solo_check import Drift, logprob_drift
+from kvtui.remote.openai import TOP_LOGPROBS
+from kvtui.remote.session import TargetSession
+from kvtui.remote.solo_check import Drift, logprob_drift
 
 SOLO, IDS, EMBEDS, CACHE = "solo_parity", "request_ids", "prompt_embeds", "prompt_cache"
 TITLES = {SOLO: "solo parity under load", IDS: "request ids", EMBEDS: "prompt embeddings",

@@ -1,11 +1,11 @@
-"""The tenant-salt check: `kvtui audit --timing --target`'s experiment (kvtui/target/timing.py) with
+"""The tenant-salt check: `kvtui audit --timing --target`'s experiment (kvtui/remote/timing.py) with
 fewer probes, judged on the server's cached-token counts when it reports them (the ground truth), else
 on TTFT's ROC AUC."""
 
 from __future__ import annotations
 
 from kvtui.conformance.base import CheckResult, Server, not_applicable
-from kvtui.target.timing import AUC_LIMIT, CONFIG_TEXT, run_target_timing
+from kvtui.remote.timing import AUC_LIMIT, CONFIG_TEXT, run_target_timing
 
 SALTS = "tenant_salts"
 TITLE = "tenant salts (prefix cache)"

@@ -49,7 +49,7 @@ class ModelEntry:
         gguf: "module:function" returning the GGUF file llama.cpp's server serves for it (`--llama-server`);
             None when it has none.
         embeds_from: the name of the entry whose input embedding table the rows of a prompt_embeds request
-            come from when a server runs this model (kvtui.target.embeds: its own for a tiny LM, the default
+            come from when a server runs this model (kvtui.remote.embeds: its own for a tiny LM, the default
             model's for dinov2-smollm2, whose LM it is); None: prompt_embeds against such a server refused.
         refusal: the one line a load prints instead, for a model the engine does not run ("" otherwise).
     """

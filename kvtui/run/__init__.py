@@ -1,6 +1,6 @@
 """The run spine: what every run of a scenario shares, whichever engine answers it.
 
-A local run (kvtui/session.py: kvtui's own engine) and a target run (kvtui/target/session.py: a remote
+A local run (kvtui/session.py: kvtui's own engine) and a target run (kvtui/remote/session.py: a remote
 OpenAI-compatible server) differ in how requests are answered, not in what a run is made of:
 
 - `base.RunBase`: the half of a session both kinds share over the sink (its properties, `emit`, the

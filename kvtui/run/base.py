@@ -1,4 +1,4 @@
-"""RunBase: what a local run (kvtui/session.py) and a target run (kvtui/target/session.py) share over
+"""RunBase: what a local run (kvtui/session.py) and a target run (kvtui/remote/session.py) share over
 their sink: the properties the CLI, the dashboard and `verdict` read, `emit`, the start of the
 recording, the reference.status event and the closing path."""
 

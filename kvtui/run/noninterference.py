@@ -6,7 +6,7 @@ Every request whose own prompt stayed must get the same answer in each run: othe
 its neighbours reached it. Catches leaks without canaries (position and mask faults too).
 
 What differs between a local and a target run is behind `AuditSubject`: how a run is made and what it
-answers (kvtui/audit.py: token ids on the virtual clock, compared exactly; kvtui/target/audit.py: a
+answers (kvtui/audit.py: token ids on the virtual clock, compared exactly; kvtui/remote/audit.py: a
 server's streamed answers, compared with logprob tolerance), how much longer a replacement prompt may
 be, and who could have reached a request (co-batched in a step, or in flight at the same time).
 """
@@ -54,7 +54,7 @@ class AuditRun:
 
 
 class AuditSubject(Protocol):
-    """What the audit runs on: kvtui's engine (kvtui/audit.py) or a server (kvtui/target/audit.py)."""
+    """What the audit runs on: kvtui's engine (kvtui/audit.py) or a server (kvtui/remote/audit.py)."""
 
     tokenizer: object
 

@@ -18,7 +18,7 @@ burst). Ids are fixed by the seed: `kvtui-<6 hex>-<group>`.
 After the load the audit sends `probes` requests with fresh ids, one at a time, and GET /health:
 a server that answered before the duplicates and stops answering after them stopped serving others.
 Every request waits at most `wait_s` seconds for its whole answer (and `--timeout`, if lower).
-kvtui/target/request_ids.py runs the audit.
+kvtui/remote/request_ids.py runs the audit.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class TargetSource(Source):
-    """Runs one TargetSession (kvtui/target/session.py) made by `make_session(listener)`: at once in the
+    """Runs one TargetSession (kvtui/remote/session.py) made by `make_session(listener)`: at once in the
     caller's thread, or, with `loading_text`, in the worker while the dashboard shows that text (loading
     the scenario model's tokenizer and planning take seconds; the dashboard is up meanwhile). A failure to make it stays on
     screen (q quits) and is kept in `setup_error` for the caller to report.

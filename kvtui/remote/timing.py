@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import httpx
 
 from kvtui.audit_timing import DEFAULT_PROBES, DEFAULT_TARGET_BLOCK_SIZE, make_probes, roc_auc
-from kvtui.target.openai import COMPLETIONS_PATH, stream_request
-from kvtui.target.reach import TargetError, first_model
-from kvtui.target.server_probe import parse_info
+from kvtui.remote.openai import COMPLETIONS_PATH, stream_request
+from kvtui.remote.reach import TargetError, first_model
+from kvtui.remote.server_probe import parse_info
 
 AUC_LIMIT = 0.9
 CONFIGS = ("different", "same", "none")

@@ -9,11 +9,11 @@ since the run started, measured on the client (time.perf_counter). A recording r
 `kvtui replay` like a local one.
 
 Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
-sends each completed greedy request again alone after the load (kvtui.target.solo_check), past the
+sends each completed greedy request again alone after the load (kvtui.remote.solo_check), past the
 server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
 run as checked only when the server did not say it took prompt tokens from its cache.
 
-A scenario with `request_ids` makes each client send an id of its own choosing (kvtui/target/request_ids.py):
+A scenario with `request_ids` makes each client send an id of its own choosing (kvtui/remote/request_ids.py):
 every request then waits at most `request_ids.wait_s`, and after the load come the audit's probes and
 GET /health, its findings (hung, lost, stopped_serving) and its one summary line; the reference checks
 are skipped when the server stopped serving.
@@ -41,18 +41,18 @@ from kvtui.events import (
     Summary,
 )
 from kvtui.metrics import SLO
+from kvtui.remote.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
+from kvtui.remote.openai import StreamResult, request_body, stream_request
+from kvtui.remote.options import TargetOptions
+from kvtui.remote.reach import TargetError as TargetError  # re-exported: the run's one error for its callers
+from kvtui.remote.reach import first_model, probe
+from kvtui.remote.request_ids import RequestIdAudit, id_fields, id_headers
+from kvtui.remote.server_probe import ServerProbe
+from kvtui.remote.solo_check import reference_event, uncached
+from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.sink import Listener, RunSink
-from kvtui.target.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
-from kvtui.target.openai import StreamResult, request_body, stream_request
-from kvtui.target.options import TargetOptions
-from kvtui.target.reach import TargetError as TargetError  # re-exported: the run's one error for its callers
-from kvtui.target.reach import first_model, probe
-from kvtui.target.request_ids import RequestIdAudit, id_fields, id_headers
-from kvtui.target.server_probe import ServerProbe
-from kvtui.target.solo_check import reference_event, uncached
-from kvtui.target.transcription import is_audio, transcribe_request, transcription_form
 
 TARGET_DETECTORS = ("reference", "canary")
 MEASURED = ("every time: seconds since the run started, on the client's wall clock (time.perf_counter)",)
@@ -145,7 +145,7 @@ class TargetSession(RunBase):
 
     def _embeds_api(self, asked: str) -> str:
         """The API of a plan sent as embedding rows: completions when every position is a row, chat for a
-        mixed mask (kvtui/target/embeds.py).
+        mixed mask (kvtui/remote/embeds.py).
 
         Raises:
             ValueError: mask_pairs, a plan mixing both, or an --api that cannot carry the masks.
@@ -235,7 +235,7 @@ class TargetSession(RunBase):
         served model's name from it unless given.
 
         Raises:
-            TargetError: as kvtui.target.reach.first_model.
+            TargetError: as kvtui.remote.reach.first_model.
         """
         first = await first_model(client, self.options.url, self.served_model)
         if self.served_model is None:
@@ -342,7 +342,7 @@ class TargetSession(RunBase):
 
     async def _transcribe(self, client: httpx.AsyncClient, p, result: StreamResult, *,
                           temperature: float | None = None, live: bool = True) -> StreamResult:
-        """A speech request: its clip uploaded to /v1/audio/transcriptions (target/transcription.py); the
+        """A speech request: its clip uploaded to /v1/audio/transcriptions (remote/transcription.py); the
         whole transcript is its one chunk, reported as a first token and to the canary when `live` (the
         load; not its solo rerun)."""
         form = transcription_form(p, self.served_model, temperature=temperature)
@@ -520,10 +520,10 @@ class TargetSession(RunBase):
 
 def check_reachable(options: TargetOptions) -> None:
     """Ask the server at `options.url` (and the reference server, when one is named) for /v1/models once,
-    before anything slow is set up (kvtui.target.reach.probe: the one check every command makes).
+    before anything slow is set up (kvtui.remote.reach.probe: the one check every command makes).
 
     Raises:
-        TargetError: as kvtui.target.reach.first_model.
+        TargetError: as kvtui.remote.reach.first_model.
     """
     probe(options.url, options.served_model, transport=options.transport)
     if options.reference_url:

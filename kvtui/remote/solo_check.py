@@ -33,7 +33,7 @@ import secrets
 from dataclasses import dataclass
 
 from kvtui.events import Contamination, ReferenceEvidence
-from kvtui.target.openai import StreamResult
+from kvtui.remote.openai import StreamResult
 
 
 def uncached(body: dict, server_kind: str | None) -> dict:

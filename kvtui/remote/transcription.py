@@ -5,7 +5,7 @@ is uploaded as OpenAI's client uploads it: multipart/form-data with the fields `
 `response_format=json` and `temperature`. The endpoint does not stream: the request ends when the
 JSON answer `{"text": ...}` arrives, so it is one chunk at that moment (TTFT is the whole request's
 latency). The transcript is split into words as its pieces, so a solo check that finds a
-difference names the first differing word (kvtui.target.solo_check compares pieces without logprobs).
+difference names the first differing word (kvtui.remote.solo_check compares pieces without logprobs).
 
 Servers that take this: `kvtui serve --model whisper-tiny.en`, vLLM serving a Whisper model, OpenAI.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from kvtui.target.openai import StreamResult
-from kvtui.target.reach import answered, excerpt
+from kvtui.remote.openai import StreamResult
+from kvtui.remote.reach import answered, excerpt
 
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
 

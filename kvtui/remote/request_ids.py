@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import httpx
 
 from kvtui.events import Contamination, RequestIdEvidence
+from kvtui.remote.openai import StreamResult
 from kvtui.scenario.request_ids import HEADER, ClientId, RequestIds, probe_id
-from kvtui.target.openai import StreamResult
 
 COMPLETED = ("stop", "length")
 DETECTOR = "request_id"

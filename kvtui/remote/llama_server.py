@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from kvtui.models.default import cache_dir
-from kvtui.target.reach import is_json
+from kvtui.remote.reach import is_json
 
 ENV_BINARY = "KVTUI_LLAMA_SERVER"
 BUILD_HINT = "run scripts/build-llama-server.sh"

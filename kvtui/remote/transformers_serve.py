@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from kvtui.models.default import cache_dir
-from kvtui.target.reach import listed_first, models_error
-from kvtui.target.vllm_cpu import SCRIPTS, free_port, stop_group
+from kvtui.remote.reach import listed_first, models_error
+from kvtui.remote.vllm_cpu import SCRIPTS, free_port, stop_group
 
 # The release the transformers serve tests pin (its findings: docs/findings.md); the default of
 # scripts/install-transformers-serve.sh, which tests/test_transformers_serve.py checks agrees.

@@ -3,7 +3,7 @@
 The request body is built from a planned request (kvtui.scenario.PlannedRequest): the chat API sends
 the prompt's text as the user message (or the scenario's chat messages), the completions API sends the
 text, or the token ids when the prompt has none (synthetic prompts); a prompt sent as embedding rows
-goes as `prompt_embeds` (kvtui/target/embeds.py). Every request streams
+goes as `prompt_embeds` (kvtui/remote/embeds.py). Every request streams
 (`stream: true`, `stream_options: {include_usage: true}`) and, when asked, requests the top 5
 logprobs of each generated token.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvtui.target.reach import BadAnswer, answered, stream_event
+from kvtui.remote.reach import BadAnswer, answered, stream_event
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 TOP_LOGPROBS = 5  # alternatives per token: a near tie of three still shows both runs' choices
@@ -134,7 +134,7 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
         messages: chat messages to send instead of one user message with the prompt text.
         temperature: overrides the planned sampling temperature (the reference check sends 0).
         prompt_embeds: completions only: base64 torch.save rows sent as `prompt_embeds` in place of the
-            prompt (kvtui/target/embeds.py), `prompt` then left out.
+            prompt (kvtui/remote/embeds.py), `prompt` then left out.
     """
     s = planned.sampling
     text = planned.metadata.get("prompt_text")
@@ -183,7 +183,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
         headers: more request headers (the request-id audit's x-request-id).
 
     The request goes out with `Connection: close`: llama.cpp's server closes the connection after every
-    stream, so a pooled connection reused at once fails (see kvtui.target.llama_server).
+    stream, so a pooled connection reused at once fails (see kvtui.remote.llama_server).
     """
     result = result if result is not None else StreamResult(sent_s=0.0)
     result.sent_s = clock()

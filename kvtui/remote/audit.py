@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvtui.remote.openai import StreamResult
+from kvtui.remote.options import TargetOptions
+from kvtui.remote.session import TargetSession
+from kvtui.remote.solo_check import first_divergence
 from kvtui.run.noninterference import AuditRun, Change, NoninterferenceAudit, run_noninterference
-from kvtui.target.openai import StreamResult
-from kvtui.target.options import TargetOptions
-from kvtui.target.session import TargetSession
-from kvtui.target.solo_check import first_divergence
 
 TargetAudit = NoninterferenceAudit  # what run_target_audit returns (events, compared, cached)
 REPLACEMENT_ROOM = 8  # tokens a replacement prompt may grow by (a server's max_len is not known here)
@@ -31,7 +31,7 @@ REPLACEMENT_ROOM = 8  # tokens a replacement prompt may grow by (a server's max_
 class TargetSubject:
     """The audit's runs against a server (kvtui.run.noninterference.AuditSubject): an answer is the
     streamed result; who could reach a request, the requests in flight with it; answers compared with
-    the reference check's logprob tolerance (kvtui.target.solo_check.first_divergence)."""
+    the reference check's logprob tolerance (kvtui.remote.solo_check.first_divergence)."""
 
     def __init__(self, spec, tokenizer, options: TargetOptions) -> None:
         # clients send no ids of their own here: a server that mixes up duplicated ids (the request-id audit
