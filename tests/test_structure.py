@@ -80,3 +80,15 @@ def test_no_module_uses_what_the_oldest_python_pyproject_allows_lacks():
                     and node.attr in since_311.get(node.value.id, ()):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
     assert found == []
+
+
+def test_module_names_under_tests_are_unique():
+    """pytest's default (prepend) import mode imports a test folder's modules by their bare names, so two
+    files of one name in different folders under tests/ are one module: the second conftest.py in
+    tests/tui/ became the `conftest` that 28 flat tests' `from conftest import smollm2_available` read, and
+    they failed with ImportError. Each name, conftest.py included, appears once."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if "__snapshots__" not in path.parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

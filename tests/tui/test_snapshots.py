@@ -2,7 +2,7 @@
 
 Each test draws the app at 100x30 and at 160x45 and compares the picture with the SVG committed under
 tests/tui/__snapshots__/test_snapshots/. The pictures come from the committed passphrase demo recording
-(recordings/passphrase_demo.jsonl) through StillSource (conftest.py): the state after a chosen prefix of
+(recordings/passphrase_demo.jsonl) through StillSource (still_source.py): the state after a chosen prefix of
 the recording's events, the header's mode given, no worker, no timer and no wall clock, so every run
 draws the same picture on any machine.
 
@@ -30,8 +30,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from still_source import DEMO, StillSource
 
 from kvtui.events import Contamination, Finish, ReferenceStatus
+from kvtui.record import read_recording
+from kvtui.tui.app import KvtuiApp
 
 SIZES = pytest.mark.parametrize("size", [(100, 30), (160, 45)], ids=["100x30", "160x45"])
 
@@ -59,6 +62,26 @@ def through(events, found) -> list:
     """The events up to and including the first for which `found(event)` is true."""
     end = next(i for i, e in enumerate(events) if found(e))
     return events[:end + 1]
+
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The passphrase demo recording (SmolLM2; shared_cache on from 2.5 s to 6 s, r007 and r008 answer
+    with r009's passphrase): (header, typed events in file order), the summary left out."""
+    header, events, _summary, _lines = read_recording(DEMO)
+    return header, events
+
+
+@pytest.fixture
+def dashboard(demo):
+    """A factory: `dashboard(events, mode="LIVE")` -> a KvtuiApp on a StillSource of the demo's header
+    and `events`."""
+
+    def make(events, mode: str = "LIVE") -> KvtuiApp:
+        return KvtuiApp(StillSource(demo[0], events, mode))
+
+    return make
 
 
 class TestLive:

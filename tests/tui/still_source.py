@@ -1,5 +1,8 @@
-"""Fixtures of the dashboard room: the committed passphrase demo recording, and a dashboard that shows
-one moment of it as a live run's source would post it.
+"""Fixtures of the dashboard room's snapshot tests: the committed passphrase demo recording, and a dashboard
+that shows one moment of it as a live run's source would post it. A module of its own, not a conftest.py:
+with pytest's default import mode every conftest.py is the top-level module `conftest`, so a second one would
+shadow tests/conftest.py for the flat tests that `from conftest import ...` (tests/test_structure.py keeps
+module names under tests/ unique).
 
 Shared helpers of the flat tests/ folder stay importable here (`from helpers import ...`): pytest puts
 tests/ on sys.path when it loads tests/conftest.py, which it does for every test below it.
@@ -9,10 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from kvtui.record import read_recording
-from kvtui.tui.app import KvtuiApp
 from kvtui.tui.live import LiveSource
 from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.sources import Source
@@ -51,22 +50,3 @@ class StillSource(Source):
             return False
         self.publish(build_snapshot(self.state), force=True)
         return True
-
-
-@pytest.fixture(scope="session")
-def demo():
-    """The passphrase demo recording (SmolLM2; shared_cache on from 2.5 s to 6 s, r007 and r008 answer
-    with r009's passphrase): (header, typed events in file order), the summary left out."""
-    header, events, _summary, _lines = read_recording(DEMO)
-    return header, events
-
-
-@pytest.fixture
-def dashboard(demo):
-    """A factory: `dashboard(events, mode="LIVE")` -> a KvtuiApp on a StillSource of the demo's header
-    and `events`."""
-
-    def make(events, mode: str = "LIVE") -> KvtuiApp:
-        return KvtuiApp(StillSource(demo[0], events, mode))
-
-    return make
