@@ -135,3 +135,35 @@ def test_each_mutant_fails_only_its_own_class(tokenizer, fault):
     found = {name: r.verdict for name, r in verdicts(tokenizer, (fault,)).items()}
     assert [name for name, v in found.items() if v == "fail"] == [MUTANTS[fault]]
     assert all(v in ("pass", "n/a") for name, v in found.items() if name != MUTANTS[fault])
+
+
+# -- parallel sampling: a seeded draw at a boundary that numerical noise moved -----------------------------
+
+def _tok(key: int, top: dict[int, float]):
+    """A token with its top logprobs, as parse_logprobs gives one."""
+    from kvtui.remote.openai import TokenInfo
+
+    return TokenInfo(str(key), key, tuple(sorted(top.items(), key=lambda kv: -kv[1])))
+
+
+def test_a_sampled_flip_with_equal_distributions_is_noise_and_a_moved_distribution_is_not():
+    """CI saw choice 2 of kvtui serve's n=3 answer differ from its seeded run at token 12 (temperature 1):
+    the same prompt and seed, one request of 3 rows against one of 1 row. Where the distributions up to the
+    differing token agree within the tolerance, the draw fell at a boundary the noise moved; where a
+    sibling's KV moved them, it is a finding."""
+    from kvtui.conformance.api_checks import sampling_flip
+
+    same = {5: -0.70, 6: -0.71, 7: -2.0}
+    noisy = {5: -0.70003, 6: -0.70998, 7: -2.00002}
+    choice = [_tok(3, {3: -0.1, 4: -2.4}), _tok(5, same)]
+    alone = [_tok(3, {3: -0.10001, 4: -2.4}), _tok(6, noisy)]
+    assert sampling_flip(choice, alone, 1e-3) == pytest.approx(3e-5, abs=1e-9)
+    moved = [_tok(3, {3: -0.1, 4: -2.4}), _tok(6, {5: -1.3, 6: -0.4, 7: -2.0})]
+    assert sampling_flip(choice, moved, 1e-3) is None  # 0.6 nats: the context was not the same
+    earlier = [_tok(3, {3: -0.3, 4: -1.5}), _tok(6, noisy)]
+    assert sampling_flip(choice, earlier, 1e-3) is None  # moved before the flip (0.2 nats at token 0)
+    assert sampling_flip(choice, choice[:1], 1e-3) is None  # one answer ended: not a draw at a boundary
+    assert sampling_flip(choice, [], 1e-3) is None  # no logprobs: nothing to judge by
+    assert sampling_flip(choice, list(choice), 1e-3) is None  # the same answer: no flip
+    unlisted = [_tok(3, {3: -0.1, 4: -2.4}), _tok(6, {8: -0.5, 9: -0.9})]
+    assert sampling_flip(choice, unlisted, 1e-3) is None  # no token listed by both at the flip

@@ -125,15 +125,16 @@ def logprob_drift(batched: StreamResult, solo: StreamResult) -> Drift | None:
         return None
     best = None
     for i, (a, b) in enumerate(zip(batched.tokens, solo.tokens)):
-        ours, theirs = _listed_once(a.top), _listed_once(b.top)
+        ours, theirs = listed_once(a.top), listed_once(b.top)
         for key, logprob in ours.items():
             if key in theirs and (best is None or abs(logprob - theirs[key]) > best.nats):
                 best = Drift(i, abs(logprob - theirs[key]), a.token)
     return best
 
 
-def _listed_once(top) -> dict:
-    """key -> logprob of the keys a top list holds once."""
+def listed_once(top) -> dict:
+    """key -> logprob of the keys a top list holds once (a key listed twice, two ids with one text where the
+    server gives text only, cannot be told apart)."""
     keys = [key for key, _ in top]
     return {key: logprob for key, logprob in top if keys.count(key) == 1}
 
