@@ -146,7 +146,7 @@ def _engine(spec, loaded, probes: Probes, faults, block_size: int) -> Engine:
     config = spec.engine_config(kv="paged", prefix_caching=True, num_blocks=blocks, kv_budget_bytes=None,
                                 block_size=block_size, max_len=max(spec.engine.max_len, max(map(len, prompts)) + 2),
                                 faults=frozenset(spec.engine.faults) | frozenset(faults), watermark=0.0)
-    return Engine(loaded.model, config, clock="virtual", pad_token_id=loaded.tokenizer.pad_token_id or 0)
+    return Engine.from_loaded(loaded, config, eos_token_ids=(), tokenizer=None, image_encoder=None, clock="virtual")
 
 
 def measure(spec, loaded, probes: Probes, *, salts: str, faults=(),

@@ -216,10 +216,8 @@ class Session(RunBase):
 
     def _make_engine(self) -> Engine:
         """The run's engine: on the virtual clock for the paced clock too (the pacer only waits)."""
-        engine = Engine(self.loaded.model, self.config, eos_token_ids=self.loaded.eos_token_ids,
-                        tokenizer=self.tokenizer, clock="virtual" if self.clock in MODELED_CLOCKS else self.clock,
-                        cost_model=self.cost_model[0], pad_token_id=self.tokenizer.pad_token_id or 0,
-                        image_encoder=self.loaded.image_encoder)
+        engine = Engine.from_loaded(self.loaded, self.config, cost_model=self.cost_model[0],
+                                    clock="virtual" if self.clock in MODELED_CLOCKS else self.clock)
         engine.detect_taint = "slot_taint" in self.detectors
         engine.measure_flow = "attention_flow" in self.detectors
         engine.output.record_draws = "reference" in self.detectors

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 
 _solo_cache: dict = {}
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def make_engine(loaded_or_model, config: EngineConfig | None = None, **fields) -> Engine:
+    """A test engine through Engine.from_loaded. `loaded_or_model`: a LoadedModel (its EOS ids, tokenizer,
+    pad id and image encoder unless given) or a bare model (none of them). `fields`: EngineConfig fields,
+    over `config` (default EngineConfig()), and from_loaded's keywords (eos_token_ids, tokenizer, clock, ...)."""
+    overrides = {k: v for k, v in fields.items() if k in _CONFIG_FIELDS}
+    options = {k: v for k, v in fields.items() if k not in _CONFIG_FIELDS}
+    config = dataclasses.replace(config or EngineConfig(), **overrides)
+    return Engine.from_loaded(loaded_or_model, config, **options)
+
+
+def make_requests(engine: Engine, prompts, params: SamplingParams | None = None, *, prefix: str = "r", **submit):
+    """Submit `prompts` (token id lists or RequestInputs) as f"{prefix}{i}" with `params` (and Engine.submit's
+    other keywords); their RequestStates in order."""
+    return [engine.submit(f"{prefix}{i}", p, params, **submit) for i, p in enumerate(prompts)]
 
 
 def solo_run(loaded, prompt: list[int], params: SamplingParams):
@@ -15,8 +34,7 @@ def solo_run(loaded, prompt: list[int], params: SamplingParams):
     top2_gaps, draws), cached per model/prompt/params."""
     key = (loaded.model_id, str(loaded.dtype), tuple(prompt), params)
     if key not in _solo_cache:
-        engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=len(prompt) + params.max_new_tokens + 1,
-                                                   max_batch_size=1), eos_token_ids=())
+        engine = make_engine(loaded.model, num_slots=1, max_len=len(prompt) + params.max_new_tokens + 1, max_batch_size=1)
         state = engine.submit("solo", prompt, params)
         engine.run_until_done()
         _solo_cache[key] = state
@@ -74,7 +92,7 @@ def assert_equals_solo(loaded, prompt: list[int], params: SamplingParams, tokens
 def run_batched(loaded, prompts, params, arrivals, config: EngineConfig, states: dict | None = None):
     """Submit prompt i at step arrivals[i]; step until all finish. Returns (engine, outputs, reports);
     `states`, when given, gets each request's RequestState by index."""
-    engine = Engine(loaded.model, config, eos_token_ids=())
+    engine = make_engine(loaded.model, config)
     reports, step, states = [], 0, {} if states is None else states
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     while order or engine.has_unfinished():

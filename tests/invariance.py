@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from helpers import make_engine
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 
 
 def run_keeping_logits(model, config: EngineConfig, requests: list[tuple[list[int], SamplingParams, int]],
@@ -17,7 +18,7 @@ def run_keeping_logits(model, config: EngineConfig, requests: list[tuple[list[in
     for pictures), each submitted once the engine has run `join step` steps. Returns (request id ->
     generated ids, request id -> the [V] float32 logits row of each generated token, as the forward gave
     it)."""
-    engine = Engine(model, config, eos_token_ids=(), image_encoder=image_encoder)
+    engine = make_engine(model, config, image_encoder=image_encoder)
     kept: dict[str, list[torch.Tensor]] = {}
     sample = engine.output.sample
 

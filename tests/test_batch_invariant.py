@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import oracle_model
+from helpers import make_engine, oracle_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from invariance import first_mismatch, run_keeping_logits, solo_config
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.invariant import RowTiles, choose_tile, tile_is_invariant
 from kvtui.models import load_model
 from kvtui.scenario import parse_scenario
@@ -183,10 +183,9 @@ def test_reference_counts_a_leak_with_no_tolerance():
 def test_models_the_mode_cannot_run_are_refused_in_one_line(tiny):
     with pytest.raises(ValueError, match="batch_invariant runs Llama-family models on kvtui's own forward, "
                                          "not 'gpt2': drop it"):
-        Engine(tiny["tiny-gpt2"].model, EngineConfig(num_slots=1, max_len=32, batch_invariant=True))
+        make_engine(tiny["tiny-gpt2"].model, num_slots=1, max_len=32, batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant runs Llama-family models on kvtui's own forward: drop --enforce-eager"):
-        Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=1, max_len=32, batch_invariant=True,
-                                                      enforce_eager=True))
+        make_engine(tiny["tiny-llama"].model, num_slots=1, max_len=32, batch_invariant=True, enforce_eager=True)
 
 
 def test_the_command_line_refuses_the_mode_where_it_cannot_run(tmp_path):

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_engine
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from kvtui.cli import app
-from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.runner import model_geometry
 from kvtui.models import ModelLoadError, build_tiny_tokenizer, load_model
 from kvtui.models.compat import (
@@ -92,7 +92,7 @@ def test_validate_refuses_a_dynamic_rope_model_folder(tmp_path: Path):
 
 def test_engine_refuses_a_dynamic_rope_model():
     with pytest.raises(ValueError, match="rope_type 'dynamic'"):
-        Engine(tiny_llama_with_rope({"rope_type": "dynamic", "factor": 2.0}), EngineConfig(max_len=128))
+        make_engine(tiny_llama_with_rope({"rope_type": "dynamic", "factor": 2.0}), max_len=128)
 
 
 def test_length_dependent_rope_types():
@@ -124,14 +124,14 @@ def test_engine_refuses_max_len_past_learned_positions(tiny):
     model = tiny["tiny-gpt2"].model
     assert model.config.n_positions == 2048
     with pytest.raises(ValueError) as info:
-        Engine(model, EngineConfig(max_len=2200))
+        make_engine(model, max_len=2200)
     assert str(info.value) == ("max_len 2200 exceeds the model's 2048 learned positions (n_positions); "
                                "lower engine.max_len")
 
 
 def test_max_len_equal_to_the_table_runs_a_long_prompt_beside_a_short_one(tiny):
     loaded = tiny["tiny-gpt2"]
-    engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=2048, max_tokens_per_step=4096), eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=2, max_len=2048, max_tokens_per_step=4096)
     params = SamplingParams(max_new_tokens=8)
     long = engine.submit("long", [7 + i % 200 for i in range(2040)], params)
     short = engine.submit("short", [9, 10, 11, 12, 13, 14, 15, 16], params)
@@ -144,7 +144,7 @@ def test_rope_models_have_no_position_limit(tiny):
     model = tiny["tiny-llama"].model
     assert model.config.max_position_embeddings == 2048
     check_max_len(model.config, 4096)
-    Engine(model, EngineConfig(num_slots=1, max_len=4096))
+    make_engine(model, num_slots=1, max_len=4096)
 
 
 def test_validate_and_run_refuse_max_len_past_learned_positions(tmp_path: Path):

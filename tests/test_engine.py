@@ -2,16 +2,15 @@
 
 import pytest
 import torch
-from helpers import oracle_model, solo, uncached_greedy
+from helpers import make_engine, oracle_model, solo, uncached_greedy
 
 import kvtui.engine.output as engine_module  # the output side draws the tokens
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams, StepInterrupted
+from kvtui.engine import SamplingParams, StepInterrupted
 
 
 def make(loaded, **kw):
-    return Engine(loaded.model, EngineConfig(**{"num_slots": 2, "max_len": 64, **kw}), eos_token_ids=(),
-                  tokenizer=loaded.tokenizer)
+    return make_engine(loaded.model, EngineConfig(num_slots=2, max_len=64), tokenizer=loaded.tokenizer, **kw)
 
 
 def test_first_step_report_counts(tiny):
@@ -94,11 +93,11 @@ def test_stop_on_eos_and_stop_string(tiny):
     free = solo(loaded, prompt, SamplingParams(max_new_tokens=8))
     eos = free[3]
     cut = free.index(eos) + 1
-    engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=(eos,))
+    engine = make_engine(loaded.model, num_slots=1, max_len=64, eos_token_ids=(eos,))
     state = engine.submit("r", prompt, SamplingParams(max_new_tokens=8))
     engine.run_until_done()
     assert state.generated_ids == free[:cut] and state.finish_reason.value == "stop"
-    ignoring = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=(eos,))
+    ignoring = make_engine(loaded.model, num_slots=1, max_len=64, eos_token_ids=(eos,))
     state = ignoring.submit("r", prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     ignoring.run_until_done()
     assert state.generated_ids == free and state.finish_reason.value == "length"

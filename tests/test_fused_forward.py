@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import oracle_model
+from helpers import make_engine, oracle_model
 from test_faults import scenario
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.faults import FAULTS
 from kvtui.model_kinds import ModelKind
 from kvtui.session import Session
@@ -18,9 +18,9 @@ from kvtui.session import Session
 
 def test_llama_models_take_the_fused_forward_and_others_the_modules(tiny):
     config = EngineConfig(num_slots=2, max_len=64)
-    assert Engine(tiny["tiny-llama"].model, config).runner.forward_path == "fused"
-    assert Engine(tiny["tiny-llama"].model, replace(config, enforce_eager=True)).runner.forward_path == "modules"
-    assert Engine(tiny["tiny-gpt2"].model, config).runner.forward_path == "modules"
+    assert make_engine(tiny["tiny-llama"].model, config).runner.forward_path == "fused"
+    assert make_engine(tiny["tiny-llama"].model, replace(config, enforce_eager=True)).runner.forward_path == "modules"
+    assert make_engine(tiny["tiny-gpt2"].model, config).runner.forward_path == "modules"
 
 
 @pytest.mark.parametrize("kernel", ["linear", "tiled", "input_major", "prepacked"])
@@ -36,7 +36,7 @@ def test_the_models_own_linears_still_compute_the_same_after_the_relayout(kernel
     monkeypatch.setattr(linear, "TILE", 48)  # tiled: qkv (128 wide), o, gate_up, down and the head (259) in tiles
     model, _ = build_tiny("tiny-llama")  # a fresh instance: the kernel is chosen when it is first fused
     cfg = model.config
-    engine = Engine(model, EngineConfig(num_slots=1, max_len=64))
+    engine = make_engine(model, num_slots=1, max_len=64)
     fused = model._kvtui_fused
     attn = model.model.layers[0].self_attn
     assert fused.kernel == kernel and fused.layers[0].qkv.kernel == kernel
@@ -68,7 +68,7 @@ def test_step_logits_equal_transformers_forward_on_a_separate_instance(tiny, enf
     """A batched prefill's last-position logits, per request, equal a separate instance's own forward
     on that prompt alone (sdpa), within float32 rounding."""
     prompts = [[5, 6, 7], list(range(30, 70)), [200, 3, 9, 14, 250, 1, 8, 8]]
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=3, max_len=64, enforce_eager=enforce_eager))
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=3, max_len=64, enforce_eager=enforce_eager)
     logged = []
     original = engine.runner.forward
 
@@ -124,7 +124,7 @@ def test_smollm2_fused_tokens_equal_transformers_forward(smollm2):
     tok = smollm2.tokenizer
     texts = ["The capital of France is", "Remember this passphrase: VELVET-ORCHID-42.", "def fib(n):"]
     prompts = [tok(t)["input_ids"] for t in texts]
-    engine = Engine(smollm2.model, EngineConfig(num_slots=3, max_len=64))
+    engine = make_engine(smollm2.model, num_slots=3, max_len=64)
     assert engine.runner.forward_path == "fused"
     states = [engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=6, ignore_eos=True)) for i, p in enumerate(prompts)]
     engine.run_until_done()
@@ -146,8 +146,7 @@ def test_measured_decode_attention_equals_transformers_eager_weights(tiny, layou
     equal transformers' own eager attention weights on a separate instance, summed over layers and
     heads, for each request run alone; and a slot's stale keys past a row's end add nothing."""
     prompts = [[5, 6, 7], list(range(30, 52)), [200, 3, 9, 14, 250, 1, 8, 8]]
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=3, max_len=64, layout=layout,
-                                                           enforce_eager=enforce_eager))
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=3, max_len=64, layout=layout, enforce_eager=enforce_eager)
     engine.pool.keys[0][:, :, 40:] = float("nan")  # garbage past every row's end must not reach anything
     engine.pool.values[0][:, :, 40:] = float("nan")
     engine.measure_flow = True
@@ -187,7 +186,7 @@ def test_nan_keys_a_finished_request_left_in_its_slot_never_reach_the_next_owner
     from kvtui.models import build_tiny
 
     model, _ = build_tiny("tiny-llama")
-    engine = Engine(model, EngineConfig(num_slots=2, max_len=64, layout=layout, max_batch_size=2))
+    engine = make_engine(model, num_slots=2, max_len=64, layout=layout, max_batch_size=2)
     layer = model._kvtui_fused.layers[0]
     qkv, poison = layer.qkv, {"on": True}
 

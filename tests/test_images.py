@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
@@ -59,7 +60,7 @@ def _oracle_answer(oracle, inp: RequestInput, n: int) -> list[int]:
 
 
 def _engine(vision, config: EngineConfig) -> Engine:
-    return Engine(vision.model, config, eos_token_ids=(), image_encoder=vision.image_encoder)
+    return make_engine(vision.model, config, image_encoder=vision.image_encoder)
 
 
 def _solo(vision, inp: RequestInput, n: int) -> list[int]:
@@ -112,7 +113,7 @@ def test_encoder_cache_report_counts_entries_hits_and_bytes(vision):
 
 
 def test_images_are_refused_alone_by_a_text_model_and_bad_pixels_by_an_image_model(tiny, vision):
-    text_engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=MAX_LEN), eos_token_ids=())
+    text_engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=MAX_LEN)
     refused = text_engine.submit("img", _request(vision.tokenizer, 0))
     fine = text_engine.submit("txt", [5, 6, 7], SamplingParams(max_new_tokens=2))
     text_engine.run_until_done()
@@ -176,8 +177,7 @@ def test_dinov2_smollm2_answers_each_picture_with_its_word_as_the_transformers_p
     lm = load_model("default", progress=False).model  # a separate instance, transformers' sdpa attention
     lm.set_attn_implementation("sdpa")
     oracle = (lm, load_dinov2(progress=False), loaded.image_encoder.projector)
-    engine = Engine(loaded.model, EngineConfig(num_slots=4, max_len=128), eos_token_ids=(),
-                    image_encoder=loaded.image_encoder)
+    engine = make_engine(loaded.model, num_slots=4, max_len=128, image_encoder=loaded.image_encoder)
     inputs = [_request(loaded.tokenizer, k) for k in range(4)]
     states = [engine.submit(f"r{k}", inp, SamplingParams(max_new_tokens=6)) for k, inp in enumerate(inputs)]
     engine.run_until_done()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import make_engine
 
 from kvtui.config import EngineConfig
 
@@ -145,11 +146,10 @@ def test_the_timing_audit_defaults_are_its_owners_names():
 def test_engine_reconfigure_takes_exactly_the_timeline_engine_knobs(tiny):
     """A running engine changes a field iff the scenario timeline offers it as a knob (faults switch
     through set_faults, not reconfigure)."""
-    from kvtui.engine import Engine
     from kvtui.scenario.timeline import RUNTIME_KNOBS
 
     timeline_fields = {field for field, _ in RUNTIME_KNOBS.values() if field}
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=32), eos_token_ids=())
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=32)
     taken, refused = set(), {}
     for f in dataclasses.fields(EngineConfig):
         try:

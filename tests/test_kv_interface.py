@@ -5,6 +5,8 @@ KV-mode branch; fault names are typed at their use sites."""
 import ast
 from pathlib import Path
 
+from helpers import make_engine
+
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.batching import build_batch
@@ -17,7 +19,7 @@ ENGINE = Path(__file__).parent.parent / "kvtui" / "engine"
 
 
 def engine_for(loaded, **kw) -> Engine:
-    engine = Engine(loaded.model, EngineConfig(**{"num_slots": 2, "max_len": 32, **kw}), eos_token_ids=())
+    engine = make_engine(loaded.model, EngineConfig(num_slots=2, max_len=32), **kw)
     engine.submit("a", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=3))
     engine.submit("b", [11, 12, 13], SamplingParams(max_new_tokens=3))
     return engine

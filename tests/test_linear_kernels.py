@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make_engine
 
 from kvtui.engine import linear
 
@@ -178,8 +179,6 @@ def test_a_prepacked_untied_head_leaves_no_second_copy_and_the_choice_can_be_ask
     import gc
     import weakref
 
-    from kvtui.config import EngineConfig
-    from kvtui.engine import Engine
     from kvtui.engine.fused import kernel_choice
     from kvtui.models import build_tiny
 
@@ -189,7 +188,7 @@ def test_a_prepacked_untied_head_leaves_no_second_copy_and_the_choice_can_be_ask
     model, _ = build_tiny("tiny-llama")
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight  # untied
     old_head = weakref.ref(model.get_output_embeddings())
-    engine = Engine(model, EngineConfig(num_slots=1, max_len=32))
+    engine = make_engine(model, num_slots=1, max_len=32)
     gc.collect()
     assert old_head() is None
     assert type(engine.runner.head).__name__ == "PackedSlice" and engine.runner.head is model.get_output_embeddings()

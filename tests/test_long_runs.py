@@ -3,16 +3,17 @@ the number of requests served."""
 
 from __future__ import annotations
 
-from kvtui.config import EngineConfig
+from helpers import make_engine
+
 from kvtui.detect.canary import CanaryDetector
 from kvtui.detect.reference import PendingCheck, ReferenceDetector
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.events import Arrive, Finish
 from kvtui.tui.state import MAX_FINISHED_KEPT, DashboardState
 
 
 def test_engine_forgets_reported_requests(tiny):
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=32), eos_token_ids=())
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=32)
     for i in range(50):
         engine.submit(f"r{i}", [5 + i % 7, 6], SamplingParams(max_new_tokens=2))
     reports = engine.run_until_done()

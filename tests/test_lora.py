@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.lora import AdapterRegistry
 from kvtui.models.lora import adapter_dir, local_adapter
@@ -62,7 +63,7 @@ def registry(llama):
 
 def _run(llama, registry, prompts, names, config: EngineConfig, arrivals=None):
     """Submit prompt i (under adapter names[i]) at step arrivals[i]; run to the end. Returns the states."""
-    engine = Engine(llama.model, config, eos_token_ids=())
+    engine = make_engine(llama.model, config)
     arrivals = arrivals or [0] * len(prompts)
     states, step = {}, 0
     while len(states) < len(prompts) or engine.has_unfinished():
@@ -109,7 +110,7 @@ def test_reload_is_a_new_version_and_its_requests_do_not_reuse_the_old_blocks(ll
     reg = AdapterRegistry(llama.model, llama.model_id)
     first = reg.load("lora-a")
     config = EngineConfig(kv="paged", block_size=4, num_blocks=64, max_len=96, max_batch_size=4, prefix_caching=True)
-    engine = Engine(llama.model, config, eos_token_ids=())
+    engine = make_engine(llama.model, config)
     old = engine.submit("old", RequestInput(tuple(PROMPTS[0]), lora=first), SamplingParams(max_new_tokens=NEW))
     engine.run_until_done()
     second = reg.load("lora-a", seed=77)
@@ -130,7 +131,7 @@ def test_local_adapters_are_made_once_with_their_seed(llama):
 
 
 def test_enforce_eager_rejects_an_adapter_request_alone(llama, registry):
-    engine = Engine(llama.model, EngineConfig(num_slots=2, max_len=96, enforce_eager=True), eos_token_ids=())
+    engine = make_engine(llama.model, num_slots=2, max_len=96, enforce_eager=True)
     bad = engine.submit("lora", RequestInput(tuple(PROMPTS[0]), lora=registry.get("lora-a")),
                         SamplingParams(max_new_tokens=NEW))
     good = engine.submit("plain", PROMPTS[1], SamplingParams(max_new_tokens=NEW))
@@ -300,8 +301,7 @@ def test_no_cache_salt_spells_another_tenants_salt_and_adapter(llama, registry):
     """The salt and the adapter are two keys of the first block: a base request whose cache_salt is the
     string the adapter's request's partition used to be ("t1|lora:...") gets no hit."""
     adapter = registry.get("lora-a")
-    engine = Engine(llama.model, EngineConfig(kv="paged", prefix_caching=True, max_len=64, num_slots=2),
-                    eos_token_ids=())
+    engine = make_engine(llama.model, kv="paged", prefix_caching=True, max_len=64, num_slots=2)
     prompt = tuple(PROMPTS[0])
     first = engine.submit("a", RequestInput(prompt, lora=adapter), SamplingParams(max_new_tokens=2), cache_salt="t1")
     engine.run_until_done()
@@ -474,7 +474,7 @@ def test_the_delta_bound_refuses_exactly_what_overflows_the_dtype():
 # -- engine modes: one check for serve, run and validate; rejection codes that say what happened --------------
 def test_an_adapter_request_the_engine_cannot_run_is_coded_adapter_unsupported(llama, registry):
     """It was coded `empty`, as if its prompt had no tokens (kvtui serve answered that as empty_prompt)."""
-    engine = Engine(llama.model, EngineConfig(num_slots=2, max_len=96, batch_invariant=True), eos_token_ids=())
+    engine = make_engine(llama.model, num_slots=2, max_len=96, batch_invariant=True)
     bad = engine.submit("lora", RequestInput(tuple(PROMPTS[0]), lora=registry.get("lora-a")),
                         SamplingParams(max_new_tokens=NEW))
     engine.run_until_done()

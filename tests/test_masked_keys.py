@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
 from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
@@ -54,8 +55,7 @@ LONG = [(i * 37) % 250 + 3 for i in range(30)]  # 30 tokens
 @pytest.mark.parametrize("measure_flow", [False, True], ids=["sdpa", "eager-flow"])
 def test_a_clean_request_in_a_poisoned_slot_gives_its_solo_tokens(tiny, oracle, value, layout, side, measure_flow):
     loaded = tiny["tiny-llama"]
-    engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=64, layout=layout, padding_side=side),
-                    eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=2, max_len=64, layout=layout, padding_side=side)
     engine.measure_flow = measure_flow
     engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
     engine.run_until_done()
@@ -133,10 +133,10 @@ def test_the_poisoned_slot_is_harmless_in_half_precision_too(dtype):
 
     model = load_model("tiny-llama", dtype=dtype, progress=False).model
     for measure_flow in (False, True):
-        fresh = Engine(model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=())
+        fresh = make_engine(model, num_slots=1, max_len=64)
         alone = fresh.submit("clean", CLEAN, GREEDY)
         fresh.run_until_done()
-        engine = Engine(model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+        engine = make_engine(model, num_slots=2, max_len=64)
         engine.measure_flow = measure_flow
         engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
         engine.run_until_done()
@@ -158,7 +158,7 @@ def test_decode_steps_batch_their_rows_in_one_call_over_a_nan_tail_too(tiny, ora
     monkeypatch.setattr(attention, "_decode_span", lambda *a: calls.append(1) or real(*a))
 
     def run(poisoned: bool):
-        engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=3, max_len=64), eos_token_ids=())
+        engine = make_engine(tiny["tiny-llama"].model, num_slots=3, max_len=64)
         engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
         engine.run_until_done()
         if poisoned:
@@ -218,7 +218,7 @@ def test_unused_kv_filled_with_nan_or_inf_before_requests_arrive_changes_no_answ
     monkeypatch.setattr(attention, "_span_plan", spy)
     config = EngineConfig(num_slots=4, max_len=64, max_batch_size=4, layout=layout, max_tokens_per_step=24,
                           kv=kv, block_size=4, enforce_eager=path == "eager", batch_invariant=path == "invariant")
-    engine = Engine(tiny["tiny-llama"].model, config, eos_token_ids=())
+    engine = make_engine(tiny["tiny-llama"].model, config)
     engine.measure_flow = path == "flow"
     fill_unused(engine.pool, *fill)
     states, reports, waiting = {}, [], list(range(len(FILL_PROMPTS)))

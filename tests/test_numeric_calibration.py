@@ -11,10 +11,11 @@ import re
 
 import pytest
 import torch
+from helpers import make_engine
 
 from kvtui.detect import tolerance
 from kvtui.detect.reference import ReferenceDetector, compare_draws, sampled_flip_is_numeric
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.sampling import draw_token, make_generator
 
 
@@ -64,7 +65,6 @@ def test_a_constrained_rows_draws_keep_the_processed_logits_in_both_runs(tiny_bf
     """A choice grammar on tiny-llama in bfloat16, batched with two plain requests and alone: both runs' Draws
     hold the logits after the grammar bitmask (masked tokens NaN in both), so their spread is finite."""
     pytest.importorskip("xgrammar")
-    from kvtui.config import EngineConfig
     from kvtui.engine.request import StructuredOutputs
 
     sampling = SamplingParams(temperature=1.0, seed=2, max_new_tokens=6, ignore_eos=True,
@@ -72,8 +72,7 @@ def test_a_constrained_rows_draws_keep_the_processed_logits_in_both_runs(tiny_bf
     plain = SamplingParams(temperature=1.0, seed=5, max_new_tokens=6, ignore_eos=True)
 
     def run(neighbours: int):
-        engine = Engine(tiny_bf16.model, EngineConfig(num_slots=3, max_len=64), eos_token_ids=(),
-                        grammar_tokenizer=tiny_bf16.tokenizer)
+        engine = make_engine(tiny_bf16.model, num_slots=3, max_len=64, grammar_tokenizer=tiny_bf16.tokenizer)
         state = engine.submit("c", [5, 6, 7, 8], sampling)
         for i in range(neighbours):
             engine.submit(f"p{i}", [9 + i] * (3 + 4 * i), plain)

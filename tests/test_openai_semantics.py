@@ -5,9 +5,9 @@ for aborting an unknown request, and faults whose symptoms are events, never a c
 from __future__ import annotations
 
 import pytest
+from helpers import make_engine
 
-from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.events import Finish
 from kvtui.metrics import Metrics
 from kvtui.scenario import parse_scenario
@@ -57,7 +57,7 @@ def _prompt_dir():
 
 
 def test_aborting_an_unknown_request_says_so(tiny):
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=1), eos_token_ids=())
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=1)
     with pytest.raises(KeyError, match="cannot abort 'nope': no such request"):
         engine.abort("nope")
     engine.submit("done", [5, 6], SamplingParams(max_new_tokens=1))
@@ -69,8 +69,7 @@ def test_aborting_an_unknown_request_says_so(tiny):
 def test_latency_statistics_count_completed_requests_only(tiny):
     """One request completes, one is aborted mid-decode, one is rejected: TTFT/TPOT/ITL/E2E cover the
     completed one alone; the others are counted by finish reason."""
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=32), eos_token_ids=(),
-                    clock="virtual")
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=32, clock="virtual")
     done = engine.submit("done", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
     engine.submit("aborted", [8, 9], SamplingParams(max_new_tokens=20, ignore_eos=True))
     engine.submit("rejected", list(range(40)), SamplingParams(max_new_tokens=4))

@@ -7,12 +7,12 @@ import random
 
 import pytest
 import torch
-from helpers import assert_equals_solo, assert_matches_oracle, oracle_model, oracle_tokens, solo
+from helpers import assert_equals_solo, assert_matches_oracle, make_engine, oracle_model, oracle_tokens, solo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.parallel import child_sampling
 from kvtui.scenario import ScenarioError, parse_scenario
 
@@ -23,7 +23,7 @@ PROMPT = [random.Random(1).randrange(250) for _ in range(21)]  # 21 tokens: a pa
 def run(loaded, submissions, config: EngineConfig):
     """submissions: (step, request id, prompt, SamplingParams). Returns (engine, {id: output ids}, reports,
     {id: finished report})."""
-    engine = Engine(loaded.model, config, eos_token_ids=())
+    engine = make_engine(loaded.model, config)
     pending, reports, finished = sorted(submissions, key=lambda s: s[0]), [], {}
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= len(reports):
@@ -103,7 +103,7 @@ def test_a_sequence_without_a_free_slot_prefills_itself_and_still_equals_its_sol
 
 def test_abort_and_rejection_reach_every_sequence(tiny):
     loaded = tiny["tiny-llama"]
-    engine = Engine(loaded.model, config("slots", "padded"), eos_token_ids=())
+    engine = make_engine(loaded.model, config("slots", "padded"))
     engine.submit("long", PROMPT, SamplingParams(max_new_tokens=MAX_LEN, n=2))
     engine.submit("a", PROMPT, SamplingParams(max_new_tokens=20, n=3))
     assert engine.sequence_ids("a") == ("0_a", "1_a", "2_a")
@@ -124,7 +124,7 @@ def test_abort_and_rejection_reach_every_sequence(tiny):
 def test_cow_missing_lets_a_sibling_overwrite_the_shared_block(tiny, layout):
     loaded = tiny["tiny-llama"]
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=12, n=3)
-    engine = Engine(loaded.model, config("paged", layout, faults=frozenset({"cow_missing"})), eos_token_ids=())
+    engine = make_engine(loaded.model, config("paged", layout, faults=frozenset({"cow_missing"})))
     engine.detect_taint = True
     engine.submit("s", PROMPT, params)
     reports = engine.run_until_done()

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers import make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +58,7 @@ def _random_input(rng: random.Random, hidden: int, length: int, mode: str) -> Re
 
 
 def _engine(loaded, config: EngineConfig) -> Engine:
-    return Engine(loaded.model, config, eos_token_ids=())
+    return make_engine(loaded.model, config)
 
 
 def _solo(loaded, inp: RequestInput, n: int) -> list[int]:

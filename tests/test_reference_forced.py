@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_engine
 
-from kvtui.config import EngineConfig
 from kvtui.detect.reference import PendingCheck, ReferenceDetector, _first_difference
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 from kvtui.summary import evidence_text
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 def run(loaded, prompts, sampling=GREEDY, forced=None, slots=3):
     """The RequestStates of `prompts` run together in a fresh engine (forced: one token tuple per prompt)."""
-    engine = Engine(loaded.model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=64), eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=slots, max_batch_size=slots, max_len=64)
     states = [engine.submit(f"r{i}", list(p), sampling, forced=None if forced is None else forced[i])
               for i, p in enumerate(prompts)]
     engine.run_until_done()
@@ -71,7 +71,7 @@ def test_a_forced_token_the_requests_own_rules_mask_stops_the_run_there(tiny):
 
 
 def test_forced_tokens_are_refused_with_parallel_sampling(tiny):
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=64))
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=64)
     with pytest.raises(ValueError, match="forced"):
         engine.submit("x", [1, 2], SamplingParams(n=2, temperature=1.0), forced=(1,))
 

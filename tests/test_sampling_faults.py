@@ -3,6 +3,7 @@ and sources, the constraint detector's reports, and silence with isolation intac
 mixing penalties, bias, bans, min_tokens and sampling (tiny-llama)."""
 
 import pytest
+from helpers import make_engine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_faults import CONTAMINATION, SAMPLING_FAULTS, run, scenario
@@ -184,12 +185,10 @@ def test_a_logit_bias_id_past_the_models_vocabulary_is_refused_before_the_run_in
 def provenance_run(tiny, requests, faults=(), slots=3):
     """Run `requests` ((id, prompt ids, SamplingParams), all queued before the first step, so they join
     the rows in this order) on a tiny-llama engine; the sampling_provenance reports."""
-    from kvtui.config import EngineConfig
     from kvtui.detect.sampling import SamplingProvenanceDetector
-    from kvtui.engine import Engine
 
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=slots, max_len=64, max_batch_size=slots,
-                                                           faults=frozenset(faults)), eos_token_ids=(), clock="virtual")
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=slots, max_len=64, max_batch_size=slots,
+                         faults=frozenset(faults), clock="virtual")
     for request_id, prompt, params in requests:
         engine.submit(request_id, prompt, params)
     detector, events = SamplingProvenanceDetector(), []

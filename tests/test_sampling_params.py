@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import assert_matches_oracle, oracle_model
+from helpers import assert_matches_oracle, make_engine, oracle_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessorList
@@ -20,8 +20,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
-from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.row_state import History, Penalties, RowState
 
 
@@ -69,8 +68,8 @@ def hf_generate(model, prompt: list[int], params: SamplingParams, eos: int | Non
 def run_engine(loaded, prompts, params, *, eos=(), slots=3, layout="padded", stagger=2, faults=()):
     """All requests through one engine: request i arrives at step i * stagger // 2 (several at once
     early), fewer slots than requests. Returns the RequestStates."""
-    engine = Engine(loaded.model, EngineConfig(num_slots=slots, max_len=96, max_batch_size=slots, layout=layout,
-                                               faults=frozenset(faults)), eos_token_ids=eos)
+    engine = make_engine(loaded.model, num_slots=slots, max_len=96, max_batch_size=slots, layout=layout,
+                         faults=frozenset(faults), eos_token_ids=eos)
     states, step, order = {}, 0, list(range(len(prompts)))
     while order or engine.has_unfinished():
         while order and order[0] * stagger // 2 <= step:
@@ -213,7 +212,7 @@ def test_out_of_range_parameters_are_refused_naming_the_field(bad):
 
 def test_a_logit_bias_outside_the_vocabulary_rejects_that_request_alone(tiny):
     loaded = tiny["tiny-llama"]
-    engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=2, max_len=64)
     bad = engine.submit("bad", [5, 6], SamplingParams(max_new_tokens=4, logit_bias=((10**6, 1.0),)))
     good = engine.submit("good", [5, 6], SamplingParams(max_new_tokens=4))
     engine.run_until_done()
@@ -247,7 +246,7 @@ def test_a_request_id_used_again_gets_its_own_new_row_state(tiny):
     loaded = tiny["tiny-llama"]
     prompt = PROMPTS[0]
     plain = solo_engine(loaded, prompt, SamplingParams(max_new_tokens=6))
-    engine = Engine(loaded.model, EngineConfig(num_slots=1, max_len=64), eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=1, max_len=64)
     first = engine.submit("x", prompt, SamplingParams(max_new_tokens=6, logit_bias=tuple((t, -100.0) for t in plain)))
     engine.run_until_done()
     again = engine.submit("x", prompt, SamplingParams(max_new_tokens=6))
@@ -258,7 +257,7 @@ def test_a_request_id_used_again_gets_its_own_new_row_state(tiny):
 
 def test_a_bad_words_id_outside_the_vocabulary_rejects_that_request_alone(tiny):
     loaded = tiny["tiny-llama"]
-    engine = Engine(loaded.model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+    engine = make_engine(loaded.model, num_slots=2, max_len=64)
     bad = engine.submit("bad", [5, 6], SamplingParams(max_new_tokens=4, bad_words_ids=((7, 10**6),)))
     good = engine.submit("good", [5, 6], SamplingParams(max_new_tokens=4, bad_words_ids=((7,),)))
     engine.run_until_done()
@@ -295,9 +294,9 @@ def test_random_mixes_equal_transformers_processors_under_load(tiny, workload):
     loaded = tiny["tiny-llama"]
     oracle = oracle_model("tiny-llama", "eager")
     eos = pick_eos(oracle)
-    engine = Engine(loaded.model, EngineConfig(
-        num_slots=c["slots"], max_len=64, max_batch_size=4, layout=c["layout"], max_tokens_per_step=c["budget"],
-        kv=c["kv"], num_blocks=12 if c["kv"] == "paged" else None, block_size=8), eos_token_ids=(eos,))
+    engine = make_engine(loaded.model, num_slots=c["slots"], max_len=64, max_batch_size=4, layout=c["layout"],
+                         max_tokens_per_step=c["budget"], kv=c["kv"], num_blocks=12 if c["kv"] == "paged" else None,
+                         block_size=8, eos_token_ids=(eos,))
     states, step, order = {}, 0, list(range(len(prompts)))
     while order or engine.has_unfinished():
         while order and order[0] * c["stagger"] // 2 <= step:

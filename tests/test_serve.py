@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
-from helpers import uncached_greedy
+from helpers import make_engine, uncached_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtui.events import StepEvent
@@ -726,10 +726,9 @@ def test_the_dashboard_shows_the_served_engine(tmp_path):
 # -- the engine's log-probabilities ------------------------------------------------------------------------
 @torch.inference_mode()
 def test_engine_reports_logprobs_only_when_asked(tiny, oracle_tiny):
-    from kvtui.config import EngineConfig
-    from kvtui.engine import Engine, SamplingParams
+    from kvtui.engine import SamplingParams
 
-    engine = Engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=64), eos_token_ids=())
+    engine = make_engine(tiny["tiny-llama"].model, num_slots=2, max_len=64)
     prompt = [5, 17, 42, 9]
     engine.submit("on", prompt, SamplingParams(max_new_tokens=4, logprobs=5))
     engine.submit("off", prompt, SamplingParams(max_new_tokens=4))

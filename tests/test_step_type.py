@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import make_engine
 
 from kvtui.cli import replay_summary
 from kvtui.config import EngineConfig
@@ -28,7 +29,7 @@ def _unpacked(name: str, tmp_path: Path) -> Path:
 
 def _engine(tiny, **kw) -> Engine:
     config = EngineConfig(**{"num_slots": 2, "max_len": 64, "max_batch_size": 2, **kw})
-    return Engine(tiny["tiny-llama"].model, config, eos_token_ids=())
+    return make_engine(tiny["tiny-llama"].model, config)
 
 
 def _submit_three(engine: Engine) -> None:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from helpers import oracle_model, uncached_greedy
+from helpers import make_engine, oracle_model, uncached_greedy
 
-from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.serve.detok import TextStream
 from kvtui.serve.server import ServeOptions, ServeServer
 
@@ -116,8 +115,7 @@ def test_the_cases_are_the_ones_min_tokens_changes(tiny, greedy):
 
 
 def engine_run(loaded, prompt_ids, params: SamplingParams):
-    engine = Engine(loaded.model, EngineConfig(num_slots=4, max_len=128, max_batch_size=4), eos_token_ids=(),
-                    tokenizer=loaded.tokenizer)
+    engine = make_engine(loaded.model, num_slots=4, max_len=128, max_batch_size=4, tokenizer=loaded.tokenizer)
     state = engine.submit("r", prompt_ids, params)
     engine.run_until_done()
     return engine, state
@@ -162,8 +160,7 @@ def test_parallel_sampled_sequences_each_stop_by_the_rule(tiny):
     stops = tuple("aeiouAEIOU()[]{}<>;:,.!?-_=+*&^%$#@~`'\"/\\|0123456789")
     params = SamplingParams(max_new_tokens=MAX_TOKENS, min_tokens=MIN_TOKENS, stop=stops, n=4, temperature=1.0,
                             seed=5)
-    engine = Engine(loaded.model, EngineConfig(num_slots=4, max_len=128, max_batch_size=4), eos_token_ids=(),
-                    tokenizer=tok)
+    engine = make_engine(loaded.model, num_slots=4, max_len=128, max_batch_size=4, tokenizer=tok)
     engine.submit("r", tok.encode("Once upon a time"), params)
     states = [engine.requests[i] for i in engine.sequence_ids("r")]
     engine.run_until_done()

@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
-from helpers import oracle_model, solo
+from helpers import make_engine, oracle_model, solo
 
 from kvtui.config import EngineConfig
-from kvtui.engine import Engine, SamplingParams
+from kvtui.engine import SamplingParams
 from kvtui.engine.parallel import child_sampling
 from kvtui.engine.request import StructuredOutputs
 
@@ -37,8 +37,8 @@ def prompts(count, seed=0):
 
 def engine(loaded, kv="slots", layout="padded", **kw):
     pool = dict(kv="paged", block_size=4, num_blocks=kw.pop("num_blocks", 80)) if kv == "paged" else dict(num_slots=8)
-    return Engine(loaded.model, EngineConfig(max_len=MAX_LEN, layout=layout, **pool, **kw),
-                  eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, clock="virtual")
+    return make_engine(loaded.model, EngineConfig(max_len=MAX_LEN, layout=layout, **pool, **kw),
+                       eos_token_ids=loaded.eos_token_ids, tokenizer=loaded.tokenizer, clock="virtual")
 
 
 def run(eng, submissions, reports=None):
@@ -155,7 +155,7 @@ def test_a_grammar_that_does_not_compile_rejects_that_request_alone(tiny):
 
 def test_without_a_tokenizer_a_constrained_request_is_rejected_not_raised(tiny):
     loaded = tiny["tiny-llama"]
-    eng = Engine(loaded.model, EngineConfig(num_slots=2, max_len=MAX_LEN), eos_token_ids=())
+    eng = make_engine(loaded.model, num_slots=2, max_len=MAX_LEN)
     state = eng.submit("c", [5, 6, 7], SamplingParams(structured=SPECS["regex"]))
     assert state.finish_code == "invalid_structured_output" and "tokenizer" in state.finish_detail
 

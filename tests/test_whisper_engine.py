@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_engine
 
 from kvtui.config import EngineConfig
 from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache, audio_hash, audio_input
@@ -48,8 +49,8 @@ def tiny_reference(clips_audio):
 def _tiny_engine(entries: int | None = None, **overrides) -> Engine:
     model, _ = wh.build_tiny_whisper()
     cfg = dict(max_len=64, num_slots=3, max_batch_size=3, max_tokens_per_step=64)
-    return Engine(model, EngineConfig(**(cfg | overrides)), eos_token_ids=[256], clock="virtual",
-                  encoder_cache_entries=entries)
+    return make_engine(model, EngineConfig(**(cfg | overrides)), eos_token_ids=[256], clock="virtual",
+                       encoder_cache_entries=entries)
 
 
 def _run(engine: Engine, arrivals: list[tuple[int, str, int, int]], audio: list[AudioInput]):
@@ -109,7 +110,7 @@ def test_audio_problems_are_rejections(clips_audio, tiny):
     assert "needs audio" in missing.finish_detail and "(80, 3000)" in bad.finish_detail
     engine.run_until_done()
     assert good.finish_reason.value == "length" and len(good.generated_ids) == 3
-    llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
+    llama = make_engine(tiny["tiny-llama"].model, max_len=64, num_slots=2)
     r = llama.submit("x", RequestInput((1, 2, 3), audio=clips_audio[0]))
     assert r.finish_reason.value == "rejected" and r.finish_detail.startswith("audio given to a decoder-only model")
     assert r.finish_code == "unsupported_input"
@@ -117,14 +118,14 @@ def test_audio_problems_are_rejections(clips_audio, tiny):
 
 def test_decoder_only_steps_carry_no_encoder_fields(tiny):
     assert _tiny_engine().encoder.cache.capacity == 16  # the default: ENCODER_CACHE_ENTRIES
-    llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
+    llama = make_engine(tiny["tiny-llama"].model, max_len=64, num_slots=2)
     llama.submit("x", [1, 2, 3], SamplingParams(max_new_tokens=2))
     event = llama.run_until_done()[-1]
     assert event.encoder_entries is None and "encoder_entries" not in event.to_dict()
 
 
 def test_cross_faults_refused_on_decoder_only(tiny):
-    llama = Engine(tiny["tiny-llama"].model, EngineConfig(max_len=64, num_slots=2))
+    llama = make_engine(tiny["tiny-llama"].model, max_len=64, num_slots=2)
     with pytest.raises(ValueError, match="'stale_cross_kv' does not act on decoder-only models"):
         llama.set_faults({"stale_cross_kv"})
     with pytest.raises(ValueError, match="'racy_threads' does not act on encoder-decoder"):
@@ -164,9 +165,9 @@ def test_whisper_tiny_en_batched_equals_generate_on_every_clip(whisper_en, kv):
     from kvtui.models import load_model
 
     reference = load_model("whisper-tiny.en", progress=False).model  # a separate instance
-    engine = Engine(load_model("whisper-tiny.en", progress=False).model,
-                    EngineConfig(max_len=448, num_slots=3, max_batch_size=3, kv=kv, max_tokens_per_step=256),
-                    eos_token_ids=whisper_en.eos_token_ids, clock="virtual")
+    engine = make_engine(load_model("whisper-tiny.en", progress=False).model, max_len=448, num_slots=3,
+                         max_batch_size=3, kv=kv, max_tokens_per_step=256, eos_token_ids=whisper_en.eos_token_ids,
+                         clock="virtual")
     audio = [audio_input(wh.read_wav(c), whisper_en.feature_extractor, c.name) for c in CLIPS]
     prompt = whisper_en.tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
     for i, a in enumerate(audio):

@@ -50,7 +50,7 @@ def engine_for(model, prompts: list[list[int]], new_tokens: int, **config) -> En
     max_len = max(len(p) for p in prompts) + new_tokens + 1
     base = dict(num_slots=len(prompts), max_len=max_len, max_batch_size=len(prompts),
                 max_tokens_per_step=max(4096, sum(map(len, prompts))))
-    return Engine(model, EngineConfig(**{**base, **config}), eos_token_ids=())
+    return Engine.from_loaded(model, EngineConfig(**{**base, **config}))  # a bare model: no EOS ids
 
 
 def run_all(engine: Engine, prompts, new_tokens: int) -> tuple[float, list[list[int]], list]:

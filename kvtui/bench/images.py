@@ -147,8 +147,8 @@ def engine_run(vision, inputs: list) -> dict:
 
     timed = TimedEncoder(vision.image_encoder)
     max_len = len(inputs[0].prompt_ids) + NEW_TOKENS + 1
-    engine = Engine(vision.model, EngineConfig(num_slots=SLOTS, max_len=max_len, max_batch_size=SLOTS),
-                    eos_token_ids=(), image_encoder=timed)
+    engine = Engine.from_loaded(vision.model, EngineConfig(num_slots=SLOTS, max_len=max_len, max_batch_size=SLOTS),
+                                image_encoder=timed)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     t0 = time.perf_counter()
     states = [engine.submit(f"r{i}", inp, params) for i, inp in enumerate(inputs)]

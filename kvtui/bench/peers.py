@@ -121,7 +121,7 @@ def run_solo(model, work: Workload) -> Outcome:
     t0 = time.perf_counter()
     for prompt, n, arrival in zip(work.prompts, work.outputs, work.arrivals):
         _wait_until(t0, arrival)
-        engine = Engine(model, EngineConfig(num_slots=1, max_batch_size=1, max_len=len(prompt) + n + 1), eos_token_ids=())
+        engine = Engine.from_loaded(model, EngineConfig(num_slots=1, max_batch_size=1, max_len=len(prompt) + n + 1))
         state = engine.submit("solo", prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
         first = None
         while engine.has_unfinished():
@@ -141,9 +141,9 @@ def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed",
     enforce_eager: transformers' own modules instead of the fused forward. max_tokens_per_step: the
     step's token budget, kvtui serve's by default."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 1
-    engine = Engine(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
-                                        enforce_eager=enforce_eager, max_tokens_per_step=max_tokens_per_step),
-                    eos_token_ids=(), clock="wall")
+    engine = Engine.from_loaded(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
+                                                    enforce_eager=enforce_eager, max_tokens_per_step=max_tokens_per_step),
+                                clock="wall")
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     states, out = {}, Outcome([None] * len(order), [0.0] * len(order), [0.0] * len(order))
     while order or engine.has_unfinished():

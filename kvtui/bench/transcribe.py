@@ -51,7 +51,7 @@ def _engine(loaded, slots: int, new_tokens: int):
     from kvtui.engine import Engine
 
     config = EngineConfig(max_len=2 + new_tokens + 1, num_slots=slots, max_batch_size=slots, max_tokens_per_step=256)
-    return Engine(loaded.model, config, eos_token_ids=loaded.eos_token_ids)
+    return Engine.from_loaded(loaded.model, config, eos_token_ids=loaded.eos_token_ids)
 
 
 def kvtui_run(loaded, audio: list, prompt: list[int], *, batched: bool,

@@ -188,8 +188,7 @@ def _run(loaded, overrides: dict, max_len: int, items) -> list:
     """Run (prompt ids, sampling, forced tokens or None) items together in a fresh engine with `overrides`;
     their RequestStates."""
     config = EngineConfig(**{"max_len": max_len, "max_tokens_per_step": 1024, **overrides})
-    engine = Engine(loaded.model, config, eos_token_ids=(), pad_token_id=getattr(loaded.tokenizer, "pad_token_id",
-                                                                                 None) or 0)
+    engine = Engine.from_loaded(loaded, config, eos_token_ids=(), tokenizer=None, image_encoder=None)
     states = [engine.submit(f"n{i}", p, s, forced=f) for i, (p, s, f) in enumerate(items)]
     engine.run_until_done()
     return states

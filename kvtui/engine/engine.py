@@ -39,6 +39,7 @@ from kvtui.faults import FAULTS, FaultName, acts_on, check_fault_names
 from kvtui.model_kinds import ModelKind, model_kind
 from kvtui.models.compat import check_model
 
+_LOADED = object()  # Engine.from_loaded: take the value from the loaded model
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
 
 
@@ -132,6 +133,27 @@ class Engine:
         self._faults: frozenset[str] = frozenset()
         self.set_faults(config.faults)  # switched between steps
         self._next_serial = 0
+
+    @classmethod
+    def from_loaded(cls, loaded, config: EngineConfig, *, eos_token_ids=_LOADED, tokenizer=_LOADED,
+                    pad_token_id=_LOADED, image_encoder=_LOADED, clock: str = "wall",
+                    cost_model: StepCostModel | None = None, grammar_tokenizer=None,
+                    encoder_cache_entries: int | None = None) -> Engine:
+        """The engine over a kvtui.models.LoadedModel: its model, and unless given here its eos_token_ids,
+        tokenizer, pad token id (its tokenizer's, 0 when that has none) and image_encoder. `loaded` may be
+        a bare model: then no EOS ids, no tokenizer, pad id 0, no image encoder. The other keywords and
+        the errors raised: as the constructor's."""
+        if hasattr(loaded, "eos_token_ids"):  # a LoadedModel
+            model, tok = loaded.model, loaded.tokenizer
+            parts = dict(eos_token_ids=loaded.eos_token_ids, tokenizer=tok,
+                         pad_token_id=getattr(tok, "pad_token_id", None) or 0, image_encoder=loaded.image_encoder)
+        else:
+            model, parts = loaded, dict(eos_token_ids=(), tokenizer=None, pad_token_id=0, image_encoder=None)
+        given = dict(eos_token_ids=eos_token_ids, tokenizer=tokenizer, pad_token_id=pad_token_id,
+                     image_encoder=image_encoder)
+        return cls(model, config, **{k: parts[k] if v is _LOADED else v for k, v in given.items()}, clock=clock,
+                   cost_model=cost_model, grammar_tokenizer=grammar_tokenizer,
+                   encoder_cache_entries=encoder_cache_entries)
 
     @property
     def encoder(self) -> EncoderSide:
