@@ -59,7 +59,7 @@ def measure(model, rows: int, query: int, context: int, repeats: int = 3) -> tup
         states = [engine.submit(f"r{i}", [3 + (i + j) % vocab for j in range(context + query)],
                                 SamplingParams(max_new_tokens=1, ignore_eos=True)) for i in range(rows)]
         for state in engine.scheduler.admit(engine.now()):  # the first `context` tokens "are" cached already
-            state.cache_len = state.prefill_done = context
+            engine.scheduler.set_progress(state, context, context)
         report = engine.step()
         assert all(s.generated_ids for s in states)
         times.append(report.wall_s)

@@ -57,7 +57,7 @@ def kvtui_steps(model, batch: int, context: int, steps: int) -> list[float]:
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     states = [engine.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
     for state in engine.scheduler.admit(engine.now()):  # as if prefilled: caches "hold" context tokens
-        state.cache_len = state.prefill_done = context
+        engine.scheduler.set_progress(state, context, context)
         state.generated_ids.append(7)
     times = [engine.step().wall_s for _ in range(steps)]
     assert all(len(s.generated_ids) == steps + 1 for s in states)

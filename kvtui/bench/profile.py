@@ -81,7 +81,7 @@ def _decode_engine(model, batch: int, context: int, steps: int, detectors: bool)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, params)
     for state in engine.scheduler.admit(engine.now()):
-        state.cache_len = state.prefill_done = context
+        engine.scheduler.set_progress(state, context, context)
         state.generated_ids.append(7)
     return engine
 

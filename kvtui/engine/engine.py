@@ -39,7 +39,6 @@ from kvtui.faults import FAULTS, FaultName, acts_on, check_fault_names
 from kvtui.model_kinds import ModelKind, model_kind
 from kvtui.models.compat import check_model
 
-_LOADED = object()  # Engine.from_loaded: take the value from the loaded model
 NAME_MEMORY = 65_536  # request names kept for writer tags (a pool rarely holds more writers)
 
 
@@ -116,9 +115,7 @@ class Engine:
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
                                                  encoder_capacity(config), enforce_eager=config.enforce_eager,
                                                  image_encoder=image_encoder, batch_invariant=config.batch_invariant)
-        self.scheduler = Scheduler(self.kv, encoder, max_batch_size=config.max_batch_size,
-                                   max_tokens_per_step=config.max_tokens_per_step, bucketing=config.bucketing,
-                                   bucket_tolerance=config.bucket_tolerance)
+        self.scheduler = Scheduler(self.kv, config, encoder)
         self.clock, self.cost_model = clock, cost_model or StepCostModel()
         self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
         self.step_index = 0
@@ -135,25 +132,17 @@ class Engine:
         self._next_serial = 0
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig, *, eos_token_ids=_LOADED, tokenizer=_LOADED,
-                    pad_token_id=_LOADED, image_encoder=_LOADED, clock: str = "wall",
-                    cost_model: StepCostModel | None = None, grammar_tokenizer=None,
-                    encoder_cache_entries: int | None = None) -> Engine:
-        """The engine over a kvtui.models.LoadedModel: its model, and unless given here its eos_token_ids,
-        tokenizer, pad token id (its tokenizer's, 0 when that has none) and image_encoder. `loaded` may be
-        a bare model: then no EOS ids, no tokenizer, pad id 0, no image encoder. The other keywords and
-        the errors raised: as the constructor's."""
-        if hasattr(loaded, "eos_token_ids"):  # a LoadedModel
-            model, tok = loaded.model, loaded.tokenizer
-            parts = dict(eos_token_ids=loaded.eos_token_ids, tokenizer=tok,
-                         pad_token_id=getattr(tok, "pad_token_id", None) or 0, image_encoder=loaded.image_encoder)
-        else:
-            model, parts = loaded, dict(eos_token_ids=(), tokenizer=None, pad_token_id=0, image_encoder=None)
-        given = dict(eos_token_ids=eos_token_ids, tokenizer=tokenizer, pad_token_id=pad_token_id,
-                     image_encoder=image_encoder)
-        return cls(model, config, **{k: parts[k] if v is _LOADED else v for k, v in given.items()}, clock=clock,
-                   cost_model=cost_model, grammar_tokenizer=grammar_tokenizer,
-                   encoder_cache_entries=encoder_cache_entries)
+    def from_loaded(cls, loaded, config: EngineConfig, **options) -> Engine:
+        """The engine over a kvtui.models.LoadedModel: its model, eos_token_ids, tokenizer, pad token id (the
+        tokenizer's, else 0) and image_encoder, each unless `options` gives it; `options`: the constructor's
+        keywords (clock, cost_model, grammar_tokenizer, ...). A bare model in place of `loaded` brings none of
+        the four (the constructor's defaults). Raises as the constructor (TypeError: an unknown keyword)."""
+        if not hasattr(loaded, "eos_token_ids"):  # a bare model
+            return cls(loaded, config, **options)
+        tok = loaded.tokenizer
+        parts = dict(eos_token_ids=loaded.eos_token_ids, tokenizer=tok, image_encoder=loaded.image_encoder,
+                     pad_token_id=getattr(tok, "pad_token_id", None) or 0)
+        return cls(loaded.model, config, **{**parts, **options})
 
     @property
     def encoder(self) -> EncoderSide:
@@ -353,10 +342,7 @@ class Engine:
             TypeError: a name that is no EngineConfig field.
         """
         self.config = self.config.reconfigured(**changes)
-        self.scheduler.max_batch_size = self.config.max_batch_size
-        self.scheduler.max_tokens_per_step = self.config.max_tokens_per_step
-        self.scheduler.bucketing = self.config.bucketing
-        self.scheduler.bucket_tolerance = self.config.bucket_tolerance
+        self.scheduler.configure(self.config)
         self.kv.configure(self.config, self._faults)
 
     def abort(self, request_id: str) -> None:
@@ -518,8 +504,10 @@ class Engine:
         return self.now()
 
     def _postprocess(self, plan: StepPlan, outcome: ForwardOutcome, end_s: float) -> tuple[RunningEntry, ...]:
-        """Advance every chunk's request; sample where the chunk samples; finish what stops."""
+        """Advance every chunk's request (Scheduler.update_from_output); sample where the chunk samples;
+        finish what stops."""
         failed = dict(outcome.errors)
+        self.scheduler.update_from_output(plan, failed)
         self._sync_rows()
         running = []
         self.output.apply_grammar([(i, c.request.request_id) for i, c in enumerate(plan.chunks)
@@ -536,13 +524,10 @@ class Engine:
         self.output.sync([r.request_id for r in self.scheduler.running])
 
     def _advance(self, chunk, logits, facts, end_s: float) -> list[RunningEntry]:
-        """Note the chunk's tokens as written; where it samples, fork the request's waiting siblings
-        (parallel sampling) from its prefill first, then sample it and them from the same logits."""
+        """Commit the chunk's written tokens (its progress is the scheduler's); where it samples, fork the
+        request's waiting siblings (parallel sampling) from its prefill first, then sample them all."""
         request = chunk.request
         request.faults_seen = request.faults_seen | self._faults
-        request.cache_len = chunk.end_pos
-        if chunk.phase == "prefill":
-            request.prefill_done += chunk.num_tokens
         self.kv.commit(request)
         forked = self._fork(request) if logits is not None else []
         entries = [self._entry(request, KVPlace(chunk.slot, chunk.blocks), chunk.num_tokens, chunk.phase, logits,
@@ -552,7 +537,6 @@ class Engine:
     def _entry(self, request: RequestState, place: KVPlace, query_tokens: int, phase: str, logits, facts,
                end_s: float) -> RunningEntry:
         """Sample `request`'s token from `logits` [V] (None: nothing to sample) and report its share."""
-        cache_len = request.cache_len
         token, gap, nonfinite, logprobs, tags = None, None, False, None, NOT_SAMPLED
         if logits is not None:
             gap, finite = facts
@@ -567,26 +551,17 @@ class Engine:
                 if reason is not None:
                     self._finish(request, reason, "")
         first = token is not None and len(request.generated_ids) == 1
-        return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=cache_len,
+        return RunningEntry(request_id=request.request_id, slot=place.slot, cache_len=request.cache_len,
                             query_tokens=query_tokens, token_id=token, phase=phase, top2_gap=gap, nonfinite=nonfinite,
                             ttft_s=request.ttft_s if first else None, blocks=place.blocks, logprobs=logprobs,
                             sampled_with=tags.row_state, penalized_with=tags.history, drawn_with=tags.generator)
 
     def _fork(self, lead: RequestState) -> list[tuple[RequestState, KVPlace]]:
-        """Parallel sampling: the lead's prefill is done; each waiting sibling takes a copy of its KV
-        (kv.fork) and runs from there. A sibling the KV cache has no room for queues at the front and
-        prefills the prompt itself (its tokens are the same either way)."""
-        forked, queued = [], []
-        for sibling in self.families.pending.pop(lead.request_id, ()):
-            place = self.kv.fork(lead, sibling, len(self.scheduler.running))
-            if place is None:
-                queued.append(sibling)
-                continue
-            sibling.cache_len, sibling.prefill_done = lead.cache_len, sibling.prompt_len
-            sibling.scheduled_s, sibling.faults_seen = lead.scheduled_s, lead.faults_seen
-            self.scheduler.fork(sibling)
-            forked.append((sibling, place))
-        self.scheduler.requeue(queued)
+        """Parallel sampling: the lead's prefill is done; its waiting siblings fork from its KV, or queue to
+        prefill the prompt themselves (Scheduler.fork). The forked (sibling, KVPlace)."""
+        forked = self.scheduler.fork(lead, self.families.pending.pop(lead.request_id, ()))
+        for sibling, _ in forked:
+            sibling.faults_seen = lead.faults_seen
         if forked:  # the forked sequences take their rows (their own sampling state) before they sample
             self._sync_rows()
         return forked

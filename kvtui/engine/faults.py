@@ -35,8 +35,9 @@ class StaleStart:
 
 def stale_slot_admission(request: RequestState, pool: KVPool) -> StaleStart | None:
     """stale_slot: the reused slot's old length and contents stay, and the engine takes them for the
-    new prompt's cached prefix (a stale prefix-cache hit): only the part of the prompt past the old
-    length, or at least its last token, is fed. Sets the request's cache_len and prefill_done.
+    new prompt's cached prefix (a stale prefix-cache hit): the request starts with `kept` positions
+    cached, and only the part of the prompt past the old length, or at least its last token, is fed
+    (Scheduler.admit sets that progress).
 
     Returns:
         what was kept, or None when the slot was empty or the stale prefix would not fit max_len.
@@ -47,8 +48,6 @@ def stale_slot_admission(request: RequestState, pool: KVPool) -> StaleStart | No
     fed = max(request.prompt_len - kept, 1)
     if kept + fed + request.sampling.max_new_tokens > pool.max_len:
         return None
-    request.cache_len = kept
-    request.prefill_done = request.prompt_len - fed
     return StaleStart(request.request_id, request.slot, pool.previous_owner[request.slot], kept)
 
 

@@ -4,8 +4,10 @@ Two caches implement it: SlotCache (slot_cache.py, `engine.kv: slots`: one preal
 max_len tokens per running request) and PagedCache (paged.py, `engine.kv: paged`: blocks through
 block tables, preemption, prefix caching). The engine builds one (`_make_kv` in engine.py, the only
 place that reads `config.kv`), the Scheduler owns it, and calls go one way: Scheduler -> cache for
-admission, planning and preemption; Engine -> Scheduler.finish -> cache when a request ends; Engine
--> cache for commit, the isolation check and the step report. A cache never calls back into the
+admission, planning, preemption and parallel sampling's forks; Engine -> Scheduler.finish -> cache
+when a request ends; Engine -> cache for commit, the isolation check and the step report. A cache
+never writes a request's progress (cache_len, prefill_done): `admit` returns the tokens it already
+holds and Scheduler.set_progress, the one writer, records them. A cache never calls back into the
 scheduler or the engine. A cross-attention (encoder) cache plugs in here as a third implementation.
 
 The verbs, in the order of a request's life (units: tokens unless stated):
@@ -15,10 +17,10 @@ The verbs, in the order of a request's life (units: tokens unless stated):
 | configure(config, faults) | Engine (start, reconfigure, set_faults) | takes the knobs and faults it acts on |
 | rejection(request) | Engine.submit | why the request can never run here ("" when it can) |
 | free_seats() | Engine.submit | waiting requests the next admission takes for sure (queue limit) |
-| admit(request, num_running) | Scheduler.admit | give the request its KV now (True), or False: it waits |
+| admit(request, num_running) | Scheduler.admit | give the request its KV now (the prefix-cache hit count, 0 for none), or None: it waits |
 | ensure(request, num_tokens) | Scheduler.plan | room for positions 0 .. num_tokens - 1: a KVPlace, or None |
 | preempt(request) | Scheduler.plan | take the request's KV back (preemption by recompute) |
-| fork(lead, child, num_running) | Engine, after the forward | parallel sampling: the child gets the lead's prompt KV (a copy, or shared blocks with copy-on-write), or None: no room |
+| fork(lead, child, num_running) | Scheduler.fork, after the forward | parallel sampling: the child gets the lead's prompt KV (a copy, or shared blocks with copy-on-write), or None: no room |
 | commit(request) | Engine, after the forward | note the tokens written (prefix caching) |
 | finish(request) | Scheduler.finish | free the request's KV |
 | expected_writers(batch, chunks, own) | Engine, isolation check | [R, K] writer serials allowed, or None |
@@ -72,9 +74,10 @@ class KVCache(Protocol):
     def free_seats(self) -> int:
         """Waiting requests the next admission takes for sure (not counted against max_waiting)."""
 
-    def admit(self, request: RequestState, num_running: int) -> bool:
-        """Give the head of the waiting queue its KV now (True; sets its cache_len and prefill_done, the
-        tokens already cached), or leave it waiting (False). `num_running`: requests running now."""
+    def admit(self, request: RequestState, num_running: int) -> int | None:
+        """Give the head of the waiting queue its KV now: the positions it already holds (a prefix-cache
+        hit; 0 for none), which Scheduler.admit makes its progress; or None: it waits. Never writes the
+        request's progress. `num_running`: requests running now."""
 
     def ensure(self, request: RequestState, num_tokens: int) -> KVPlace | None:
         """Room for the running request's positions 0 .. num_tokens - 1; None when none is free."""

@@ -81,24 +81,24 @@ class PagedCache:
         return 0  # whether the next admission takes a request depends on its blocks
 
     # -- admission ----------------------------------------------------------------------------------
-    def admit(self, request: RequestState, num_running: int) -> bool:
+    def admit(self, request: RequestState, num_running: int) -> int | None:
         """Give the request the blocks of its whole prefill (its cached prefix reused) while fewer than
-        max_batch_size run and the watermark is kept; False leaves it waiting."""
+        max_batch_size run and the watermark is kept: the prefix-cache hit in tokens (at most its
+        prefill length - 1); None leaves it waiting."""
         if num_running >= self.max_running:
-            return False
+            return None
         n = request.prefill_len
         admission = self.manager.admit(request.request_id, request.cache_keys(n, self.faults), salt=self._salt(request),
                                        tenant=request.tenant, count_query=request.num_preemptions == 0,
                                        truth_ids=self._truth(request, n), tier_keys=self._tier_keys(request, n))
         self._apply_tier()
         if admission is None:
-            return False
-        request.cache_len = request.prefill_done = admission.hit_tokens
+            return None
         request.prefix_hit_tokens = admission.hit_tokens
         self.borrowed[request.request_id] = self._borrowed(request, admission)
         if admission.reused:
             self._note_hit(request, admission)
-        return True
+        return admission.hit_tokens
 
     def _borrowed(self, request: RequestState, admission: Admission) -> list[int]:
         """Writer serials the request may find at its reused positions: the writer tags of a reused

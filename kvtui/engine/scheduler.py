@@ -3,7 +3,9 @@
 Pure Python over RequestState; produces a StepPlan (plain data) that batching.py turns into tensors.
 
 The scheduler owns the engine's KV cache (kv_cache.KVCache: SlotCache or PagedCache) and calls it
-one way: admit, ensure, preempt, finish; the cache never calls back. It owns the encoder side
+one way: admit, ensure, preempt, fork, finish; the cache never calls back. It is the one writer of
+each request's progress (cache_len, prefill_done: set_progress): at admission from the cache's hit
+count, after each step (update_from_output), on preemption and when a parallel-sampling sibling forks. It owns the encoder side
 (encoder_side.EncoderSide) too: it calls its admit after admission, bind on the planned chunks, and
 finish when a request ends; the encoder side never calls back either.
 
@@ -30,8 +32,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvtui.config import EngineConfig
 from kvtui.engine.encoder_side import EncoderSide, TokenInputs
-from kvtui.engine.kv_cache import KVCache
+from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.request import RequestState, RequestStatus
 
 
@@ -104,33 +107,56 @@ class Scheduler:
 
     Args:
         kv: the KV cache it admits into and plans over (it owns it; see kv_cache.py).
+        config: the knobs it reads (configure).
         encoder: the encoder side (it owns it; see encoder_side.py); default TokenInputs() (token ids and
             supplied embedding rows).
-        max_batch_size: rows per step.
-        max_tokens_per_step: real tokens per step (prefill + decode).
-        bucketing, bucket_tolerance: see module docstring.
     """
 
-    def __init__(self, kv: KVCache, encoder: EncoderSide | None = None, *, max_batch_size: int,
-                 max_tokens_per_step: int, bucketing: bool = False, bucket_tolerance: float = 0.2) -> None:
+    def __init__(self, kv: KVCache, config: EngineConfig, encoder: EncoderSide | None = None) -> None:
         self.kv = kv
         self.encoder = encoder if encoder is not None else TokenInputs()
         self.encoder_cost_s = 0.0  # modeled seconds of the last admission's encoder work (virtual clock)
-        self.max_batch_size = max_batch_size
-        self.max_tokens_per_step = max_tokens_per_step
-        self.bucketing = bucketing
-        self.bucket_tolerance = bucket_tolerance
+        self.configure(config)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+
+    def configure(self, config: EngineConfig) -> None:
+        """Take config's max_batch_size (rows per step), max_tokens_per_step (real tokens per step, prefill +
+        decode), bucketing and bucket_tolerance (see module docstring) from the next step."""
+        self.max_batch_size = config.max_batch_size
+        self.max_tokens_per_step = config.max_tokens_per_step
+        self.bucketing = config.bucketing
+        self.bucket_tolerance = config.bucket_tolerance
 
     def add(self, request: RequestState) -> None:
         self.waiting.append(request)
 
-    def fork(self, request: RequestState) -> None:
-        """Parallel sampling: a sibling forked from its lead's prefill (its KV already given by
-        kv.fork) runs from this step on, as the newest running request."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+    @staticmethod
+    def set_progress(request: RequestState, cache_len: int, prefill_done: int) -> None:
+        """The one writer of a request's progress: positions 0 .. cache_len - 1 of its KV hold K/V and the
+        first `prefill_done` tokens of its prefill (RequestState.prefill_ids) are fed (tokens). Admission,
+        update_from_output, preemption and fork go through here, and so do benchmarks that start requests
+        on a synthetic cached prefix."""
+        request.cache_len = cache_len
+        request.prefill_done = prefill_done
+
+    def fork(self, lead: RequestState, siblings) -> list[tuple[RequestState, KVPlace]]:
+        """Parallel sampling: `lead`'s prefill is done; each of its waiting `siblings` takes a copy of its KV
+        (kv.fork) and runs from this step on, as the newest running request, with the lead's positions and
+        prompt fed. A sibling the KV cache has no room for queues at the front and prefills the prompt
+        itself (its tokens are the same either way). Returns the forked (sibling, KVPlace)."""
+        forked, queued = [], []
+        for sibling in siblings:
+            place = self.kv.fork(lead, sibling, len(self.running))
+            if place is None:
+                queued.append(sibling)
+                continue
+            self.set_progress(sibling, lead.cache_len, sibling.prompt_len)
+            sibling.scheduled_s, sibling.status = lead.scheduled_s, RequestStatus.RUNNING
+            self.running.append(sibling)
+            forked.append((sibling, place))
+        self.requeue(queued)
+        return forked
 
     def requeue(self, requests: list[RequestState]) -> None:
         """Siblings that could not fork (no room, or their lead ended first) wait at the front of the
@@ -150,10 +176,14 @@ class Scheduler:
 
     def admit(self, start_s: float) -> list[RequestState]:
         """Admit waiting requests in order (FIFO: the head blocks the rest) while the KV cache gives the
-        head its KV; mark them running, first scheduled at `start_s` (seconds)."""
+        head its KV; mark them running, first scheduled at `start_s` (seconds). A request starts on the
+        positions its KV already holds (kv.admit's hit count) and feeds the rest of its prefill, and at
+        least its last token (which samples), at the position after them; a stale slot (stale_slot
+        fault) may hold more positions than the prompt has tokens."""
         admitted = []
-        while self.waiting and self.kv.admit(self.waiting[0], len(self.running)):
+        while self.waiting and (hit := self.kv.admit(self.waiting[0], len(self.running))) is not None:
             request = self.waiting.popleft()
+            self.set_progress(request, hit, min(hit, request.prefill_len - 1))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.scheduled_s is None:  # a preempted request keeps its first
@@ -191,6 +221,15 @@ class Scheduler:
         bound, taint = self.encoder.bind(tuple(chunks))
         return StepPlan(bound, taint)
 
+    def update_from_output(self, plan: StepPlan, failed=()) -> None:
+        """Apply a step's outcome to its requests' progress: each chunk that ran wrote its positions
+        (cache_len = end_pos) and, in prefill, fed its tokens; the chunks at indices in `failed` (a fault
+        broke them; their requests are aborted) are left as they were."""
+        for index, chunk in enumerate(plan.chunks):
+            if index not in failed:
+                fed = chunk.num_tokens if chunk.phase == "prefill" else 0
+                self.set_progress(chunk.request, chunk.end_pos, chunk.request.prefill_done + fed)
+
     def _room(self, request: RequestState, num_tokens: int, chunks: list[ScheduledChunk], budget: int):
         """Ask the cache for room for `request`'s positions 0 .. num_tokens - 1; while it has none, preempt
         the newest running request (its chunk leaves the plan, its tokens go back to the budget). Returns
@@ -212,7 +251,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        request.cache_len = request.prefill_done = 0
+        self.set_progress(request, 0, 0)
         request.recompute_tokens = len(request.generated_ids)
         request.num_preemptions += 1
 

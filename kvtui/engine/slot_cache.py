@@ -48,18 +48,17 @@ class SlotCache:
     def free_seats(self) -> int:
         return self.pool.num_free
 
-    def admit(self, request: RequestState, num_running: int) -> bool:
-        """Give the request the lowest free slot, from position 0 (or, under stale_slot, from what the
-        slot's previous owner left); False when no slot is free."""
+    def admit(self, request: RequestState, num_running: int) -> int | None:
+        """Give the request the lowest free slot: 0 positions cached (or, under stale_slot, the length the
+        slot's previous owner left, taken as cached); None when no slot is free."""
         if not self.pool.num_free:
-            return False
+            return None
         request.slot = self.pool.allocate(request.request_id, fresh=self.fresh)
-        request.cache_len = 0
-        if self.stale:
-            start = stale_slot_admission(request, self.pool)
-            if start is not None:
-                self._stale_starts.append(start)
-        return True
+        start = stale_slot_admission(request, self.pool) if self.stale else None
+        if start is None:
+            return 0
+        self._stale_starts.append(start)
+        return start.kept
 
     def ensure(self, request: RequestState, num_tokens: int) -> KVPlace:
         assert request.slot is not None, f"{request.request_id = } runs without a slot"
