@@ -54,8 +54,9 @@ def measure(model, rows: int, query: int, context: int, repeats: int = 3) -> tup
     times, shape = [], None
     vocab = min(model.config.vocab_size, 1000) - 3
     for _ in range(repeats):
-        engine = Engine.from_loaded(model, EngineConfig(num_slots=rows, max_batch_size=rows, max_len=context + query + 2,
-                                                        max_tokens_per_step=rows * query + rows))
+        config = EngineConfig(num_slots=rows, max_batch_size=rows, max_len=context + query + 2,
+                              max_tokens_per_step=rows * query + rows)
+        engine = Engine.from_loaded(model, config)
         states = [engine.submit(f"r{i}", [3 + (i + j) % vocab for j in range(context + query)],
                                 SamplingParams(max_new_tokens=1, ignore_eos=True)) for i in range(rows)]
         for state in engine.scheduler.admit(engine.now()):  # the first `context` tokens "are" cached already

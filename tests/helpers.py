@@ -34,7 +34,8 @@ def solo_run(loaded, prompt: list[int], params: SamplingParams):
     top2_gaps, draws), cached per model/prompt/params."""
     key = (loaded.model_id, str(loaded.dtype), tuple(prompt), params)
     if key not in _solo_cache:
-        engine = make_engine(loaded.model, num_slots=1, max_len=len(prompt) + params.max_new_tokens + 1, max_batch_size=1)
+        engine = make_engine(loaded.model, num_slots=1, max_len=len(prompt) + params.max_new_tokens + 1,
+                             max_batch_size=1)
         state = engine.submit("solo", prompt, params)
         engine.run_until_done()
         _solo_cache[key] = state

@@ -141,9 +141,9 @@ def run_kvtui(model, work: Workload, *, slots: int = 16, layout: str = "packed",
     enforce_eager: transformers' own modules instead of the fused forward. max_tokens_per_step: the
     step's token budget, kvtui serve's by default."""
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 1
-    engine = Engine.from_loaded(model, EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
-                                                    enforce_eager=enforce_eager, max_tokens_per_step=max_tokens_per_step),
-                                clock="wall")
+    config = EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout=layout,
+                          enforce_eager=enforce_eager, max_tokens_per_step=max_tokens_per_step)
+    engine = Engine.from_loaded(model, config, clock="wall")
     order = sorted(range(len(work.prompts)), key=lambda i: work.arrivals[i])
     states, out = {}, Outcome([None] * len(order), [0.0] * len(order), [0.0] * len(order))
     while order or engine.has_unfinished():

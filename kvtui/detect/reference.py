@@ -385,8 +385,9 @@ class ReferenceDetector:
             # SmolLM2 takes 2.5-3.4 s on one thread of a 2-core Xeon, a 128-token one about 0.3 s)
             config = replace(config, kv="slots", num_blocks=None, prefix_caching=False, kv_offload_blocks=None,
                              max_tokens_per_step=min(config.max_tokens_per_step, REFERENCE_STEP_TOKENS))
-        engine = Engine.from_loaded(self.loaded, config, eos_token_ids=(), tokenizer=None, pad_token_id=_pad(self.tokenizer),
-                                    grammar_tokenizer=self.tokenizer)  # structured output: the same grammar, no stop strings
+        # structured output: the same grammar; no stop strings, no EOS ids
+        engine = Engine.from_loaded(self.loaded, config, eos_token_ids=(), tokenizer=None,
+                                    pad_token_id=_pad(self.tokenizer), grammar_tokenizer=self.tokenizer)
         engine.output.stop_mask_ids = frozenset(self.loaded.eos_token_ids)  # min_tokens masks EOS as in the checked run
         return engine
 

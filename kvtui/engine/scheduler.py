@@ -5,9 +5,9 @@ Pure Python over RequestState; produces a StepPlan (plain data) that batching.py
 The scheduler owns the engine's KV cache (kv_cache.KVCache: SlotCache or PagedCache) and calls it
 one way: admit, ensure, preempt, fork, finish; the cache never calls back. It is the one writer of
 each request's progress (cache_len, prefill_done: set_progress): at admission from the cache's hit
-count, after each step (update_from_output), on preemption and when a parallel-sampling sibling forks. It owns the encoder side
-(encoder_side.EncoderSide) too: it calls its admit after admission, bind on the planned chunks, and
-finish when a request ends; the encoder side never calls back either.
+count, after each step (update_from_output), on preemption and when a parallel-sampling sibling
+forks. It owns the encoder side (encoder_side.EncoderSide) too: it calls its admit after admission,
+bind on the planned chunks, and finish when a request ends; the encoder side never calls back either.
 
 Policy, in order, every step:
 1. Admission (FIFO): while requests wait and the KV cache admits the oldest (a free slot; with
