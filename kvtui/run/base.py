@@ -13,10 +13,12 @@ from kvtui.run.sink import Listener, RunSink
 
 class RunBase:
     """The shared half of a run (kvtui.run.outcome.RunOutcome). A subclass sets `sink` (a RunSink),
-    `summary` (None until closed) and `stop_requested`, and gives `now()` (seconds on the run's clock)
-    and `_reference_counts()` (the reference.status fields it knows)."""
+    `summary` (None until closed), `stop_requested` and `observers` (kvtui/run/observers.py
+    build_observers), and gives `now()` (seconds on the run's clock) and `_reference_counts()` (the
+    reference.status fields it knows)."""
 
     sink: RunSink
+    observers: list
     summary: Summary | None
     stop_requested: bool
     faults_known: bool
@@ -48,6 +50,20 @@ class RunBase:
     def now(self) -> float:
         """Seconds on the run's clock."""
         raise NotImplementedError
+
+    def observer(self, name: str):
+        """The run's observer `name` (a detector name, or "engine" in a local run; kvtui/run/observers.py),
+        or None when the run has none of that name. An observer's `detector` is its detector: the
+        reference observer's the ReferenceDetector (checked, pending, tolerance), the canary's the
+        CanaryDetector (passphrases)."""
+        return next((o for o in self.observers if o.name == name), None)
+
+    def _emit_all(self, reports) -> None:
+        """Emit observers' reports: `reports` yields one list per observer, in the observers' order (each
+        observer is asked as its turn comes, after the reports before it went out)."""
+        for found in reports:
+            for event in found:
+                self.emit(event)
 
     def emit(self, event) -> None:
         """Send one typed event through the run's sink (kvtui/run/sink.py): a contamination report joins
