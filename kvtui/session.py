@@ -36,7 +36,7 @@ from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
-from kvtui.run.observers import Arrival, DrainBudget, Finished, Observer, ObserverContext, StepSeen, build_observers
+from kvtui.run.observers import Arrival, Finished, Observer, ObserverContext, StepSeen, build_observers
 from kvtui.run.observers import check_names as check_detector_names
 from kvtui.run.sink import Listener, RunSink
 from kvtui.run.trails import Trails
@@ -336,10 +336,10 @@ class Session(RunBase):
         self._trails.on_step(report)
         pieces = self._emit_step(report)
         self._cancel_due()
-        self._detect(report, pieces)
+        self._emit_all(o.on_step(StepSeen(report.t, report.step, pieces, report)) for o in self.observers)
         self._emit_finished(report)
         if self.clock == "virtual" and any(o.pending and o.pending >= o.batch for o in self.observers):
-            self._drain(one_batch=True)  # spread over the run, not all at the end
+            self._drain_observers(lambda: self.stop_requested, one_batch=True)  # spread over the run, not all at the end
         if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
             release_free_memory()
         return not self.done
@@ -421,8 +421,8 @@ class Session(RunBase):
     def _idle(self) -> None:
         """Nothing to run: check a finished request against its solo run (wall clock), else wait for
         (wall) or jump to (virtual) the next arrival."""
-        if self._pending() and self.clock == "wall":
-            self._drain(one_batch=True, yield_to_work=True)
+        if self._pending_work() and self.clock == "wall":  # a request that arrives meanwhile is served first
+            self._drain_observers(lambda: self.stop_requested or self._work_waiting(), one_batch=True)
         elif self.serving:  # wait for a submission (never spin a core)
             self._external_ready.wait(0.05)
         elif self.clock in MODELED_CLOCKS or self.engine.clock_paused:
@@ -450,12 +450,6 @@ class Session(RunBase):
             if r.ttft_s is not None:
                 self.emit(FirstToken(t=report.t, request_id=r.request_id, ttft_s=r.ttft_s))
         return pieces
-
-    def _detect(self, report, pieces: list[tuple[str, str]]) -> None:
-        """Each observer's reports on the step: the engine's errors and signals (slot_taint,
-        attention_flow), prefix provenance, constraints, sampling provenance, the canary's text checks."""
-        step = StepSeen(report.t, report.step, pieces, report)
-        self._emit_all(o.on_step(step) for o in self.observers)
 
     def _emit_finished(self, report) -> None:
         """Each finished request's observer reports (the canary's final check), then its finish event; the
@@ -497,45 +491,6 @@ class Session(RunBase):
             self._audio_files = AudioFiles(self.loaded.feature_extractor)
         return self._audio_files.get(path)
 
-    def _pending(self) -> int:
-        """Deferred observer work waiting (completed requests whose reference check waits)."""
-        return sum(o.pending for o in self.observers)
-
-    def _drain(self, one_batch: bool = False, progress: Callable[[int, int], None] | None = None,
-               yield_to_work: bool = False, until: Callable[[], bool] | None = None) -> None:
-        """Run each counting observer's waiting work (the reference checks: one batch when `one_batch`,
-        else all); a stop request ends it between reference steps, and so does new work when
-        `yield_to_work` (an idle moment on the wall clock: a request that arrives meanwhile is served
-        first, the check resumes later where it stopped), and `until()` turning true. Emits each
-        request's reports as soon as it is compared, and a reference.status event; with `progress`, a
-        reference.status event and `progress(checked, total)` after every request (the closing checks,
-        shown as they go)."""
-        should_stop = lambda: (self.stop_requested or (yield_to_work and self._work_waiting())  # noqa: E731
-                               or (until is not None and until()))
-        for observer in self.observers:
-            before = observer.counts()
-            if before is None:
-                continue
-            total = before["checked"] + before["pending"]
-
-            def checked(found: list[Contamination], observer=observer, total=total) -> None:
-                self._emit_all([found])
-                if progress is not None:
-                    done = observer.counts()["checked"]
-                    self._reference_status(pending=total - done)
-                    progress(done, total)
-
-            if progress is not None and before["pending"]:  # say what is waiting before the first check
-                self._reference_status()
-            self._emit_all([observer.drain(DrainBudget(self.engine.now, observer.batch if one_batch else None,
-                                                       should_stop, checked))])
-            if progress is None or observer.counts()["checked"] == before["checked"]:
-                self._reference_status()
-
-    def _reference_counts(self) -> dict:
-        """The reference.status fields of the observer that keeps them (the reference detector's)."""
-        return next(counts for o in self.observers if (counts := o.counts()) is not None)
-
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
         return finish_event(f, text=text, t=f.finish_s, finish_reason=f.finish_reason, detail=f.detail,
@@ -574,8 +529,8 @@ class Session(RunBase):
         if delay <= 0:
             return 0.0
         deadline = self.pacer.wall() + min(delay, max_wait_s)
-        if self._pending() and not self.stop_requested:
-            self._drain(one_batch=True, until=lambda: self.pacer.wall() >= deadline)
+        if self._pending_work() and not self.stop_requested:
+            self._drain_observers(lambda: self.stop_requested or self.pacer.wall() >= deadline, one_batch=True)
         left = deadline - self.pacer.wall()
         if left > 0:
             (wait or self.pacer.sleep)(left)
@@ -647,7 +602,7 @@ class Session(RunBase):
             report = self.engine.step()  # reports the aborted requests
             for f in report.finished:
                 self.emit(self._finish_event(f))
-        self._drain(progress=on_reference or (lambda checked, total: None))
+        self._drain_observers(lambda: self.stop_requested, progress=on_reference or (lambda checked, total: None))
         if sum(o.skip_pending() for o in self.observers):  # a stop: counted as skipped
             self._reference_status()
         self._note_unapplied_timeline()
