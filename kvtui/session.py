@@ -19,7 +19,6 @@ from kvtui.engine import Engine
 from kvtui.engine.fused import auto_batch_invariant
 from kvtui.engine.lora import AdapterGone
 from kvtui.events import (
-    Contamination,
     FaultSwitch,
     Finish,
     FirstToken,
@@ -147,13 +146,12 @@ class Session(RunBase):
         self.fault_switches = fault_switches
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.engine.now,
                             record_path=record_path, listeners=listeners, keep=MAX_KEPT_REPORTS,
-                            on_finding=self._count_for_faults)
+                            on_finding=lambda report: self._trails.count(report, self.engine.faults))
         self.stop_requested = False
         self.summary: Summary | None = None
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
-        self.fault_counts: dict[str, int] = {}
         self.unapplied_timeline: list = []
-        self._trails = Trails()
+        self._trails = Trails()  # the running requests' trails, the faults on at each step and the reports per fault
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
         self._cancel_at: dict[str, int] = {}  # rounds' cancel: request id -> generated tokens at which it is cut
         self._audio_files = None  # speech models: AudioFiles, made at the first audio request
@@ -272,13 +270,6 @@ class Session(RunBase):
         """Seconds on the engine's clock."""
         return self.engine.now()
 
-    def _count_for_faults(self, report: Contamination) -> None:
-        """A report that counts, counted for the faults on at the step it is about (a reference check
-        comes later than its step)."""
-        if report.counts:
-            for name in self._trails.faults_at(report.step, self.engine.faults):
-                self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
-
     # -- loop -----------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
@@ -338,7 +329,7 @@ class Session(RunBase):
         self._cancel_due()
         self._emit_all(o.on_step(StepSeen(report.t, report.step, pieces, report)) for o in self.observers)
         self._emit_finished(report)
-        if self.clock == "virtual" and any(o.pending and o.pending >= o.batch for o in self.observers):
+        if self.clock == "virtual" and any(o.pending >= o.batch for o in self.observers):
             self._drain_observers(lambda: self.stop_requested, one_batch=True)  # spread over the run, not all at the end
         if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
             release_free_memory()
@@ -608,7 +599,7 @@ class Session(RunBase):
         self._note_unapplied_timeline()
         return self._close_run(work_left=work_left, requests_not_submitted=len(self.pending),
                                faults_active_at_end=tuple(sorted(self.engine.faults)),
-                               contamination_by_fault=dict(self.fault_counts))
+                               contamination_by_fault=dict(self._trails.fault_counts))
 
     def _note_unapplied_timeline(self) -> None:
         """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""

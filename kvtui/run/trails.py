@@ -12,7 +12,13 @@ class Trails:
     its tokens, the requests co-batched with it at that step, and its slot's earlier owners; and the
     faults on at each step (as spans), so a report is counted for the faults of the step it is about.
 
-    Fed every engine step (`on_step`, a StepEvent); a finished request's trail is taken with `pop`."""
+    Fed every engine step (`on_step`, a StepEvent); a finished request's trail is taken with `pop`; each
+    report is counted with `count`.
+
+    Attributes:
+        fault_counts: fault name -> reports that count, counted for the faults on at their step (a
+            summary's contamination_by_fault).
+    """
 
     last_step = -1
 
@@ -22,6 +28,7 @@ class Trails:
         self.earlier: dict[str, tuple[str, ...]] = {}
         self.slot_owners: dict[int, deque] = {}
         self.fault_spans: list[tuple[int, frozenset]] = []  # (first step, faults on from it), one per change
+        self.fault_counts: dict[str, int] = {}
 
     def faults_at(self, step: int | None, now: frozenset) -> frozenset:
         """The faults on during engine step `step` (`now` for a report about no step or a step to come)."""
@@ -30,6 +37,13 @@ class Trails:
             return now
         at = bisect.bisect_right(spans, step, key=lambda span: span[0]) - 1
         return spans[at][1] if at >= 0 else frozenset()
+
+    def count(self, report, now: frozenset) -> None:
+        """A contamination report that counts, counted for the faults on at the step it is about (a
+        reference check comes later than its step; `now`: the faults on now)."""
+        if report.counts:
+            for name in self.faults_at(report.step, now):
+                self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
 
     def on_step(self, report) -> None:
         """Note one engine step (a StepEvent): its faults, each running request's slot on its first
