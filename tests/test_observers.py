@@ -121,6 +121,7 @@ def test_stale_slot_reports_reach_the_run_in_the_order_the_hand_wired_detectors_
         ("attention_flow", r, "r004", "r001", 9), ("attention_flow", r, "r005", "r002", 9),
         ("reference", r, "r003", None, 8), ("reference", r, "r004", None, 9), ("reference", r, "r005", None, 9)]
     assert session.observer("reference").checked == 6 and session.observer("reference").pending == 0
+    assert session.summary.contamination_by_fault == {"stale_slot": 9}  # each counted for the fault of its step
     assert session.observer("slot_taint") is None  # one observer, "engine", holds slot_taint and attention_flow
 
 
