@@ -39,3 +39,25 @@ def pool_bytes(num_slots: int, max_len: int, kv_bytes_per_slot: int) -> int:
     """Bytes a KV pool allocates: `num_slots` slots of `kv_bytes_per_slot` (K and V, every layer)
     plus the writer tag of each of their `max_len` positions."""
     return num_slots * (kv_bytes_per_slot + WRITER_BYTES_PER_TOKEN * max_len)
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere).
+
+    Steps allocate tensors of ever-changing shapes (prompt lengths, batch sizes); glibc keeps freed heap
+    memory for reuse, and over a long run the process's resident size creeps up with fragmentation
+    (measured: a 30-minute wall-clock soak of SmolLM2 grew from 1.05 to 1.39 GB). Trimming every few
+    hundred steps keeps it flat; it costs about a millisecond."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None

@@ -7,29 +7,18 @@ recorded events to the same Metrics, so a replay's summary equals the live one.
 
 from __future__ import annotations
 
-import bisect
 import math
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-import torch
-
 from kvtui.detect import DETECTOR_NAMES
-from kvtui.detect.canary import CanaryDetector
-from kvtui.detect.constraint import ConstraintDetector
-from kvtui.detect.engine_signals import EngineSignalDetector
-from kvtui.detect.provenance import ProvenanceDetector
-from kvtui.detect.reference import PendingCheck, ReferenceDetector
-from kvtui.detect.sampling import SamplingProvenanceDetector
 from kvtui.engine import Engine
+from kvtui.engine.fused import auto_batch_invariant
 from kvtui.engine.lora import AdapterGone
 from kvtui.events import (
-    Contamination,
-    EngineErrorEvidence,
     FaultSwitch,
     Finish,
     FirstToken,
@@ -41,11 +30,15 @@ from kvtui.events import (
     TimelineApplied,
 )
 from kvtui.faults import check_fault_names
+from kvtui.memory import release_free_memory
 from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
+from kvtui.run.observers import Arrival, Finished, Observer, ObserverContext, StepSeen, build_observers
+from kvtui.run.observers import check_names as check_detector_names
 from kvtui.run.sink import Listener, RunSink
+from kvtui.run.trails import Trails
 
 MEASURED = ("step.wall_s", "summary.measured_step_wall_s")
 MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", "finish_s", "token_times_s",
@@ -54,28 +47,6 @@ MODELED_VIRTUAL = ("t", "start_s", "arrival_s", "scheduled_s", "first_token_s", 
 MODELED_CLOCKS = ("virtual", "paced")  # clocks whose times are modeled (paced: virtual, held to the wall)
 MAX_KEPT_REPORTS = 1000  # contamination reports the session keeps in memory (all go to the recording)
 TRIM_EVERY_STEPS = 256
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere).
-
-    Steps allocate tensors of ever-changing shapes (prompt lengths, batch sizes); glibc keeps freed heap
-    memory for reuse, and over a long run the process's resident size creeps up with fragmentation
-    (measured: a 30-minute wall-clock soak of SmolLM2 grew from 1.05 to 1.39 GB). Trimming every few
-    hundred steps keeps it flat; it costs about a millisecond."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
 
 
 def build_session(scenario, loaded, *, clock: str = "virtual", record=None, device: str = "cpu",
@@ -117,17 +88,6 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
                    cost_model=cost_model, serving=serving, planned=planned, pacer=pacer, progress=progress)
-
-
-def auto_batch_invariant(loaded, config, detectors: tuple[str, ...]) -> bool:
-    """engine.batch_invariant left unset (null): on for a bfloat16 or float16 run whose reference detector
-    runs, on a model the mode runs (Llama-family, kvtui's fused forward); off otherwise. There, rounding
-    flips near ties batched against solo, and the mode makes the reference check exact for about 1.2x
-    (float32) to 1.4x (bfloat16) the step time (measured on a 2-core AMD EPYC, docs/performance.md)."""
-    from kvtui.engine import fused
-
-    low = loaded.dtype in (torch.bfloat16, torch.float16)
-    return low and "reference" in detectors and not config.enforce_eager and fused.supports(loaded.model)
 
 
 class Session(RunBase):
@@ -172,7 +132,7 @@ class Session(RunBase):
         self.scenario, self.loaded, self.clock = scenario, loaded, self._check_clock(clock)
         self.pacer = (pacer or Pacer()) if clock == "paced" else None
         self.tokenizer = loaded.tokenizer
-        self.detectors = self._check_detectors(detectors)
+        self.detectors = check_detector_names(detectors)
         self.config = self._engine_config(engine_overrides, faults)
         self.cost_model = self._cost_model(cost_model)
         self.engine, self.adapters = self._make_engine(), self._adapters(scenario)  # adapters: engine/lora.py
@@ -180,25 +140,18 @@ class Session(RunBase):
         self.pending = self._planned(planned)
         self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
         self._external_ready = threading.Event()
-        self.signals = EngineSignalDetector(taint=self.engine.detect_taint, flow=self.engine.measure_flow)
-        self.canary = CanaryDetector() if "canary" in self.detectors else None
-        self.reference = (ReferenceDetector(loaded, self.tokenizer, engine_config=self.config, progress=progress)
-                          if "reference" in self.detectors else None)
-        self.provenance = ProvenanceDetector() if "prefix_provenance" in self.detectors else None
-        self.constraint = (ConstraintDetector(loaded.eos_token_ids or ()) if "constraint" in self.detectors
-                           else None)
-        self.sampling = SamplingProvenanceDetector() if "sampling_provenance" in self.detectors else None
+        self.observers: list[Observer] = build_observers(  # the detectors, in the order their reports go out
+            self.detectors, ObserverContext(self.detectors, loaded, self.tokenizer, self.config, progress))
         self.timeline = list(scenario.timeline)
         self.fault_switches = fault_switches
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.engine.now,
                             record_path=record_path, listeners=listeners, keep=MAX_KEPT_REPORTS,
-                            on_finding=self._count_for_faults)
+                            on_finding=lambda report: self._trails.count(report, self.engine.faults))
         self.stop_requested = False
         self.summary: Summary | None = None
         self.fault_history: list[tuple[float, str, bool]] = [(0.0, n, True) for n in sorted(self.engine.faults)]
-        self.fault_counts: dict[str, int] = {}
         self.unapplied_timeline: list = []
-        self._trails = _Trails()
+        self._trails = Trails()  # the running requests' trails, the faults on at each step and the reports per fault
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
         self._cancel_at: dict[str, int] = {}  # rounds' cancel: request id -> generated tokens at which it is cut
         self._audio_files = None  # speech models: AudioFiles, made at the first audio request
@@ -287,13 +240,6 @@ class Session(RunBase):
             raise ValueError(f"clock {clock!r}: use 'virtual', 'paced' or 'wall'")
         return clock
 
-    @staticmethod
-    def _check_detectors(detectors) -> tuple[str, ...]:
-        unknown = sorted(set(detectors) - set(DETECTOR_NAMES))
-        if unknown:
-            raise ValueError(f"unknown detector {unknown[0]!r}; known: {', '.join(DETECTOR_NAMES)}")
-        return tuple(detectors)
-
     def _started(self) -> None:
         self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): refused here (OSError)
         for name in sorted(self.engine.faults):
@@ -315,18 +261,12 @@ class Session(RunBase):
                                            dtype=str(loaded.dtype).replace("torch.", ""), kind=loaded.kind),
             engine=config, clock=self.clock, detectors=self.detectors, measured=MEASURED,
             modeled=MODELED_VIRTUAL if modeled else (), cost_model=self.cost_model[1] if modeled else None,
-            reference_tolerance=self.reference.numeric.described if self.reference is not None else None)
+            reference_tolerance=next((o.detector.numeric.described for o in self.observers if o.name == "reference"),
+                                     None))
 
     def now(self) -> float:
         """Seconds on the engine's clock."""
         return self.engine.now()
-
-    def _count_for_faults(self, report: Contamination) -> None:
-        """A report that counts, counted for the faults on at the step it is about (a reference check
-        comes later than its step)."""
-        if report.counts:
-            for name in self._trails.faults_at(report.step, self.engine.faults):
-                self.fault_counts[name] = self.fault_counts.get(name, 0) + 1
 
     # -- loop -----------------------------------------------------------------------------------
     @property
@@ -385,10 +325,10 @@ class Session(RunBase):
         self._trails.on_step(report)
         pieces = self._emit_step(report)
         self._cancel_due()
-        self._detect(report, pieces)
+        self._emit_all(o.on_step(StepSeen(report.t, report.step, pieces, report)) for o in self.observers)
         self._emit_finished(report)
-        if self.clock == "virtual" and self.reference is not None and self.reference.pending >= self.reference.batch:
-            self._drain_references(limit=self.reference.batch)  # spread over the run, not all at the end
+        if self.clock == "virtual" and any(o.pending >= o.batch for o in self.observers):
+            self._drain_observers(lambda: self.stop_requested, one_batch=True)  # spread over the run, not all at the end
         if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
             release_free_memory()
         return not self.done
@@ -443,12 +383,10 @@ class Session(RunBase):
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None,
                                   lora_version=state.input.lora.version if state.input.lora is not None else None)
-            if self.canary is not None:
-                self.canary.on_arrive(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
-                                      input_key=state.input.content_key)
-            if self.constraint is not None:
-                self.constraint.on_arrive(request_id, state.sampling)
+            arrival = Arrival(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
+                              input_key=state.input.content_key, sampling=state.sampling)
             self.emit(arrive)
+            self._emit_all(o.on_arrive(arrival) for o in self.observers)
 
     def _apply_timeline(self) -> None:
         """Apply every timeline event whose time has come (engine knobs, faults, arrival rate, markers)."""
@@ -472,8 +410,8 @@ class Session(RunBase):
     def _idle(self) -> None:
         """Nothing to run: check a finished request against its solo run (wall clock), else wait for
         (wall) or jump to (virtual) the next arrival."""
-        if self.reference is not None and self.reference.pending and self.clock == "wall":
-            self._drain_references(limit=self.reference.batch, yield_to_work=True)
+        if self._pending_work() and self.clock == "wall":  # a request that arrives meanwhile is served first
+            self._drain_observers(lambda: self.stop_requested or self._work_waiting(), one_batch=True)
         elif self.serving:  # wait for a submission (never spin a core)
             self._external_ready.wait(0.05)
         elif self.clock in MODELED_CLOCKS or self.engine.clock_paused:
@@ -502,42 +440,15 @@ class Session(RunBase):
                 self.emit(FirstToken(t=report.t, request_id=r.request_id, ttft_s=r.ttft_s))
         return pieces
 
-    def _detect(self, report, pieces: list[tuple[str, str]]) -> None:
-        """The step's in-engine signals (errors, slot_taint, attention_flow) and canary text checks."""
-        t = report.t
-        for request_id, text in report.errors:
-            self.emit(Contamination(t=t, step=report.step, detector="engine", kind="corruption", victim=request_id,
-                                    evidence=EngineErrorEvidence(error=text)))
-        for event in self.signals.on_step(report, t):
-            self.emit(event)
-        for event in self.provenance.on_step(report, t) if self.provenance is not None else ():
-            self.emit(event)
-        for event in self.constraint.on_step(report, t) if self.constraint is not None else ():
-            self.emit(event)
-        for event in self.sampling.on_step(report, t) if self.sampling is not None else ():
-            self.emit(event)
-        if self.canary is not None:
-            for request_id, piece in pieces:
-                for event in self.canary.on_piece(request_id, piece, t, report.step):
-                    self.emit(event)
-
     def _emit_finished(self, report) -> None:
-        """Finish events, final canary checks, and reference checks queued for completed requests."""
+        """Each finished request's observer reports (the canary's final check), then its finish event; the
+        reference observer queues its check."""
         for f in report.finished:
             finish = self._finish_event(f)
-            if self.canary is not None and f.finish_reason != "rejected":
-                for event in self.canary.on_finish(f.request_id, finish.output_text, report.t, report.step):
-                    self.emit(event)
+            done = Finished(f.request_id, finish.output_text, report.t, report.step, f.finish_reason,
+                            completed=finish.completed, request=f, trail=self._trails.pop(f.request_id))
+            self._emit_all(o.on_finish(done) for o in self.observers)
             self.emit(finish)
-            if self.constraint is not None:
-                self.constraint.on_finish(f.request_id)
-            if self.sampling is not None:
-                self.sampling.on_finish(f.request_id)
-            steps, cobatched, earlier = self._trails.pop(f.request_id)
-            if self.reference is not None and finish.completed:
-                self.reference.on_finish(PendingCheck(
-                    f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
-                    frozenset(f.faults), f.draws, f.input))
 
     def _input_of(self, p):
         """A planned request's RequestInput: the one it carries (served uploads, embeddings, images), or
@@ -568,39 +479,6 @@ class Session(RunBase):
 
             self._audio_files = AudioFiles(self.loaded.feature_extractor)
         return self._audio_files.get(path)
-
-    def _drain_references(self, limit: int | None = None, progress: Callable[[int, int], None] | None = None,
-                          yield_to_work: bool = False, until: Callable[[], bool] | None = None) -> None:
-        """Check waiting requests against their references (`limit` at most), a batch at a time; a stop
-        request ends it between reference steps, and so does new work when `yield_to_work` (an idle
-        moment on the wall clock: a request that arrives meanwhile is served first, the check resumes
-        later where it stopped), and `until()` turning true. Emits each request's reports as soon as it
-        is compared, and a reference.status event; with `progress`, a reference.status event and
-        `progress(checked, total)` after every request (the closing checks, shown as they go)."""
-        ref, total = self.reference, self.reference.checked + self.reference.pending
-        should_stop = lambda: (self.stop_requested or (yield_to_work and self._work_waiting())  # noqa: E731
-                               or (until is not None and until()))
-
-        def checked(found: list[Contamination]) -> None:
-            for event in found:
-                self.emit(event)
-            if progress is not None:
-                self._reference_status(pending=total - ref.checked)
-                progress(ref.checked, total)
-
-        if progress is not None and ref.pending:  # say what is waiting before the first check
-            self._reference_status()
-        start = ref.checked
-        while ref.pending and (limit is None or limit > 0) and not should_stop():
-            batch = min(ref.batch, limit or ref.batch)
-            ref.drain(self.engine.now(), limit=batch, should_stop=should_stop, on_checked=checked)
-            limit = None if limit is None else limit - batch
-        if progress is None or ref.checked == start:
-            self._reference_status()
-
-    def _reference_counts(self) -> dict:
-        ref = self.reference
-        return {"checked": ref.checked, "skipped_by_reason": ref.skipped_by_reason, "pending": ref.pending}
 
     def _finish_event(self, f) -> Finish:
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
@@ -640,8 +518,8 @@ class Session(RunBase):
         if delay <= 0:
             return 0.0
         deadline = self.pacer.wall() + min(delay, max_wait_s)
-        if self.reference is not None and self.reference.pending and not self.stop_requested:
-            self._drain_references(limit=self.reference.batch, until=lambda: self.pacer.wall() >= deadline)
+        if self._pending_work() and not self.stop_requested:
+            self._drain_observers(lambda: self.stop_requested or self.pacer.wall() >= deadline, one_batch=True)
         left = deadline - self.pacer.wall()
         if left > 0:
             (wait or self.pacer.sleep)(left)
@@ -713,15 +591,13 @@ class Session(RunBase):
             report = self.engine.step()  # reports the aborted requests
             for f in report.finished:
                 self.emit(self._finish_event(f))
-        if self.reference is not None:
-            self._drain_references(progress=on_reference or (lambda checked, total: None))
-            if self.reference.pending:
-                self.reference.skip_pending()
-                self._reference_status()
+        self._drain_observers(lambda: self.stop_requested, progress=on_reference or (lambda checked, total: None))
+        if sum(o.skip_pending() for o in self.observers):  # a stop: counted as skipped
+            self._reference_status()
         self._note_unapplied_timeline()
         return self._close_run(work_left=work_left, requests_not_submitted=len(self.pending),
                                faults_active_at_end=tuple(sorted(self.engine.faults)),
-                               contamination_by_fault=dict(self.fault_counts))
+                               contamination_by_fault=dict(self._trails.fault_counts))
 
     def _note_unapplied_timeline(self) -> None:
         """Timeline events the run ended before: a marker (and `unapplied_timeline` for the CLI)."""
@@ -730,48 +606,6 @@ class Session(RunBase):
             at = ", ".join(f"{e.at_s:g} s" for e in self.timeline[:5])
             self.emit(Marker(t=self.engine.now(), text=f"timeline events after the run's end were not applied "
                                                        f"(at {at})"))
-
-
-class _Trails:
-    """What a reference check needs of each running request, kept while it runs: the step of each of
-    its tokens, the requests co-batched with it at that step, and its slot's earlier owners; and the
-    faults on at each step (as spans), so a report is counted for the faults of the step it is about."""
-
-    last_step = -1
-
-    def __init__(self) -> None:
-        self.steps: dict[str, list[int]] = {}
-        self.cobatched: dict[str, list[tuple[str, ...]]] = {}
-        self.earlier: dict[str, tuple[str, ...]] = {}
-        self.slot_owners: dict[int, deque] = {}
-        self.fault_spans: list[tuple[int, frozenset]] = []  # (first step, faults on from it), one per change
-
-    def faults_at(self, step: int | None, now: frozenset) -> frozenset:
-        """The faults on during engine step `step` (`now` for a report about no step or a step to come)."""
-        spans = self.fault_spans
-        if step is None or step < 0 or not spans or step > self.last_step:
-            return now
-        at = bisect.bisect_right(spans, step, key=lambda span: span[0]) - 1
-        return spans[at][1] if at >= 0 else frozenset()
-
-    def on_step(self, report) -> None:
-        faults = frozenset(report.faults)
-        if (self.fault_spans[-1][1] if self.fault_spans else frozenset()) != faults:
-            self.fault_spans.append((report.step, faults))
-        self.last_step = report.step
-        ids = [r.request_id for r in report.running]
-        for r in report.running:
-            if r.request_id not in self.earlier:
-                owners = self.slot_owners.setdefault(r.slot, deque(maxlen=4))
-                self.earlier[r.request_id] = tuple(owners)
-                owners.append(r.request_id)
-            if r.token_id is not None:
-                self.steps.setdefault(r.request_id, []).append(report.step)
-                self.cobatched.setdefault(r.request_id, []).append(tuple(i for i in ids if i != r.request_id))
-
-    def pop(self, request_id: str) -> tuple[tuple[int, ...], tuple[tuple[str, ...], ...], tuple[str, ...]]:
-        return (tuple(self.steps.pop(request_id, ())), tuple(self.cobatched.pop(request_id, ())),
-                self.earlier.pop(request_id, ()))
 
 
 def _with_pieces(report: StepEvent, pieces: dict[str, str]) -> StepEvent:

@@ -191,7 +191,7 @@ def _tolerance(session) -> str:
     """The numeric tolerance the reference detector labelled with, and where it came from."""
     from kvtui.summary import tolerance_text
 
-    return tolerance_text(session.reference.numeric.described)
+    return tolerance_text(session.observer("reference").detector.numeric.described)
 
 
 if __name__ == "__main__":

@@ -167,9 +167,9 @@ def test_reference_finds_nothing_at_all_with_isolation_intact(dtype):
     session = _session(dtype)
     summary = session.run()
     assert summary.requests_finished == 6
-    assert session.reference.checked == 6
+    assert session.observer("reference").checked == 6
     assert session.sink.contamination == []
-    assert session.reference.tolerance == 0.0
+    assert session.observer("reference").detector.tolerance == 0.0
 
 
 def test_reference_counts_a_leak_with_no_tolerance():

@@ -73,7 +73,7 @@ def test_every_listed_detector_catches_the_cross_fault_naming_victim_and_source(
 def test_the_same_load_without_the_fault_is_silent(tiny_whisper_model, name):
     fault = FAULTS[name]
     session = _run(tiny_whisper_model, _spec(name, fault.layouts[0], fault.kv[-1], fault=False))
-    assert session.contamination == [] and session.reference.checked == LOADS[name][1]
+    assert session.contamination == [] and session.observer("reference").checked == LOADS[name][1]
 
 
 def test_encoder_cache_hit_on_other_audio_names_both_audio_hashes(tiny_whisper_model):

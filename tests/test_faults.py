@@ -343,7 +343,7 @@ def test_smollm2_passphrase_stale_slot_mid_run_leaks_a_named_passphrase(smollm2)
         assert leak.evidence.matched in leak.evidence.leaked
     finished = {m.request_id: m for m in markers if isinstance(m, Finish)}
     first = leaks[0]
-    assert session.canary.passphrases[first.source] == first.evidence.leaked
+    assert session.observer("canary").detector.passphrases[first.source] == first.evidence.leaked
     victim_text = finished[first.victim].output_text.upper()
     assert first.evidence.matched.upper() in victim_text  # the leak is in the victim's final answer
 
@@ -363,4 +363,4 @@ def test_text_detectors_catch_the_fault_on_smollm2(smollm2, name):
     assert leaks, f"{name}: no canary leak"
     for leak in leaks:
         assert leak.source != leak.victim and leak.evidence.matched.upper() in leak.evidence.text.upper()
-        assert session.canary.passphrases[leak.source] == leak.evidence.leaked
+        assert session.observer("canary").detector.passphrases[leak.source] == leak.evidence.leaked

@@ -224,7 +224,7 @@ def test_random_sessions_mixing_n_and_structured_output_have_no_findings(tiny, s
     session = Session(spec, tiny["tiny-llama"], clock="virtual")
     session.run()
     assert [e for e in session.contamination if e.kind in ("cross_request", "cross_tenant", "corruption")] == []
-    assert session.summary.finish_reasons.get("rejected", 0) == 0 and session.reference.checked > 0
+    assert session.summary.finish_reasons.get("rejected", 0) == 0 and session.observer("reference").checked > 0
 
 
 @pytest.mark.smollm

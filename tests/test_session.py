@@ -164,16 +164,16 @@ def test_an_idle_reference_check_gives_way_to_a_request_that_arrives(tiny):
 
     session.submit_external(_planned("a", [5, 6, 7, 8], session.engine.now()))
     step_until_finished("a")
-    assert session.reference.pending == 1
+    assert session.observer("reference").pending == 1
     session.submit_external(_planned("b", [9, 10, 11], session.engine.now()))
     session._idle()  # what step_once does between requests: here it must yield to "b"
-    assert (session.reference.pending, session.reference.checked) == (1, 0)
+    assert (session.observer("reference").pending, session.observer("reference").checked) == (1, 0)
     step_until_finished("b")
     for _ in range(20):
-        if not session.reference.pending:
+        if not session.observer("reference").pending:
             break
         session._idle()
-    assert (session.reference.pending, session.reference.checked) == (0, 2)
+    assert (session.observer("reference").pending, session.observer("reference").checked) == (0, 2)
     session.close()
 
 

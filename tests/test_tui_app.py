@@ -476,7 +476,7 @@ def test_quit_skips_the_waiting_reference_checks_and_counts_them(loaded, tmp_pat
     async def run():
         app = KvtuiApp(source)
         async with app.run_test(size=(100, 30)) as pilot:
-            await until(lambda: source.session.reference.pending >= 2, pilot=pilot, timeout_s=30)
+            await until(lambda: source.session.observer("reference").pending >= 2, pilot=pilot, timeout_s=30)
             await quit_app(app, pilot)
         return app.return_value
 

@@ -243,7 +243,7 @@ def test_closing_shows_each_reference_check_and_ends_on_the_summarys_counts(tiny
     source.min_interval_s = 1e9  # no frame is ever due by time: only what must show is posted
     while source.session.step_once():
         pass
-    assert source.session.reference.pending == 6
+    assert source.session.observer("reference").pending == 6
     source._finish()
     closing = [(mode, snap) for mode, snap in source.app.posted if mode.startswith("CLOSING")]
     modes = [mode for mode, _ in closing]
@@ -266,7 +266,7 @@ def test_a_stopped_run_says_how_many_checks_it_skipped_and_why(tiny):
     from kvtui.summary import print_summary
 
     session = Session(parse_scenario(SHORT), tiny["tiny-llama"], clock="virtual", detectors=("reference",))
-    while session.reference.pending < 2:
+    while session.observer("reference").pending < 2:
         session.step_once()
     session.stop_requested = True
     summary = session.close()

@@ -8,6 +8,8 @@ variance; never counted as contamination). findings.py joins the reports on one 
 
 The detector classes are imported from their modules (canary, constraint, engine_signals,
 provenance, reference, sampling: sampling_provenance); this package itself imports no torch, so replaying a recording stays light.
+Each module also holds its detector's observer (a `...Observer` deriving from observer.Quiet), the
+shape in which a run holds it (kvtui/run/observers.py: the protocol, the registry, build_observers).
 """
 
 DETECTOR_NAMES = ("reference", "canary", "attention_flow", "slot_taint", "prefix_provenance", "constraint",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from kvtui.detect.observer import Arrival, Finished, Quiet, StepSeen
 from kvtui.detect.spoken import match_spoken
 from kvtui.events import CanaryEvidence, Contamination
 
@@ -92,6 +93,36 @@ class CanaryDetector:
         """The request's final text; returns new leak reports. Forgets the request's running text."""
         self.text.pop(request_id, None)
         return self._check(request_id, text, t, step)
+
+
+class CanaryObserver(Quiet):
+    """`canary` as a run's observer (kvtui/run/observers.py): each arrival's passphrase, each new token's
+    (or streamed chunk's) text, and each final answer but a rejected request's (it never ran).
+
+    Attributes:
+        detector: the CanaryDetector (its `passphrases` by request id, its running texts).
+    """
+
+    name = "canary"
+
+    def __init__(self) -> None:
+        self.detector = CanaryDetector()
+
+    def on_arrive(self, arrival: Arrival) -> list[Contamination]:
+        self.detector.on_arrive(arrival.request_id, arrival.passphrase, spoken=arrival.spoken,
+                                input_key=arrival.input_key)
+        return []
+
+    def on_step(self, step: StepSeen) -> list[Contamination]:
+        events = []
+        for request_id, piece in step.pieces:
+            events += self.detector.on_piece(request_id, piece, step.t, step.step)
+        return events
+
+    def on_finish(self, finished: Finished) -> list[Contamination]:
+        if finished.finish_reason == "rejected":
+            return []
+        return self.detector.on_finish(finished.request_id, finished.text, finished.t, finished.step)
 
 
 def _spoken_leak(phrase: str, own: str, transcript: str) -> str:

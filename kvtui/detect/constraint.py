@@ -25,6 +25,7 @@ One report per victim, at its first violation.
 
 from __future__ import annotations
 
+from kvtui.detect.observer import Arrival, Finished, Quiet, StepSeen
 from kvtui.events import ConstraintEvidence, Contamination
 
 
@@ -96,6 +97,31 @@ class ConstraintDetector:
         return Contamination(t=t, step=report.step, detector="constraint", kind=kind, victim=victim, source=source,
                              evidence=ConstraintEvidence(rule=rule, token_index=index, token_id=entry.token_id,
                                                          sampled_with=used, suspects=suspects))
+
+
+class ConstraintObserver(Quiet):
+    """`constraint` as a run's observer (kvtui/run/observers.py): each arrival's sampling parameters,
+    each step's tokens; a finished request is forgotten.
+
+    Args:
+        eos_token_ids: the ids a min_tokens request may not emit early.
+    """
+
+    name = "constraint"
+
+    def __init__(self, eos_token_ids=()) -> None:
+        self.detector = ConstraintDetector(eos_token_ids)
+
+    def on_arrive(self, arrival: Arrival) -> list[Contamination]:
+        self.detector.on_arrive(arrival.request_id, arrival.sampling)
+        return []
+
+    def on_step(self, step: StepSeen) -> list[Contamination]:
+        return self.detector.on_step(step.report, step.t)
+
+    def on_finish(self, finished: Finished) -> list[Contamination]:
+        self.detector.on_finish(finished.request_id)
+        return []
 
 
 def disallowed(params, output: list[int], token: int, eos: frozenset) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from kvtui.events import Contamination, FlowEvidence, TaintEvidence, TaintExample
+from kvtui.detect.observer import Quiet, StepSeen
+from kvtui.events import Contamination, EngineErrorEvidence, FlowEvidence, TaintEvidence, TaintExample
 
 FLOW_THRESHOLD = 1e-6  # attention mass on foreign keys; exactly 0.0 with isolation intact
 
@@ -80,6 +81,27 @@ class EngineSignalDetector:
                 t=t, step=step, detector="attention_flow", kind=kind, victim=read.request_id, source=source,
                 evidence=FlowEvidence(foreign_mass=None, pad_mass=None, nonfinite=True)))
         return events
+
+
+class EngineObserver(Quiet):
+    """The engine's own signals as a local run's observer (kvtui/run/observers.py), always on: a step's
+    errors (a `corruption` report from detector "engine" per failed request), then `slot_taint` and
+    `attention_flow` when named (one EngineSignalDetector: their non-finite reports stay interleaved).
+
+    Args:
+        taint, flow: slot_taint, attention_flow on.
+    """
+
+    name = "engine"
+
+    def __init__(self, *, taint: bool, flow: bool) -> None:
+        self.detector = EngineSignalDetector(taint=taint, flow=flow)
+
+    def on_step(self, step: StepSeen) -> list[Contamination]:
+        report = step.report
+        events = [Contamination(t=step.t, step=report.step, detector="engine", kind="corruption", victim=request_id,
+                                evidence=EngineErrorEvidence(error=text)) for request_id, text in report.errors]
+        return events + self.detector.on_step(report, step.t)
 
 
 def _examples(r, kv: str) -> tuple[TaintExample, ...]:

@@ -22,6 +22,7 @@ One event per (victim, source) pair, at the step of the hit.
 
 from __future__ import annotations
 
+from kvtui.detect.observer import Quiet, StepSeen
 from kvtui.events import Contamination, ProvenanceEvidence
 
 
@@ -51,6 +52,19 @@ class ProvenanceDetector:
                 self._seen.add((hit.request_id, hit.computed_for))
                 events.append(_encoder_event(report, t, hit))
         return events
+
+
+class ProvenanceObserver(Quiet):
+    """`prefix_provenance` as a run's observer (kvtui/run/observers.py): each step's prefix-cache and
+    encoder-cache hits."""
+
+    name = "prefix_provenance"
+
+    def __init__(self) -> None:
+        self.detector = ProvenanceDetector()
+
+    def on_step(self, step: StepSeen) -> list[Contamination]:
+        return self.detector.on_step(step.report, step.t)
 
 
 def _encoder_event(report, t: float, hit) -> Contamination:

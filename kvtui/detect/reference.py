@@ -57,6 +57,7 @@ from typing import NamedTuple
 import torch
 
 from kvtui.config import EngineConfig
+from kvtui.detect.observer import DrainBudget, Finished, Quiet
 from kvtui.detect.tolerance import BUILT_IN, Tolerance, logit_spread, reference_tolerance
 from kvtui.engine import Engine
 from kvtui.engine.inputs import RequestInput
@@ -489,6 +490,67 @@ class ReferenceDetector:
         suspects.discard(check.request_id)
         ordered = tuple(sorted(suspects))
         return "cross_request", ordered[0] if len(ordered) == 1 else None, ordered
+
+
+class ReferenceObserver(Quiet):
+    """`reference` as a local run's observer (kvtui/run/observers.py): each completed request is queued
+    (with its trail: the steps, co-batched requests and earlier slot owners it met) and checked when
+    the run drains its observers, `batch` at a time.
+
+    Args: as ReferenceDetector's.
+
+    Attributes:
+        detector: the ReferenceDetector (its tolerance, `numeric`, queue and counts).
+    """
+
+    name = "reference"
+
+    def __init__(self, loaded, tokenizer, **options) -> None:
+        self.detector = ReferenceDetector(loaded, tokenizer, **options)
+
+    @property
+    def pending(self) -> int:
+        """Completed requests waiting for their check."""
+        return self.detector.pending
+
+    @property
+    def batch(self) -> int:
+        """Checks computed together in one clean engine."""
+        return self.detector.batch
+
+    @property
+    def checked(self) -> int:
+        """Requests checked so far."""
+        return self.detector.checked
+
+    def on_finish(self, finished: Finished) -> list[Contamination]:
+        """Queue a completed request's check (a target run's, with no engine request, is not one)."""
+        f = finished.request
+        if finished.completed and f is not None:
+            steps, cobatched, earlier = finished.trail or ((), (), ())
+            self.detector.on_finish(PendingCheck(
+                f.request_id, f.prompt_ids, f.output_ids, f.top2_gaps, f.sampling, steps, cobatched, earlier,
+                frozenset(f.faults), f.draws, f.input))
+        return []
+
+    def drain(self, budget: DrainBudget) -> list[Contamination]:
+        """Check up to `budget.limit` waiting requests, `batch` at a time, until `budget.should_stop()`;
+        each batch's reports carry the run's time when it starts. Returns the reports `budget.on_checked`
+        did not hear."""
+        ref, limit, events = self.detector, budget.limit, []
+        while ref.pending and (limit is None or limit > 0) and not budget.should_stop():
+            batch = min(ref.batch, limit or ref.batch)
+            events += ref.drain(budget.now(), limit=batch, should_stop=budget.should_stop,
+                                on_checked=budget.on_checked)
+            limit = None if limit is None else limit - batch
+        return events
+
+    def counts(self) -> dict:
+        ref = self.detector
+        return {"checked": ref.checked, "skipped_by_reason": ref.skipped_by_reason, "pending": ref.pending}
+
+    def skip_pending(self) -> int:
+        return self.detector.skip_pending()
 
 
 class _Verdict(NamedTuple):

@@ -30,6 +30,7 @@ tags (a replayed recording: they are in memory only) it has nothing to read.
 
 from __future__ import annotations
 
+from kvtui.detect.observer import Finished, Quiet, StepSeen
 from kvtui.events import Contamination, SamplingEvidence
 
 VIA = ("row_state", "penalty_history", "generator")
@@ -69,6 +70,23 @@ class SamplingProvenanceDetector:
                     via=foreign[source], token_index=index, token_id=entry.token_id, row_state=entry.sampled_with,
                     penalty_history=entry.penalized_with or (), generator=entry.drawn_with or ())))
         return events
+
+
+class SamplingObserver(Quiet):
+    """`sampling_provenance` as a run's observer (kvtui/run/observers.py): each step's sampling tags; a
+    finished request is forgotten."""
+
+    name = "sampling_provenance"
+
+    def __init__(self) -> None:
+        self.detector = SamplingProvenanceDetector()
+
+    def on_step(self, step: StepSeen) -> list[Contamination]:
+        return self.detector.on_step(step.report, step.t)
+
+    def on_finish(self, finished: Finished) -> list[Contamination]:
+        self.detector.on_finish(finished.request_id)
+        return []
 
 
 def own_only(entry) -> bool:

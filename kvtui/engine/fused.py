@@ -43,6 +43,19 @@ def supports(model) -> bool:
     return getattr(cfg, "model_type", None) in SUPPORTED_TYPES and getattr(cfg, "hidden_act", "silu") == "silu"
 
 
+def auto_batch_invariant(loaded, config, detectors: tuple[str, ...]) -> bool:
+    """engine.batch_invariant left unset (null): on for a bfloat16 or float16 run whose reference detector
+    runs, on a model the mode runs (Llama-family, kvtui's fused forward); off otherwise. There, rounding
+    flips near ties batched against solo, and the mode makes the reference check exact for about 1.2x
+    (float32) to 1.4x (bfloat16) the step time (measured on a 2-core AMD EPYC, docs/performance.md).
+
+    Args:
+        loaded: the LoadedModel (its dtype and model); config: the run's EngineConfig; detectors: the
+            detector names the run uses."""
+    low = loaded.dtype in (torch.bfloat16, torch.float16)
+    return low and "reference" in detectors and not config.enforce_eager and supports(loaded.model)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward: float32 variance, rsqrt, cast back, times the weight."""
     h = x.to(torch.float32)

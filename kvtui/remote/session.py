@@ -31,7 +31,6 @@ from functools import partial
 
 import httpx
 
-from kvtui.detect import CanaryDetector
 from kvtui.events import (
     FirstToken,
     Header,
@@ -52,6 +51,7 @@ from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
+from kvtui.run.observers import Arrival, Finished, Observer, StepSeen, build_observers
 from kvtui.run.sink import Listener, RunSink
 
 TARGET_DETECTORS = ("reference", "canary")
@@ -113,7 +113,8 @@ class TargetSession(RunBase):
         if any(p.embeds_mask is not None for p in self.pending):
             self.api = self._embeds_api(options.api)
             self.embeds_table = embedding_table(model or scenario.model)
-        self.canary = CanaryDetector() if "canary" in self.detectors else None
+        # what watches the load from outside (the canary); `reference` is the solo reruns after it
+        self.observers: list[Observer] = build_observers(self.detectors, target=True)
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
                             listeners=listeners)
         self.warnings = timeline_warnings(scenario)
@@ -262,9 +263,9 @@ class TargetSession(RunBase):
             at = self._round_start if p.round is not None else p.arrival_s + self.held_s
             p = replace(self.pending.pop(0), arrival_s=at)
             arrive = arrive_event(p)
-            if self.canary is not None:
-                self.canary.on_arrive(p.request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")))
+            arrival = Arrival(p.request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")), sampling=p.sampling)
             self.emit(arrive)
+            self._emit_all(o.on_arrive(arrival) for o in self.observers)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
         return tasks
 
@@ -380,9 +381,9 @@ class TargetSession(RunBase):
     def _on_chunk(self, request_id: str, result: StreamResult, piece: str, cancel_after: int | None = None) -> None:
         if len(result.chunk_times_s) == 1:
             self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
-        if self.canary is not None and piece:
-            for event in self.canary.on_piece(request_id, piece, self.now(), -1):
-                self.emit(event)
+        if piece:
+            chunk = StepSeen(self.now(), -1, ((request_id, piece),))
+            self._emit_all(o.on_step(chunk) for o in self.observers)
         if cancel_after is not None and max(len(result.tokens), len(result.chunk_times_s)) >= cancel_after:
             raise _ClientCancel  # leaves the stream: the connection closes, as a client going away
 
@@ -392,9 +393,8 @@ class TargetSession(RunBase):
         end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
         self.spans[p.request_id] = (r.sent_s, end)
         ids = tuple(t.id for t in r.tokens) if r.tokens and all(t.id is not None for t in r.tokens) else ()
-        if self.canary is not None:
-            for event in self.canary.on_finish(p.request_id, r.text, end, -1):
-                self.emit(event)
+        done = Finished(p.request_id, r.text, end, -1, reason, completed=reason in ("stop", "length"))
+        self._emit_all(o.on_finish(done) for o in self.observers)
         self.emit(finish_event(
             p, text=r.text, t=end, finish_reason=reason, detail=detail, prompt_ids=tuple(p.prompt_ids),
             output_ids=ids, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s, finish_s=end,
