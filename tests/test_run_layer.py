@@ -1,4 +1,4 @@
-"""The run layer's request shape and intake: one typed, frozen PlannedRequest (kvtui/run/request.py), the
+"""The run layer's request shape and intake: one typed, frozen PlannedRequest (kvtui/request.py), the
 engine carrying no caller metadata, and kvtui/run/intake.py turning each InputSpec into the RequestInput the
 engine needs (checked against the model's own embedding table, transformers' feature extractor and the
 clip's samples read with the standard library, not against kvtui's own conversion)."""
@@ -21,8 +21,7 @@ from kvtui.engine import Engine, SamplingParams
 from kvtui.engine.inputs import PLACEHOLDER_ID, ImagePart, RequestInput
 from kvtui.engine.report import FinishedRequestReport
 from kvtui.engine.request import RequestState
-from kvtui.run.intake import Admitted, Intake, Refused, load_adapters
-from kvtui.run.request import (
+from kvtui.request import (
     AudioClip,
     Canary,
     EmbedsPrompt,
@@ -32,6 +31,7 @@ from kvtui.run.request import (
     PromptFacts,
     TokenPrompt,
 )
+from kvtui.run.intake import Admitted, Intake, Refused, load_adapters
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = ROOT / "scenarios" / "audio" / "amber-lantern-23.wav"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtui.engine.request import SamplingParams
-from kvtui.run.request import PromptFacts
+from kvtui.request import PromptFacts
 from kvtui.scenario import PlannedRequest, derive_seed, parse_scenario, plan_requests
 from kvtui.scenario.prompts import WORDS, to_id_list
 

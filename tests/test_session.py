@@ -140,7 +140,7 @@ def test_exit_codes_follow_expect(tmp_path):
 
 def _planned(request_id: str, prompt: list[int], arrival_s: float):
     from kvtui.engine.request import SamplingParams
-    from kvtui.run.request import PlannedRequest, TokenPrompt
+    from kvtui.request import PlannedRequest, TokenPrompt
 
     return PlannedRequest(request_id, arrival_s, TokenPrompt(tuple(prompt)), SamplingParams(max_new_tokens=6,
                                                                                            ignore_eos=True))

@@ -28,7 +28,7 @@ import io
 
 from kvtui.models.registry import SMOLLM2, find_model
 from kvtui.models.types import ModelLoadError
-from kvtui.run.request import EmbedsPrompt
+from kvtui.request import EmbedsPrompt
 
 EMBEDS_TABLE_KEY = "model.embed_tokens.weight"
 

@@ -50,9 +50,9 @@ from kvtui.remote.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.remote.server_probe import ServerProbe
 from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
+from kvtui.request import EmbedsPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
-from kvtui.run.request import EmbedsPrompt
 from kvtui.run.sink import Listener, RunSink
 
 TARGET_DETECTORS = ("reference", "canary")

@@ -1,6 +1,6 @@
 """One transcription request to an OpenAI-compatible server (`POST /v1/audio/transcriptions`), timed.
 
-A planned speech request (kvtui.run.request.PlannedRequest whose input is an AudioClip: a 16 kHz WAV clip)
+A planned speech request (kvtui.request.PlannedRequest whose input is an AudioClip: a 16 kHz WAV clip)
 is uploaded as OpenAI's client uploads it: multipart/form-data with the fields `file`, `model`,
 `response_format=json` and `temperature`. The endpoint does not stream: the request ends when the
 JSON answer `{"text": ...}` arrives, so it is one chunk at that moment (TTFT is the whole request's
@@ -21,7 +21,7 @@ import httpx
 
 from kvtui.remote.openai import StreamResult
 from kvtui.remote.reach import answered, excerpt
-from kvtui.run.request import AudioClip
+from kvtui.request import AudioClip
 
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
 

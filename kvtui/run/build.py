@@ -32,7 +32,7 @@ def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detector
 
 def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None,
                  lora_version: int | None = None) -> Arrive:
-    """The request.arrive event of a planned request (kvtui.run.request.PlannedRequest) at its arrival_s.
+    """The request.arrive event of a planned request (kvtui.request.PlannedRequest) at its arrival_s.
 
     Args:
         max_new_tokens: the limit the request runs under when it is not the plan's (a local engine
@@ -48,7 +48,7 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:
-    """The request.finish event of `request` (a kvtui.run.request.PlannedRequest, or anything with a
+    """The request.finish event of `request` (a kvtui.request.PlannedRequest, or anything with a
     request_id and a tenant: a request the run knows no plan of has no canary) whose answer is `text`;
     the passphrase comes from its canary and `passphrase_echoed` says whether the answer holds it.
 

@@ -1,4 +1,4 @@
-"""The intake: the one place a PlannedRequest (kvtui/run/request.py) becomes a request of kvtui's engine.
+"""The intake: the one place a PlannedRequest (kvtui/request.py) becomes a request of kvtui's engine.
 
 - `Intake.request_input`: the InputSpec as the engine's RequestInput (kvtui/engine/inputs.py): token ids;
   an embeddings prompt's rows from the engine's embedding table; an audio clip read once (AudioFiles);
@@ -27,7 +27,7 @@ import torch
 
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.lora import AdapterGone, AdapterRegistry, lora_problem
-from kvtui.run.request import AudioClip, EmbedsPrompt, GivenInput, ImagePrompt, PlannedRequest, TokenPrompt
+from kvtui.request import AudioClip, EmbedsPrompt, GivenInput, ImagePrompt, PlannedRequest, TokenPrompt
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvtui.events import Contamination, NoninterferenceEvidence
-from kvtui.run.request import NO_FACTS, AudioClip, TokenPrompt
+from kvtui.request import NO_FACTS, AudioClip, TokenPrompt
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from kvtui.faults import acts_on
 from kvtui.model_kinds import ModelKind
 from kvtui.models.registry import kind_of
-from kvtui.run.request import (
+from kvtui.request import (
     NO_FACTS,
     AudioClip,
     Canary,
@@ -57,7 +57,7 @@ class MadePrompt:
     """One prompt as PromptMaker makes it: the PlannedRequest fields a `prompts` section decides.
 
     Attributes:
-        input: its InputSpec (kvtui/run/request.py); text: its text (None: ids only); canary: its
+        input: its InputSpec (kvtui/request.py); text: its text (None: ids only); canary: its
             passphrase canary or None; facts: what the plan knows of it for reports.
     """
 

@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtui.engine.block_manager import salt_digest
 from kvtui.events import Finish
-from kvtui.run.request import Canary, GivenInput, InputSpec, PlannedRequest, TokenPrompt
+from kvtui.request import Canary, GivenInput, InputSpec, PlannedRequest, TokenPrompt
 from kvtui.scenario.prompts import chat_ids, encode_text
 from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, TokenOut
 from kvtui.serve.detok import TextStream
@@ -357,7 +357,7 @@ def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a request: what it feeds the model (an InputSpec, kvtui/run/request.py: a TokenPrompt,
+    """One prompt of a request: what it feeds the model (an InputSpec, kvtui/request.py: a TokenPrompt,
     or a GivenInput for prompt embeddings or images), its text (None when it came as ids or embeddings),
     and the text `echo` puts before its choices."""
 

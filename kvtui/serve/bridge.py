@@ -119,7 +119,7 @@ class EngineBridge:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
 
         Args:
-            planned: the request (a kvtui.run.request.PlannedRequest: its id, input, sampling, text and
+            planned: the request (a kvtui.request.PlannedRequest: its id, input, sampling, text and
                 canary, tenant, cache_salt, adapter); its arrival_s is replaced by the engine clock's now.
             client_key: the id the client sent (its x-request-id), None without one; only the fault
                 request_id_keyed routes by it.

@@ -28,7 +28,7 @@ from fastapi.responses import PlainTextResponse, Response
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models.whisper import SAMPLE_RATE
-from kvtui.run.request import Canary, GivenInput, PlannedRequest
+from kvtui.request import Canary, GivenInput, PlannedRequest
 from kvtui.serve.audio import AudioError, decode_audio
 from kvtui.serve.bridge import NotAccepting
 from kvtui.serve.jsonsafe import JSONBody

@@ -9,7 +9,9 @@ and the run (Session, TargetSession, serve) keeps each request's PlannedRequest 
 
 A changed request is a new one: `dataclasses.replace(planned, arrival_s=...)`.
 
-Nothing here imports torch or the engine: RequestInput and ImagePart are named for type checkers only.
+Its own room (kvtui/request.py, ranked between the engine and the scenario: tests/test_imports.py), since
+the scenario builds these and the run layer ranks above the scenario. Nothing here imports torch or the
+engine: RequestInput, ImagePart and SamplingParams are named for type checkers only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import TYPE_CHECKING, Union
 if TYPE_CHECKING:
     from kvtui.engine.inputs import ImagePart, RequestInput
     from kvtui.engine.request import SamplingParams
-    from kvtui.scenario.request_ids import ClientId
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,33 @@ class PromptFacts:
 
 
 NO_FACTS = PromptFacts()
+
+
+@dataclass(frozen=True)
+class ClientId:
+    """The id one request's client sends.
+
+    Attributes:
+        value: the id itself (a near duplicate's variant included).
+        group: the number of its group in the run (0, 1, ...; each dealing of `groups` counts on).
+        kind: the group's `ids` (unique, duplicate, near_duplicate).
+        variant: a near duplicate's variant (case, whitespace, suffix); None for the group's own id.
+    """
+
+    value: str
+    group: int
+    kind: str
+    variant: str | None = None
+
+    def sent(self, place: str) -> str:
+        """The id as it travels in `place`: a header value without surrounding whitespace (HTTP drops it,
+        RFC 9110 section 5.5, and httpx refuses to send it), a body field as it is."""
+        return self.value.strip() if place == "header" else self.value
+
+    @property
+    def label(self) -> str:
+        """e.g. 'duplicate group 3', 'near_duplicate group 4 (case)'."""
+        return f"{self.kind} group {self.group}" + (f" ({self.variant})" if self.variant else "")
 
 
 @dataclass(frozen=True)
