@@ -8,8 +8,6 @@ recorded events to the same Metrics, so a replay's summary equals the live one.
 from __future__ import annotations
 
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -17,7 +15,6 @@ from dataclasses import asdict, replace
 from kvtui.detect import DETECTOR_NAMES
 from kvtui.engine import Engine
 from kvtui.engine.fused import auto_batch_invariant
-from kvtui.engine.lora import AdapterGone
 from kvtui.events import (
     FaultSwitch,
     Finish,
@@ -35,6 +32,7 @@ from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
+from kvtui.run.intake import Admitted, Intake, load_adapters
 from kvtui.run.observers import Arrival, Finished, Observer, ObserverContext, StepSeen, build_observers
 from kvtui.run.observers import check_names as check_detector_names
 from kvtui.run.sink import Listener, RunSink
@@ -136,10 +134,11 @@ class Session(RunBase):
         self.config = self._engine_config(engine_overrides, faults)
         self.cost_model = self._cost_model(cost_model)
         self.engine, self.adapters = self._make_engine(), self._adapters(scenario)  # adapters: engine/lora.py
+        # the one way in to the engine: planned requests become engine requests there (kvtui/run/intake.py)
+        self.intake = Intake(self.engine, self.adapters, getattr(loaded, "feature_extractor", None))
         self.serving = serving
         self.pending = self._planned(planned)
-        self._external: queue.SimpleQueue = queue.SimpleQueue()  # PlannedRequest to submit, or a request id to abort
-        self._external_ready = threading.Event()
+        self.submitted: dict = {}  # engine request id (each sequence's) -> its PlannedRequest, until it finishes
         self.observers: list[Observer] = build_observers(  # the detectors, in the order their reports go out
             self.detectors, ObserverContext(self.detectors, loaded, self.tokenizer, self.config, progress))
         self.timeline = list(scenario.timeline)
@@ -153,8 +152,6 @@ class Session(RunBase):
         self.unapplied_timeline: list = []
         self._trails = Trails()  # the running requests' trails, the faults on at each step and the reports per fault
         self._round: int | None = None  # `process: rounds`: the round arriving or running now
-        self._cancel_at: dict[str, int] = {}  # rounds' cancel: request id -> generated tokens at which it is cut
-        self._audio_files = None  # speech models: AudioFiles, made at the first audio request
         self._started()
 
     def _planned(self, planned: list | None) -> list:
@@ -178,19 +175,10 @@ class Session(RunBase):
 
     def _adapters(self, scenario):
         """The LoRA adapters requests may name (engine/lora.py AdapterRegistry), the scenario's loaded.
-        Raises ValueError (one line) when this engine cannot run them (its model, --enforce-eager, the
-        batch-invariant mode), rather than rejecting every adapter request."""
-        from kvtui.engine.lora import AdapterRegistry, lora_problem
-
-        registry = AdapterRegistry(self.loaded.model, self.loaded.model_id)
+        Raises ValueError (one line) when this engine cannot run them (kvtui.run.intake.load_adapters)."""
         names = scenario.lora.loaded if getattr(scenario, "lora", None) is not None else ()
-        problem = names and lora_problem(self.loaded.model, enforce_eager=self.config.enforce_eager,
-                                         batch_invariant=self.config.batch_invariant)
-        if problem:
-            raise ValueError(problem)
-        for name in names:
-            registry.load(name)
-        return registry
+        return load_adapters(self.loaded, names, enforce_eager=self.config.enforce_eager,
+                             batch_invariant=self.config.batch_invariant)
 
     def reload_adapter(self, name: str):
         """Load built-in adapter `name` again with its next version's weights (scenario/lora.py
@@ -199,16 +187,6 @@ class Session(RunBase):
 
         old = self.adapters.get(name)
         return self.adapters.load(name, seed=reload_seed(name, 1 if old is None else old.version + 1))
-
-    def _with_adapter(self, p, request_input):
-        """`request_input` under planned request `p`'s LoRA adapter (the version loaded now).
-        Raises ValueError for an adapter no one loaded (the request alone then finishes with an error)."""
-        if p.adapter is None:
-            return request_input
-        adapter = self.adapters.get(p.adapter)
-        if adapter is None:
-            raise AdapterGone(f"The model `{p.adapter}` does not exist.")
-        return replace(request_input, lora=adapter)
 
     def _engine_config(self, engine_overrides: dict | None, faults) -> object:
         overrides = dict(engine_overrides or {})
@@ -275,39 +253,22 @@ class Session(RunBase):
 
     def submit_external(self, planned) -> None:
         """Thread-safe: submit a request made outside the scenario (a PlannedRequest; its arrival_s is
-        the time it arrived on the engine clock) at the start of the next step_once."""
-        self._external.put(planned)
-        self._external_ready.set()
+        the time it arrived on the engine clock) at the start of the next step_once (Intake.put)."""
+        self.intake.put(planned)
 
     def abort_external(self, request_id: str) -> None:
         """Thread-safe: abort `request_id` at the next step boundary (nothing if it already left)."""
-        self._external.put(request_id)
-        self._external_ready.set()
+        self.intake.abort(request_id)
 
     def call_external(self, fn):
         """Thread-safe: call `fn()` in the engine thread at the start of the next step_once, in order with
         the submissions queued before and after it (kvtui serve loads LoRA adapters so). Returns a
         concurrent.futures.Future with its result or exception."""
-        from concurrent.futures import Future
-
-        future: Future = Future()
-        self._external.put((fn, future))
-        self._external_ready.set()
-        return future
+        return self.intake.call(fn)
 
     def _drain_external(self) -> None:
-        self._external_ready.clear()
-        while True:
-            try:
-                item = self._external.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, tuple):  # call_external
-                _call(*item)
-            elif not isinstance(item, str):
-                self._submit(item)
-            elif any(i in self.engine.requests for i in self.engine.sequence_ids(item)):  # n > 1: its sequences
-                self.engine.abort(item)
+        for outcome in self.intake.drain():
+            self._on_submitted(outcome)
 
     def step_once(self) -> bool:
         """Apply the timeline, submit due arrivals, then one engine step (or idle: wait for the next
@@ -324,7 +285,7 @@ class Session(RunBase):
         report = self.engine.step()
         self._trails.on_step(report)
         pieces = self._emit_step(report)
-        self._cancel_due()
+        self.intake.cancel_due()
         self._emit_all(o.on_step(StepSeen(report.t, report.step, pieces, report)) for o in self.observers)
         self._emit_finished(report)
         if self.clock == "virtual" and any(o.pending >= o.batch for o in self.observers):
@@ -332,17 +293,6 @@ class Session(RunBase):
         if report.step % TRIM_EVERY_STEPS == TRIM_EVERY_STEPS - 1:
             release_free_memory()
         return not self.done
-
-    def _cancel_due(self) -> None:
-        """Rounds' `cancel`: abort each request whose client cancels it once it has `cancel_after` generated
-        tokens, as a client disconnecting from `kvtui serve` does (it finishes `abort`)."""
-        for request_id, at in list(self._cancel_at.items()):
-            live = [self.engine.requests[i] for i in self.engine.sequence_ids(request_id) if i in self.engine.requests]
-            if not live:
-                del self._cancel_at[request_id]
-            elif max(len(r.generated_ids) for r in live) >= at:
-                del self._cancel_at[request_id]
-                self.engine.abort(request_id)
 
     def _submit_due(self) -> None:
         now = self.engine.now()
@@ -362,28 +312,28 @@ class Session(RunBase):
         return False
 
     def _submit(self, p) -> None:
-        """Submit planned request `p` and emit its arrival. One the engine refuses by raising (a duplicate
-        id, a value no check caught) finishes alone with `error`, so its client gets an answer and
-        every other request goes on."""
-        try:
-            state = self.engine.submit(p.request_id, self._with_adapter(p, self._input_of(p)), p.sampling,
-                                       arrival_s=p.arrival_s,
-                                       metadata=p.metadata, tenant=p.tenant, cache_salt=p.cache_salt)
-        except Exception as e:
-            gone = isinstance(e, AdapterGone)  # unloaded between the HTTP side's check and this submit
+        """Submit planned request `p` through the intake and emit its arrival (see _on_submitted)."""
+        self._on_submitted(self.intake.submit(p))
+
+    def _on_submitted(self, outcome) -> None:
+        """Emit what the intake did with a request: one arrive event per sequence it runs as (kept by
+        sequence id in `submitted` until it finishes), or, for one refused (a duplicate id, an adapter
+        unloaded meanwhile, a value no check caught), its finish with `error` alone, so its client gets
+        an answer and every other request goes on."""
+        p = outcome.planned
+        if not isinstance(outcome, Admitted):
             self.emit(finish_event(p, passphrase=False, t=self.engine.now(), finish_reason="error",
-                                   detail=str(e) if gone else f"submit failed: {type(e).__name__}: {e}",
-                                   code="model_not_found" if gone else "internal_error",
-                                   arrival_s=p.arrival_s, finish_s=self.engine.now()))
+                                   detail=outcome.detail, code=outcome.code, arrival_s=p.arrival_s,
+                                   finish_s=self.engine.now()))
             return
-        if p.cancel_after is not None:
-            self._cancel_at[p.request_id] = p.cancel_after
-        for request_id in self.engine.sequence_ids(p.request_id):  # n > 1: one arrival per sequence
+        state = outcome.state
+        for request_id in outcome.sequence_ids:  # n > 1: one arrival per sequence
             sequence = replace(p, request_id=request_id) if request_id != p.request_id else p
+            self.submitted[request_id] = sequence
             arrive = arrive_event(sequence, max_new_tokens=state.sampling.max_new_tokens,  # the engine may cap it
                                   parent=p.request_id if sequence is not p else None,
                                   lora_version=state.input.lora.version if state.input.lora is not None else None)
-            arrival = Arrival(request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")),
+            arrival = Arrival(request_id, arrive.passphrase, spoken=p.spoken,
                               input_key=state.input.content_key, sampling=state.sampling)
             self.emit(arrive)
             self._emit_all(o.on_arrive(arrival) for o in self.observers)
@@ -413,7 +363,7 @@ class Session(RunBase):
         if self._pending_work() and self.clock == "wall":  # a request that arrives meanwhile is served first
             self._drain_observers(lambda: self.stop_requested or self._work_waiting(), one_batch=True)
         elif self.serving:  # wait for a submission (never spin a core)
-            self._external_ready.wait(0.05)
+            self.intake.ready.wait(0.05)
         elif self.clock in MODELED_CLOCKS or self.engine.clock_paused:
             self.engine.advance_to(self.pending[0].arrival_s)
         else:
@@ -421,7 +371,7 @@ class Session(RunBase):
 
     def _work_waiting(self) -> bool:
         """A submission from outside (serve) or a planned arrival that is due: the engine has work."""
-        return self._external_ready.is_set() or bool(self.pending and self.pending[0].arrival_s <= self.engine.now())
+        return self.intake.ready.is_set() or bool(self.pending and self.pending[0].arrival_s <= self.engine.now())
 
     def _emit_step(self, report: StepEvent) -> list[tuple[str, str]]:
         """Emit the step event (each new token's text included, so replays need no tokenizer), stale
@@ -450,39 +400,12 @@ class Session(RunBase):
             self._emit_all(o.on_finish(done) for o in self.observers)
             self.emit(finish)
 
-    def _input_of(self, p):
-        """A planned request's RequestInput: the one it carries (served uploads, embeddings, images), or
-        its prompt ids with its clip's AudioInput (audio_path, read once), or its prompt ids."""
-        from kvtui.engine.inputs import RequestInput
-
-        if p.input is not None:
-            return p.input
-        if p.embeds_mask is not None:
-            import torch
-
-            mask = torch.tensor(p.embeds_mask, dtype=torch.bool)
-            rows = self.engine.token_embeddings(p.embeds_rows_of or p.prompt_ids)
-            if p.embeds_rows_of is None:  # zeros at token positions, as vLLM's renderer leaves them
-                rows = rows.masked_fill(mask[:, None], 0.0)
-            else:  # the pair's first tensor: zeros where the first had token ids
-                first = torch.tensor([a == b for a, b in zip(p.embeds_rows_of, p.prompt_ids)], dtype=torch.bool)
-                rows = rows.masked_fill(first[:, None], 0.0)
-            return RequestInput.from_embeds(rows, p.prompt_ids, mask if bool(mask.any()) else None)
-        if p.audio_path is None:
-            return RequestInput(tuple(p.prompt_ids))
-        return RequestInput(tuple(p.prompt_ids), audio=self._audio_file(p.audio_path))
-
-    def _audio_file(self, path: str):
-        """The AudioInput of a WAV clip, read once (the AudioFiles cache)."""
-        if self._audio_files is None:
-            from kvtui.engine.encoder_cache import AudioFiles
-
-            self._audio_files = AudioFiles(self.loaded.feature_extractor)
-        return self._audio_files.get(path)
 
     def _finish_event(self, f) -> Finish:
+        """The request.finish event of the engine's finished report `f`: its canary and tenant from the
+        PlannedRequest it was submitted as (forgotten here)."""
         text = self.tokenizer.decode(list(f.output_ids), skip_special_tokens=True)[: f.text_end]
-        return finish_event(f, text=text, t=f.finish_s, finish_reason=f.finish_reason, detail=f.detail,
+        return finish_event(self.submitted.pop(f.request_id, f), text=text, t=f.finish_s, finish_reason=f.finish_reason, detail=f.detail,
                             code=f.code or None, slot=f.slot, prompt_ids=f.prompt_ids, output_ids=f.output_ids,
                             arrival_s=f.arrival_s, scheduled_s=f.scheduled_s, first_token_s=f.first_token_s,
                             finish_s=f.finish_s, token_times_s=f.token_times_s)
@@ -616,13 +539,3 @@ def _with_pieces(report: StepEvent, pieces: dict[str, str]) -> StepEvent:
     running = tuple(r.model_copy(update={"piece": pieces[r.request_id]}) if r.request_id in pieces else r
                     for r in report.running)
     return report.model_copy(update={"running": running})
-
-
-def _call(fn, future) -> None:
-    """Run a call_external item: its result or exception goes to its future (never into the step loop)."""
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(fn())
-    except Exception as e:
-        future.set_exception(e)

@@ -23,6 +23,7 @@ RANK = {
     "kvtui": 0, "config": 0, "faults": 0, "memory": 0,  # plain facts: names, defaults, bounds
     "events": 1,  # the event types every room speaks (the engine returns its StepEvent)
     "models": 2, "engine": 3,
+    "request": 3.5,  # PlannedRequest: the request shape scenarios build and serve, remote and run read
     "detect": 4, "scenario": 4, "calibrate": 4, "pacing": 4,
     "metrics": 5, "record": 5, "summary": 5, "audit_timing": 5,
     "run": 6,  # the run spine: sink, event builders, verdict, noninterference audit

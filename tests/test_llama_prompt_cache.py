@@ -47,7 +47,7 @@ def test_the_canary_names_every_restored_passphrase_with_its_source():
     session = TargetSession(spec, tok, TargetOptions(url="http://fake", transport=fake.transport()),
                             detectors=("canary",), listeners=(events.append,))
     session.run()
-    owner = {p.metadata["passphrase"]: p.request_id for p in plan_requests(spec, tok)}
+    owner = {p.passphrase: p.request_id for p in plan_requests(spec, tok)}
     truth = {(owner[victim], owner[leaked]) for victim, leaked in fake.leaks}
     reports = {(e.victim, e.source) for e in events if isinstance(e, Contamination)}
     assert len(truth) >= REQUESTS - 1 and reports == truth

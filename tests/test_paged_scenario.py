@@ -85,7 +85,7 @@ def test_system_prompt_kind_shares_prefixes():
     assert len({tuple(p.prompt_ids[25:]) for p in planned}) == 12  # each request's own part
     by_system = {}
     for p in planned:
-        by_system.setdefault(p.metadata["system_prompt"], set()).add(tuple(p.prompt_ids[:20]))
+        by_system.setdefault(p.facts.system_prompt, set()).add(tuple(p.prompt_ids[:20]))
     assert sorted(by_system) == [0, 1, 2] and all(len(heads) == 1 for heads in by_system.values())
 
 
@@ -94,10 +94,10 @@ def test_multi_turn_each_turn_extends_the_previous_one():
                    "user_tokens: 4, reply_tokens: 3}\ntenants: {count: 4}\n")
     by_session: dict = {}
     for p in planned:
-        by_session.setdefault(p.metadata["session"], []).append(p)
+        by_session.setdefault(p.facts.session, []).append(p)
     assert sorted(by_session) == [0, 1, 2, 3]  # 2 side by side, 3 turns each, then new sessions
     for turns in by_session.values():
-        assert [p.metadata["turn"] for p in turns] == list(range(len(turns)))
+        assert [p.facts.turn for p in turns] == list(range(len(turns)))
         assert len(turns[0].prompt_ids) == 6 + 4
         for prev, nxt in zip(turns, turns[1:]):
             assert nxt.prompt_ids[: len(prev.prompt_ids)] == prev.prompt_ids

@@ -199,7 +199,7 @@ def test_a_server_that_dies_on_a_duplicate_id_is_caught_with_victims_and_sources
     assert [rid for rid, _ in fake.seen].count(pair_id) == 2  # both of the pair reached the server
     found = reports(events)
     first, second = sorted(("r004", "r005"), key=lambda r: [b["messages"][0]["content"] for _, b in fake.seen].index(
-        plan[r].metadata["prompt_text"]))
+        plan[r].text))
     assert found[first] == ("hung", second) and found[second] == ("lost", first)
     for bystander in ("r002", "r003", "r006", "r007"):  # in flight when the worker died, or sent after
         assert found[bystander] == ("lost", "r004,r005"), (bystander, found)
@@ -236,7 +236,7 @@ def test_a_server_with_opaque_ids_passes_and_every_place_carries_the_id(tmp_path
     for rid, b in fake.seen:  # the load first; the probes send the first prompts again later
         sent.setdefault(b["messages"][0]["content"], (rid, b.get("user"), b.get("request_id")))
     for p in plan:
-        header, user, body_id = sent[p.metadata["prompt_text"]]
+        header, user, body_id = sent[p.text]
         assert (header, user, body_id) == (p.client_id.value.strip(), p.client_id.value, p.client_id.value)
     probes = [(rid, b["user"]) for rid, b in fake.seen if "probe" in rid]
     assert probes == [("kvtui-a5e820-probe-0",) * 2, ("kvtui-a5e820-probe-1",) * 2]
@@ -299,7 +299,7 @@ def test_request_id_keyed_gives_the_second_client_the_first_answer_and_hangs_the
     source = found[victim][1]
     assert {victim, source} == {"r002", "r003"} and found[source] == ("hung", victim)
     leak = next(e for e in events if isinstance(e, Contamination) and e.detector == "canary")
-    assert leak.evidence.leaked == plan[source].metadata["passphrase"]  # the victim said the source's passphrase
+    assert leak.evidence.leaked == plan[source].passphrase  # the victim said the source's passphrase
     assert summary.finish_reasons == {"stop": 3, "error": 1} and summary.passphrase_echoed == 2  # r000, r001
     assert summary.findings_by_kind == {"cross_request": 1, "hung": 1}
     assert f"1 answer to the wrong client ({victim} got {source}'s); 1 hung ({source}: no whole answer within 15 s " \
@@ -321,10 +321,10 @@ def test_a_server_that_hands_a_duplicate_the_first_answer_names_the_pair_it_mixe
     plan = {p.request_id: p for p in plan_requests(spec, TOK)}
     assert [plan[r].client_id.variant for r in ("r004", "r005", "r006", "r007")] == [None, "case", "whitespace", "suffix"]
     arrived = [b["messages"][0]["content"] for _, b in fake.seen]
-    first, second = sorted(("r004", "r006"), key=lambda r: arrived.index(plan[r].metadata["prompt_text"]))
+    first, second = sorted(("r004", "r006"), key=lambda r: arrived.index(plan[r].text))
     assert reports(events) == {second: ("cross_request", first), first: ("hung", second)}
     leak = next(e for e in events if isinstance(e, Contamination) and e.detector == "canary")
-    assert leak.evidence.leaked == plan[first].metadata["passphrase"]
+    assert leak.evidence.leaked == plan[first].passphrase
     assert summary.finish_reasons == {"stop": 7, "error": 1} and summary.findings_by_kind == {"cross_request": 1, "hung": 1}
     assert f"; 1 answer to the wrong client ({second} got {first}'s); 1 hung ({first}: no whole answer within 1.5 s (" \
         in summary.request_id_audit

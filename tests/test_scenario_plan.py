@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtui.engine.request import SamplingParams
+from kvtui.request import PromptFacts
 from kvtui.scenario import PlannedRequest, derive_seed, parse_scenario, plan_requests
 from kvtui.scenario.prompts import WORDS, to_id_list
 
@@ -44,7 +45,7 @@ def test_same_seed_same_plan_and_other_seed_differs():
     a, b = plan(BASE), plan(BASE)
     assert a == b
     c = plan(BASE.replace("seed: 3", "seed: 4"))
-    assert [r.metadata["passphrase"] for r in a] != [r.metadata["passphrase"] for r in c]
+    assert [r.passphrase for r in a] != [r.passphrase for r in c]
     assert [r.arrival_s for r in a] != [r.arrival_s for r in c]
 
 
@@ -61,14 +62,14 @@ def test_ids_order_and_sampling():
 
 def test_passphrases_unique_well_formed_and_in_prompt():
     reqs = plan("max_requests: 200\narrivals: {process: constant, rate_per_s: 100}\n")
-    phrases = [r.metadata["passphrase"] for r in reqs]
+    phrases = [r.passphrase for r in reqs]
     assert len(set(phrases)) == 200
     for r, p in zip(reqs, phrases):
         a, b, nn = p.split("-")
         assert a in WORDS and b in WORDS and a != b and 10 <= int(nn) <= 99
-        assert p in r.metadata["prompt_text"]
+        assert p in r.text
         assert r.prompt_ids == TOK.apply_chat_template(
-            [{"role": "user", "content": r.metadata["prompt_text"]}], add_generation_prompt=True)["input_ids"]
+            [{"role": "user", "content": r.text}], add_generation_prompt=True)["input_ids"]
 
 
 def test_stop_conditions_whichever_first():
@@ -93,7 +94,7 @@ def test_synthetic_prompts_prefix_lengths_and_no_special_ids():
     prefix = reqs[0].prompt_ids[:16]
     for r in reqs:
         assert r.prompt_ids[:16] == prefix
-        assert 21 <= len(r.prompt_ids) <= 66 and r.metadata == {"prompt_tokens": len(r.prompt_ids), "shared_prefix_tokens": 16}
+        assert 21 <= len(r.prompt_ids) <= 66 and r.facts == PromptFacts(prompt_tokens=len(r.prompt_ids), shared_prefix_tokens=16)
         assert not set(r.prompt_ids) & set(TOK.all_special_ids)
         assert all(0 <= i < TOK.vocab_size for i in r.prompt_ids)
     assert len({tuple(r.prompt_ids) for r in reqs}) == 30
@@ -117,7 +118,7 @@ def test_trace_times_and_lengths(tmp_path: Path):
     assert [len(r.prompt_ids) for r in reqs] == [8, 20, 12]
     assert [r.sampling.max_new_tokens for r in reqs] == [3, 5, 7]
     passphrase = plan_requests(parse_scenario("arrivals: {process: trace, file: t.csv}", base_dir=tmp_path), TOK)
-    assert [r.metadata["trace_prompt_tokens"] for r in passphrase] == [8, 20, 12]
+    assert [r.facts.trace_prompt_tokens for r in passphrase] == [8, 20, 12]
 
 
 def test_scripted_requests(tmp_path: Path):
@@ -126,8 +127,8 @@ def test_scripted_requests(tmp_path: Path):
                 "    - {at_s: 0.5, prompt: 'raw text', chat: false}\n"
                 "    - {at_s: 1.0}\n")
     assert [r.arrival_s for r in reqs] == [0.5, 1.0, 2.0]
-    assert reqs[0].prompt_ids == TOK.encode("raw text") and reqs[0].metadata == {"prompt_text": "raw text"}
-    assert "passphrase" in reqs[1].metadata  # no prompt: from the prompts section
+    assert reqs[0].prompt_ids == TOK.encode("raw text") and (reqs[0].text, reqs[0].canary, reqs[0].facts) == ("raw text", None, PromptFacts())
+    assert reqs[1].canary is not None  # no prompt: from the prompts section
     assert reqs[2].sampling.max_new_tokens == 5
 
 
@@ -136,11 +137,11 @@ def test_file_prompts_cycle_text_and_jsonl(tmp_path: Path):
     (tmp_path / "p.jsonl").write_text('"a"\n{"prompt": "b"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
     reqs = plan_requests(parse_scenario("max_requests: 3\narrivals: {process: constant, rate_per_s: 1}\n"
                                         "prompts: {kind: file, path: p.txt, chat: false}", base_dir=tmp_path), TOK)
-    assert [r.metadata["prompt_text"] for r in reqs] == ["first prompt", "second prompt", "first prompt"]
+    assert [r.text for r in reqs] == ["first prompt", "second prompt", "first prompt"]
     assert reqs[0].prompt_ids == TOK.encode("first prompt")
     reqs = plan_requests(parse_scenario("max_requests: 3\narrivals: {process: constant, rate_per_s: 1}\n"
                                         "prompts: {kind: file, path: p.jsonl}", base_dir=tmp_path), TOK)
-    assert [r.metadata["prompt_text"] for r in reqs] == ["a", "b", "c"]
+    assert [r.text for r in reqs] == ["a", "b", "c"]
 
 
 def test_to_id_list_normalizes_tokenizer_outputs():
@@ -167,7 +168,7 @@ def test_plan_with_real_tiny_tokenizer(tiny_tokenizer):
     for r in reqs:
         assert r.prompt_ids and all(type(i) is int for i in r.prompt_ids)
         text = tiny_tokenizer.decode(r.prompt_ids)
-        assert r.metadata["passphrase"] in text and re.search(r"assistant\s*$", text)
+        assert r.passphrase in text and re.search(r"assistant\s*$", text)
     syn = plan_requests(parse_scenario("max_requests: 4\narrivals: {process: constant, rate_per_s: 1}\n"
                                        "prompts: {kind: synthetic, prompt_tokens: 32}"), tiny_tokenizer)
     special = set(tiny_tokenizer.all_special_ids)

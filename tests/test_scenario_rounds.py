@@ -47,11 +47,11 @@ def test_openings_give_groups_that_share_a_prefix():
     prompts = '{kind: passphrase, openings: ["Alpha story.", "Beta story.", "Gamma story."], ' \
               'template: "{opening} The passphrase is {passphrase}."}'
     plan = plan_requests(spec(prompts=prompts), TOK)
-    texts = [p.metadata["prompt_text"] for p in plan]
-    assert [p.metadata["opening"] for p in plan[:5]] == [0, 1, 2, 0, 1]
-    assert texts[0] == f"Alpha story. The passphrase is {plan[0].metadata['passphrase']}."
+    texts = [p.text for p in plan]
+    assert [p.facts.opening for p in plan[:5]] == [0, 1, 2, 0, 1]
+    assert texts[0] == f"Alpha story. The passphrase is {plan[0].passphrase}."
     assert texts[4].startswith("Beta story. The passphrase is ")
-    assert len({p.metadata["passphrase"] for p in plan}) == len(plan)
+    assert len({p.passphrase for p in plan}) == len(plan)
 
 
 def gates_hold(arrives: dict[str, float], finishes: dict[str, float], plan) -> None:

@@ -29,6 +29,6 @@ def test_default_model_echoes_every_demo_passphrase(smollm2):
             out = smollm2.model.generate(ids, max_new_tokens=r.sampling.max_new_tokens, do_sample=False,
                                          eos_token_id=eos, pad_token_id=eos[0])
         text = smollm2.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        if r.metadata["passphrase"] not in text:
-            missed.append((r.metadata["passphrase"], text))
+        if r.passphrase not in text:
+            missed.append((r.passphrase, text))
     assert not missed, missed

@@ -96,9 +96,9 @@ def test_text_and_image_part_equal_the_transformers_pipeline_on_separate_instanc
     seen = []
     submit = vision_server.bridge.submit
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("input"))
-        return submit(*args, **kwargs)
+    def spy(planned, **kwargs):
+        seen.append(planned.input.request_input)  # a served upload: the RequestInput as given
+        return submit(planned, **kwargs)
 
     vision_server.bridge.submit = spy
     try:

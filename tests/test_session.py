@@ -140,9 +140,10 @@ def test_exit_codes_follow_expect(tmp_path):
 
 def _planned(request_id: str, prompt: list[int], arrival_s: float):
     from kvtui.engine.request import SamplingParams
-    from kvtui.scenario import PlannedRequest
+    from kvtui.request import PlannedRequest, TokenPrompt
 
-    return PlannedRequest(request_id, arrival_s, prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    return PlannedRequest(request_id, arrival_s, TokenPrompt(tuple(prompt)), SamplingParams(max_new_tokens=6,
+                                                                                           ignore_eos=True))
 
 
 def test_an_idle_reference_check_gives_way_to_a_request_that_arrives(tiny):

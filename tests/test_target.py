@@ -48,7 +48,7 @@ def run(fake: FakeOpenAI, spec, *, detectors=("reference", "canary"), clock=None
 
 def phrases(spec) -> dict[str, str]:
     """passphrase -> request id, from the scenario's own plan."""
-    return {p.metadata["passphrase"]: p.request_id for p in plan_requests(spec, TOK)}
+    return {p.passphrase: p.request_id for p in plan_requests(spec, TOK)}
 
 
 # -- timing --------------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def test_cli_run_target_leak_exits_1_naming_victim_and_source(tmp_path):
         out = subprocess.run(KVTUI + ["run", str(write_scenario(tmp_path)), "--target", url, "--headless"],
                              capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
-    by_phrase = {p.metadata["passphrase"]: p.request_id
+    by_phrase = {p.passphrase: p.request_id
                  for p in plan_requests(parse_scenario(write_scenario(tmp_path).read_text()), TOK)}
     victim, leaked = fake.leaks[0]
     assert f"{by_phrase[victim]} <- {by_phrase[leaked]}" in out.stdout + out.stderr
@@ -395,7 +395,7 @@ def test_request_bodies_per_api_and_prompt_kind():
     assert completions["logprobs"] == 5 and (chat["logprobs"], chat["top_logprobs"]) == (True, 5)
     passphrase = scenario(1)
     run(fake, passphrase, detectors=(), api="completions")
-    text = plan_requests(passphrase, TOK)[0].metadata["prompt_text"]
+    text = plan_requests(passphrase, TOK)[0].text
     assert fake.requests[-1]["prompt"] == text  # a prompt with text is sent as text
 
 

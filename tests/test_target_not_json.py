@@ -60,7 +60,7 @@ def test_every_target_command_refuses_a_server_that_does_not_answer_json_in_one_
 
 def test_a_later_page_instead_of_a_stream_fails_that_request_alone_and_says_what_came():
     spec = parse_scenario(SCENARIO)
-    phrases = [p.metadata["passphrase"] for p in plan_requests(spec, TOK)]
+    phrases = [p.passphrase for p in plan_requests(spec, TOK)]
     fake = FakeOpenAI(html=(phrases[0],))
     session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport()),
                             detectors=("canary",))

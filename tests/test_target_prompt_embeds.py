@@ -63,10 +63,10 @@ def test_bodies_carry_the_models_own_rows():
     path, body = session._body(q, temperature=0.0)
     parts = body["messages"][0]["content"]
     assert path == CHAT_PATH and session.api == "chat" and [x["type"] for x in parts] == ["text", "prompt_embeds", "text"]
-    masked = [t for t, keep in zip(q.prompt_ids, q.embeds_mask) if not keep]
+    masked = [t for t, keep in zip(q.prompt_ids, q.input.mask) if not keep]
     assert parts == chat_parts(q, tok, table)
-    assert parts[0]["text"] + tok.decode(masked) + parts[2]["text"] == q.metadata["prompt_text"]
-    assert q.metadata["passphrase"] in tok.decode(masked)
+    assert parts[0]["text"] + tok.decode(masked) + parts[2]["text"] == q.text
+    assert q.passphrase in tok.decode(masked)
 
 
 def test_refusals_are_one_line_exit_2(tmp_path):
@@ -119,4 +119,4 @@ def test_default_model_canary_names_the_writer_of_the_reused_blocks(tmp_path):
     canary = [e for e in session.contamination if e.detector == "canary"]
     assert sorted((e.victim, e.source) for e in canary) == [(f"r00{i}", "r000") for i in range(1, 8)]
     assert all(session.results[f"r00{i}"].text == session.results["r000"].text for i in range(1, 8))
-    assert session.planned["r000"].metadata["passphrase"] in session.results["r000"].text
+    assert session.planned["r000"].passphrase in session.results["r000"].text

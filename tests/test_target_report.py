@@ -54,7 +54,7 @@ def test_failed_requests_are_reported_as_failed_and_left_out_of_tokens_and_refer
     and 5 completion tokens each), and the failed ones are neither checked nor 'skipped (sampled out
     or left at a stop)': the summary names them as failed."""
     spec = scenario(4)
-    phrases = sorted(p.metadata["passphrase"] for p in plan_requests(spec, TOK))
+    phrases = sorted(p.passphrase for p in plan_requests(spec, TOK))
     fake = FakeOpenAI(fail=(phrases[0],), hang=(phrases[1],))
     session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport(), timeout_s=0.5))
     s = session.run()

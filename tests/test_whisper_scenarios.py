@@ -30,17 +30,17 @@ def _write(tmp_path: Path, prompts: str, model: str = "tiny-whisper", extra: str
 def test_spoken_passphrase_plans_clips_in_turn_with_their_passphrases():
     spec = parse_scenario(f"max_requests: 10\nmodel: tiny-whisper\nengine: {{max_len: 64}}\nprompts: {{kind: spoken_passphrase, clips: {AUDIO}}}")
     planned = plan_requests(spec, load_tokenizer("tiny-whisper"))
-    assert [p.metadata["passphrase"] for p in planned[:3]] == ["AMBER-LANTERN-23", "COBALT-RIVER-74", "COPPER-FALCON-67"]
-    assert planned[8].audio_label == "amber-lantern-23.wav" and planned[8].metadata["spoken"] is True
+    assert [p.passphrase for p in planned[:3]] == ["AMBER-LANTERN-23", "COBALT-RIVER-74", "COPPER-FALCON-67"]
+    assert planned[8].audio_label == "amber-lantern-23.wav" and planned[8].canary.spoken is True
     assert {tuple(p.prompt_ids) for p in planned} == {(257, 260)}
-    assert planned[0].audio_path == str(AUDIO / "amber-lantern-23.wav")
+    assert planned[0].input.path == str(AUDIO / "amber-lantern-23.wav")
 
 
 def test_audio_kind_takes_one_file(tmp_path):
     spec = parse_scenario(f"max_requests: 3\nmodel: tiny-whisper\nengine: {{max_len: 64}}\nprompts: {{kind: audio, path: {AUDIO / 'purple-tiger-58.wav'}}}")
     planned = plan_requests(spec, load_tokenizer("tiny-whisper"))
     assert [p.audio_label for p in planned] == ["purple-tiger-58.wav"] * 3
-    assert all("passphrase" not in p.metadata for p in planned)
+    assert all(p.canary is None for p in planned)
 
 
 @pytest.mark.parametrize("prompts,message", [

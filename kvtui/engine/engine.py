@@ -194,8 +194,8 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: RequestInput | list[int], sampling: SamplingParams | None = None, *,
-               arrival_s: float | None = None, metadata: dict | None = None, tenant: str | None = None,
-               cache_salt: str | None = None, forced: tuple[int, ...] | None = None) -> RequestState:
+               arrival_s: float | None = None, tenant: str | None = None, cache_salt: str | None = None,
+               forced: tuple[int, ...] | None = None) -> RequestState:
         """Queue a request. A request that cannot run is rejected with a FinishCode: an empty prompt, a
         token id outside [0, vocab_size), a prompt or prompt + max_new_tokens above max_len (or capped,
         per config.on_too_long), a full waiting queue; a rejected request is reported in the next
@@ -217,8 +217,7 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         prompt = RequestInput.of(prompt)
-        kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, metadata=metadata, tenant=tenant,
-                  cache_salt=cache_salt)
+        kw = dict(arrival_s=self.now() if arrival_s is None else arrival_s, tenant=tenant, cache_salt=cache_salt)
         if forced is not None and (not forced or sampling.n != 1):
             raise ValueError(f"forced tokens need n = 1 and at least one token, got n = {sampling.n}")
         if sampling.n == 1:
@@ -240,13 +239,13 @@ class Engine:
         return self.families.ids(request_id)
 
     def _submit_one(self, request_id: str, prompt: RequestInput, sampling: SamplingParams, *, arrival_s: float,
-                    metadata, tenant, cache_salt, parent_id: str | None = None, index: int = 0,
+                    tenant, cache_salt, parent_id: str | None = None, index: int = 0,
                     queue: bool = True, forced: tuple[int, ...] | None = None) -> RequestState:
         """Register one sequence; check it and queue it (queue=False: a sibling held to fork later)."""
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id = }")
         request = RequestState(request_id=request_id, prompt_ids=list(prompt.prompt_ids), sampling=sampling, input=prompt,
-                               arrival_s=arrival_s, metadata=dict(metadata or {}), tenant=tenant,
+                               arrival_s=arrival_s, tenant=tenant,
                                cache_salt=cache_salt, parent_id=parent_id, index=index,
                                forced=None if forced is None else tuple(int(t) for t in forced))
         self.requests[request_id] = request
@@ -599,7 +598,7 @@ class Engine:
         return FinishedRequestReport(
             r.request_id, r.finish_reason.value if r.finish_reason else "", r.finish_detail, tuple(r.prompt_ids),
             tuple(r.generated_ids), r.slot, r.arrival_s, r.scheduled_s, r.first_token_s, r.finish_s,
-            tuple(r.token_times_s), dict(r.metadata), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
+            tuple(r.token_times_s), r.stop_str, r.text_end, tuple(r.top2_gaps), r.sampling,
             r.faults_seen, r.tenant, r.finish_code, tuple(r.draws), r.input)
 
     def _pool_fields(self) -> dict:

@@ -10,7 +10,7 @@ session records it as a request.finish event).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtui.events import (
     FlowEntry,
@@ -56,7 +56,6 @@ class FinishedRequestReport:
     first_token_s: float | None
     finish_s: float | None
     token_times_s: tuple[float, ...]
-    metadata: dict = field(default_factory=dict)
     stop_str: str | None = None
     text_end: int | None = None
     top2_gaps: tuple[float, ...] = ()

@@ -240,7 +240,6 @@ class RequestState:
             string), or None for the whole text. stop_scan: its stop-string search so far
             (engine/stops.py; None until its first check).
         faults_seen: the isolation faults active in any step it took part in.
-        metadata: caller's data carried along untouched (e.g. the passphrase canary).
         tenant: who sent it (None: the only tenant); cache_salt: its tenant's prefix-cache salt, part
             of its first block's key, so tenants never share cached blocks (None: no salt).
         recompute_tokens: paged KV: generated tokens fed again as part of the prefill after a
@@ -280,7 +279,6 @@ class RequestState:
     text_end: int | None = None
     stop_scan: StopScan | None = None
     faults_seen: frozenset = frozenset()
-    metadata: dict = field(default_factory=dict)
     tenant: str | None = None
     cache_salt: str | None = None
     recompute_tokens: int = 0

@@ -28,6 +28,7 @@ import io
 
 from kvtui.models.registry import SMOLLM2, find_model
 from kvtui.models.types import ModelLoadError
+from kvtui.request import EmbedsPrompt
 
 EMBEDS_TABLE_KEY = "model.embed_tokens.weight"
 
@@ -82,7 +83,7 @@ def check_expressible(planned) -> None:
     Raises:
         ValueError: one line naming what cannot be sent.
     """
-    if any(p.embeds_mask is not None and p.embeds_rows_of is not None for p in planned):
+    if any(isinstance(p.input, EmbedsPrompt) and p.input.rows_of is not None for p in planned):
         raise ValueError("prompts.embeds: mask_pairs cannot be sent to a --target: its second request carries the "
                          "first's tensor with every position marked a token id, which no OpenAI-style request "
                          "expresses; use embeds: all or passphrase")
@@ -90,7 +91,7 @@ def check_expressible(planned) -> None:
 
 def is_whole(planned) -> bool:
     """Whether a request's every position is a row (sent to /v1/completions)."""
-    return planned.embeds_mask is not None and not any(planned.embeds_mask)
+    return isinstance(planned.input, EmbedsPrompt) and planned.input.whole
 
 
 def completion_embeds(planned, table) -> str:
@@ -109,8 +110,8 @@ def chat_parts(planned, tokenizer, table) -> list[dict]:
     """
     import torch
 
-    text = planned.metadata.get("prompt_text") or ""
-    ids, mask = list(planned.prompt_ids), planned.embeds_mask
+    text = planned.text or ""
+    ids, mask = list(planned.prompt_ids), planned.input.mask
     runs, start = [], None
     for i, keep in enumerate([*mask, True]):
         if not keep and start is None:

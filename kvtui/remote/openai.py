@@ -127,7 +127,7 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
     """The path and JSON body for one planned request.
 
     Args:
-        planned: a PlannedRequest (prompt ids, metadata["prompt_text"] when the prompt has text, sampling).
+        planned: a PlannedRequest (prompt ids, its `text` when the prompt has text, sampling).
         api: "chat" or "completions".
         model: the served model name, or None to leave `model` out.
         logprobs: ask for the top-2 logprobs of each token.
@@ -137,7 +137,7 @@ def request_body(planned, api: str, model: str | None, *, logprobs: bool, messag
             prompt (kvtui/remote/embeds.py), `prompt` then left out.
     """
     s = planned.sampling
-    text = planned.metadata.get("prompt_text")
+    text = planned.text
     body: dict = {"max_tokens": s.max_new_tokens, "stream": True, "stream_options": {"include_usage": True},
                   "temperature": s.temperature if temperature is None else temperature}
     if model:

@@ -49,6 +49,7 @@ from kvtui.remote.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.remote.server_probe import ServerProbe
 from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
+from kvtui.request import EmbedsPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.observers import Arrival, Finished, Observer, StepSeen, build_observers
@@ -103,14 +104,14 @@ class TargetSession(RunBase):
         self.planned = {p.request_id: p for p in self.pending}
         self.api = options.api if options.api != "auto" else (
             "transcription" if self.pending and all(is_audio(p) for p in self.pending) else
-            "chat" if all("prompt_text" in p.metadata for p in self.pending) else "completions")
+            "chat" if all(p.text is not None for p in self.pending) else "completions")
         self.embeds_table = None  # the scenario model's input embedding table, for prompts sent as rows
         self._embeds: dict[str, object] = {}  # request id -> its prompt_embeds (the load and the solo run alike)
-        if any(getattr(p.input, "images", ()) for p in self.pending):
+        if any(p.images for p in self.pending):
             raise ValueError("prompts kind image_passphrase cannot be sent to a --target yet: kvtui's client sends "
                              "no image parts; run it locally (--model dinov2-smollm2), or serve that model with "
                              "`kvtui serve` and send image_url parts (docs/serve.md, Images)")
-        if any(p.embeds_mask is not None for p in self.pending):
+        if any(isinstance(p.input, EmbedsPrompt) for p in self.pending):
             self.api = self._embeds_api(options.api)
             self.embeds_table = embedding_table(model or scenario.model)
         # what watches the load from outside (the canary); `reference` is the solo reruns after it
@@ -152,8 +153,9 @@ class TargetSession(RunBase):
             ValueError: mask_pairs, a plan mixing both, or an --api that cannot carry the masks.
         """
         check_expressible(self.pending)
-        kinds = {"completions" if is_whole(p) else "chat" for p in self.pending if p.embeds_mask is not None}
-        if len(kinds) > 1 or any(p.embeds_mask is None for p in self.pending):
+        embedded = [p for p in self.pending if isinstance(p.input, EmbedsPrompt)]
+        kinds = {"completions" if is_whole(p) else "chat" for p in embedded}
+        if len(kinds) > 1 or len(embedded) < len(self.pending):
             raise ValueError("a --target plan mixes prompts sent as embedding rows with other prompts")
         api = kinds.pop()
         if asked not in ("auto", api):
@@ -263,7 +265,7 @@ class TargetSession(RunBase):
             at = self._round_start if p.round is not None else p.arrival_s + self.held_s
             p = replace(self.pending.pop(0), arrival_s=at)
             arrive = arrive_event(p)
-            arrival = Arrival(p.request_id, arrive.passphrase, spoken=bool(p.metadata.get("spoken")), sampling=p.sampling)
+            arrival = Arrival(p.request_id, arrive.passphrase, spoken=p.spoken, sampling=p.sampling)
             self.emit(arrive)
             self._emit_all(o.on_arrive(arrival) for o in self.observers)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
@@ -317,7 +319,7 @@ class TargetSession(RunBase):
         result = StreamResult(sent_s=self.now())
         try:
             async with cap:
-                self.in_flight[p.request_id] = p.metadata.get("passphrase") or p.metadata.get("prompt_text") or ""
+                self.in_flight[p.request_id] = p.passphrase or p.text or ""
                 result = StreamResult(sent_s=self.now())
                 if is_audio(p):
                     await self._transcribe(client, p, result)
@@ -353,7 +355,7 @@ class TargetSession(RunBase):
         return result
 
     def _body(self, p, temperature: float | None) -> tuple[str, dict]:
-        if p.embeds_mask is not None:  # the same rows, encoded once, for the load and the solo run
+        if isinstance(p.input, EmbedsPrompt):  # the same rows, encoded once, for the load and the solo run
             if p.request_id not in self._embeds:
                 self._embeds[p.request_id] = (completion_embeds(p, self.embeds_table) if is_whole(p) else
                                               chat_parts(p, self.tokenizer, self.embeds_table))
@@ -371,9 +373,9 @@ class TargetSession(RunBase):
         prompt-file entry that is a chat; the decoded token ids for a prompt without text (synthetic)."""
         if self.api != "chat":
             return None
-        if "prompt_text" not in p.metadata:
+        if p.text is None:
             return [{"role": "user", "content": self.tokenizer.decode(p.prompt_ids, skip_special_tokens=True)}]
-        index = p.metadata.get("prompt_index")
+        index = p.facts.prompt_index
         prompts = getattr(self.scenario.prompts, "prompts", None)
         item = prompts[index] if index is not None and prompts else None
         return item if isinstance(item, list) else None

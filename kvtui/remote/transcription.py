@@ -1,6 +1,6 @@
 """One transcription request to an OpenAI-compatible server (`POST /v1/audio/transcriptions`), timed.
 
-A planned speech request (kvtui.scenario.PlannedRequest with `audio_path`: a 16 kHz WAV clip)
+A planned speech request (kvtui.request.PlannedRequest whose input is an AudioClip: a 16 kHz WAV clip)
 is uploaded as OpenAI's client uploads it: multipart/form-data with the fields `file`, `model`,
 `response_format=json` and `temperature`. The endpoint does not stream: the request ends when the
 JSON answer `{"text": ...}` arrives, so it is one chunk at that moment (TTFT is the whole request's
@@ -21,13 +21,14 @@ import httpx
 
 from kvtui.remote.openai import StreamResult
 from kvtui.remote.reach import answered, excerpt
+from kvtui.request import AudioClip
 
 TRANSCRIPTIONS_PATH = "/v1/audio/transcriptions"
 
 
 def is_audio(planned) -> bool:
     """Whether a planned request is a transcription (it names an audio clip)."""
-    return planned.audio_path is not None
+    return isinstance(planned.input, AudioClip)
 
 
 def transcription_form(planned, model: str | None, *, temperature: float | None = None) -> dict[str, str]:
@@ -49,7 +50,7 @@ async def transcribe_request(client: httpx.AsyncClient, planned, form: dict[str,
         clock: the time source (seconds); result: the StreamResult to fill (a new one when None).
     """
     result = result if result is not None else StreamResult(sent_s=0.0)
-    path = Path(planned.audio_path)
+    path = Path(planned.input.path)
     try:
         data = path.read_bytes()
     except OSError as e:

@@ -32,7 +32,7 @@ def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detector
 
 def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | None = None,
                  lora_version: int | None = None) -> Arrive:
-    """The request.arrive event of a planned request (kvtui.scenario.PlannedRequest) at its arrival_s.
+    """The request.arrive event of a planned request (kvtui.request.PlannedRequest) at its arrival_s.
 
     Args:
         max_new_tokens: the limit the request runs under when it is not the plan's (a local engine
@@ -41,25 +41,25 @@ def arrive_event(planned, *, max_new_tokens: int | None = None, parent: str | No
         lora_version: the version of its LoRA adapter it runs under (None: the base model, or not known)."""
     return Arrive(t=planned.arrival_s, request_id=planned.request_id, prompt_len=len(planned.prompt_ids),
                   max_new_tokens=planned.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
-                  passphrase=planned.metadata.get("passphrase"), tenant=planned.tenant, parent=parent,
+                  passphrase=planned.passphrase, tenant=planned.tenant, parent=parent,
                   sampling=tuple(getattr(planned.sampling, "state_tags", ())), audio=planned.audio_label,
-                  image=planned.image_label, client_id=getattr(getattr(planned, "client_id", None), "value", None),
-                  lora=getattr(planned, "adapter", None), lora_version=lora_version)
+                  image=planned.image_label, client_id=planned.client_id.value if planned.client_id is not None else None,
+                  lora=planned.adapter, lora_version=lora_version)
 
 
 def finish_event(request, *, text: str = "", passphrase: bool = True, **fields) -> Finish:
-    """The request.finish event of `request` (anything with request_id, tenant and metadata: a planned
-    request, or the engine's finished one) whose answer is `text`; the passphrase comes from its
-    metadata and `passphrase_echoed` says whether the answer holds it.
+    """The request.finish event of `request` (a kvtui.request.PlannedRequest, or anything with a
+    request_id and a tenant: a request the run knows no plan of has no canary) whose answer is `text`;
+    the passphrase comes from its canary and `passphrase_echoed` says whether the answer holds it.
 
     Args:
         passphrase: False leaves the passphrase out (a request refused before it ran is no canary).
         fields: the other Finish fields (t, finish_reason, times, token ids, ...).
     """
-    phrase = request.metadata.get("passphrase") if passphrase else None
+    canary = getattr(request, "canary", None) if passphrase else None
+    phrase = canary.passphrase if canary is not None else None
     return Finish(request_id=request.request_id, tenant=request.tenant, output_text=text, passphrase=phrase,
-                  passphrase_echoed=_echoed(phrase, text, request.metadata.get("spoken")) if phrase else None,
-                  **fields)
+                  passphrase_echoed=_echoed(phrase, text, canary.spoken) if phrase else None, **fields)
 
 
 def _echoed(phrase: str, text: str, spoken: bool) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvtui.events import Contamination, NoninterferenceEvidence
+from kvtui.request import NO_FACTS, AudioClip, TokenPrompt
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def replacement(prompt: list[int], vocab: list[int], seed: int, room: int) -> li
 def replaced_plan(planned: list, tokenizer, parity: int, room: Callable[[object], int]) -> list:
     """`planned` with every other request's prompt (by request id: even when `parity` is 0, odd when 1)
     replaced by random tokens (no special ones) up to `room(request)` longer, with their text when the
-    request had text (a server is sent the text), and no other metadata."""
+    request had text (a server is sent the text): no canary, no prompt facts."""
     special = set(tokenizer.all_special_ids)
     vocab = [i for i in range(min(len(tokenizer), 50000)) if i not in special]
     order = {p.request_id: i for i, p in enumerate(sorted(planned, key=lambda p: p.request_id))}
@@ -97,11 +98,18 @@ def replaced_plan(planned: list, tokenizer, parity: int, room: Callable[[object]
         index = order[p.request_id]
         if index % 2 == parity:
             ids = replacement(p.prompt_ids, vocab, index, room(p))
-            meta = {"prompt_text": tokenizer.decode(ids, skip_special_tokens=True)} if "prompt_text" in p.metadata \
-                else {}
-            p = replace(p, prompt_ids=ids, metadata=meta)
+            text = tokenizer.decode(ids, skip_special_tokens=True) if p.text is not None else None
+            p = replace(p, input=_replaced_input(p.input, ids), text=text, canary=None, facts=NO_FACTS)
         out.append(p)
     return out
+
+
+def _replaced_input(spec, ids: list[int]):
+    """The InputSpec of a replaced prompt: a speech request's clip with the new decoder ids (its audio
+    stays), any other prompt the new token ids alone (an embeddings or image prompt becomes a token one)."""
+    if isinstance(spec, AudioClip):
+        return replace(spec, ids=tuple(ids))
+    return TokenPrompt(tuple(ids))
 
 
 def run_noninterference(subject: AuditSubject, console=None) -> NoninterferenceAudit:

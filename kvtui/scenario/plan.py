@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 from kvtui.faults import acts_on
 from kvtui.model_kinds import ModelKind
 from kvtui.models.registry import kind_of
+from kvtui.request import (
+    NO_FACTS,
+    AudioClip,
+    Canary,
+    EmbedsPrompt,
+    ImagePrompt,
+    InputSpec,
+    PlannedRequest,
+    PromptFacts,
+    TokenPrompt,
+)
 from kvtui.scenario.arrivals import Arrival, arrivals
 from kvtui.scenario.base import MAX_PLANNED
 from kvtui.scenario.lora import LoraPlan
@@ -37,85 +46,25 @@ from kvtui.scenario.prompts import (
     to_id_list,
     user_chat,
 )
-from kvtui.scenario.request_ids import ClientId, assign_ids
+from kvtui.scenario.request_ids import assign_ids
 from kvtui.scenario.sampling import asked_min_tokens, pick_entry, request_fields
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.tenants import TenantPlan
 
-if TYPE_CHECKING:  # kvtui.engine pulls in torch: imported only when requests are planned
-    from kvtui.engine.request import SamplingParams
-
 
 @dataclass(frozen=True)
-class PlannedRequest:
-    """One request of a run, before it reaches the engine.
+class MadePrompt:
+    """One prompt as PromptMaker makes it: the PlannedRequest fields a `prompts` section decides.
 
     Attributes:
-        request_id: "r000", "r001", ... in arrival order.
-        arrival_s: seconds from the scenario start.
-        prompt_ids: prompt token ids.
-        sampling: SamplingParams; max_new_tokens is the request's output length (tokens) and seed its
-            own sampling seed (derive_seed(scenario seed, "sampling:<index>")).
-        metadata: passphrase prompts {"passphrase", "prompt_text"} ("opening": its index with openings); text prompts {"prompt_text"};
-            synthetic {"prompt_tokens", "shared_prefix_tokens"}; trace rows add "trace_prompt_tokens";
-            system_prompt {"system_prompt"}; multi_turn {"session", "turn"}.
-        tenant: who sends it (None: the only tenant); cache_salt: its tenant's salt (see tenants.py).
-        round: `process: rounds` only: its round (0, 1, ...). It is sent once every request of an earlier
-            round has finished, and its arrival_s (0 in the plan) becomes that moment.
-        cancel_after: `process: rounds` with `cancel`: the client cancels the request once it has this
-            many generated tokens (it finishes `abort`); None: it runs to its end.
-        audio_path: a speech request's clip (a 16 kHz WAV file), read when the request is submitted; None
-            for text.
-        input: what the request feeds the model when it is more than prompt_ids and a clip path
-            (kvtui.engine.inputs.RequestInput: supplied embedding rows, images, a served upload's audio);
-            None: prompt_ids (and audio_path).
-        embeds_mask: a prompt sent as embedding rows (`prompts.embeds`): True where the position stays a
-            token id, False where the model's own input embedding of prompt_ids[i] is supplied as a row
-            (the session builds the rows from the engine's embedding table); None: token ids only.
-        embeds_rows_of: the ids whose embedding rows fill the tensor (default prompt_ids): `mask_pairs`' second
-            request carries its first's tensor.
-        client_id: the request id its client sends (the scenario's `request_ids`, kvtui/scenario/request_ids.py);
-            None: the client sends none (the server picks its own).
-        min_tokens_asked: the min_tokens its sampling section or mix entry asks; sampling.min_tokens is that
-            capped at its output length (kvtui.scenario.fit.min_tokens_lines says when a cap happened).
-        adapter: the LoRA adapter it runs under (scenario/lora.py; a name the session or server loaded), or
-            None: the base model.
+        input: its InputSpec (kvtui/request.py); text: its text (None: ids only); canary: its
+            passphrase canary or None; facts: what the plan knows of it for reports.
     """
 
-    request_id: str
-    arrival_s: float
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    metadata: dict = field(default_factory=dict)
-    tenant: str | None = None
-    cache_salt: str | None = None
-    round: int | None = None
-    cancel_after: int | None = None
-    audio_path: str | None = None
-    input: object = None
-    embeds_mask: tuple[bool, ...] | None = None
-    embeds_rows_of: list[int] | None = None
-    client_id: ClientId | None = None
-    min_tokens_asked: int = 0
-    adapter: str | None = None
-
-    @property
-    def image_label(self) -> str | None:
-        """The names of the request's pictures (comma-separated), or None without images."""
-        images = getattr(self.input, "images", ())
-        return ",".join(i.label or i.content_hash[:12] for i in images) or None
-
-    @property
-    def audio_label(self) -> str | None:
-        """The name of the request's audio (the clip's file name, or the upload's), or None for text."""
-        if self.audio_path is not None:
-            return Path(self.audio_path).name
-        audio = getattr(self.input, "audio", None)
-        return audio.label if audio is not None else None
-
-
-# PromptMaker.make's typed inputs, moved out of the metadata into PlannedRequest's fields by plan_requests
-AUDIO_PATH, INPUT, EMBEDS_MASK, EMBEDS_ROWS_OF = "_audio_path", "_input", "_embeds_mask", "_embeds_rows_of"
+    input: InputSpec
+    text: str | None = None
+    canary: Canary | None = None
+    facts: PromptFacts = NO_FACTS
 
 
 def embeds_mask(tokenizer, ids: list[int], phrase: str | None) -> tuple[bool, ...]:
@@ -141,7 +90,7 @@ def derive_seed(seed: int, label: str) -> int:
 
 
 class PromptMaker:
-    """Makes each request's prompt ids and metadata from the `prompts` section."""
+    """Makes each request's prompt (a MadePrompt: input, text, canary, facts) from the `prompts` section."""
 
     def __init__(self, scenario: Scenario, tokenizer):
         self.spec, self.tok, seed = scenario.prompts, tokenizer, scenario.seed
@@ -157,11 +106,10 @@ class PromptMaker:
         self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
         self.shared = SharedPrompts(self.spec, seed, tokenizer)
 
-    def image(self, spec: ImagePassphrasePrompts, index: int, meta: dict) -> tuple[list[int], dict]:
+    def image(self, spec: ImagePassphrasePrompts, index: int, facts: PromptFacts) -> MadePrompt:
         """An image request: canary picture `index mod pictures` at the template's <image> (one position, its
-        placeholder id), the picture's word as its passphrase; the RequestInput with the ImagePart goes to
-        PlannedRequest.input."""
-        from kvtui.engine.inputs import ImagePart, RequestInput
+        placeholder id), the picture's word as its passphrase (an ImagePrompt with the ImagePart)."""
+        from kvtui.engine.inputs import ImagePart
         from kvtui.models.dinov2 import image_hash, image_tensor
         from kvtui.models.projector import CANARY_WORDS, canary_image, prompt_with_image
         from kvtui.models.vision import CANARY_SEED, IMAGE_TOKENS
@@ -176,69 +124,71 @@ class PromptMaker:
         part = ImagePart(positions[0], IMAGE_TOKENS, digest, pixels, uuid="image-0" if spec.uuids == "reused" else None,
                          label=f"{word}.png")
         text = spec.template.replace("<image>", f"[picture of {word}]")
-        return ids, {**meta, "passphrase": word.upper(), "prompt_text": text,
-                     INPUT: RequestInput(tuple(ids), images=(part,))}
+        return MadePrompt(ImagePrompt(tuple(ids), (part,)), text, Canary(word.upper()), facts)
 
-    def mask_pair_second(self, meta: dict) -> tuple[list[int], dict]:
+    def mask_pair_second(self, facts: PromptFacts) -> MadePrompt:
         """`embeds: mask_pairs`: the previous request's ids with its rows' positions as the placeholder id,
         the same tensor, every position a token id. No passphrase of its own (it does not say one)."""
         from kvtui.engine.inputs import PLACEHOLDER_ID
 
         ids, mask, text = self.last_embedded
-        meta = {**meta, EMBEDS_MASK: (True,) * len(ids), EMBEDS_ROWS_OF: list(ids), "prompt_text": text}
-        return [t if keep else PLACEHOLDER_ID for t, keep in zip(ids, mask)], meta
+        second = [t if keep else PLACEHOLDER_ID for t, keep in zip(ids, mask)]
+        return MadePrompt(EmbedsPrompt(tuple(second), (True,) * len(ids), rows_of=tuple(ids)), text, facts=facts)
 
     def text_ids(self, text: str, chat: bool) -> list[int]:
         return chat_ids(self.tok, user_chat(text)) if chat else encode_text(self.tok, text)
 
-    def make(self, arrival: Arrival) -> tuple[list[int], dict]:
+    def make(self, arrival: Arrival) -> MadePrompt:
         spec, index = self.spec, self.count
         self.count += 1
         drawn = spec.prompt_tokens.sample(self.length_rng) if isinstance(spec, SyntheticPrompts) else 0
-        meta = {"trace_prompt_tokens": arrival.prompt_tokens} if arrival.prompt_tokens else {}
+        facts = PromptFacts(trace_prompt_tokens=arrival.prompt_tokens or None)
         if arrival.prompt is not None:
-            return self.text_ids(arrival.prompt, arrival.chat), {"prompt_text": arrival.prompt}
+            return MadePrompt(TokenPrompt(tuple(self.text_ids(arrival.prompt, arrival.chat))), arrival.prompt)
         if isinstance(spec, PassphrasePrompts):
             if spec.embeds == "mask_pairs" and index % 2:
-                return self.mask_pair_second(meta)
+                return self.mask_pair_second(facts)
             phrase = next(self.phrases)
             text = spec.text(index, phrase)
-            meta = {**meta, "opening": index % len(spec.openings)} if spec.openings else meta
-            ids = chat_ids(self.tok, user_chat(text))
+            facts = replace(facts, opening=index % len(spec.openings)) if spec.openings else facts
+            ids = tuple(chat_ids(self.tok, user_chat(text)))
+            prompt: InputSpec = TokenPrompt(ids)
             if spec.embeds != "none":
-                meta[EMBEDS_MASK] = embeds_mask(self.tok, ids, None if spec.embeds == "all" else phrase)
-                self.last_embedded = (ids, meta[EMBEDS_MASK], text)
-            return ids, {**meta, "passphrase": phrase, "prompt_text": text}
+                mask = embeds_mask(self.tok, list(ids), None if spec.embeds == "all" else phrase)
+                prompt = EmbedsPrompt(ids, mask)
+                self.last_embedded = (list(ids), mask, text)
+            return MadePrompt(prompt, text, Canary(phrase), facts)
         if isinstance(spec, SyntheticPrompts):
             n = arrival.prompt_tokens or drawn
             ids = self.prefix + random_ids(self.rng, n, self.tok)
-            return ids, {"prompt_tokens": len(ids), "shared_prefix_tokens": len(self.prefix)}
+            return MadePrompt(TokenPrompt(tuple(ids)),
+                              facts=PromptFacts(prompt_tokens=len(ids), shared_prefix_tokens=len(self.prefix)))
         if isinstance(spec, FilePrompts):
             k = index % len(self.file_prompts)
             item = self.file_prompts[k]
+            facts = replace(facts, prompt_index=k)
             if isinstance(item, list):
                 text = next((m["content"] for m in reversed(item) if m["role"] == "user"), item[-1]["content"])
-                return chat_ids(self.tok, item), {**meta, "prompt_text": text, "prompt_index": k}
-            return self.text_ids(item, spec.chat), {**meta, "prompt_text": item, "prompt_index": k}
+                return MadePrompt(TokenPrompt(tuple(chat_ids(self.tok, item))), text, facts=facts)
+            return MadePrompt(TokenPrompt(tuple(self.text_ids(item, spec.chat))), item, facts=facts)
         if isinstance(spec, (SystemPromptPrompts, MultiTurnPrompts)):
-            return self.shared.make(index, self.rng, self.length_rng)
+            ids, facts = self.shared.make(index, self.rng, self.length_rng)
+            return MadePrompt(TokenPrompt(tuple(ids)), facts=facts)
         if isinstance(spec, (SpokenPassphrasePrompts, AudioPrompts)):
-            return self.audio(spec, index, meta)
+            return self.audio(spec, index, facts)
         if isinstance(spec, ImagePassphrasePrompts):
-            return self.image(spec, index, meta)
+            return self.image(spec, index, facts)
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
 
-
-    def audio(self, spec, index: int, meta: dict) -> tuple[list[int], dict]:
-        """A speech request: the decoder prompt [<|startoftranscript|>, <|notimestamps|>] and its clip, in
-        turn; metadata {"prompt_text"}, spoken passphrases also {"passphrase", "spoken"} (the canary: the
-        passphrase is in the audio). The clip itself: PlannedRequest.audio_path (see `plan`)."""
+    def audio(self, spec, index: int, facts: PromptFacts) -> MadePrompt:
+        """A speech request: its clip (in turn) with the decoder prompt [<|startoftranscript|>,
+        <|notimestamps|>], its text "[audio <clip name>]"; a spoken passphrase's canary is the clip's
+        name (the passphrase is in the audio)."""
         files = spec.files
         clip = files[index % len(files)]
-        meta = {**meta, "prompt_text": f"[audio {clip.name}]", AUDIO_PATH: str(clip)}
-        if isinstance(spec, SpokenPassphrasePrompts):
-            meta |= {"passphrase": clip.stem.upper(), "spoken": True}
-        return decoder_prompt(self.tok, spec.initial_prompt), meta
+        canary = Canary(clip.stem.upper(), spoken=True) if isinstance(spec, SpokenPassphrasePrompts) else None
+        clip_input = AudioClip(str(clip), tuple(decoder_prompt(self.tok, spec.initial_prompt)))
+        return MadePrompt(clip_input, f"[audio {clip.name}]", canary, facts)
 
 
 def decoder_prompt(tokenizer, initial_prompt: str = "") -> list[int]:
@@ -305,12 +255,12 @@ class SharedPrompts:
         self.sessions: dict[int, tuple[int, int, list[int]]] = {}  # place -> (session, turn, prompt so far)
         self.next_session = 0
 
-    def make(self, index: int, rng: random.Random, length_rng: random.Random) -> tuple[list[int], dict]:
+    def make(self, index: int, rng: random.Random, length_rng: random.Random) -> tuple[list[int], PromptFacts]:
         spec = self.spec
         if isinstance(spec, SystemPromptPrompts):
             k = self.choice_rng.randrange(spec.count) if spec.choice == "random" else index % spec.count
             own = random_ids(rng, spec.user_tokens.sample(length_rng), self.tok)
-            return self.systems[k] + self.instruction + own, {"system_prompt": k}
+            return self.systems[k] + self.instruction + own, PromptFacts(system_prompt=k)
         place = index % spec.sessions
         session, turn, prompt = self.sessions.get(place, (None, spec.turns, []))
         if turn >= spec.turns:  # a new session takes this place
@@ -320,7 +270,7 @@ class SharedPrompts:
             prompt = prompt + random_ids(rng, spec.reply_tokens.sample(length_rng), self.tok)
         prompt = prompt + random_ids(rng, spec.user_tokens.sample(length_rng), self.tok)
         self.sessions[place] = (session, turn + 1, prompt)
-        return list(prompt), {"session": session, "turn": turn}
+        return list(prompt), PromptFacts(session=session, turn=turn)
 
 
 def planned_arrivals(scenario: Scenario, *, limit: int | None = None) -> list[Arrival]:
@@ -368,14 +318,15 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
     n_rng = random.Random(derive_seed(seed, "parallel_sampling"))  # its own stream: n leaves the rest of the plan alone
     structured_rng = random.Random(derive_seed(seed, "structured_output"))  # so does structured output
     spec = s.structured.spec() if s.structured is not None else None
-    planned: list[tuple[Arrival, list[int], dict, int, str | None, tuple]] = []
+    planned: list[tuple[Arrival, MadePrompt, int, str | None, tuple]] = []
     for index, arrival in enumerate(planned_arrivals(scenario, limit=limit)):
-        ids, meta = maker.make(arrival)
+        made = maker.make(arrival)
         drawn = scenario.output_tokens.sample(out_rng)
-        tenant = arrival.tenant or tenants.name(meta.get("session", index))
+        session = made.facts.session
+        tenant = arrival.tenant or tenants.name(session if session is not None else index)
         n = s.n if s.n > 1 and n_rng.random() < s.n_fraction else 1
         constrained = spec if spec is not None and structured_rng.random() < s.structured.fraction else None
-        planned.append((arrival, ids, meta, arrival.output_tokens or drawn, tenant, (n, constrained)))
+        planned.append((arrival, made, arrival.output_tokens or drawn, tenant, (n, constrained)))
     width = max(3, len(str(len(planned) - 1)))
     mix_rng = random.Random(derive_seed(seed, "sampling_mix"))
     entries = [pick_entry(s.mix, mix_rng) if s.mix else None for _ in planned]
@@ -386,18 +337,16 @@ def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) ->
         PlannedRequest(
             request_id=f"r{i:0{width}d}",
             arrival_s=arrival.at_s,
-            prompt_ids=ids,
+            input=made.input,
             sampling=_bad_words(SamplingParams(
                 **request_fields(s, entry, n_out), seed=derive_seed(seed, f"sampling:{i}"),
                 max_new_tokens=n_out, stop=tuple(s.stop), ignore_eos=s.ignore_eos,
                 include_stop_str_in_output=s.include_stop_str_in_output, n=extra[0], structured=extra[1]),
                 tokenizer, words),
-            metadata=meta, tenant=tenant, cache_salt=tenants.salt(tenant), round=arrival.round,
-            cancel_after=arrival.cancel_after,
-            audio_path=meta.pop(AUDIO_PATH, None), input=meta.pop(INPUT, None), embeds_mask=meta.pop(EMBEDS_MASK, None),
-            embeds_rows_of=meta.pop(EMBEDS_ROWS_OF, None), client_id=client_id,
+            text=made.text, canary=made.canary, facts=made.facts, tenant=tenant, cache_salt=tenants.salt(tenant),
+            round=arrival.round, cancel_after=arrival.cancel_after, client_id=client_id,
             min_tokens_asked=asked_min_tokens(s, entry), adapter=adapters.name(i),
         )
-        for i, ((arrival, ids, meta, n_out, tenant, extra), entry, client_id)
+        for i, ((arrival, made, n_out, tenant, extra), entry, client_id)
         in enumerate(zip(planned, entries, client_ids))
     ]

@@ -3,7 +3,7 @@
 YAML `prompts:` takes one of
   - `{kind: passphrase}`: a chat prompt asking the model to remember and repeat a unique generated
     passphrase WORD-WORD-NN (e.g. VELVET-ORCHID-42); the passphrase is the request's canary
-    (what the canary detector looks for), kept in its metadata. Optional `template` with `{passphrase}` in it,
+    (what the canary detector looks for), its PlannedRequest.canary. Optional `template` with `{passphrase}` in it,
     and `openings`: texts for an `{opening}` in the template, one per request in turn.
   - `{kind: synthetic, prompt_tokens: <length dist>, shared_prefix_tokens: N}`: random token ids
     (special tokens avoided), N of them common to all requests first (total = N + prompt_tokens, as

@@ -24,12 +24,12 @@ kvtui/remote/request_ids.py runs the audit.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
 import pydantic
 from pydantic import Field
 
+from kvtui.request import ClientId as ClientId  # re-exported: it lives with the request it is sent with
 from kvtui.scenario.base import MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem
 
@@ -112,33 +112,6 @@ class RequestIds(Strict):
             raise Problem("every group is unique, so no two requests share an id and the audit tests nothing",
                           "add a group `{ids: duplicate, size: 2}` or `{ids: near_duplicate}`", ("groups",))
         return self
-
-
-@dataclass(frozen=True)
-class ClientId:
-    """The id one request's client sends.
-
-    Attributes:
-        value: the id itself (a near duplicate's variant included).
-        group: the number of its group in the run (0, 1, ...; each dealing of `groups` counts on).
-        kind: the group's `ids` (unique, duplicate, near_duplicate).
-        variant: a near duplicate's variant (case, whitespace, suffix); None for the group's own id.
-    """
-
-    value: str
-    group: int
-    kind: str
-    variant: str | None = None
-
-    def sent(self, place: str) -> str:
-        """The id as it travels in `place`: a header value without surrounding whitespace (HTTP drops it,
-        RFC 9110 section 5.5, and httpx refuses to send it), a body field as it is."""
-        return self.value.strip() if place == "header" else self.value
-
-    @property
-    def label(self) -> str:
-        """e.g. 'duplicate group 3', 'near_duplicate group 4 (case)'."""
-        return f"{self.kind} group {self.group}" + (f" ({self.variant})" if self.variant else "")
 
 
 def base_id(seed: int, group: int) -> str:

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtui.engine.block_manager import salt_digest
 from kvtui.events import Finish
+from kvtui.request import Canary, GivenInput, InputSpec, PlannedRequest, TokenPrompt
 from kvtui.scenario.prompts import chat_ids, encode_text
 from kvtui.serve.bridge import Closed, EngineBridge, NotAccepting, TokenOut
 from kvtui.serve.detok import TextStream
@@ -195,13 +196,13 @@ def create_app(state: ServerState, *, api_key: str | None = None,
             spliced = await state.off_loop(partial(chat_input, ctx.tokenizer, body.messages, embeds,
                                                    image_tokens=ctx.image_tokens, max_len=ctx.max_len))
             await state.off_loop(_precompile, ctx, body)
-            prompt = Prompt(list(spliced.input.prompt_ids), spliced.text, spliced.input)
+            prompt = Prompt(GivenInput(spliced.input), spliced.text)
             return await _serve(ctx, request, body, [prompt], chat=True)
         messages = body.chat()
         ids = await state.off_loop(_chat_prompt, ctx.tokenizer, messages)
         await state.off_loop(_precompile, ctx, body)
         last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return await _serve(ctx, request, body, [Prompt(ids, last_user)], chat=True)
+        return await _serve(ctx, request, body, [Prompt(TokenPrompt(tuple(ids)), last_user)], chat=True)
 
     return app
 
@@ -235,7 +236,7 @@ async def _completion_prompts(state: ServerState, ctx: ServeContext, body: Compl
     if body.echo:
         raise ApiError(400, "echo repeats a prompt's text, and prompt_embeds have none: drop echo", param="echo")
     given = await state.off_loop(completion_input, body.prompt_embeds, embeds)
-    return [Prompt(list(given.prompt_ids), None, given)]
+    return [Prompt(GivenInput(given))]
 
 
 def _embeds_spec(ctx: ServeContext, param: str) -> EmbedsSpec:
@@ -356,14 +357,18 @@ def _chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a request: its token ids, its text (None when it came as ids or embeddings), what it
-    feeds beyond its ids (a RequestInput for prompt embeddings or images; None: the ids), and the text
-    `echo` puts before its choices."""
+    """One prompt of a request: what it feeds the model (an InputSpec, kvtui/request.py: a TokenPrompt,
+    or a GivenInput for prompt embeddings or images), its text (None when it came as ids or embeddings),
+    and the text `echo` puts before its choices."""
 
-    ids: list[int]
+    input: InputSpec
     text: str | None = None
-    given: object = None
     echo: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        """Its prompt token ids."""
+        return list(self.input.ids)
 
 
 def _encode_prompts(tokenizer, prompts: list, echo: bool) -> list[Prompt]:
@@ -372,9 +377,9 @@ def _encode_prompts(tokenizer, prompts: list, echo: bool) -> list[Prompt]:
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            out.append(Prompt(encode_text(tokenizer, prompt), prompt, echo=prompt if echo else ""))
+            out.append(Prompt(TokenPrompt(tuple(encode_text(tokenizer, prompt))), prompt, echo=prompt if echo else ""))
         else:
-            out.append(Prompt(list(prompt), echo=tokenizer.decode(list(prompt)) if echo else ""))
+            out.append(Prompt(TokenPrompt(tuple(prompt)), echo=tokenizer.decode(list(prompt)) if echo else ""))
     return out
 
 
@@ -443,9 +448,10 @@ def _submit(ctx: ServeContext, body, request_id: str, prompts: list[Prompt], sam
     streams = []
     try:
         for engine_id, key, prompt, sampling in zip(ids, keys, prompts, samplings):
-            streams.append(ctx.bridge.submit(engine_id, prompt.ids, sampling, _metadata(body, prompt),
-                                             tenant=_tenant(body), cache_salt=body.cache_salt, input=prompt.given,
-                                             client_key=key, adapter=adapter))
+            planned = PlannedRequest(engine_id, 0.0, prompt.input, sampling, text=prompt.text,
+                                     canary=served_canary(prompt.text), tenant=_tenant(body),
+                                     cache_salt=body.cache_salt, adapter=adapter)
+            streams.append(ctx.bridge.submit(planned, client_key=key))
     except NotAccepting:
         for stream in streams:
             ctx.bridge.abort(stream.request_id)
@@ -453,15 +459,10 @@ def _submit(ctx: ServeContext, body, request_id: str, prompts: list[Prompt], sam
     return Choices(streams, [len(p.ids) for p in prompts])
 
 
-def _metadata(body, prompt: Prompt) -> dict:
-    """A request's metadata for the session: its prompt text, the passphrase in it (its canary) and `user`."""
-    metadata = {"prompt_text": prompt.text} if prompt.text is not None else {}
-    found = PASSPHRASE.search(prompt.text or "")
-    if found:
-        metadata["passphrase"] = found.group(0)
-    if body.user:
-        metadata["user"] = body.user
-    return metadata
+def served_canary(text: str | None) -> Canary | None:
+    """A served prompt's canary: the first passphrase in its text (kvtui's WORD-WORD-NN form), or None."""
+    found = PASSPHRASE.search(text or "")
+    return Canary(found.group(0)) if found else None
 
 
 def _tenant(body) -> str | None:

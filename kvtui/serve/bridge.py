@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtui.events import Finish, StepEvent, Summary
 
@@ -115,28 +115,20 @@ class EngineBridge:
         with self._lock:
             self.accepting = False
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling, metadata: dict, *, tenant: str | None = None,
-               cache_salt: str | None = None, input=None, client_key: str | None = None,
-               adapter: str | None = None) -> RequestStream:
+    def submit(self, planned, *, client_key: str | None = None) -> RequestStream:
         """Queue a request for the next engine step; its arrival is now on the engine clock.
 
         Args:
-            tenant: who sent it (prefix-cache provenance), None for nobody in particular.
-            cache_salt: its prefix-cache namespace (vLLM's `cache_salt`): with paged KV and prefix caching
-                it is part of its first block's key, so it reuses only blocks computed under the same salt.
-            input: a kvtui.engine.inputs.RequestInput when the request feeds more than prompt_ids (an
-                upload's audio, prompt embeddings, images); None: prompt_ids.
+            planned: the request (a kvtui.request.PlannedRequest: its id, input, sampling, text and
+                canary, tenant, cache_salt, adapter); its arrival_s is replaced by the engine clock's now.
             client_key: the id the client sent (its x-request-id), None without one; only the fault
                 request_id_keyed routes by it.
-            adapter: the LoRA adapter it runs under (its name; the version loaded when the engine thread
-                submits it), None for the base model.
 
         Raises:
             NotAccepting: loading or stopping.
         """
-        from kvtui.scenario import PlannedRequest
-
-        stream = RequestStream(request_id, asyncio.get_running_loop(), n=sampling.n, client_key=client_key)
+        request_id = planned.request_id
+        stream = RequestStream(request_id, asyncio.get_running_loop(), n=planned.sampling.n, client_key=client_key)
         with self._lock:
             if not self.accepting or self.session is None:
                 raise NotAccepting()
@@ -146,10 +138,7 @@ class EngineBridge:
                 self._by_client[client_key] = stream  # a later request with this id takes the entry over
             if self.session.config.kv == "paged" and self.session.config.prefix_caching:
                 stream.cached_tokens = 0
-            planned = PlannedRequest(request_id=request_id, arrival_s=self.session.engine.now(),
-                                     prompt_ids=list(prompt_ids), sampling=sampling, metadata=metadata,
-                                     tenant=tenant, cache_salt=cache_salt, input=input, adapter=adapter)
-            self.session.submit_external(planned)
+            self.session.submit_external(replace(planned, arrival_s=self.session.engine.now()))
         return stream
 
     def call_in_engine(self, fn):

@@ -28,6 +28,7 @@ from fastapi.responses import PlainTextResponse, Response
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models.whisper import SAMPLE_RATE
+from kvtui.request import Canary, GivenInput, PlannedRequest
 from kvtui.serve.audio import AudioError, decode_audio
 from kvtui.serve.bridge import NotAccepting
 from kvtui.serve.jsonsafe import JSONBody
@@ -146,13 +147,13 @@ async def _run(ctx, request: Request, prompt_ids: list[int], features, temperatu
     request_id = f"trsc-{next(serial)}-{secrets.token_hex(3)}"
     sampling = SamplingParams(temperature=temperature, seed=secrets.randbelow(2**31),
                               max_new_tokens=ctx.max_len - len(prompt_ids))
-    metadata = {"prompt_text": f"[audio {features.label}]"}
     named = SPOKEN_CLIP.fullmatch(features.label)
-    if named:  # a spoken passphrase clip (word-word-nn.wav): its passphrase is the request's canary
-        metadata |= {"passphrase": named.group(1).upper(), "spoken": True}
+    # a spoken passphrase clip (word-word-nn.wav): its passphrase is the request's canary
+    canary = Canary(named.group(1).upper(), spoken=True) if named else None
+    planned = PlannedRequest(request_id, 0.0, GivenInput(RequestInput(tuple(prompt_ids), audio=features)), sampling,
+                             text=f"[audio {features.label}]", canary=canary)
     try:
-        stream = ctx.bridge.submit(request_id, prompt_ids, sampling, metadata,
-                                   input=RequestInput(tuple(prompt_ids), audio=features))
+        stream = ctx.bridge.submit(planned)
     except NotAccepting:
         raise ApiError(503, "the server is not taking requests (loading or stopping)", code="unavailable") from None
     listener = asyncio.ensure_future(wait_disconnect(request))
