@@ -107,5 +107,5 @@ def test_no_module_outside_the_engine_constructs_engine_by_hand():
             direct += [f"{rel}:{line}" for line in engine_constructions(source)]
     assert direct == []
     # the sites that build engines do it through the builder (the scan reads them)
-    assert {"kvtui/session.py", "kvtui/detect/reference.py", "kvtui/audit_timing.py", "kvtui/calibrate.py",
+    assert {"kvtui/run/engine_setup.py", "kvtui/detect/reference.py", "kvtui/audit_timing.py", "kvtui/calibrate.py",
             "kvtui/bench/common.py"} <= set(builders)

@@ -163,10 +163,10 @@ def test_an_idle_reference_check_gives_way_to_a_request_that_arrives(tiny):
             session.step_once()
         raise AssertionError(f"{request_id} never finished")
 
-    session.submit_external(_planned("a", [5, 6, 7, 8], session.engine.now()))
+    session.intake.put(_planned("a", [5, 6, 7, 8], session.engine.now()))
     step_until_finished("a")
     assert session.observer("reference").pending == 1
-    session.submit_external(_planned("b", [9, 10, 11], session.engine.now()))
+    session.intake.put(_planned("b", [9, 10, 11], session.engine.now()))
     session._idle()  # what step_once does between requests: here it must yield to "b"
     assert (session.observer("reference").pending, session.observer("reference").checked) == (1, 0)
     step_until_finished("b")

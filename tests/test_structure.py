@@ -27,6 +27,30 @@ def test_engine_and_session_functions_stay_short():
     assert [f for path in files for f in _long_functions(path)] == []
 
 
+
+SESSION_MAX_METHODS = 25
+SESSION_MAX_LINES = 350
+# what left the Session for kvtui/run/ (clock.py, engine_setup.py, timeline.py, controls.py, intake.py)
+MOVED_OUT = {"_check_clock", "pause_clock", "resume_clock", "hold_for_wall", "_make_engine", "_engine_config",
+             "_cost_model", "_adapters", "reload_adapter", "_apply_timeline", "_note_unapplied_timeline",
+             "set_fault", "scale_arrival_rate", "burst", "submit_external", "abort_external", "call_external",
+             "_drain_external"}
+
+
+def test_the_session_is_the_loop_only():
+    """kvtui/session.py's Session keeps the run loop (timeline, due arrivals, intake, step, observers,
+    controls) and no more: at most 25 methods and 350 lines, the file too; the clock, the engine's setup,
+    the timeline, the live controls and serve's queue live in kvtui/run/ (the detector attributes are
+    checked by tests/test_observers.py)."""
+    path = ROOT / "kvtui" / "session.py"
+    tree = ast.parse(path.read_text())
+    (session,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Session"]
+    methods = [n.name for n in session.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) <= SESSION_MAX_METHODS, methods
+    assert session.end_lineno - session.lineno + 1 <= SESSION_MAX_LINES
+    assert len(path.read_text().splitlines()) <= SESSION_MAX_LINES
+    assert MOVED_OUT.isdisjoint(methods) and {"__init__", "step_once", "run", "close"} <= set(methods)
+
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff") or shutil.which("ruff", path=str(Path(sys.executable).parent))
     if ruff is None:

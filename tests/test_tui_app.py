@@ -45,9 +45,9 @@ def make_demo_recording(path: Path, loaded) -> list:
     while session.step_once():
         n += 1
         if n == 20:
-            session.set_fault("stale_slot", True, source="key")
+            session.controls.set_fault("stale_slot", True, source="key")
         if n == 45:
-            session.set_fault("stale_slot", False, source="key")
+            session.controls.set_fault("stale_slot", False, source="key")
             session.emit(Marker(t=session.engine.now(), text="isolation restored"))
     session.close()
     return events

@@ -14,6 +14,14 @@ OpenAI-compatible server) differ in how requests are answered, not in what a run
   which builds them);
 - `intake`: where a PlannedRequest becomes a request of kvtui's own engine (local runs and serve only).
 
-Nothing here imports the engine, the dashboard, the server or the CLI, but `intake` (the engine's
-doorway, imported by the local Session only).
+What the local Session (kvtui/session.py, the loop) drives, each module its own part:
+
+- `clock.RunClock`: the virtual, paced or wall clock: pause, resume, the paced clock's hold to the wall;
+- `engine_setup`: the EngineConfig, step-cost model, Engine and LoRA adapters a run starts with;
+- `timeline.Timeline`: the scenario's timeline events, applied as the engine clock reaches them;
+- `controls.Controls`: fault switches, arrival-rate changes and bursts (the dashboard's keys, the timeline);
+- `step_events`: the events of one engine step and of a finished request.
+
+Nothing here imports the dashboard, the server or the CLI; only `intake`, `engine_setup` and `timeline`
+import the engine (the local Session's doorways to it, imported by it only).
 """

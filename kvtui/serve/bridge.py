@@ -138,7 +138,7 @@ class EngineBridge:
                 self._by_client[client_key] = stream  # a later request with this id takes the entry over
             if self.session.config.kv == "paged" and self.session.config.prefix_caching:
                 stream.cached_tokens = 0
-            self.session.submit_external(replace(planned, arrival_s=self.session.engine.now()))
+            self.session.intake.put(replace(planned, arrival_s=self.session.engine.now()))
         return stream
 
     def call_in_engine(self, fn):
@@ -153,7 +153,7 @@ class EngineBridge:
             session = self.session
             if not self.accepting or session is None:
                 raise NotAccepting()
-            return session.call_external(lambda: fn(session))
+            return session.intake.call(lambda: fn(session))
 
     def precompile(self, spec) -> None:
         """Compile a structured-output grammar (kvtui.engine.request.StructuredOutputs) into the engine's
@@ -173,7 +173,7 @@ class EngineBridge:
         with self._lock:
             stream = next((s for s in self.streams.values() if s.request_id == request_id), None)
             if stream is not None and self.session is not None:
-                self.session.abort_external(request_id)
+                self.session.intake.abort(request_id)
 
     def in_flight(self) -> int:
         """Requests submitted and not yet finished (one per request, whatever its n)."""

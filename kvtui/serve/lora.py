@@ -20,8 +20,9 @@
   the request's JSON 500 (serve/jsonsafe.py), never a plain-text one.
 
 Threads: a folder is read (and a local adapter made) in a tokenizing thread; the engine thread installs
-it between two steps (Session.call_external), in order with the requests queued before and after it,
-so a request sent after the load's answer runs under the new version and one in flight keeps its own.
+it between two steps (the session intake's `call`, kvtui/run/intake.py), in order with the requests
+queued before and after it, so a request sent after the load's answer runs under the new version and one
+in flight keeps its own.
 """
 
 from __future__ import annotations

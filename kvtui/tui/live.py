@@ -97,7 +97,7 @@ class LiveSource(Source):
 
     def _snapshot(self):
         """The state frozen for the UI, with the paced clock's pace (model seconds per wall second)."""
-        pacer = self.session.pacer if self.session is not None else None
+        pacer = self.session.clock.pacer if self.session is not None else None
         self.state.pace = pacer.pace() if pacer is not None else None
         return build_snapshot(self.state)
 
@@ -181,7 +181,7 @@ class LiveSource(Source):
             if not more:
                 self._finish()
             self._unshown = True
-            if self.done or self.session.pacer is None:
+            if self.done or self.session.clock.pacer is None:
                 self._show_due(force=self.done)
         self._finish(early=True)
         self.publish(self._snapshot(), force=True)
@@ -190,7 +190,7 @@ class LiveSource(Source):
         """Paced clock: wait one slice (or until a command wakes the worker) while the wall clock has not
         reached the engine's modeled time; returns whether it is still ahead."""
         try:
-            return self.session.hold_for_wall(max_wait_s=HOLD_SLICE_S, wait=self._wake.wait) > 0
+            return self.session.clock.hold_for_wall(max_wait_s=HOLD_SLICE_S, wait=self._wake.wait) > 0
         except Exception as e:  # a reference check that failed: keep the dashboard alive
             self._fail(e)
             return True
@@ -276,7 +276,7 @@ class LiveSource(Source):
         self._queue(self._sync_clock, control=False)  # also republishes with the new mode
 
     def _sync_clock(self) -> None:
-        (self.session.pause_clock if self.paused else self.session.resume_clock)()
+        (self.session.clock.pause if self.paused else self.session.clock.resume)()
 
     def step(self) -> None:
         self._queue(self._step_one)
@@ -304,19 +304,19 @@ class LiveSource(Source):
     def _switch(self, wanted: set[str], source: str) -> None:
         current = set(self.session.engine.faults)
         for name in sorted(current - wanted):
-            self.session.set_fault(name, False, source=source)
+            self.session.controls.set_fault(name, False, source=source)
         for name in sorted(wanted - current):
-            self.session.set_fault(name, True, source=source)
+            self.session.controls.set_fault(name, True, source=source)
 
     def scale_rate(self, factor: float) -> None:
         def rate() -> None:
-            self.session.scale_arrival_rate(factor)
+            self.session.controls.scale_arrival_rate(factor)
 
         self._queue(rate)
 
     def burst(self, count: int) -> None:
         def burst() -> None:
-            if not self.session.burst(count):
+            if not self.session.controls.burst(count):
                 self.state.note("info", "burst: no planned request is left to arrive")
 
         self._queue(burst)
