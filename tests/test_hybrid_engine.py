@@ -195,3 +195,24 @@ def test_any_composition_of_the_knobs_gives_each_request_its_generate_tokens(hyb
         paged.update(num_blocks=17, max_len=64)
     prompts = [SYSTEM + "Say yes.", SYSTEM + "Say no.", *PROMPTS[1:]]
     check(hybrid, prompts, layout=layout, max_tokens_per_step=budget, max_batch_size=batch, **paged)
+
+
+def test_the_hybrid_chat_scenario_validates_and_runs_clean(tmp_path):
+    """scenarios/hybrid_chat.yaml (model: tiny-qwen35moe) validates and runs headless to exit 0 with no
+    finding; its prefix hits restore checkpoints (about 40 s)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvtui.record import read_recording
+    from kvtui.scenario import load_scenario
+
+    path = Path(__file__).parent.parent / "scenarios" / "hybrid_chat.yaml"
+    assert load_scenario(path).model == "tiny-qwen35moe"
+    recording = tmp_path / "hybrid.jsonl"
+    out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--headless", "--record", str(recording)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    _, _, summary, _ = read_recording(recording)
+    assert summary.contamination_total() == 0 and summary.reference_checked == 12
+    assert summary.state_restores > 0 and summary.state_checkpoint_hits > 0 and summary.prefix_cache_hits > 0
