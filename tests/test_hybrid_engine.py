@@ -152,6 +152,22 @@ def test_the_offload_tier_restores_a_blocks_checkpoint_with_its_kv(hybrid):
     assert sum(e.state_restores for e in events) == 1
 
 
+@pytest.mark.parametrize("paged", [{}, {"kv": "paged", "block_size": 4, "prefix_caching": True}])
+def test_parallel_sampling_siblings_fork_the_leads_state(hybrid, paged):
+    """n = 3: each sibling forks the lead's state after the prompt and draws with seed + i, so it gives the
+    tokens a solo request seeded seed + i gives."""
+    ids = hybrid[2](PROMPTS[0]).input_ids
+
+    def sample(n: int, seed: int) -> dict:
+        engine = Engine(hybrid[0], EngineConfig(max_len=128, **paged), eos_token_ids=())
+        engine.submit("a", ids, SamplingParams(max_new_tokens=6, n=n, temperature=1.0, seed=seed))
+        return {f.request_id: f.output_ids for e in engine.run_until_done() for f in e.finished}
+
+    family = sample(3, 5)
+    assert [family[f"{i}_a"] for i in range(3)] == [sample(1, 5 + i)["a"] for i in range(3)]
+    assert len(set(family.values())) == 3
+
+
 def test_a_hit_is_cut_back_to_the_longest_block_with_a_checkpoint():
     manager = BlockManager(8, 4, caching=True)
     manager.needs_state = True

@@ -55,6 +55,7 @@ class HybridRunner(ModelRunner):
         """The body layer by layer (attention layers batched, linear layers per chunk); [S, V] float32 logits."""
         if bind:
             self.cache.state = state
+        self.states.take_staged()  # what an interrupted step staged is not this step's
         body = self.body
         hidden = self.input_embeds(batch)
         position_embeddings = body.rotary_emb(hidden, batch.position_ids)
