@@ -373,6 +373,11 @@ class StepEvent(_Frozen):
         encoder_capacity, encoder_referenced: cross-K/V entries in the encoder cache after the step, the
         most it keeps, those held by a running request; encoder_bytes: their K/V bytes; encoder_hits,
         encoder_misses: lookups since the engine started; encoder_hit_log: EncoderHitEntry per hit this step.
+    Hybrid models only (None, and not recorded, otherwise): state_slots_used, num_state_slots: recurrent-state
+        slots owned after the step and slots in the state pool; state_checkpoints: state checkpoints kept
+        with their blocks this step (paged KV with prefix caching); state_checkpoint_hits: prefix-cache hit
+        tokens whose state came from a checkpoint this step; state_restores: state slots restored from a
+        checkpoint this step.
     In memory only (not recorded):
         finished: kvtui.engine.FinishedRequestReport per request that left during the step (the session
             records each as a request.finish event); the engine forgets them once the step is out.
@@ -438,6 +443,12 @@ class StepEvent(_Frozen):
     encoder_hits: int | None = None
     encoder_misses: int | None = None
     encoder_hit_log: tuple[EncoderHitEntry, ...] = ()
+    # hybrid models only
+    state_slots_used: int | None = None
+    num_state_slots: int | None = None
+    state_checkpoints: int | None = None
+    state_checkpoint_hits: int | None = None
+    state_restores: int | None = None
     # in memory only
     finished: tuple[Any, ...] = Field(default=(), exclude=True)
     nonfinite: tuple[NonfiniteEntry, ...] = Field(default=(), exclude=True)
@@ -466,6 +477,8 @@ class StepEvent(_Frozen):
         other = set(PAGED_STEP_FIELDS if self.kv == "slots" else SLOT_STEP_FIELDS)
         if self.kv_offload_capacity is None:
             other |= set(OFFLOAD_STEP_FIELDS)
+        if self.num_state_slots is None:
+            other |= set(STATE_STEP_FIELDS)
         return other if self.encoder_entries is not None else other | set(ENCODER_STEP_FIELDS)
 
 
@@ -477,6 +490,9 @@ SLOT_STEP_FIELDS = ("slots_used", "num_slots")
 # StepEvent fields that only paged KV with an offload tier fills
 OFFLOAD_STEP_FIELDS = ("kv_offload_stores", "kv_offload_queries", "kv_offload_hits", "kv_offload_blocks", "kv_offload_bytes",
                        "kv_offload_capacity")
+# StepEvent fields that only a hybrid model's engine fills (not recorded otherwise)
+STATE_STEP_FIELDS = ("state_slots_used", "num_state_slots", "state_checkpoints", "state_checkpoint_hits",
+                     "state_restores")
 # StepEvent fields that only an encoder-decoder engine fills (not recorded otherwise)
 ENCODER_STEP_FIELDS = ("encoder_entries", "encoder_capacity", "encoder_referenced", "encoder_bytes", "encoder_hits",
                        "encoder_misses", "encoder_hit_log")
@@ -872,6 +888,11 @@ class Summary(_Frozen):
     encoder_cache_misses: int | None = None
     encoder_cache_entries: int | None = None
     encoder_cache_bytes: int | None = None
+    # (v3) hybrid models: recurrent-state checkpoints kept with their blocks, prefix-hit tokens whose state came
+    # from a checkpoint, and state slots restored from one, over the run (paged KV with prefix caching)
+    state_checkpoints: int | None = None
+    state_checkpoint_hits: int | None = None
+    state_restores: int | None = None
     # (v3, target runs with request_ids) the request-id audit's one line (kvtui/remote/request_ids.py)
     request_id_audit: str | None = None
     # (v3) runs with LoRA adapters: arrived requests by adapter and version ("lora-a@2"; "none": the base

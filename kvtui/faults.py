@@ -132,7 +132,7 @@ class Fault:
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
         models: the ModelKinds it acts on: DECODER_ONLY, ENCODER_DECODER (cross-attention faults), IMAGE_TEXT
             (image faults; a fault that acts on decoder-only models acts on image-text ones too); () for a server
-            fault, which acts on no model. None acts on HYBRID, which kvtui's engine does not run.
+            fault, which acts on no model. None acts on HYBRID yet (an engine running a hybrid refuses them).
         scope: "engine" (it acts in the engine, in a local run and in `kvtui serve` alike) or "server" (it acts
             in `kvtui serve`'s HTTP layer only: `kvtui serve --fault NAME`; a local run refuses it).
     """

@@ -203,6 +203,7 @@ class Metrics:
         self.paged = False  # paged KV: preemptions and prefix-cache counters (vLLM's names)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = self.cross_tenant_hits = 0
         self.offload_queries = self.offload_hits = self.offload_stores = 0  # the KV offload tier (tokens, blocks)
+        self.state: list[int] | None = None  # hybrids: state checkpoints kept, hit tokens, restores (None: no state)
         self.cached_tokens: int | None = None  # target runs: prompt tokens the server reported cached
         self.server_prefix = ServerPrefixCounters()
         self.lora = LoraCounts()
@@ -261,6 +262,9 @@ class Metrics:
         self.last = e
         if e.kv == "paged":
             self._add_paged(e)
+        if e.num_state_slots is not None:
+            counts = (e.state_checkpoints or 0, e.state_checkpoint_hits or 0, e.state_restores or 0)
+            self.state = [a + b for a, b in zip(self.state or [0, 0, 0], counts)]
 
     def _add_paged(self, e: StepEvent) -> None:
         self.paged = True
@@ -281,6 +285,12 @@ class Metrics:
             return {}
         return dict(encoder_cache_hits=e.encoder_hits, encoder_cache_misses=e.encoder_misses,
                     encoder_cache_entries=e.encoder_entries, encoder_cache_bytes=e.encoder_bytes)
+
+    def state_fields(self) -> dict:
+        """Summary fields of a hybrid's recurrent state over the run ({} for a model without one)."""
+        if self.state is None:
+            return {}
+        return dict(zip(("state_checkpoints", "state_checkpoint_hits", "state_restores"), self.state))
 
     def paged_fields(self) -> dict:
         """Summary fields of paged KV (None when the run used slots, or looked nothing up in the prefix cache)."""
@@ -372,6 +382,6 @@ class Metrics:
             reference_uncached_verified=self.reference.uncached_verified if self.reference else None,
             reference_skipped_by_reason=self.reference.skipped_by_reason if self.reference else None,
             prompt_tokens_cached=self.cached_tokens, **self.paged_fields(), **self.server_prefix.fields(),
-            **self.encoder_fields(), **self.lora.fields(),
+            **self.encoder_fields(), **self.state_fields(), **self.lora.fields(),
             **session_fields,
         )

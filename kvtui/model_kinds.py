@@ -23,9 +23,9 @@ class ModelKind(str, Enum):
         ENCODER_DECODER: an encoder's output read through cross-attention (Whisper): audio in, text out.
         IMAGE_TEXT: a decoder-only LM with an image encoder (dinov2-smollm2, tiny-vision); a fault that acts on
             decoder-only models acts on these too.
-        HYBRID: recurrent (gated-delta) layers beside attention layers (tiny-qwen35moe). kvtui's engine does not
-            run this kind yet (its registry entry has no loader and says what does: llama.cpp's server); no
-            catalogue fault acts on it.
+        HYBRID: recurrent (gated-delta "linear attention") layers beside attention layers (tiny-qwen35moe): kvtui's
+            engine keeps a recurrent-state slot per request beside its KV (kvtui/engine/state_side.py); no
+            catalogue fault acts on it yet.
     """
 
     DECODER_ONLY = "decoder-only"
@@ -41,7 +41,12 @@ class ModelKind(str, Enum):
 
 
 def model_kind(config) -> ModelKind:
-    """ModelKind.ENCODER_DECODER or DECODER_ONLY for a transformers model config (or anything with an
+    """ModelKind.ENCODER_DECODER, HYBRID or DECODER_ONLY for a transformers model config (or anything with an
     `is_encoder_decoder` attribute): the one rule that says which kind a loaded model is, read by the
-    engine's encoder side and by LoadedModel.kind (which says IMAGE_TEXT when an image encoder is attached)."""
-    return ModelKind.ENCODER_DECODER if getattr(config, "is_encoder_decoder", False) else ModelKind.DECODER_ONLY
+    engine's encoder and state sides and by LoadedModel.kind (which says IMAGE_TEXT when an image encoder is
+    attached). HYBRID: `layer_types` names a "linear_attention" layer (Qwen3.5's gated delta net)."""
+    if getattr(config, "is_encoder_decoder", False):
+        return ModelKind.ENCODER_DECODER
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return ModelKind.HYBRID
+    return ModelKind.DECODER_ONLY

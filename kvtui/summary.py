@@ -247,6 +247,9 @@ def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
         held = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
         rows.append(("encoder cache", f"{s.encoder_cache_misses} encoded, {s.encoder_cache_hits} hits of {lookups} "
                                       f"lookups; {s.encoder_cache_entries} entries ({held}) held"))
+    if s.state_checkpoints is not None:
+        rows.append(("recurrent state", f"{s.state_checkpoints} checkpoints kept, {s.state_restores} restored "
+                                        f"({s.state_checkpoint_hits} prefix-hit tokens)"))
     if s.prompt_tokens_cached is not None:
         rows.append(("cached prompt tokens", f"{s.prompt_tokens_cached} of {s.prompt_tokens} (the server's usage, "
                                              "per request)"))

@@ -61,8 +61,8 @@ def test_paged_admission_is_bounded_by_max_batch_size_after_reconfigure(tiny):
 
 def test_both_caches_implement_every_verb_of_the_interface():
     verbs = sorted(name for name, value in vars(KVCache).items() if callable(value) and not name.startswith("_"))
-    assert verbs == ["admit", "commit", "configure", "ensure", "expected_writers", "finish", "fork", "free_seats", "preempt",
-                     "rejection", "report_fields"]
+    assert verbs == ["admit", "checkpoint", "commit", "configure", "ensure", "expected_writers", "finish", "fork",
+                     "free_seats", "keep_checkpoint", "preempt", "rejection", "report_fields"]
     missing = [f"{cls.__name__}.{verb}" for cls in (SlotCache, PagedCache) for verb in verbs
                if not callable(getattr(cls, verb, None))]
     assert missing == []
@@ -95,8 +95,9 @@ def test_fault_names_are_typed_at_the_engines_use_sites():
 
 
 def test_engine_has_no_model_kind_branch():
-    """The model's kind is read in one place (encoder_side.make_encoder_side); Engine never asks whether
-    its model is an encoder-decoder, has an encoder, or what its input carries."""
+    """The model's kind is read where the engine's sides are built (make_encoder_side, and
+    state_side.make_state_side for a hybrid's recurrent state); Engine never asks whether its model is an
+    encoder-decoder, a hybrid, has an encoder, or what its input carries."""
     tree = ast.parse((ENGINE / "engine.py").read_text())
     tree.body = [n for n in tree.body if getattr(n, "name", None) != "make_encoder_side"]  # the one reader
     kind_words = ("is_encoder_decoder", "encoder_decoder", "ENCODER_DECODER", "DECODER_ONLY", "audio", "images",
@@ -110,7 +111,7 @@ def test_engine_has_no_model_kind_branch():
     assert tests_on_encoder == []
     readers = sorted({f.name for path in sorted(ENGINE.glob("*.py")) for f in _functions(ast.parse(path.read_text()))
                       for n in ast.walk(f) if isinstance(n, ast.Name) and n.id == "model_kind"})
-    assert readers == ["make_encoder_side"]
+    assert readers == ["make_encoder_side", "make_state_side"]
 
 
 def test_every_encoder_side_implements_the_protocol_and_the_scheduler_calls_it():

@@ -42,10 +42,3 @@ def test_model_gguf_refuses_a_model_llama_server_cannot_serve():
 def test_bad_llama_server_options_exit_2_with_one_line(args, said):
     out = subprocess.run(KVTUI + ["run", SCENARIO, "--headless", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(said)
-
-
-def test_the_hybrid_is_refused_by_kvtuis_own_engine_in_one_line():
-    out = subprocess.run(KVTUI + ["run", SCENARIO, "--headless", "--model", "tiny-qwen35moe"], capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
-    assert "tiny-qwen35moe (gated-delta recurrent layers) runs on llama.cpp's server" in out.stderr

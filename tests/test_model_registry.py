@@ -91,8 +91,7 @@ def test_every_entry_has_a_model_kind_one_lower_case_name_and_references_that_re
         assert all(callable(registry.resolve(r)) for r in refs), entry.name
         assert entry.embeds_from is None or registry.find_model(entry.embeds_from) is not None
         assert entry.runs_on_engine != bool(entry.refusal), entry.name
-    assert [(e.name, e.kind) for e in registry.ENTRIES if not e.runs_on_engine] == [
-        ("tiny-qwen35moe", ModelKind.HYBRID)]
+    assert [(e.name, e.kind) for e in registry.ENTRIES if not e.runs_on_engine] == []
 
 
 def test_every_model_name_in_the_cli_help_is_a_registry_entry():
@@ -113,16 +112,14 @@ def test_names_are_read_in_any_case_by_every_reader():
     for name in registry.known_names():
         assert registry.find_model(f"  {name.upper()} ") is registry.find_model(name)
     assert [kind_of(" Tiny-Whisper"), kind_of("SMOLLM2"), kind_of("tiny-qwen35moe"), kind_of("./tiny-llama")] == [
-        ModelKind.ENCODER_DECODER, ModelKind.DECODER_ONLY, None, None]
+        ModelKind.ENCODER_DECODER, ModelKind.DECODER_ONLY, ModelKind.HYBRID, None]
 
 
-def test_the_hybrid_is_refused_by_the_engine_with_the_line_naming_llama_server():
-    line = ("tiny-qwen35moe (gated-delta recurrent layers) runs on llama.cpp's server, not on kvtui's engine: "
-            "kvtui run SCENARIO --model tiny-qwen35moe --llama-server '-np 2'")
-    for load in (check_model_available, load_model):
-        with pytest.raises(ModelLoadError) as err:
-            load(" TINY-QWEN35MOE")
-        assert str(err.value) == line
+def test_the_hybrid_loads_on_the_engine_as_a_hybrid():
+    check_model_available(" TINY-QWEN35MOE")
+    loaded = load_model(" TINY-QWEN35MOE")
+    assert (loaded.model_id, loaded.kind) == ("tiny-qwen35moe", ModelKind.HYBRID)
+    assert loaded.model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
 
 
 @pytest.fixture
@@ -162,7 +159,7 @@ def test_one_new_entry_is_a_model_every_reader_takes(probe_entry):
         load_model("tiny-prob")
     assert str(err.value) == (
         "unknown model 'tiny-prob' (did you mean 'tiny-probe'?): use default (alias smollm2), tiny-llama, tiny-gpt2, "
-        "whisper-tiny.en, tiny-whisper, dinov2-smollm2, tiny-vision, tiny-probe, a local Hugging Face model "
+        "whisper-tiny.en, tiny-whisper, dinov2-smollm2, tiny-vision, tiny-qwen35moe, tiny-probe, a local Hugging Face model "
         "directory, or a path to a .gguf file")
 
 

@@ -52,8 +52,8 @@ def test_block_manager_stores_an_evicted_block_and_restores_it_on_the_next_hit()
     manager.free("a")
     manager.admit("b", list(range(100, 111)), tier_keys=[b"x" * 32, b"y" * 32])  # takes all 3 blocks
     stores, loads = manager.take_tier_ops()
-    assert [(key, origin.writer) for _, key, origin in stores] == [(keys[1], "a"), (keys[0], "a")]
-    for block, key, origin in stores:
+    assert [(key, origin.writer) for _, key, origin, _ in stores] == [(keys[1], "a"), (keys[0], "a")]
+    for block, key, origin, _ in stores:
         manager.tier.put(key, TierEntry(origin, torch.zeros(1), [0] * 4, str(block)))
     manager.free("b")
     admission = manager.admit("c", prompt, tier_keys=keys)

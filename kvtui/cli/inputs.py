@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvtui.cli.console import EXIT_BAD_INPUT, fail, say
+from kvtui.model_kinds import ModelKind
 
 
 def load_scenario(path: Path):
@@ -45,6 +46,10 @@ def load_model(name: str, dtype: str, device: str):
         choose_kernels_at_load(loaded.model, lambda line: say("note", line))
     except ValueError as e:  # a bad KVTUI_LINEAR_KERNEL
         fail(str(e))
+    if loaded.kind is ModelKind.HYBRID:
+        from kvtui.engine.hybrid import FORWARD_NOTE
+
+        say("note", f"{loaded.model_id} {FORWARD_NOTE}")
     return loaded
 
 

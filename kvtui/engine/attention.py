@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kvtui.engine.batching import BatchTensors, Segment
@@ -205,15 +205,116 @@ class StepInterrupted(Exception):
     """A forward stopped between two layers because `PooledCache.interrupt` was set (Engine.interrupt)."""
 
 
+class PooledStateLayer(LinearAttentionCacheLayerMixin):
+    """One linear-attention layer's view of a hybrid's state pool (engine/state_pool.py), for the request
+    piece bound to the cache (PooledCache.bind_state): its conv state [1, conv_dim, kernel] and recurrent
+    state [1, heads, k_dim, v_dim] are views of the pool's slot, read and written in place. Holds no tensors
+    of its own."""
+
+    is_compileable = False
+
+    def __init__(self, states, layer_idx: int, owner: "PooledCache") -> None:
+        super().__init__()
+        self.states = states
+        self.layer_idx = layer_idx
+        self.owner = owner
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        return None
+
+    def _slot(self) -> int:
+        slot = self.owner.state_slot
+        if slot is None:
+            raise RuntimeError(f"linear-attention layer {self.layer_idx} ran without a state slot bound")
+        return slot
+
+    def conv(self) -> torch.Tensor | None:
+        """The bound slot's conv state, a view [1, conv_dim, kernel]; None for a request's first piece."""
+        if self.owner.state_fresh:
+            return None
+        slot = self._slot()
+        return self.states.conv[self.layer_idx][slot : slot + 1]
+
+    def recurrent(self) -> torch.Tensor | None:
+        """The bound slot's recurrent state, a view [1, heads, k_dim, v_dim]; None for a request's first piece."""
+        if self.owner.state_fresh:
+            return None
+        slot = self._slot()
+        return self.states.recurrent[self.layer_idx][slot : slot + 1]
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        """`conv_states` [1, conv_dim, n]: the piece's conv inputs. Returns them after their left context (the
+        slot's state, or zeros for a first piece, as transformers pads) and keeps the last `kernel` columns in
+        the slot."""
+        stored = self.states.conv[self.layer_idx][self._slot()]
+        kernel = stored.shape[-1]
+        previous = self.conv()
+        if previous is None:
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = F.pad(full, (kernel - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
+        stored.copy_(full[0, :, -kernel:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """Keep the piece's last recurrent state [1, heads, k_dim, v_dim] in the slot; returns the slot's view."""
+        slot = self._slot()
+        self.states.recurrent[self.layer_idx][slot].copy_(recurrent_states[0])
+        return self.states.recurrent[self.layer_idx][slot : slot + 1]
+
+
 class PooledCache(Cache):
     """A transformers `Cache` whose layers read and write the kvtui KV pool for the current step.
     `interrupt` (any thread may set it) makes the next layer raise StepInterrupted, so a long forward
-    ends within one layer's time."""
+    ends within one layer's time.
 
-    def __init__(self, pool: KVPool) -> None:
-        super().__init__(layers=[PooledCacheLayer(pool, i, self) for i in range(pool.num_layers)])
+    A hybrid model (`states`, a state_pool.StatePool) has a PooledStateLayer at each linear-attention layer
+    and a PooledCacheLayer at each attention layer, over the KV pool's layers in order (the pool holds K/V
+    for the attention layers only). Its linear layers run one request piece at a time: `bind_state(slot,
+    fresh)` names the piece's state slot, and the linear-attention verbs transformers' layers call
+    (get_conv_state, update_conv_state, get_recurrent_state, update_recurrent_state, has_previous_state)
+    read and write that slot."""
+
+    def __init__(self, pool: KVPool, states=None) -> None:
+        linear = set(states.shape.linear_layers) if states is not None else set()
+        layers, kv_index = [], 0
+        for i in range(pool.num_layers + len(linear)):
+            if i in linear:
+                layers.append(PooledStateLayer(states, i, self))
+            else:
+                layers.append(PooledCacheLayer(pool, kv_index, self))
+                kv_index += 1
+        super().__init__(layers=layers)
         self.state: StepState | None = None
         self.interrupt = threading.Event()
+        self.state_slot: int | None = None
+        self.state_fresh = True
+
+    def bind_state(self, slot: int | None, fresh: bool) -> None:
+        """The request piece the linear layers run next: its state `slot`; `fresh` when it starts at
+        position 0 (no previous state: transformers then pads the conv and starts the delta rule from zero)."""
+        self.state_slot, self.state_fresh = slot, fresh
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.layers[layer_idx].conv()
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.layers[layer_idx].recurrent()
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.state_slot is not None and not self.state_fresh
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int) -> None:
+        return None
 
 
 def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

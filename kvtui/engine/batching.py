@@ -47,6 +47,7 @@ class Segment:
         start_pos, end_pos: positions of its fed tokens (cache_len before and after the step).
         key_start: the key column of its position 0 in the row (0 padded; its offset packed).
         blocks: paged KV: the blocks holding its positions 0 .. end_pos - 1, in order; None with slots.
+        state_slot: a hybrid model's recurrent-state slot (ScheduledChunk.state_slot); None without one.
     """
 
     row: int
@@ -57,6 +58,7 @@ class Segment:
     end_pos: int
     key_start: int
     blocks: tuple[int, ...] | None = None
+    state_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,8 @@ class _Tables:
         if chunk.samples:
             for table, value in zip(self.samples, (row, q0 + n - 1, index)):
                 table.append(value)
-        self.segments.append(Segment(row, q0, n, slot if blocks is None else None, chunk.start_pos, end, k0, blocks))
+        self.segments.append(Segment(row, q0, n, slot if blocks is None else None, chunk.start_pos, end, k0, blocks,
+                                     chunk.state_slot))
         self.key_padded += n * (self.allowed.shape[2] - end)
 
     def _addresses(self, chunk: ScheduledChunk, slot: int) -> tuple:

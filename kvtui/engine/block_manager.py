@@ -116,6 +116,7 @@ class Block:
     key: bytes | None = None
     origin: BlockOrigin | None = None
     tier_key: bytes | None = None  # the offload tier's key of its contents (a full block, tier on)
+    state: object | None = None  # hybrids: the recurrent-state checkpoint after this block's last position
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}
         self.evictions = 0
-        self.evicted: list[tuple[int, bytes, BlockOrigin]] = []  # (block, tier key, origin) for the offload tier
+        self.evicted: list[tuple[int, bytes, BlockOrigin, object]] = []  # (block, tier key, origin, state) for the tier
 
     @property
     def num_free(self) -> int:
@@ -195,8 +196,8 @@ class BlockPool:
                 del self.cached[block.key]
             self.evictions += 1
             if block.tier_key is not None:
-                self.evicted.append((block.block_id, block.tier_key, block.origin))
-        block.key, block.origin, block.tier_key = None, None, None
+                self.evicted.append((block.block_id, block.tier_key, block.origin, block.state))
+        block.key, block.origin, block.tier_key, block.state = None, None, None, None
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """A hit takes cached blocks: count + 1; a free one leaves the free queue."""
@@ -250,6 +251,8 @@ class BlockManager:
     Attributes:
         faults: the fault names acting here (set by the engine each step).
         queries, hits: prefix-cache lookups, in tokens (vLLM's prefix_cache_queries / _hits).
+        needs_state: a hit must end at a block holding a recurrent-state checkpoint (Block.state; hybrid
+            models, set at build time): a lookup is cut back to the longest such block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, caching: bool = False, watermark: float = 0.0) -> None:
@@ -267,6 +270,7 @@ class BlockManager:
         self.tier = None  # the offload tier (offload.HostTier: get, put, hits) when engine.kv_offload_blocks > 0
         self.tier_hit_tokens = self.tier_query_tokens = 0  # tokens restored from / asked of the tier
         self._loads: list[tuple[int, object]] = []  # (block, tier entry) restores the pool must make
+        self.needs_state = False
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -343,6 +347,8 @@ class BlockManager:
         truth_ids = token_ids if truth_ids is None else truth_ids
         reused = self.lookup(token_ids, salt, truth_ids) if self.caching else []
         found = self._tier_lookup(reused, len(token_ids), truth_ids, tier_keys)
+        if self.needs_state:
+            reused, found = self._to_checkpoint(reused, found)
         need = self.blocks_for(len(token_ids)) - len(reused)
         revived = sum(1 for r in reused if self.pool.blocks[r.block_id].ref_cnt == 0)
         if self.pool.num_free - revived - need < self.watermark_blocks:
@@ -361,6 +367,29 @@ class BlockManager:
             self.tier_query_tokens += len(token_ids) - hit
             self.tier_hit_tokens += len(restored) * self.block_size
         return Admission(hit + len(restored) * self.block_size, tuple(reused) + tuple(restored))
+
+    def _to_checkpoint(self, reused: list[Reuse], found: list) -> tuple[list[Reuse], list]:
+        """The hit (pool blocks, then tier entries) cut back to its longest prefix whose last block holds a
+        recurrent-state checkpoint: a hybrid's state after the hit must come with its K/V."""
+        states = [self.pool.blocks[r.block_id].state for r in reused] + [entry.state for _, entry, _ in found]
+        keep = max((i + 1 for i, state in enumerate(states) if state is not None), default=0)
+        return reused[:keep], found[: max(keep - len(reused), 0)]
+
+    def publish_state(self, request_id: str, index: int, state: object) -> None:
+        """Keep `state` (a recurrent-state checkpoint after position (index + 1) x block_size - 1) with block
+        `index` of the request's table: it lives, moves to the offload tier and is evicted with that block."""
+        table = self.tables.get(request_id)
+        if table is not None and index < len(table.blocks):
+            self.pool.blocks[table.blocks[index]].state = state
+
+    def state_at(self, request_id: str, num_tokens: int) -> object | None:
+        """The checkpoint kept with the request's block that ends at position num_tokens - 1 (None: none, or
+        num_tokens not a block boundary)."""
+        table = self.tables.get(request_id)
+        index = num_tokens // self.block_size - 1
+        if table is None or num_tokens % self.block_size or not 0 <= index < len(table.blocks):
+            return None
+        return self.pool.blocks[table.blocks[index]].state
 
     def _tier_lookup(self, reused: list[Reuse], length: int, truth_ids: Sequence,
                      tier_keys: Sequence[bytes] | None) -> list[tuple[int, object, bytes]]:
@@ -400,9 +429,10 @@ class BlockManager:
             foreign = hashlib.sha256(f"kvtui:foreign-contents:{digest}".encode()).digest()
             block.origin = replace(block.origin, writer=writer, true_key=foreign)
 
-    def take_tier_ops(self) -> tuple[list[tuple[int, bytes, BlockOrigin]], list[tuple[int, object]]]:
+    def take_tier_ops(self) -> tuple[list[tuple[int, bytes, BlockOrigin, object]], list[tuple[int, object]]]:
         """What the pool's tensors must do for the offload tier since the last call, in this order: the
-        evicted full blocks to store (block, tier key, origin), then the restores (block, tier entry)."""
+        evicted full blocks to store (block, tier key, origin, state checkpoint or None), then the restores
+        (block, tier entry)."""
         stores, self.pool.evicted = self.pool.evicted, []
         loads, self._loads = self._loads, []
         return stores, loads

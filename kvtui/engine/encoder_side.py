@@ -79,11 +79,15 @@ class TokenInputs:
     Args:
         hidden_size: the model's input embedding width (a supplied row must have it); None: not checked
             (a bare scheduler in tests).
+        kind: its `model_kind` when not the class's (HYBRID for a hybrid's token inputs: which faults act on
+            the engine); None: DECODER_ONLY.
     """
 
     model_kind = ModelKind.DECODER_ONLY
 
-    def __init__(self, hidden_size: int | None = None) -> None:
+    def __init__(self, hidden_size: int | None = None, kind: ModelKind | None = None) -> None:
+        if kind is not None:
+            self.model_kind = kind
         self.hidden_size = hidden_size
         self.faults: frozenset[str] = frozenset()
 

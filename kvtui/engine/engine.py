@@ -20,6 +20,7 @@ from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
 from kvtui.engine.encoder_side import EncoderSide, TokenInputs
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
+from kvtui.engine.hybrid import HybridRunner
 from kvtui.engine.image_side import ImageInputs
 from kvtui.engine.inputs import RequestInput
 from kvtui.engine.kv_cache import KVCache, KVPlace
@@ -35,6 +36,7 @@ from kvtui.engine.row_state import NOT_SAMPLED
 from kvtui.engine.runner import ModelRunner, batch_invariant_problem, model_geometry
 from kvtui.engine.scheduler import Scheduler, StepPlan
 from kvtui.engine.slot_cache import SlotCache
+from kvtui.engine.state_side import NoState, StateSide, make_state_side
 from kvtui.faults import FAULTS, FaultName, acts_on, check_fault_names
 from kvtui.model_kinds import ModelKind, model_kind
 from kvtui.models.compat import check_model
@@ -109,13 +111,16 @@ class Engine:
         self._serial: dict[str, int] = {}
         self._names: dict[int, str] = {}  # request serial -> id, for naming the writers of pool positions
         check_model(model.config, config.max_len)  # ValueError: length-dependent RoPE, max_len past learned positions
-        self.kv = _make_kv(model, config, self._serial.__getitem__, self._names.get)  # the scheduler owns it
+        # what requests keep besides K/V: a hybrid's recurrent state (engine/state_side.py); the scheduler owns it
+        state = make_state_side(model, config)
+        self.kv = _make_kv(model, config, self._serial.__getitem__, self._names.get, state)  # the scheduler owns it
         self.pool = self.kv.pool
         # what requests feed the model besides token ids (engine/encoder_side.py); the scheduler owns it
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
                                                  encoder_capacity(config), enforce_eager=config.enforce_eager,
-                                                 image_encoder=image_encoder, batch_invariant=config.batch_invariant)
-        self.scheduler = Scheduler(self.kv, config, encoder)
+                                                 image_encoder=image_encoder, batch_invariant=config.batch_invariant,
+                                                 state=state)
+        self.scheduler = Scheduler(self.kv, config, encoder, state)
         self.clock, self.cost_model = clock, cost_model or StepCostModel()
         self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
         self.step_index = 0
@@ -148,6 +153,11 @@ class Engine:
     def encoder(self) -> EncoderSide:
         """The encoder side (engine/encoder_side.py), owned by the scheduler."""
         return self.scheduler.encoder
+
+    @property
+    def state(self) -> StateSide:
+        """The state side (engine/state_side.py: a hybrid's recurrent state, or nothing), owned by the scheduler."""
+        return self.scheduler.state
 
     @property
     def model_kind(self) -> ModelKind:
@@ -386,6 +396,7 @@ class Engine:
         self._faults = faults
         self.kv.configure(self.config, faults)
         self.encoder.configure(faults)
+        self.state.configure(faults)
         self.output.faults = faults
 
     def has_unfinished(self) -> bool:
@@ -606,7 +617,7 @@ class Engine:
         cache slots, or with paged KV blocks (see SlotCache / PagedCache.report_fields)."""
         running = self.scheduler.running
         return dict(num_running=len(running), max_batch_size=self.config.max_batch_size,
-                    **self.kv.report_fields(running), **self.encoder.report())
+                    **self.kv.report_fields(running), **self.encoder.report(), **self.state.report())
 
     def _report(self, start_s: float, wall_s: float, plan: StepPlan, outcome: ForwardOutcome,
                 running: tuple[RunningEntry, ...]) -> StepEvent:
@@ -662,41 +673,51 @@ def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
-def _make_kv(model, config: EngineConfig, serial_of, name_of=None) -> KVCache:
+def _make_kv(model, config: EngineConfig, serial_of, name_of=None, state: StateSide | None = None) -> KVCache:
     """The KV cache config.kv asks for, its pool shaped from the model: slots (SlotCache over KVPool), or
     paged blocks (PagedCache over PagedKVPool: num_blocks, else from kv_budget_bytes, else as much memory
     as the slot pool: slots x ceil(max_len / block_size) + 1). `serial_of`: request id -> writer serial,
-    `name_of` the reverse.
+    `name_of` the reverse. `state`: the state side; a hybrid's pool holds K/V for its attention layers only,
+    and its prefix hits need state checkpoints (StateSide.checkpoints).
     The only place that reads the KV mode."""
+    state = state or NoState()
     layers, _, kv_heads, head_dim = model_geometry(model)
+    layers -= len(state.pool.shape.linear_layers) if state.pool is not None else 0
     common = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, max_len=config.max_len,
                   dtype=next(model.parameters()).dtype, device=config.device, kv_budget_bytes=config.kv_budget_bytes)
     if config.kv == "paged":
         blocks = config.num_blocks or config.num_slots * -(-config.max_len // config.block_size) + 1
         pool = PagedKVPool(num_blocks=blocks, block_size=config.block_size, **common)
         return PagedCache(pool, caching=config.prefix_caching, watermark=config.watermark, serial_of=serial_of,
-                          name_of=name_of, offload_blocks=config.kv_offload_blocks)
+                          name_of=name_of, offload_blocks=config.kv_offload_blocks, needs_state=state.checkpoints)
     return SlotCache(KVPool(num_slots=config.num_slots, **common), serial_of=serial_of)
 
 
 def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False, image_encoder=None,
-                      batch_invariant: bool = False):
-    """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind.
+                      batch_invariant: bool = False, state: StateSide | None = None):
+    """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind (besides
+    state_side.make_state_side, which picks the state side from it).
     An encoder-decoder (Whisper; `config.is_encoder_decoder`): EncoderDecoderRunner and CrossAttentionInputs
-    with an encoder cache of `capacity` entries. Any other causal LM: ModelRunner (`enforce_eager`,
-    `batch_invariant`: see ModelRunner) and TokenInputs, or with an `image_encoder`
-    (kvtui.models.vision.ImageEncoder) ImageInputs with an image cache of `capacity` entries (one encoder
-    forward per picture when batch_invariant).
+    with an encoder cache of `capacity` entries. A hybrid (linear-attention layers beside attention layers):
+    HybridRunner over the state side's StatePool (`state`, checkpoints at block boundaries when it keeps
+    them) and TokenInputs. Any other causal LM: ModelRunner (`enforce_eager`, `batch_invariant`: see
+    ModelRunner) and TokenInputs, or with an `image_encoder` (kvtui.models.vision.ImageEncoder) ImageInputs
+    with an image cache of `capacity` entries (one encoder forward per picture when batch_invariant).
 
     Raises:
         ValueError: batch_invariant where the model or enforce_eager does not allow it (ModelRunner)."""
-    if model_kind(model.config) is ModelKind.ENCODER_DECODER:
+    kind = model_kind(model.config)
+    if kind is ModelKind.ENCODER_DECODER:
         if batch_invariant:
             raise ValueError(batch_invariant_problem(model))
         runner = EncoderDecoderRunner(model, pool)
         return runner, CrossAttentionInputs(runner, capacity)
-    runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     hidden = model.get_input_embeddings().embedding_dim
+    if kind is ModelKind.HYBRID:
+        runner = HybridRunner(model, pool, state.pool, batch_invariant=batch_invariant,
+                              checkpoint_every=pool.block_size if state.checkpoints else None)
+        return runner, TokenInputs(hidden, kind=kind)
+    runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
     if image_encoder is not None:
         side = ImageInputs(hidden, image_encoder, capacity)
         side.one_at_a_time = batch_invariant

@@ -21,6 +21,8 @@ The verbs, in the order of a request's life (units: tokens unless stated):
 | ensure(request, num_tokens) | Scheduler.plan | room for positions 0 .. num_tokens - 1: a KVPlace, or None |
 | preempt(request) | Scheduler.plan | take the request's KV back (preemption by recompute) |
 | fork(lead, child, num_running) | Scheduler.fork, after the forward | parallel sampling: the child gets the lead's prompt KV (a copy, or shared blocks with copy-on-write), or None: no room |
+| keep_checkpoint(request, checkpoint) | Scheduler.update_from_output | keep a hybrid's recurrent-state checkpoint with the block it ends (paged; slots: ignored) |
+| checkpoint(request, num_tokens) | Scheduler.admit | the checkpoint kept with the block ending at num_tokens (a hit's last block), or None |
 | commit(request) | Engine, after the forward | note the tokens written (prefix caching) |
 | finish(request) | Scheduler.finish | free the request's KV |
 | expected_writers(batch, chunks, own) | Engine, isolation check | [R, K] writer serials allowed, or None |
@@ -90,6 +92,14 @@ class KVCache(Protocol):
         the step just finished writing; its KVPlace, or None when there is no room (it then queues and
         prefills itself). Slots: a copy into the child's own slot; paged KV: the lead's blocks shared by
         reference count, the partial last one copied on the first write into it (copy-on-write)."""
+
+    def keep_checkpoint(self, request: RequestState, checkpoint) -> None:
+        """Keep a hybrid's recurrent-state checkpoint (state_pool.StateCheckpoint, after checkpoint.num_tokens
+        positions, a block boundary) with the request's block that ends there; a cache without a prefix
+        cache ignores it."""
+
+    def checkpoint(self, request: RequestState, num_tokens: int):
+        """The checkpoint kept with the request's block ending at position num_tokens - 1, or None."""
 
     def commit(self, request: RequestState) -> None:
         """After the forward: the request's cache_len tokens are written."""

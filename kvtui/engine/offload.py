@@ -14,6 +14,9 @@ What LMCache's CPU backend, vLLM's OffloadingConnector and SGLang's hierarchical
 - The tier's key is the block's full prefix-cache key: its tokens chained to the whole prefix, and in the
   first block the partition the engine's own key carries (the tenant's cache_salt; image and supplied
   embedding positions keyed by their contents, not their placeholder ids).
+- A hybrid model's block carries the recurrent-state checkpoint after its last position (Block.state); the
+  tier stores it beside the block's K/V and a restore hands it back with them (`store`, `restore`), so a
+  hit from the tier restores the request's state too.
 - Each entry keeps a sha256 digest of the bytes it was stored from; a restore compares the pool block's
   bytes with it afterwards, so a restore that delivers other bytes is reported (StepEvent.prefix_hits:
   `tier`, `intact`, `found_writer`), for prefix_provenance to name.
@@ -52,12 +55,14 @@ class TierEntry:
         data: [layers, 2, block_size, kv_heads, head_dim] K and V, the tier's token-major layout.
         tags: the pool's writer tags of the block's positions (request serials), [block_size].
         digest: sha256 hex of the pool-layout bytes it was stored from (KVBlockBytes).
+        state: a hybrid's recurrent-state checkpoint kept with the block (state_pool.StateCheckpoint), or None.
     """
 
     origin: BlockOrigin
     data: torch.Tensor
     tags: list[int]
     digest: str
+    state: object | None = None
 
 
 class HostTier:
@@ -134,15 +139,17 @@ def block_bytes_digest(pool, block: int) -> str:
     return h.hexdigest()
 
 
-def store(pool, block: int, origin: BlockOrigin) -> TierEntry:
-    """Copy pool block `block` (K, V of every layer, writer tags) out into a new TierEntry, token-major."""
+def store(pool, block: int, origin: BlockOrigin, state=None) -> TierEntry:
+    """Copy pool block `block` (K, V of every layer, writer tags) out into a new TierEntry, token-major, with
+    the block's recurrent-state checkpoint `state` (hybrids; None otherwise) beside them."""
     data = torch.stack([torch.stack((k[block], v[block])) for k, v in zip(pool.keys, pool.values)])  # [L, 2, H, B, D]
     return TierEntry(origin, data.transpose(2, 3).contiguous().cpu(), pool.writer[block].tolist(),
-                     block_bytes_digest(pool, block))
+                     block_bytes_digest(pool, block), state)
 
 
-def restore(pool, entry: TierEntry, block: int, faults: frozenset[str]) -> None:
-    """Copy `entry` into pool block `block` (K, V of every layer and the writer tags). Under
+def restore(pool, entry: TierEntry, block: int, faults: frozenset[str]):
+    """Copy `entry` into pool block `block` (K, V of every layer and the writer tags); returns the recurrent-state
+    checkpoint stored with it (None for a model without one), for the block to keep. Under
     tier_layout_mismatch the token-major data is read as head-major: reshaped, not transposed."""
     layers, _, size, heads, dim = entry.data.shape
     if FaultName.TIER_LAYOUT_MISMATCH in faults:
@@ -150,3 +157,4 @@ def restore(pool, entry: TierEntry, block: int, faults: frozenset[str]) -> None:
     else:
         data = entry.data.transpose(2, 3)
     pool.restore_block(block, data, entry.tags)
+    return entry.state

@@ -37,15 +37,18 @@ class PagedCache:
         caching, watermark: prefix caching on; admission watermark (see BlockManager).
         serial_of: request id -> the serial its writes are tagged with; name_of: serial -> request id.
         offload_blocks: blocks the KV offload tier holds (0: no tier; kvtui/engine/offload.py).
+        needs_state: a prefix hit must end at a block that keeps a recurrent-state checkpoint (hybrid models,
+            BlockManager.needs_state).
     """
 
     def __init__(self, pool: PagedKVPool, *, caching: bool, watermark: float, serial_of, name_of=None,
-                 offload_blocks: int = 0) -> None:
+                 offload_blocks: int = 0, needs_state: bool = False) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_running = 1  # max_batch_size, set by configure
         self.faults: frozenset[str] = frozenset()
         self.manager = BlockManager(pool.num_blocks, pool.block_size, caching=caching, watermark=watermark)
+        self.manager.needs_state = needs_state
         self.serial_of = serial_of
         self.borrowed: dict[str, list[int]] = {}  # request -> writer serial allowed at each reused position
         self.num_preemptions = 0
@@ -140,11 +143,11 @@ class PagedCache:
             return
         stores, loads = self.manager.take_tier_ops()
         self._restored = {}
-        for block, key, origin in stores:
-            self.tier.put(key, offload.store(self.pool, block, origin))
+        for block, key, origin, state in stores:
+            self.tier.put(key, offload.store(self.pool, block, origin, state))
         skipped = loads[-1:] if FaultName.TIER_PARTIAL_LOAD in self.faults else []  # promised, never copied
         for block, entry in loads[: len(loads) - len(skipped)]:
-            offload.restore(self.pool, entry, block, self.faults)
+            self.manager.pool.blocks[block].state = offload.restore(self.pool, entry, block, self.faults)
         for block, entry in loads:
             self._restored[block] = tags, intact, found = self._check(block, entry)
             if not intact:
@@ -204,6 +207,17 @@ class PagedCache:
         self.borrowed.pop(request.request_id, None)
         self.num_preemptions += 1
         self._preempted.append(request.request_id)
+
+    # -- recurrent-state checkpoints (hybrid models) ---------------------------------------------------
+    def checkpoint(self, request: RequestState, num_tokens: int):
+        """The recurrent-state checkpoint kept with the request's block ending at position num_tokens - 1
+        (its prefix-cache hit's last block), or None."""
+        return self.manager.state_at(request.request_id, num_tokens)
+
+    def keep_checkpoint(self, request: RequestState, checkpoint) -> None:
+        """Keep `checkpoint` (state_pool.StateCheckpoint after its num_tokens positions, a block boundary) with
+        the request's block ending there, to be cached, offloaded and evicted with it."""
+        self.manager.publish_state(request.request_id, checkpoint.num_tokens // self.block_size - 1, checkpoint)
 
     # -- after the forward ----------------------------------------------------------------------------
     def commit(self, request: RequestState) -> None:

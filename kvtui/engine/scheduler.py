@@ -8,6 +8,10 @@ each request's progress (cache_len, prefill_done: set_progress): at admission fr
 count, after each step (update_from_output), on preemption and when a parallel-sampling sibling
 forks. It owns the encoder side (encoder_side.EncoderSide) too: it calls its admit after admission,
 bind on the planned chunks, and finish when a request ends; the encoder side never calls back either.
+And it owns the state side (state_side.StateSide: a hybrid model's recurrent state, nothing for
+attention-only models): a request is admitted only while the state side has room, takes its state
+slot (and a prefix hit's checkpoint, KVCache.checkpoint) at admission, gives it back on finish and
+preemption, and the checkpoints a forward took go to the KV cache (KVCache.keep_checkpoint).
 
 Policy, in order, every step:
 1. Admission (FIFO): while requests wait and the KV cache admits the oldest (a free slot; with
@@ -36,6 +40,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine.encoder_side import EncoderSide, TokenInputs
 from kvtui.engine.kv_cache import KVCache, KVPlace
 from kvtui.engine.request import RequestState, RequestStatus
+from kvtui.engine.state_side import NoState, StateSide
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class ScheduledChunk:
         blocks: paged KV: the request's block table (block ids, covering end_pos); None with slots.
         spliced: rows spliced into the model's input embeddings at some of the fed positions (prompt
             embeddings, image features), as (offsets into token_ids, rows [m, hidden]); None: none.
+        state_slot: a hybrid model's recurrent-state slot (state_side.RecurrentState.bind); None without one.
     """
 
     request: RequestState
@@ -62,6 +68,7 @@ class ScheduledChunk:
     phase: str
     blocks: tuple[int, ...] | None = None
     spliced: tuple | None = None
+    state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -110,11 +117,14 @@ class Scheduler:
         config: the knobs it reads (configure).
         encoder: the encoder side (it owns it; see encoder_side.py); default TokenInputs() (token ids and
             supplied embedding rows).
+        state: the state side (it owns it; see state_side.py); default NoState() (attention-only models).
     """
 
-    def __init__(self, kv: KVCache, config: EngineConfig, encoder: EncoderSide | None = None) -> None:
+    def __init__(self, kv: KVCache, config: EngineConfig, encoder: EncoderSide | None = None,
+                 state: StateSide | None = None) -> None:
         self.kv = kv
         self.encoder = encoder if encoder is not None else TokenInputs()
+        self.state = state if state is not None else NoState()
         self.encoder_cost_s = 0.0  # modeled seconds of the last admission's encoder work (virtual clock)
         self.configure(config)
         self.waiting: deque[RequestState] = deque()
@@ -147,10 +157,11 @@ class Scheduler:
         itself (its tokens are the same either way). Returns the forked (sibling, KVPlace)."""
         forked, queued = [], []
         for sibling in siblings:
-            place = self.kv.fork(lead, sibling, len(self.running))
+            place = self.kv.fork(lead, sibling, len(self.running)) if self.state.has_room() else None
             if place is None:
                 queued.append(sibling)
                 continue
+            self.state.fork(lead, sibling)
             self.set_progress(sibling, lead.cache_len, sibling.prompt_len)
             sibling.scheduled_s, sibling.status = lead.scheduled_s, RequestStatus.RUNNING
             self.running.append(sibling)
@@ -172,6 +183,7 @@ class Scheduler:
         elif any(r is request for r in self.waiting):  # aborted while waiting (a rejected one never queued)
             self.waiting.remove(request)
         self.kv.finish(request)
+        self.state.release(request)
         self.encoder.finish(request.request_id)
 
     def admit(self, start_s: float) -> list[RequestState]:
@@ -181,8 +193,10 @@ class Scheduler:
         least its last token (which samples), at the position after them; a stale slot (stale_slot
         fault) may hold more positions than the prompt has tokens."""
         admitted = []
-        while self.waiting and (hit := self.kv.admit(self.waiting[0], len(self.running))) is not None:
+        while (self.waiting and self.state.has_room()
+               and (hit := self.kv.admit(self.waiting[0], len(self.running))) is not None):
             request = self.waiting.popleft()
+            self.state.admit(request, hit, self.kv.checkpoint(request, hit) if hit else None)
             self.set_progress(request, hit, min(hit, request.prefill_len - 1))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -219,16 +233,19 @@ class Scheduler:
                                              place.blocks))
                 budget -= len(token_ids)
         bound, taint = self.encoder.bind(tuple(chunks))
-        return StepPlan(bound, taint)
+        return StepPlan(self.state.bind(bound), taint)
 
     def update_from_output(self, plan: StepPlan, failed=()) -> None:
         """Apply a step's outcome to its requests' progress: each chunk that ran wrote its positions
         (cache_len = end_pos) and, in prefill, fed its tokens; the chunks at indices in `failed` (a fault
-        broke them; their requests are aborted) are left as they were."""
+        broke them; their requests are aborted) are left as they were. The recurrent-state checkpoints the
+        forward took (state side) are kept with the blocks they end (KVCache.keep_checkpoint)."""
         for index, chunk in enumerate(plan.chunks):
             if index not in failed:
                 fed = chunk.num_tokens if chunk.phase == "prefill" else 0
                 self.set_progress(chunk.request, chunk.end_pos, chunk.request.prefill_done + fed)
+        for request, checkpoint in self.state.update_from_output(plan, failed):
+            self.kv.keep_checkpoint(request, checkpoint)
 
     def _room(self, request: RequestState, num_tokens: int, chunks: list[ScheduledChunk], budget: int):
         """Ask the cache for room for `request`'s positions 0 .. num_tokens - 1; while it has none, preempt
@@ -248,6 +265,7 @@ class Scheduler:
         """Preemption by recompute: its KV back, the FRONT of the waiting queue, and when admitted again
         it feeds its prompt and the tokens it had generated as one prefill."""
         self.kv.preempt(request)
+        self.state.release(request)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

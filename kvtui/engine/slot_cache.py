@@ -81,6 +81,12 @@ class SlotCache:
     def commit(self, request: RequestState) -> None:
         pass  # a slot keeps no index of its contents
 
+    def checkpoint(self, request: RequestState, num_tokens: int) -> None:
+        return None  # no prefix cache, so no state checkpoints
+
+    def keep_checkpoint(self, request: RequestState, checkpoint) -> None:
+        pass
+
     def finish(self, request: RequestState) -> None:
         """Free the request's slot at once; its cache_len is kept as the slot's last length."""
         self.borrowed.pop(request.request_id, None)

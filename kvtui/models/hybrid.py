@@ -49,7 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvtui.models import default as _default
 from kvtui.models.registry import TINY_QWEN35MOE
-from kvtui.models.types import ModelLoadError, one_line, quiet_progress_bars
+from kvtui.models.types import LoadedModel, ModelLoadError, one_line, quiet_progress_bars
 
 HYBRID_NAME = TINY_QWEN35MOE.name  # "tiny-qwen35moe"
 HYBRID_SEED = 0
@@ -97,6 +97,17 @@ def build_hybrid(seed: int = HYBRID_SEED) -> tuple[PreTrainedModel, PreTrainedTo
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.generation_config.pad_token_id = 2
     return model.eval(), tokenizer
+
+
+def load_hybrid(name: str, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    """The registry loader of tiny-qwen35moe for kvtui's engine: build_hybrid() in-process (about 3 s; the
+    same bits as the folder llama.cpp's GGUF is converted from), cast to `dtype`."""
+    from kvtui.models.chat import eos_token_ids
+
+    model, tokenizer = build_hybrid()
+    model = model.to(dtype)
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=name, source_path=None, source_sha256=None,
+                       dtype=model.dtype, eos_token_ids=eos_token_ids(model, tokenizer))
 
 
 def hybrid_key(seed: int = HYBRID_SEED) -> str:

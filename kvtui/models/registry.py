@@ -13,8 +13,9 @@ or the hybrid's transformers classes (for both).
 
 Adding a model is one entry here plus its loader (a function `f(name, dtype, progress) -> LoadedModel` in
 kvtui/models/); a new kind is a ModelKind member, and the faults that act on it say so in their `models`.
-The hybrid is an entry whose kind kvtui's engine does not run yet: no loader, and a `refusal` line naming
-what runs it; giving it a loader is what will make the engine take it.
+An entry without a loader is a model kvtui's engine does not run; its `refusal` line names what runs it
+(none today: the hybrid, tiny-qwen35moe, runs on the engine with a recurrent-state pool, and on llama.cpp's
+server through its GGUF).
 """
 
 from __future__ import annotations
@@ -142,9 +143,7 @@ TINY_VISION = ModelEntry(
 _HYBRID_NAME = "tiny-qwen35moe"
 TINY_QWEN35MOE = ModelEntry(
     _HYBRID_NAME, ModelKind.HYBRID, "tiny-qwen35moe", tokenizer=_SMOLLM2_TOKENIZER,  # SmolLM2's tokenizer
-    gguf="kvtui.models.hybrid:hybrid_gguf",
-    refusal=(f"{_HYBRID_NAME} (gated-delta recurrent layers) runs on llama.cpp's server, not on kvtui's engine: "
-             f"kvtui run SCENARIO --model {_HYBRID_NAME} --llama-server '-np 2'"),
+    load="kvtui.models.hybrid:load_hybrid", gguf="kvtui.models.hybrid:hybrid_gguf",
 )
 
 # Every entry, in the order messages list them. The functions below read it on each call (8 entries).

@@ -4,7 +4,8 @@ Fields (defaults in brackets; seconds and tokens as named):
   name [file stem], description [""], seed [0]
   max_requests, duration_s: stop conditions, whichever comes first (an endless arrival process
       needs at least one)
-  model [default]: default | tiny-llama | tiny-gpt2 | a folder or .gguf path (relative to the file)
+  model [default]: default | tiny-llama | tiny-gpt2 | any engine model of kvtui.models.registry (e.g.
+      tiny-qwen35moe, the hybrid) | a folder or .gguf path (relative to the file)
   dtype [float32]: float32 | bfloat16 | float16
   engine: slots [8] or kv_budget_bytes, max_len [512], max_batch_size [8], max_tokens_per_step [1024],
       layout [padded|packed], padding_side [right|left], bucketing {enabled [false], tolerance [0.2]}
