@@ -116,7 +116,7 @@ class Plan:
         self.slots = 6 if self.quick else 8
 
 
-DOC_TOKENS = 300  # the cancelled prompt's document: long enough that its prefill can be cut
+DOC_TOKENS = 200  # the cancelled prompt's document: long enough that its prefill can be cut
 TIER_DOC_TOKENS = 60  # each tier conversation's own document
 SYSTEM_TOKENS = 30  # the multi-turn conversations' shared system prompt
 OPENING_TOKENS = 60  # each conversation's own opening, longer than what it shares (a server that keeps a
@@ -329,7 +329,8 @@ def cache_note(sent: list[Sent]) -> str:
 
 def judge(name: str, sent: list[Sent], tolerance: float, *, note: str = "", needs_restore: bool = False) -> Part:
     """One part's verdict: fail when an answer differs from its solo run beyond a near tie (a token whose
-    runs' top logprobs lie further apart than `tolerance` nats, or a token one run does not list); n/a when
+    runs' top logprobs lie further apart than `tolerance` nats, or a token one run does not list); n/a when no
+    solo run could be compared (each took cached prompt tokens: the server ignored the fresh salt), or when
     `needs_restore` and the server reports cached tokens but no request meant to resume took any; else pass.
 
     Args:
@@ -338,8 +339,11 @@ def judge(name: str, sent: list[Sent], tolerance: float, *, note: str = "", need
         note: what the part sent, put first in the figures.
     """
     wrong, near, unknown = [], 0, 0
-    for s in sent:
-        d = first_divergence(s.answer, s.solo, tolerance) if s.solo is not None else None
+    # a "solo" run that took prompt tokens from the cache is no solo run (a server that ignores the fresh salt)
+    served = [s for s in sent if s.solo is not None and s.solo.cached_tokens]
+    judged = [s for s in sent if s.solo is not None and not s.solo.cached_tokens]
+    for s in judged:
+        d = first_divergence(s.answer, s.solo, tolerance)
         if d is None:
             continue
         if d.kind == "numeric":
@@ -352,9 +356,10 @@ def judge(name: str, sent: list[Sent], tolerance: float, *, note: str = "", need
                          f"{d.solo_piece!r}{gap}){cached}")
         else:
             unknown += 1
-    compared = sum(s.solo is not None for s in sent)
-    equal = compared - len(wrong) - near - unknown
-    figures = (f"{note}: " if note else "") + f"{equal} of {compared} equal their solo run"
+    equal = len(judged) - len(wrong) - near - unknown
+    figures = (f"{note}: " if note else "") + f"{equal} of {len(judged)} equal their solo run"
+    if served:
+        figures += f", {len(served)} not compared (their solo run was served from the cache)"
     if near:
         figures += f", {near} near ties"
     if unknown:
@@ -363,6 +368,9 @@ def judge(name: str, sent: list[Sent], tolerance: float, *, note: str = "", need
     if wrong:
         more = f"; {len(wrong) - 2} more" if len(wrong) > 2 else ""
         return Part(name, "fail", figures, "; ".join(wrong[:2]) + more)
+    if not judged:
+        return Part(name, "n/a", figures, "no solo run could be compared: the server took prompt tokens from its "
+                    "cache for each, past a fresh cache_salt")
     meant = [s for s in sent if s.restore]
     if needs_restore and any(s.answer.cached_tokens is not None for s in meant) and not any(
             s.answer.cached_tokens for s in meant):
