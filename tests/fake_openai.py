@@ -57,8 +57,14 @@ class FakeOpenAI:
         clock_steps: transport mode: before chunk k, set `self.now` to clock_steps[k] (a fake clock).
         prefix_cache: a prefix cache that reports `usage.prompt_tokens_details.cached_tokens` (all 7 prompt
             tokens for a prompt seen before, else 0): "honours_salt" keys it by (cache_salt, prompt) and
-            skips it for `cache_prompt: false`; "ignores_salt" keys it by the prompt alone; None: no cache,
-            nothing reported.
+            skips it for `cache_prompt: false`; "ignores_salt" keys it by the prompt alone; "prefix" as
+            "honours_salt", but a chat prompt whose first messages are a prompt seen before hits too (a next
+            turn); None: no cache, nothing reported.
+        stale_state: a planted recurrent-state leak, which changes the answer's fourth piece: "abort" - a
+            prompt whose last sending has not written its whole answer (still streaming, or its client closed
+            the stream early) answers " STALE", as a server that publishes a request's state when it is
+            scheduled and writes it as it goes; "slot" - every answer carries a piece named after
+            the previous request's prompt (a slot that starts from the state its last request wrote).
         owned_by: /v1/models' `owned_by` (e.g. "llamacpp", "vllm"), None to leave it out.
         html: passphrases whose requests get a 200 text/html page (PAGE) instead of a stream; "event": those
             get a stream whose first event's data is that page (not JSON).
@@ -87,6 +93,10 @@ class FakeOpenAI:
     _original: list = field(default_factory=list)  # the last answer before any change
     _streaming: dict = field(default_factory=dict)  # id(body) -> its prompt text, while it streams
     _cached: set = field(default_factory=set)  # prefix_cache: the keys of the prompts seen
+    stale_state: str | None = None
+    stale: list[str] = field(default_factory=list)  # stale_state: the prompts whose answer it changed
+    _unwritten: set = field(default_factory=set)  # stale_state "abort": prompts whose last answer is unfinished
+    _previous: str = ""  # stale_state "slot": the last prompt answered
 
     def clock(self) -> float:
         return self.now
@@ -112,6 +122,15 @@ class FakeOpenAI:
         if own:
             self._last = own
         pieces = ["The", " passphrase", " is", f" {said}", "."]
+        key = _prompt_key(body)
+        if self.stale_state == "abort" and key in self._unwritten:
+            pieces[3] = " STALE"
+            self.stale.append(key)
+        elif self.stale_state == "slot":
+            pieces[3] = f" S{zlib.crc32(self._previous.encode()) % 997}"
+            self.stale.append(key)
+        self._unwritten.add(key)
+        self._previous = key
         self._original = list(pieces)
         changed = None
         if self.vary_under_load and self.in_flight > 1:
@@ -142,11 +161,21 @@ class FakeOpenAI:
         out.append({"choices": [], "usage": usage})
         return [f"data: {json.dumps(c)}\n\n" for c in out] + ["data: [DONE]\n\n"]
 
+    def _written(self, body: dict) -> None:
+        """The request's whole answer was handed out (its last chunk written)."""
+        self._unwritten.discard(_prompt_key(body))
+
     def _cache_lookup(self, body: dict) -> int:
         """Prompt tokens this request reads from the fake prefix cache (and remember its prompt)."""
-        if self.prefix_cache == "honours_salt" and body.get("cache_prompt") is False:
+        if self.prefix_cache in ("honours_salt", "prefix") and body.get("cache_prompt") is False:
             return 0
-        salt = body.get("cache_salt") if self.prefix_cache == "honours_salt" else None
+        salt = body.get("cache_salt") if self.prefix_cache in ("honours_salt", "prefix") else None
+        if self.prefix_cache == "prefix" and body.get("messages"):
+            messages = body["messages"]
+            keys = [(salt, json.dumps(messages[:n])) for n in range(1, len(messages) + 1)]
+            hit = any(k in self._cached for k in keys)
+            self._cached.add(keys[-1])
+            return 7 if hit else 0
         key = (salt, json.dumps(body.get("messages") or body.get("prompt")))
         hit = key in self._cached
         self._cached.add(key)
@@ -200,9 +229,16 @@ class FakeOpenAI:
                 yield chunk.encode()
                 await asyncio.sleep(self.delay_s)
         finally:
-            if not done:
+            if done:
+                self._written(body)
+            else:
                 self.in_flight -= 1
                 self._streaming.pop(id(body), None)
+
+
+def _prompt_key(body: dict) -> str:
+    """A request's prompt (chat messages or completions prompt) as one string."""
+    return json.dumps(body.get("messages") or body.get("prompt"))
 
 
 def _token(piece: str, gap: float, other: str) -> dict:
@@ -256,6 +292,8 @@ class FakeHTTPServer:
                         self.wfile.write(chunk.encode())
                         self.wfile.flush()
                         time.sleep(delay)
+                    with lock:
+                        fake_ref._written(body)
                 except (BrokenPipeError, ConnectionResetError):  # the client went away (a stopped run)
                     pass
                 finally:

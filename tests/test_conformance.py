@@ -42,6 +42,7 @@ def test_list_names_every_check_with_its_mutant():
     assert lines[6].endswith("(kvtui serve mutant: --fault prefix_key_no_parent)")  # prompt_cache
     assert lines[5].endswith("(kvtui serve mutants --model dinov2-smollm2: --fault mm_hash_missing, --fault "
                              "mm_uuid_trusted, --fault stale_image_embedding)")  # images
+    assert lines[7].startswith("recurrent_state") and "mutant" not in lines[7]  # no fault of kvtui's engine is for it
 
 
 @pytest.mark.parametrize("args, line", [
@@ -110,9 +111,9 @@ def test_clean_kvtui_serve_passes_every_applicable_check(tokenizer, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(path.read_text())
     assert {c["check"]: c["verdict"] for c in data["checks"]} == CLEAN
-    assert data["counts"] == {"pass": 7, "fail": 0, "n/a": 1}
-    assert data["label"] == "kvtui serve" and "7 pass, 0 fail, 1 not applicable" in out.stdout
-    assert "[8/8] request_ids: pass" in out.stderr  # the progress lines
+    assert data["counts"] == {"pass": 8, "fail": 0, "n/a": 1}
+    assert data["label"] == "kvtui serve" and "8 pass, 0 fail, 1 not applicable" in out.stdout
+    assert "[9/9] request_ids: pass" in out.stderr  # the progress lines
 
 
 @pytest.mark.smollm

@@ -17,6 +17,7 @@ from kvtui.conformance.api_checks import parallel_sampling, structured_output
 from kvtui.conformance.base import CheckResult, Server
 from kvtui.conformance.images import images
 from kvtui.conformance.load_checks import prompt_cache, prompt_embeds, request_ids, solo_parity
+from kvtui.conformance.recurrent import recurrent_state
 from kvtui.conformance.salts import tenant_salts
 
 
@@ -56,6 +57,8 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           more_mutants=("mm_uuid_trusted", "stale_image_embedding")),
     Check("prompt_cache", "conversations sharing text after their own passphrase get only their own state "
           "from the prompt cache", "prefix_key_no_parent", prompt_cache),
+    Check("recurrent_state", "a request's state (a hybrid's recurrent state, or KV) is its own across turns, a "
+          "cancelled prefill and its retry, tier restores and slot reuse", None, recurrent_state),
     Check("request_ids", "two clients sending one x-request-id at once each get their own answer, and the "
           "server keeps serving", "request_id_keyed", request_ids),
 )}

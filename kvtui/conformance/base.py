@@ -116,6 +116,8 @@ class CheckResult:
         figures: what it measured, one line.
         evidence: a fail's evidence (victim, source, the differing text), or the n/a reason.
         seconds: wall time the check took.
+        parts: a check of several parts (recurrent_state): each part's name, verdict, figures and evidence
+            ({} each); [] for a check of one part. Left out of as_dict when empty.
     """
 
     check: str
@@ -125,10 +127,14 @@ class CheckResult:
     figures: str
     evidence: str = ""
     seconds: float = 0.0
+    parts: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        """The result as plain JSON-ready data."""
-        return asdict(self)
+        """The result as plain JSON-ready data (`parts` only when the check has parts)."""
+        data = asdict(self)
+        if not self.parts:
+            del data["parts"]
+        return data
 
 
 async def send(server: Server, bodies: list[dict], together: bool) -> list[StreamResult]:
