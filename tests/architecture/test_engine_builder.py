@@ -16,7 +16,7 @@ from kvtui.config import EngineConfig
 from kvtui.engine import Engine, SamplingParams
 from kvtui.model_kinds import ModelKind
 
-KVTUI = Path(__file__).parent.parent / "kvtui"
+KVTUI = Path(__file__).parents[2] / "kvtui"
 
 
 def test_the_builder_takes_the_loaded_models_eos_ids_tokenizer_and_pad_id(tiny):

@@ -19,7 +19,7 @@ from helpers import make_engine
 
 from kvtui.config import EngineConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs with every bound moved inward (ints: low + 1, high - 1; floats: low + 0.001, high / 2) and the audit defaults moved;
 # prints what each reader then holds, as JSON.

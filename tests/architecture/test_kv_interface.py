@@ -15,7 +15,7 @@ from kvtui.engine.paged import PagedCache
 from kvtui.engine.slot_cache import SlotCache
 from kvtui.faults import FAULT_NAMES, FaultName
 
-ENGINE = Path(__file__).parent.parent / "kvtui" / "engine"
+ENGINE = Path(__file__).parents[2] / "kvtui" / "engine"
 
 
 def engine_for(loaded, **kw) -> Engine:

@@ -19,7 +19,7 @@ import ast
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "kvtui"
 POOL_MODULE = PACKAGE / "engine" / "kv_pool.py"
 POOL_VIEWS = {"own_keys"}  # kvtui functions that return a view of a pool tensor

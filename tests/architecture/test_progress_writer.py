@@ -13,7 +13,7 @@ from helpers import make_engine, make_requests, solo
 from kvtui.engine import SamplingParams
 from kvtui.engine.request import RequestState, RequestStatus
 
-KVTUI = Path(__file__).parent.parent / "kvtui"
+KVTUI = Path(__file__).parents[2] / "kvtui"
 PROGRESS = ("cache_len", "prefill_done")
 # The dashboard's own view of a request (kvtui/tui/state.py `_Request`, not RequestState) has a cache_len field
 # of its own, written from each step's report: these two methods write that view, never an engine request.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 MAX_FUNCTION_LINES = 40
 
 
@@ -84,11 +84,26 @@ def test_no_module_uses_what_the_oldest_python_pyproject_allows_lacks():
 
 def test_module_names_under_tests_are_unique():
     """pytest's default (prepend) import mode imports a test folder's modules by their bare names, so two
-    files of one name in different folders under tests/ are one module: the second conftest.py in
-    tests/tui/ became the `conftest` that 28 flat tests' `from conftest import smollm2_available` read, and
-    they failed with ImportError. Each name, conftest.py included, appears once."""
+    files of one name in different folders under tests/ are one module: a second helper module of one name
+    in a room folder would shadow the first for every test that imports it, and they fail with ImportError.
+    Each name appears once; conftest.py is the exception, one per room folder (pytest loads each by its path,
+    clearing the last `conftest` from sys.modules first), which is why nothing imports a conftest."""
     names: dict[str, list[str]] = {}
     for path in sorted((ROOT / "tests").rglob("*.py")):
-        if "__snapshots__" not in path.parts:
+        if "__snapshots__" not in path.parts and path.name != "conftest.py":
             names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_nothing_imports_a_conftest():
+    """With a conftest.py in tests/ and in room folders (tests/remote/conftest.py), the module `conftest` is
+    whichever pytest loaded last, so `from conftest import smollm2_available` read the wrong one; what tests
+    share beside fixtures lives in tests/helpers.py."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            if "conftest" in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []

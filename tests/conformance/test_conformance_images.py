@@ -102,7 +102,7 @@ def test_a_refusal_is_not_applicable_with_the_servers_message():
 # -- against kvtui serve --model dinov2-smollm2 --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     from kvtui.models import ModelLoadError, load_tokenizer
     from kvtui.models.dinov2 import dinov2_onnx_path

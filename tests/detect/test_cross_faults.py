@@ -15,7 +15,7 @@ from kvtui.models import load_model
 from kvtui.scenario import load_scenario, parse_scenario
 from kvtui.session import Session
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AUDIO = ROOT / "scenarios" / "audio"
 TEXT_DETECTORS = {"canary"}
 CROSS = [name for name, fault in FAULTS.items() if fault.models == (ModelKind.ENCODER_DECODER,)]

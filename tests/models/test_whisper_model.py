@@ -23,7 +23,7 @@ from kvtui.models import whisper as wh
 from kvtui.models.compat import NAMED_CONFIGS, IncompatibleModel, ModelShape, check_max_len, shape_from_config
 from kvtui.models.ct2 import CT2FormatError, read_ct2
 
-AUDIO = Path(__file__).resolve().parent.parent / "scenarios" / "audio"
+AUDIO = Path(__file__).resolve().parents[2] / "scenarios" / "audio"
 CLIPS = sorted(AUDIO.glob("*.wav"))
 CT2_INSTALL = "pip install ctranslate2==4.8.5"
 

@@ -1,9 +1,9 @@
 """`kvtui conformance --target` against real servers, marked and grouped as the other tests of that server.
 
-- vLLM CPU 0.32 shares the session's server (tests/conftest.py vllm_url, the "vllm" xdist group): the whole
+- vLLM CPU 0.32 shares the session's server (tests/remote/conftest.py vllm_url, the "vllm" xdist group): the whole
   quick command, every class; every applicable check passes, images is n/a (SmolLM2 takes none). About 90 s.
 - transformers serve 5.24.0, pinned (scripts/install-transformers-serve.sh's venv, as
-  tests/test_transformers_serve.py; the request-ids failure is that release's, 5.25.0 passes the class): a
+  tests/remote/test_transformers_serve.py; the request-ids failure is that release's, 5.25.0 passes the class): a
   server of this module's own (the request-id check leaves it dead), the "transformers_serve" xdist group:
   the whole quick command; it refuses cache_salt, prompt_embeds and response_format, gives one choice for
   n > 1: each of those classes is n/a with the server's answer; the prompt cache passes (judged by the
@@ -86,7 +86,7 @@ def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
 def transformers_url(tmp_path_factory):
     """transformers serve 5.24.0 (the pinned release) for this module alone (the request-id check kills its
     batching worker)."""
-    from conftest import transformers_serve
+    from helpers import transformers_serve
 
     for srv in transformers_serve(tmp_path_factory):
         yield srv.url

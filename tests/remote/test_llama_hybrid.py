@@ -31,7 +31,7 @@ from kvtui.record import read_recording
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.xdist_group("llama_hybrid")]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
-SCENARIO = Path(__file__).parent.parent / "scenarios" / "llama_hybrid_prompt_cache.yaml"
+SCENARIO = Path(__file__).parents[2] / "scenarios" / "llama_hybrid_prompt_cache.yaml"
 REQUESTS, CANCELLED = 8 + 8 * 2 + 6 * 4, 8 + 6  # the scenario's rounds: one request cut in each concurrent round
 THREADS = "-t 1 -tb 1"
 

@@ -32,7 +32,7 @@ from kvtui.remote.session import TargetOptions, TargetSession
 from kvtui.scenario import load_scenario, plan_requests
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
-SCENARIO = Path(__file__).parent.parent / "scenarios" / "llama_prompt_cache.yaml"
+SCENARIO = Path(__file__).parents[2] / "scenarios" / "llama_prompt_cache.yaml"
 REQUESTS = 12 + 10 * 2 + 10 * 4
 CONTROL_FLAGS = ("--cache-ram", "0", "--no-cache-idle-slots", "-sps", "0")
 

@@ -12,7 +12,7 @@ import pytest
 from kvtui.remote.llama_server import DEFAULT_PARALLEL, model_gguf, parse_server_args
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
-SCENARIO = str(Path(__file__).parent.parent / "scenarios" / "llama_hybrid_prompt_cache.yaml")
+SCENARIO = str(Path(__file__).parents[2] / "scenarios" / "llama_hybrid_prompt_cache.yaml")
 
 
 def test_server_args_give_the_slot_count_and_keep_every_argument():

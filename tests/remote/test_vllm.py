@@ -2,7 +2,7 @@
 copy of SmolLM2: the passphrase scenario runs clean with every reference run verified uncached by the
 server's own count, and the timing audit tells salted tenants (kept apart) from unsalted ones (exit 1).
 
-One server for both vLLM modules (tests/conftest.py vllm_url: scripts/serve-vllm-cpu.sh's server on a free
+One server for both vLLM modules (tests/remote/conftest.py vllm_url: scripts/serve-vllm-cpu.sh's server on a free
 port, one OpenMP thread, prompt embeddings on, 32-token blocks), stopped at the end; the modules are one
 xdist group, so one worker runs them. Skipped, with the reason, when vLLM CPU is not installed. The first
 start on a machine compiles for 3-5 minutes; later starts took 2-5 minutes on the shared 2 cores here.
@@ -21,7 +21,7 @@ from kvtui.record import read_recording
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def kvtui(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

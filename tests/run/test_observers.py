@@ -22,7 +22,7 @@ from kvtui.run.observers import OBSERVERS, TARGET_OBSERVERS, Observer, ObserverC
 from kvtui.scenario import load_scenario
 from kvtui.session import Session
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 # the attributes the sessions once held a detector in, and every detector name
 DETECTOR_ATTRIBUTES = {"canary", "reference", "provenance", "constraint", "sampling", "signals", *DETECTOR_NAMES}
 

@@ -11,7 +11,7 @@ from kvtui.cli import replay_summary
 from kvtui.events import Contamination, StepEvent
 from kvtui.record import read_recording
 
-ROOT = Path(__file__).parent.parent / "recordings"
+ROOT = Path(__file__).parents[2] / "recordings"
 NAMES = ("shared_system_prompt", "shared_system_prompt_no_prefix_caching", "multi_tenant",
          "multi_tenant_unsalted_prefix", "preemption")
 PAGED = ("num_preemptions_total", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_cross_tenant_hits")

@@ -33,7 +33,7 @@ from kvtui.request import (
 )
 from kvtui.run.intake import Admitted, Intake, Refused, load_adapters
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLIP = ROOT / "scenarios" / "audio" / "amber-lantern-23.wav"
 
 

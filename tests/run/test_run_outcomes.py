@@ -30,7 +30,7 @@ from kvtui.scenario.fit import check_fit
 from kvtui.serve.server import ServeOptions, ServeServer
 from kvtui.session import Session
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 WAIT_S = 300  # subprocess waits: generous, a loaded 2-core machine runs these several times slower

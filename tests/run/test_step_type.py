@@ -14,7 +14,7 @@ from kvtui.engine import Engine, SamplingParams
 from kvtui.events import PAGED_STEP_FIELDS, SLOT_STEP_FIELDS, VERSION, StepEvent, parse_event
 from kvtui.record import read_recording
 
-OLD = Path(__file__).parent / "data" / "recordings"
+OLD = Path(__file__).parents[1] / "data" / "recordings"
 # Recordings written by earlier kvtui versions (kept verbatim, gzipped): version 1 with slot KV
 # (recordings/bucketing_off.jsonl as first committed) and version 2 with paged KV
 # (recordings/shared_system_prompt_no_prefix_caching.jsonl before format 3).

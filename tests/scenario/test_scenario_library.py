@@ -15,7 +15,7 @@ from kvtui.models import load_tokenizer
 from kvtui.scenario import load_scenario, parse_scenario, plan_requests
 from kvtui.scenario.prompts import AUDIO_KINDS, IMAGE_KINDS
 
-SCENARIOS = sorted((Path(__file__).parent.parent / "scenarios").glob("*.yaml"))
+SCENARIOS = sorted((Path(__file__).parents[2] / "scenarios").glob("*.yaml"))
 IDS = [p.stem for p in SCENARIOS]
 
 
@@ -54,7 +54,7 @@ def test_pairs_plan_identical_requests():
 
 
 def test_passphrase_demo_shape():
-    s = load_scenario(Path(__file__).parent.parent / "scenarios" / "passphrase.yaml")
+    s = load_scenario(Path(__file__).parents[2] / "scenarios" / "passphrase.yaml")
     cfg = s.engine_config()
     assert (s.seed, s.max_requests, s.model, cfg.num_slots) == (0, 8, "default", 4)
     assert s.arrivals.process == "poisson" and s.arrivals.rate_per_s == 2.0
@@ -98,7 +98,7 @@ def test_timeline_helpers():
                                                     "engine.layout": "packed"}
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "scenarios").rglob("*.yaml")),
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "scenarios").rglob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_scenario_has_no_warnings(path: Path):
     """Every timeline event of a ready scenario falls while its arrivals run (ramp's markers once sat at 6 and

@@ -15,7 +15,7 @@ import torch
 from kvtui.scenario import load_scenario, plan_requests
 
 pytestmark = pytest.mark.smollm
-DEMO = Path(__file__).parent.parent / "scenarios" / "passphrase.yaml"
+DEMO = Path(__file__).parents[2] / "scenarios" / "passphrase.yaml"
 
 
 def test_default_model_echoes_every_demo_passphrase(smollm2):

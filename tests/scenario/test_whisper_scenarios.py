@@ -15,7 +15,7 @@ from kvtui.models import load_tokenizer
 from kvtui.scenario import parse_scenario, plan_requests
 from kvtui.scenario.errors import ScenarioError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AUDIO = ROOT / "scenarios" / "audio"
 
 

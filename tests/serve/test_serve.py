@@ -32,7 +32,7 @@ from kvtui.serve.server import ServeOptions, ServeServer
 
 PASSPHRASE = "The passphrase is BISCUIT-DRAGON-67. Reply with only the passphrase."
 CHEAP_DETECTORS = ("canary", "attention_flow", "slot_taint")  # the reference detector's solo reruns cost seconds
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def client(server: ServeServer) -> openai.OpenAI:

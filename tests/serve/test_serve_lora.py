@@ -22,7 +22,7 @@ from kvtui.models.lora import local_adapter
 from kvtui.serve.lora import LoraModule, parse_lora_modules
 from kvtui.serve.server import ServeOptions, ServeServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13] * 3  # 27 tokens: 6 full blocks of 4
 OTHER = [20, 21, 22, 23] * 5
 NEW = 8

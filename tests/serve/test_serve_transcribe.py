@@ -31,7 +31,7 @@ from kvtui.serve import audio
 from kvtui.serve.audio import AudioError, decode_audio, resample
 from kvtui.serve.server import ServeOptions, ServeServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLIPS = sorted((ROOT / "scenarios" / "audio").glob("*.wav"))
 CLIP = ROOT / "scenarios" / "audio" / "silver-rabbit-19.wav"
 MAX_LEN = 24  # tiny-whisper's decoder: 2 prompt tokens + up to 22 generated

@@ -22,8 +22,8 @@ from kvtui.tui.replay import ReplaySource
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot_build import build_snapshot
 
-DATA = Path(__file__).parent / "data"
-DEMO = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"
+DATA = Path(__file__).parents[1] / "data"
+DEMO = Path(__file__).parents[2] / "recordings" / "passphrase_demo.jsonl"
 LONG = DATA / "tui_long.yaml"
 SIZES = [(160, 45), (100, 30)]
 # live tests leave out the reference detector: its solo reruns at close cost seconds and test nothing here

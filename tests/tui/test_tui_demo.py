@@ -31,7 +31,7 @@ from kvtui.tui.snapshot import LogLine
 from kvtui.tui.snapshot_build import build_snapshot
 from kvtui.tui.state import DashboardState
 
-DEMO = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"
+DEMO = Path(__file__).parents[2] / "recordings" / "passphrase_demo.jsonl"
 SIZES = [(100, 30), (160, 45)]
 LIVE_DETECTORS = ("canary", "attention_flow", "slot_taint")
 # tiny-llama, requests that keep the engine busy for seconds: the live keys are pressed meanwhile
@@ -297,7 +297,7 @@ def test_screenshots_go_to_the_ignored_runs_folder(tmp_path, monkeypatch):
     asyncio.run(run())
     [svg] = (tmp_path / "runs").glob("passphrase_demo-*.svg")
     assert "<svg" in svg.read_text()[:200] and not (tmp_path / "recordings").exists()
-    ignored = (Path(__file__).parent.parent / ".gitignore").read_text().split()
+    ignored = (Path(__file__).parents[2] / ".gitignore").read_text().split()
     assert "/runs/" in ignored
 
 

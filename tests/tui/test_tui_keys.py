@@ -29,8 +29,8 @@ from kvtui.tui.app import KvtuiApp, screen_text
 from kvtui.tui.live import LiveSource
 from kvtui.tui.screens import HELP, FaultPicker, HelpScreen
 
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[2]
 LIVE_DETECTORS = ("canary", "attention_flow", "slot_taint")  # the reference detector's reruns cost seconds
 
 

@@ -427,7 +427,7 @@ def test_a_panel_redraws_whenever_what_it_draws_changes():
     from kvtui.record import read_recording
     from kvtui.tui.widgets import PANELS, Panel
 
-    _, events, _, _ = read_recording(Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl")
+    _, events, _, _ = read_recording(Path(__file__).parents[2] / "recordings" / "passphrase_demo.jsonl")
     events = list(events) + [ReferenceStatus(t=events[-1].t, checked=16, skipped=0, pending=0)]
     console = Console(width=80, record=True, color_system=None)
     state = DashboardState()
@@ -457,7 +457,7 @@ def test_the_contamination_table_says_where_the_rest_is():
     from kvtui.record import read_recording
     from kvtui.summary import print_contamination
 
-    demo = Path(__file__).parent.parent / "recordings" / "passphrase_demo.jsonl"
+    demo = Path(__file__).parents[2] / "recordings" / "passphrase_demo.jsonl"
     _, events, _, _ = read_recording(demo)
     reports = [e for e in events if isinstance(e, Contamination)]
     shown = 12
