@@ -9,7 +9,7 @@ and the run (Session, TargetSession, serve) keeps each request's PlannedRequest 
 
 A changed request is a new one: `dataclasses.replace(planned, arrival_s=...)`.
 
-Its own room (kvtui/request.py, ranked between the engine and the scenario: tests/test_imports.py), since
+Its own room (kvtui/request.py, ranked between the engine and the scenario: tests/architecture/test_imports.py), since
 the scenario builds these and the run layer ranks above the scenario. Nothing here imports torch or the
 engine: RequestInput, ImagePart and SamplingParams are named for type checkers only.
 """

@@ -2,7 +2,7 @@
 # Install a named transformers release, with what `transformers serve` needs, into a virtual environment
 # of its own under kvtui's cache folder, apart from kvtui's own environment: a peer server's behaviour is
 # pinned to the release it was found on, while kvtui itself runs on the newest transformers its tests pass
-# with. The transformers serve tests (tests/test_transformers_serve.py, tests/test_conformance_servers.py)
+# with. The transformers serve tests (tests/remote/test_transformers_serve.py, tests/remote/test_conformance_servers.py)
 # run the release kvtui.remote.transformers_serve.PINNED_VERSION names (5.24.0: the release whose
 # continuous batching keys its work by the client's x-request-id; docs/findings.md).
 #

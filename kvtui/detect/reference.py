@@ -34,7 +34,7 @@ and the earlier owners of its slot) and as source the only suspect when there is
 session joins it with the other detectors' reports on the same victim (kvtui/detect/findings.py).
 
 Cost and bounds: references run several requests at a time in one clean engine (its batch
-invariance is what tests/test_engine_parity.py checks against transformers' own attention), off
+invariance is what tests/engine/test_engine_parity.py checks against transformers' own attention), off
 the engine's critical path: the session drains the queue when the engine is idle, between steps on
 the virtual clock, and at the end (interruptible). At most `max_queue` checks wait; beyond that the
 oldest is dropped unchecked, counted as skipped for the reason `queue_full`; checks still waiting when

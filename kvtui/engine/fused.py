@@ -19,7 +19,7 @@ they see on the module path.
 Numerics: RMSNorm in float32 then cast back, the model's own rotary module for cos/sin, SiLU, the
 residual adds, all in the order transformers' Llama code uses (transformers 5.x modeling_llama.py).
 Answers equal transformers' own solo `generate` on a separate instance token for token in float32
-(tests/test_fused_forward.py and the parity tests, which run on this path by default).
+(tests/engine/test_fused_forward.py and the parity tests, which run on this path by default).
 """
 
 from __future__ import annotations

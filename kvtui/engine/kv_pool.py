@@ -6,7 +6,7 @@ slot first (deterministic), a finished request returns its slot at once, and the
 request reuses it starting at position 0 (its cache_len resets; the old contents are masked out).
 
 Every write into the K/V tensors goes through a method of the pool (`write`, `allocate`, `copy_prefix`,
-`clear_tails`; paged: `write`, `copy_block`, `restore_block`); tests/test_pool_writes.py scans kvtui/ and
+`clear_tails`; paged: `write`, `copy_block`, `restore_block`); tests/architecture/test_pool_writes.py scans kvtui/ and
 fails on a write anywhere else. Reads happen in attention.py (and in the detectors' observe.py and
 the offload tier's offload.py).
 

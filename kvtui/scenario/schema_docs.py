@@ -2,7 +2,7 @@
 
 Every field's name, type, default, bounds and description come from the models in kvtui/scenario/
 (their JSON schema); each section's text is the model's docstring; the timeline knobs come from
-RUNTIME_KNOBS. Only the introduction below is written by hand. tests/test_docs.py checks that
+RUNTIME_KNOBS. Only the introduction below is written by hand. tests/architecture/test_docs.py checks that
 docs/scenarios.md equals `render()`; after changing the schema, regenerate it with
 
     python -m kvtui.scenario.schema_docs --write

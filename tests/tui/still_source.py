@@ -1,10 +1,10 @@
 """Fixtures of the dashboard room's snapshot tests: the committed passphrase demo recording, and a dashboard
 that shows one moment of it as a live run's source would post it. A module of its own, not a conftest.py:
-with pytest's default import mode every conftest.py is the top-level module `conftest`, so a second one would
-shadow tests/conftest.py for the flat tests that `from conftest import ...` (tests/test_structure.py keeps
-module names under tests/ unique).
+test_snapshots.py imports StillSource and DEMO by name, and with pytest's default import mode no test may
+import a conftest: the module `conftest` is whichever conftest.py pytest loaded last
+(tests/architecture/test_structure.py checks it, and keeps module names under tests/ unique).
 
-Shared helpers of the flat tests/ folder stay importable here (`from helpers import ...`): pytest puts
+The shared helpers at the top of tests/ stay importable here (`from helpers import ...`): pytest puts
 tests/ on sys.path when it loads tests/conftest.py, which it does for every test below it.
 """
 
