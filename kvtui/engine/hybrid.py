@@ -50,6 +50,7 @@ class HybridRunner(ModelRunner):
         self.cache = PooledCache(pool, states)
         self.linear_layers = frozenset(states.shape.linear_layers)
         self.checkpoint_every = checkpoint_every
+        self._zero: dict[int, bool] = {}  # state slot -> it held the zero state when this step began
 
     def _run_body(self, batch: BatchTensors, state: StepState, *, bind: bool = True, lora=None) -> torch.Tensor:
         """The body layer by layer (attention layers batched, linear layers per chunk); [S, V] float32 logits."""
@@ -57,6 +58,9 @@ class HybridRunner(ModelRunner):
             self.cache.state = state
         self.states.take_staged()  # what an interrupted step staged is not this step's
         body = self.body
+        # a request's first piece starts from nothing only where its slot holds the zero state; any other slot
+        # is read as its initial state (what the slot holds, which allocation zeroed unless a fault kept it)
+        self._zero = {seg.state_slot: self.states.holds_zero(seg.state_slot) for seg in batch.segments}
         hidden = self.input_embeds(batch)
         position_embeddings = body.rotary_emb(hidden, batch.position_ids)
         mask = batch.additive_mask(self.dtype).to(self.device)
@@ -79,7 +83,7 @@ class HybridRunner(ModelRunner):
         for seg in segments:
             for start, end in self._pieces(seg):
                 cols = slice(seg.q_start + start - seg.start_pos, seg.q_start + end - seg.start_pos)
-                self.cache.bind_state(seg.state_slot, fresh=start == 0)
+                self.cache.bind_state(seg.state_slot, fresh=start == 0 and self._zero[seg.state_slot])
                 out[seg.row, cols] = layer(hidden[seg.row : seg.row + 1, cols], position_embeddings=position_embeddings,
                                            attention_mask=None, cache=self.cache)[0]
                 if self.checkpoint_every and end % self.checkpoint_every == 0:
