@@ -283,3 +283,71 @@ def test_a_zero_state_kept_by_another_names_the_publisher_and_ones_own_state_is_
     events = detector.on_step(_Step(5, [zero, own, nobody]), 1.0)
     assert [(e.victim, e.source, e.kind) for e in events] == [("r2", "r1", "cross_request"), ("r3", None, "corruption"),
                                                               ("r4", None, "corruption")]
+
+
+# -- the dashboard: the state slots beside the KV --------------------------------------------------------
+def _render(renderable, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def _dashboard(spec, loaded, pick):
+    """The dashboard state fed a virtual-clock run of `spec` up to the first step `pick` accepts; (the step, its
+    snapshot)."""
+    from kvtui.tui.snapshot_build import build_snapshot
+    from kvtui.tui.state import DashboardState
+
+    events = []
+    Session(spec, loaded, clock="virtual", listeners=(events.append,), detectors=("state_provenance",)).run()
+    state = DashboardState()
+    for event in events:
+        state.apply(event)
+        if type(event).__name__ == "StepEvent" and pick(event):
+            return event, build_snapshot(state)
+    raise AssertionError("no step matched")
+
+
+def _owned(event) -> int:
+    return sum(o is not None for _, o, _ in event.state_slot_map)
+
+
+@pytest.mark.parametrize("fault, seed, pick", [
+    ("state_slot_not_reset", SEEDS[0], lambda e: _owned(e) >= 2),  # slots: no checkpoints
+    ("state_index_units", SEEDS[1], lambda e: any(c for _, o, c in e.state_slot_map if o))])
+def test_the_kv_panel_lists_each_state_slot_with_its_owner_and_last_checkpoint(loaded, fault, seed, pick):
+    from kvtui.tui import panels
+
+    spec = parse_scenario(scenario_text(fault, seed))
+    step, snap = _dashboard(spec, loaded, pick)
+    assert [(s.index, s.owner, s.checkpoint) for s in snap.state_slots] == [tuple(x) for x in step.state_slot_map]
+    text = _render(panels.block_map(snap, 60, 12) if snap.kv == "paged" else panels.slot_map(snap, 60, 12), 60)
+    used = [s for s in snap.state_slots if s.owner]
+    assert f"state slots (owner @checkpoint) {len(used)}/{len(snap.state_slots)}" in " ".join(text.split())
+    for s in used:
+        cell = f"{s.index} {s.owner} @{s.checkpoint if s.checkpoint is not None else '-'}"
+        assert cell in " ".join(text.split()), (cell, text)
+    if snap.kv == "paged":  # a prefix hit's slot shows the checkpoint it restored, others the last one kept
+        assert any(s.checkpoint is not None and s.checkpoint % 16 == 0 for s in used)
+
+
+def test_a_model_without_recurrent_state_shows_no_state_slots(tiny):
+    from kvtui.tui import panels
+
+    spec = parse_scenario("""name: plain
+seed: 0
+max_requests: 3
+model: tiny-llama
+engine: {slots: 2, max_len: 64}
+arrivals: {process: constant, rate_per_s: 50.0}
+prompts: {kind: synthetic, prompt_tokens: 8}
+output_tokens: 4
+""")
+    step, snap = _dashboard(spec, tiny["tiny-llama"], lambda e: e.slots_used)
+    assert step.state_slot_map == () and snap.state_slots == ()
+    assert "state slots" not in _render(panels.slot_map(snap, 60, 12), 60)
+    assert "state_slot_map" not in step.to_json() and "state_starts" not in step.to_json()
