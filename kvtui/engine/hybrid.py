@@ -7,7 +7,10 @@ mixer is `Qwen3_5MoeGatedDeltaNet` or `Qwen3_5MoeAttention`), layer by layer, wi
 - a linear-attention layer runs once per request chunk (segment) with exactly that chunk's tokens, as a
   batch of one: no pad token reaches its causal conv or its delta rule, and no other request's tokens
   do, so a batched request computes what it computes alone. The chunk's state slot is bound to the cache
-  (PooledCache.bind_state); the layer reads the state its previous chunk left and writes the new one.
+  (PooledCache.bind_state); the layer reads the state its previous chunk left and writes the new one. A
+  request's first piece starts from nothing (transformers' "no previous state" path) only where its slot
+  holds the zero state (StatePool.holds_zero: zeroed at allocation); a slot holding anything else is read
+  as its initial state, which is how the state_slot_not_reset fault's unzeroed slot reaches the request.
   With checkpoints on (paged KV with prefix caching), a chunk that crosses block boundaries runs in pieces
   cut at them and the pool stages each layer's state at every boundary (StatePool.stage), which the state
   side then publishes as checkpoints (state_side.RecurrentState.update_from_output).
