@@ -325,6 +325,40 @@ class EncoderHitEntry(_Frozen):
     computed_for: str
 
 
+class StateStartEntry(_Frozen):
+    """(v3, hybrid models) The recurrent state a request started from when it took its state slot: at admission
+    (a fresh start or a prefix hit) or when it forked from its lead (parallel sampling).
+
+    Attributes:
+        request_id, slot: the request and its state slot.
+        via: "slot" (a start at position 0: what the slot held, the zero state unless a fault kept another),
+            "checkpoint" (a prefix hit: the checkpoint kept with the hit's last block, restored into the slot),
+            "fork" (a copy of its lead's state).
+        tokens: the positions its state should cover (0 for a fresh start, the hit's tokens, the lead's length).
+        writer: the request whose forward computed the state it got (None: the zero state).
+        writer_tokens: the positions that state covers.
+        publisher: the request that kept the checkpoint at its boundary when that is not the writer (None: the
+            writer, or no checkpoint).
+        writer_key, reader_key: 16 hex digits of the digest of the key items of the positions the state covers,
+            and of the request's own first `tokens` positions. A sound start has equal keys.
+    """
+
+    request_id: str
+    slot: int
+    via: Literal["slot", "checkpoint", "fork"]
+    tokens: int
+    writer: str | None
+    writer_tokens: int
+    publisher: str | None = None
+    writer_key: str
+    reader_key: str
+
+    @property
+    def matches(self) -> bool:
+        """The state covers exactly the request's own first `tokens` positions."""
+        return self.writer_key == self.reader_key
+
+
 class StepEvent(_Frozen):
     """What one `Engine.step()` did: the engine's report and the recorded `step` line, one type.
 
@@ -377,7 +411,9 @@ class StepEvent(_Frozen):
         slots owned after the step and slots in the state pool; state_checkpoints: state checkpoints kept
         with their blocks this step (paged KV with prefix caching); state_checkpoint_hits: prefix-cache hit
         tokens whose state came from a checkpoint this step; state_restores: state slots restored from a
-        checkpoint this step.
+        checkpoint this step; state_starts: StateStartEntry per request that took a state slot this step
+        (admitted or forked), for the state_provenance detector; state_slot_map: (slot, owner or None, the
+        positions of the owner's last checkpoint or None) per state slot after the step, for the dashboard.
     In memory only (not recorded):
         finished: kvtui.engine.FinishedRequestReport per request that left during the step (the session
             records each as a request.finish event); the engine forgets them once the step is out.
@@ -449,6 +485,8 @@ class StepEvent(_Frozen):
     state_checkpoints: int | None = None
     state_checkpoint_hits: int | None = None
     state_restores: int | None = None
+    state_starts: tuple[StateStartEntry, ...] = ()
+    state_slot_map: tuple[tuple[int, str | None, int | None], ...] = ()
     # in memory only
     finished: tuple[Any, ...] = Field(default=(), exclude=True)
     nonfinite: tuple[NonfiniteEntry, ...] = Field(default=(), exclude=True)
@@ -492,7 +530,7 @@ OFFLOAD_STEP_FIELDS = ("kv_offload_stores", "kv_offload_queries", "kv_offload_hi
                        "kv_offload_capacity")
 # StepEvent fields that only a hybrid model's engine fills (not recorded otherwise)
 STATE_STEP_FIELDS = ("state_slots_used", "num_state_slots", "state_checkpoints", "state_checkpoint_hits",
-                     "state_restores")
+                     "state_restores", "state_starts", "state_slot_map")
 # StepEvent fields that only an encoder-decoder engine fills (not recorded otherwise)
 ENCODER_STEP_FIELDS = ("encoder_entries", "encoder_capacity", "encoder_referenced", "encoder_bytes", "encoder_hits",
                        "encoder_misses", "encoder_hit_log")
@@ -622,6 +660,20 @@ class SamplingEvidence(_Frozen):
     generator: tuple[str, ...] = ()  # the generator's trail: who seeded it, then who else drew (none: greedy)
 
 
+class StateEvidence(_Frozen):
+    """(v3, hybrid models) A request started from a recurrent state that does not cover its own prefix
+    (kvtui/detect/state_provenance.py): the engine's StateStartEntry of that start."""
+
+    via: Literal["slot", "checkpoint", "fork"]  # where the state came from (see StateStartEntry)
+    slot: int  # the request's state slot
+    tokens: int  # positions its state should cover
+    writer: str | None  # who computed the state it got (None: the zero state)
+    writer_tokens: int  # positions that state covers
+    publisher: str | None = None  # who kept the checkpoint at its boundary, when not the writer
+    writer_key: str  # digests (16 hex) of the positions the state covers and of the request's own
+    reader_key: str
+
+
 class RequestIdEvidence(_Frozen):
     """(v3) The request-id audit of a target server (kvtui/remote/request_ids.py): what the client of a
     request whose id collided with another's saw (hung, lost), or a probe with a fresh id after the load
@@ -653,10 +705,11 @@ EVIDENCE: dict[str, type[_Frozen]] = {
     "reference": ReferenceEvidence, "canary": CanaryEvidence, "attention_flow": FlowEvidence,
     "slot_taint": TaintEvidence, "engine": EngineErrorEvidence, "noninterference": NoninterferenceEvidence,
     "prefix_provenance": ProvenanceEvidence, "constraint": ConstraintEvidence,
-    "sampling_provenance": SamplingEvidence, "request_id": RequestIdEvidence,
+    "sampling_provenance": SamplingEvidence, "request_id": RequestIdEvidence, "state_provenance": StateEvidence,
 }
 Evidence = Union[ReferenceEvidence, CanaryEvidence, FlowEvidence, TaintEvidence, EngineErrorEvidence,
-                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence, SamplingEvidence, RequestIdEvidence]
+                 NoninterferenceEvidence, ProvenanceEvidence, ConstraintEvidence, SamplingEvidence, RequestIdEvidence,
+                 StateEvidence]
 
 
 class Contamination(_Frozen):

@@ -36,6 +36,10 @@ dashboard and the docs all read this table.
 | stale_image_embedding | image models: one embedding buffer, filled by the last image encoded, read by every later image |
 | lora_unkeyed_prefix | paged prefix cache: block keys leave out the request's LoRA adapter |
 | lora_reload_stale | paged prefix cache: block keys name the LoRA adapter but not its version |
+| state_slot_not_reset | hybrid state pool: a reused state slot is not zeroed, so a request starts from its previous owner's state |
+| state_published_before_write | hybrid checkpoints: published when their chunk is scheduled, written a step later |
+| tier_drops_recurrent_state | hybrid offload tier: stores a block's K/V but not its state checkpoint; a restore gets another's |
+| state_index_units | hybrid prefix hit: the checkpoint's block index computed with a block size in the wrong units |
 | request_id_keyed | `kvtui serve` only (serve/bridge.py): answers routed to clients by the client's x-request-id |
 
 Every fault but the last acts in the engine (`scope: engine`); request_id_keyed acts in `kvtui serve`'s
@@ -93,6 +97,11 @@ class FaultName(str, Enum):
     TIER_KEY_DROPS_PARTITION = "tier_key_drops_partition"
     TIER_LAYOUT_MISMATCH = "tier_layout_mismatch"
     TIER_PARTIAL_LOAD = "tier_partial_load"
+    # -- a hybrid's recurrent state (engine/state_pool.py, state_side.py, paged.py, offload.py) --
+    STATE_SLOT_NOT_RESET = "state_slot_not_reset"
+    STATE_PUBLISHED_BEFORE_WRITE = "state_published_before_write"
+    TIER_DROPS_RECURRENT_STATE = "tier_drops_recurrent_state"
+    STATE_INDEX_UNITS = "state_index_units"
     # -- kvtui serve's HTTP layer (serve/bridge.py), not the engine --
     REQUEST_ID_KEYED = "request_id_keyed"
 
@@ -131,8 +140,9 @@ class Fault:
         kv: the KV modes it acts in ("slots", "paged"); an engine refuses a fault outside its mode.
         needs: engine settings its scenario needs besides kv (e.g. "prefix_caching").
         models: the ModelKinds it acts on: DECODER_ONLY, ENCODER_DECODER (cross-attention faults), IMAGE_TEXT
-            (image faults; a fault that acts on decoder-only models acts on image-text ones too); () for a server
-            fault, which acts on no model. None acts on HYBRID yet (an engine running a hybrid refuses them).
+            (image faults; a fault that acts on decoder-only models acts on image-text ones too), HYBRID (the
+            recurrent-state faults: they act on a hybrid only, and the other faults do not act on it); () for a
+            server fault, which acts on no model.
         scope: "engine" (it acts in the engine, in a local run and in `kvtui serve` alike) or "server" (it acts
             in `kvtui serve`'s HTTP layer only: `kvtui serve --fault NAME`; a local run refuses it).
     """
@@ -321,6 +331,37 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "the request reads whatever the block's previous owner left in it: another request's K/V in its prefix",
           ("padded", "packed"), ("prefix_provenance", "slot_taint", "attention_flow", "reference"), "cross_request",
           ("paged",), ("prefix_caching", "kv_offload")),
+    # -- a hybrid's recurrent state: the state pool, its checkpoints and the offload tier that carries them --
+    Fault("state_slot_not_reset", "a reused recurrent-state slot is not zeroed: a request starts from the state its "
+          "slot's previous owner left (llama.cpp #29092)",
+          "engine/state_pool.py StatePool.allocate: the zeroing of the handed-out slot is skipped, so the linear "
+          "layers read what the slot holds as the new request's initial state",
+          "a request admitted into a slot another request used answers as if it continued that request's text",
+          ("padded", "packed"), ("state_provenance", "reference"), "cross_request", KV_MODES,
+          models=(ModelKind.HYBRID,)),
+    Fault("state_published_before_write", "a block's state checkpoint is published when its chunk is scheduled "
+          "and written a step later: a request that ends first leaves it unwritten (vLLM PR #56525)",
+          "engine/paged.py PagedCache.ensure publishes what the block's state memory holds; keep_checkpoint writes "
+          "the real one at the request's next step, and finish drops it",
+          "a client aborts right after its prefill; an immediate retry of the same prompt hits its blocks and "
+          "starts from the state another request left in that block's memory: its answer changes",
+          ("padded", "packed"), ("state_provenance", "reference"), "cross_request", ("paged",),
+          ("prefix_caching",), models=(ModelKind.HYBRID,)),
+    Fault("tier_drops_recurrent_state", "the offload tier stores a hybrid block's K/V but not its state "
+          "checkpoint: one host state buffer, overwritten by every store, is what a restore hands back (sglang "
+          "#39830)",
+          "engine/offload.py store and restore: the checkpoint goes to HostTier.state_buffer, not the entry",
+          "a prefix evicted to the tier and restored answers with the state of the last block the tier stored, "
+          "another request's prefix: its answer changes",
+          ("padded", "packed"), ("state_provenance", "reference"), "cross_request", ("paged",),
+          ("prefix_caching", "kv_offload"), models=(ModelKind.HYBRID,)),
+    Fault("state_index_units", "a prefix hit's state checkpoint is looked up at a block index computed in the "
+          "wrong units: hit tokens over a quarter of the block size (vLLM #55600, PR #55601)",
+          "engine/block_manager.py BlockManager.state_at: the index is (hit tokens - 1) // (block_size // 4), "
+          "and the block there gives what its state memory holds",
+          "a short prefix hit silently restores the state another request left in an unrelated block",
+          ("padded", "packed"), ("state_provenance", "reference"), "cross_request", ("paged",),
+          ("prefix_caching",), models=(ModelKind.HYBRID,)),
     # -- kvtui serve's HTTP layer: the engine's answers are right, they reach the wrong client --
     Fault("request_id_keyed", "kvtui serve keys its map of waiting clients by the client's x-request-id: a second "
           "request with the same id takes the first's entry",

@@ -24,8 +24,8 @@ class ModelKind(str, Enum):
         IMAGE_TEXT: a decoder-only LM with an image encoder (dinov2-smollm2, tiny-vision); a fault that acts on
             decoder-only models acts on these too.
         HYBRID: recurrent (gated-delta "linear attention") layers beside attention layers (tiny-qwen35moe): kvtui's
-            engine keeps a recurrent-state slot per request beside its KV (kvtui/engine/state_side.py); no
-            catalogue fault acts on it yet.
+            engine keeps a recurrent-state slot per request beside its KV (kvtui/engine/state_side.py); the
+            recurrent-state faults act on it, and only on it.
     """
 
     DECODER_ONLY = "decoder-only"

@@ -19,6 +19,7 @@ from kvtui.events import (
     ReferenceEvidence,
     RequestIdEvidence,
     SamplingEvidence,
+    StateEvidence,
     Summary,
     TaintEvidence,
 )
@@ -331,15 +332,24 @@ def evidence_text(e: Contamination) -> str:
     if isinstance(ev, NoninterferenceEvidence):
         before, after = differing_excerpts(ev.baseline_text, ev.text_with_neighbours_replaced)
         return f"token {ev.token_index} changed: {before!r} -> {after!r}"
-    if isinstance(ev, ReferenceEvidence):
-        return _reference_text(ev)
-    if isinstance(ev, ConstraintEvidence):
-        return _constraint_text(ev)
     if isinstance(ev, SamplingEvidence):
         return _sampling_text(ev, e.source)
-    if isinstance(ev, RequestIdEvidence):
-        return request_id_text(ev)
+    for kind, text in ((ReferenceEvidence, _reference_text), (ConstraintEvidence, _constraint_text),
+                       (RequestIdEvidence, request_id_text), (StateEvidence, state_text)):
+        if isinstance(ev, kind):
+            return text(ev)
     return str(ev.model_dump())[:100]
+
+
+def state_text(ev: StateEvidence) -> str:
+    """e.g. "restored a checkpoint for 32 tokens: r000's state of 48 other tokens (slot 0), kept by r001", or
+    "a fresh start (slot 1) read r000's state of 21 tokens"."""
+    got = f"{ev.writer}'s state of {ev.writer_tokens} other tokens" if ev.writer else "the zero state"
+    kept = f", kept by {ev.publisher}" if ev.publisher else ""
+    if ev.via == "slot":
+        return f"a fresh start (slot {ev.slot}) read {got}"
+    what = "restored a checkpoint" if ev.via == "checkpoint" else "forked"
+    return f"{what} for {ev.tokens} tokens: {got} (slot {ev.slot}){kept}"
 
 
 def request_id_text(ev: RequestIdEvidence) -> str:

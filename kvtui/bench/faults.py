@@ -6,9 +6,9 @@ with the fault on and with it removed. Figures per fault: the runs in which a co
 (`Contamination.counts`) came, the runs each detector reported in, the runs with a report naming both a
 victim and a source among the run's requests, the step of each run's first counted report (median, min,
 max), and the counted reports with the fault off (false alarms). Text and prompt-embeddings faults run on
-tiny-llama, the cross-attention faults on tiny-whisper, the image faults on tiny-vision (random weights:
-the canary, which needs a model that says its passphrase, stays silent there); `loaded`, the suite's
-model, is not used."""
+tiny-llama, the cross-attention faults on tiny-whisper, the image faults on tiny-vision, the recurrent-state
+faults on tiny-qwen35moe (random weights: the canary, which needs a model that says its passphrase, stays
+silent there); `loaded`, the suite's model, is not used."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ TEXT = ("row_state_misalign", "shared_rng", "penalty_shared_history", "cow_missi
 SPEECH = ("stale_cross_kv", "cross_row_misalign", "encoder_cache_unkeyed", "cross_kv_prefix_cached")
 EMBEDS = ("embeds_unkeyed", "embeds_mask_unkeyed")
 IMAGES = ("mm_hash_missing", "mm_uuid_trusted", "stale_image_embedding")
-FAULT_LIST = TEXT + SPEECH + EMBEDS + IMAGES
-MODELS = {**dict.fromkeys(SPEECH, "tiny-whisper"), **dict.fromkeys(IMAGES, "tiny-vision")}  # else tiny-llama
+STATE = ("state_slot_not_reset", "state_published_before_write", "tier_drops_recurrent_state", "state_index_units")
+FAULT_LIST = TEXT + SPEECH + EMBEDS + IMAGES + STATE
+MODELS = {**dict.fromkeys(SPEECH, "tiny-whisper"), **dict.fromkeys(IMAGES, "tiny-vision"),
+          **dict.fromkeys(STATE, "tiny-qwen35moe")}  # else tiny-llama
+RETRY_PROMPTS = Path(__file__).resolve().parents[2] / "scenarios" / "faults" / "state_retry_prompts.txt"
 # every other token id banned with a -100 logit bias: a row that samples with this state emits none of them
 BANS = "{" + ", ".join(f'"{i}": -100' for i in range(0, 256, 2)) + "}"
 
@@ -129,9 +132,57 @@ output_tokens: {{dist: uniform, min: 3, max: {rng.randint(8, 12)}}}
 sampling: {{ignore_eos: true}}"""
 
 
+def _hybrid(rng: random.Random, fault: str, layout: str, faults: str) -> str:
+    """The recurrent-state faults on tiny-qwen35moe: state slots taken in turn (state_slot_not_reset, slots or
+    paged KV); a request cancelled right after its prefill and retried (state_published_before_write, one at a
+    time in a pool its predecessor filled; a prefill in one chunk or in two whose last reaches the retry's last
+    cached boundary, as a cancel mid-prefill needs); system prompts whose blocks go through a small pool
+    into the offload tier (tier_drops_recurrent_state); one-block system prompts before long user parts, so a
+    hit is one block (state_index_units)."""
+    if fault == "state_slot_not_reset":
+        pool = (f"slots: {rng.randint(2, 3)}" if rng.random() < 0.5 else
+                f"kv: paged, block_size: 16, num_blocks: 24, max_batch_size: {rng.randint(2, 3)}, "
+                f"prefix_caching: {rng.choice(['true', 'false'])}")
+        return f"""max_requests: {rng.randint(5, 8)}
+model: tiny-qwen35moe
+engine: {{{pool}, max_len: 128, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: {rng.choice(["constant", "poisson"])}, rate_per_s: {rng.choice([20.0, 50.0, 100.0])}}}
+prompts: {{kind: synthetic, prompt_tokens: {{dist: uniform, min: {rng.randint(3, 8)}, max: {rng.randint(20, 40)}}}}}
+output_tokens: {{dist: uniform, min: 4, max: {rng.randint(8, 12)}}}
+sampling: {{ignore_eos: true}}"""
+    if fault == "state_published_before_write":
+        block = rng.choice([8, 16])
+        return f"""max_requests: 3
+model: tiny-qwen35moe
+engine: {{kv: paged, block_size: {block}, num_blocks: {64 // block + 1}, max_len: 64, prefix_caching: true,
+          max_tokens_per_step: {rng.choice([24, 256])}, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: rounds, rounds: [{{size: 1}}, {{size: 1, cancel: 1, cancel_after: 1}}, {{size: 1}}]}}
+prompts: {{kind: file, path: {RETRY_PROMPTS}, chat: false}}
+output_tokens: {{dist: uniform, min: 4, max: {rng.randint(6, 10)}}}
+sampling: {{ignore_eos: true}}"""
+    if fault == "tier_drops_recurrent_state":
+        return f"""max_requests: {rng.randint(10, 14)}
+model: tiny-qwen35moe
+engine: {{kv: paged, block_size: 16, max_len: 64, num_blocks: 7, max_batch_size: 2,
+          prefix_caching: true, kv_offload_blocks: 32, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: {rng.choice([2.0, 4.0])}}}
+prompts: {{kind: system_prompt, count: {rng.randint(3, 4)}, system_tokens: 32, user_tokens: {{dist: uniform, min: 2, max: 8}},
+           choice: round_robin}}
+output_tokens: {{dist: uniform, min: 4, max: {rng.randint(6, 10)}}}
+sampling: {{ignore_eos: true}}"""
+    return f"""max_requests: {rng.randint(6, 10)}
+model: tiny-qwen35moe
+engine: {{kv: paged, block_size: 16, max_len: 96, num_blocks: {rng.randint(10, 14)}, max_batch_size: {rng.randint(1, 2)},
+          prefix_caching: true, layout: {layout}, faults: [{faults}]}}
+arrivals: {{process: constant, rate_per_s: {rng.choice([1.0, 2.0, 4.0])}}}
+prompts: {{kind: system_prompt, count: {rng.randint(2, 3)}, system_tokens: 16, user_tokens: {{dist: uniform, min: 40, max: 56}}}}
+output_tokens: {{dist: uniform, min: 4, max: {rng.randint(6, 10)}}}
+sampling: {{ignore_eos: true}}"""
+
+
 FAMILIES = {"row_state_misalign": _sampling_rows, "shared_rng": _sampling_rows, "penalty_shared_history": _sampling_rows,
             "cow_missing": _forks, "stale_bitmask": _structured, **dict.fromkeys(SPEECH, _speech),
-            **dict.fromkeys(EMBEDS, _embeds), **dict.fromkeys(IMAGES, _images)}
+            **dict.fromkeys(EMBEDS, _embeds), **dict.fromkeys(IMAGES, _images), **dict.fromkeys(STATE, _hybrid)}
 
 
 def scenario_text(fault: str, seed: int, on: bool = True) -> str:

@@ -27,7 +27,8 @@ salt out of the lookup key, `prefix_key_no_parent` the parent key (the partition
 then rides in every block's key, so the fault mixes contexts within one partition only); `block_refcount` frees a request's
 blocks outright (count to 0) even while another request still holds them; `shared_partial_block`
 also caches a prompt's partially filled last block and hands it to the next identical prompt without
-copy-on-write.
+copy-on-write; `state_index_units` (hybrids) looks a hit's recurrent-state checkpoint up at a block index
+computed in the wrong units (state_at).
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class Block:
     origin: BlockOrigin | None = None
     tier_key: bytes | None = None  # the offload tier's key of its contents (a full block, tier on)
     state: object | None = None  # hybrids: the recurrent-state checkpoint after this block's last position
+    # hybrids: what the block's state memory holds, the last checkpoint written there; unlike `state` it
+    # survives the block's eviction, as a pool's bytes do (read only where a fault reads it)
+    memory: object | None = None
 
 
 @dataclass(frozen=True)
@@ -371,8 +375,8 @@ class BlockManager:
     def _to_checkpoint(self, reused: list[Reuse], found: list) -> tuple[list[Reuse], list]:
         """The hit (pool blocks, then tier entries) cut back to its longest prefix whose last block holds a
         recurrent-state checkpoint: a hybrid's state after the hit must come with its K/V."""
-        states = [self.pool.blocks[r.block_id].state for r in reused] + [entry.state for _, entry, _ in found]
-        keep = max((i + 1 for i, state in enumerate(states) if state is not None), default=0)
+        kept = [self.pool.blocks[r.block_id].state is not None for r in reused] + [entry.keeps_state for _, entry, _ in found]
+        keep = max((i + 1 for i, state in enumerate(kept) if state), default=0)
         return reused[:keep], found[: max(keep - len(reused), 0)]
 
     def publish_state(self, request_id: str, index: int, state: object) -> None:
@@ -380,11 +384,23 @@ class BlockManager:
         `index` of the request's table: it lives, moves to the offload tier and is evicted with that block."""
         table = self.tables.get(request_id)
         if table is not None and index < len(table.blocks):
-            self.pool.blocks[table.blocks[index]].state = state
+            block = self.pool.blocks[table.blocks[index]]
+            block.state = block.memory = state
+
+    def state_memory(self, request_id: str, index: int) -> object | None:
+        """What the state memory of block `index` of the request's table holds (None: nothing, or no such block)."""
+        table = self.tables.get(request_id)
+        if table is None or not 0 <= index < len(table.blocks):
+            return None
+        return self.pool.blocks[table.blocks[index]].memory
 
     def state_at(self, request_id: str, num_tokens: int) -> object | None:
         """The checkpoint kept with the request's block that ends at position num_tokens - 1 (None: none, or
-        num_tokens not a block boundary)."""
+        num_tokens not a block boundary). Under state_index_units the block index is computed in the wrong
+        units, (num_tokens - 1) // (block_size // 4) (vLLM's seed divided by a smaller group's block size), and
+        the block there gives what its state memory holds (None past the table's end)."""
+        if FaultName.STATE_INDEX_UNITS in self.faults:
+            return self.state_memory(request_id, (num_tokens - 1) // max(self.block_size // 4, 1))
         table = self.tables.get(request_id)
         index = num_tokens // self.block_size - 1
         if table is None or num_tokens % self.block_size or not 0 <= index < len(table.blocks):

@@ -7,7 +7,10 @@ mixer is `Qwen3_5MoeGatedDeltaNet` or `Qwen3_5MoeAttention`), layer by layer, wi
 - a linear-attention layer runs once per request chunk (segment) with exactly that chunk's tokens, as a
   batch of one: no pad token reaches its causal conv or its delta rule, and no other request's tokens
   do, so a batched request computes what it computes alone. The chunk's state slot is bound to the cache
-  (PooledCache.bind_state); the layer reads the state its previous chunk left and writes the new one.
+  (PooledCache.bind_state); the layer reads the state its previous chunk left and writes the new one. A
+  request's first piece starts from nothing (transformers' "no previous state" path) only where its slot
+  holds the zero state (StatePool.holds_zero: zeroed at allocation); a slot holding anything else is read
+  as its initial state, which is how the state_slot_not_reset fault's unzeroed slot reaches the request.
   With checkpoints on (paged KV with prefix caching), a chunk that crosses block boundaries runs in pieces
   cut at them and the pool stages each layer's state at every boundary (StatePool.stage), which the state
   side then publishes as checkpoints (state_side.RecurrentState.update_from_output).
@@ -50,6 +53,7 @@ class HybridRunner(ModelRunner):
         self.cache = PooledCache(pool, states)
         self.linear_layers = frozenset(states.shape.linear_layers)
         self.checkpoint_every = checkpoint_every
+        self._zero: dict[int, bool] = {}  # state slot -> it held the zero state when this step began
 
     def _run_body(self, batch: BatchTensors, state: StepState, *, bind: bool = True, lora=None) -> torch.Tensor:
         """The body layer by layer (attention layers batched, linear layers per chunk); [S, V] float32 logits."""
@@ -57,6 +61,9 @@ class HybridRunner(ModelRunner):
             self.cache.state = state
         self.states.take_staged()  # what an interrupted step staged is not this step's
         body = self.body
+        # a request's first piece starts from nothing only where its slot holds the zero state; any other slot
+        # is read as its initial state (what the slot holds, which allocation zeroed unless a fault kept it)
+        self._zero = {seg.state_slot: self.states.holds_zero(seg.state_slot) for seg in batch.segments}
         hidden = self.input_embeds(batch)
         position_embeddings = body.rotary_emb(hidden, batch.position_ids)
         mask = batch.additive_mask(self.dtype).to(self.device)
@@ -79,7 +86,7 @@ class HybridRunner(ModelRunner):
         for seg in segments:
             for start, end in self._pieces(seg):
                 cols = slice(seg.q_start + start - seg.start_pos, seg.q_start + end - seg.start_pos)
-                self.cache.bind_state(seg.state_slot, fresh=start == 0)
+                self.cache.bind_state(seg.state_slot, fresh=start == 0 and self._zero[seg.state_slot])
                 out[seg.row, cols] = layer(hidden[seg.row : seg.row + 1, cols], position_embeddings=position_embeddings,
                                            attention_mask=None, cache=self.cache)[0]
                 if self.checkpoint_every and end % self.checkpoint_every == 0:

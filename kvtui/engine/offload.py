@@ -28,6 +28,10 @@ Faults (kvtui/faults.py), as reported against shipped tiers:
   well-formed tensors holding the wrong numbers.
 - `tier_partial_load`: a restore of k blocks copies k - 1; the request still counts all k as cached and
   does not recompute the gap, so it reads whatever the last block's previous owner left there.
+- `tier_drops_recurrent_state` (hybrids, sglang #39830): an entry keeps the block's K/V but not its state
+  checkpoint, only how many positions it covered; the checkpoint goes to the tier's one state buffer
+  (`HostTier.state_buffer`), which every store overwrites, and a restore hands back what that buffer holds:
+  the state of the last block stored, another prefix's.
 
 Only the PagedCache (paged.py) calls this module; the BlockManager's bookkeeping stays torch-free and
 sees HostTier through `get` and `put`.
@@ -56,6 +60,8 @@ class TierEntry:
         tags: the pool's writer tags of the block's positions (request serials), [block_size].
         digest: sha256 hex of the pool-layout bytes it was stored from (KVBlockBytes).
         state: a hybrid's recurrent-state checkpoint kept with the block (state_pool.StateCheckpoint), or None.
+        state_tokens: the positions of the checkpoint the block had when it was stored without it
+            (tier_drops_recurrent_state), else None.
     """
 
     origin: BlockOrigin
@@ -63,6 +69,12 @@ class TierEntry:
     tags: list[int]
     digest: str
     state: object | None = None
+    state_tokens: int | None = None
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the tier says it holds the block's state checkpoint (a hit may end at it)."""
+        return self.state is not None or self.state_tokens is not None
 
 
 class HostTier:
@@ -81,6 +93,7 @@ class HostTier:
         self.capacity = capacity
         self.entries: OrderedDict[bytes, TierEntry] = OrderedDict()
         self.stores = self.hits = self.evictions = 0
+        self.state_buffer = None  # tier_drops_recurrent_state: the one state checkpoint every store overwrites
 
     def get(self, key: bytes) -> TierEntry | None:
         """The entry under `key` (now the most recently used), or None."""
@@ -139,22 +152,33 @@ def block_bytes_digest(pool, block: int) -> str:
     return h.hexdigest()
 
 
-def store(pool, block: int, origin: BlockOrigin, state=None) -> TierEntry:
+def store(pool, block: int, origin: BlockOrigin, state=None, *, tier: HostTier | None = None,
+          faults: frozenset[str] = frozenset()) -> TierEntry:
     """Copy pool block `block` (K, V of every layer, writer tags) out into a new TierEntry, token-major, with
-    the block's recurrent-state checkpoint `state` (hybrids; None otherwise) beside them."""
+    the block's recurrent-state checkpoint `state` (hybrids; None otherwise) beside them. Under
+    tier_drops_recurrent_state the checkpoint goes to `tier`'s one state buffer instead, and the entry keeps
+    only its positions."""
     data = torch.stack([torch.stack((k[block], v[block])) for k, v in zip(pool.keys, pool.values)])  # [L, 2, H, B, D]
-    return TierEntry(origin, data.transpose(2, 3).contiguous().cpu(), pool.writer[block].tolist(),
-                     block_bytes_digest(pool, block), state)
+    entry = TierEntry(origin, data.transpose(2, 3).contiguous().cpu(), pool.writer[block].tolist(),
+                      block_bytes_digest(pool, block), state)
+    if state is not None and tier is not None and FaultName.TIER_DROPS_RECURRENT_STATE in faults:
+        tier.state_buffer = state
+        entry.state, entry.state_tokens = None, state.num_tokens
+    return entry
 
 
-def restore(pool, entry: TierEntry, block: int, faults: frozenset[str]):
+def restore(pool, entry: TierEntry, block: int, faults: frozenset[str], tier: HostTier | None = None):
     """Copy `entry` into pool block `block` (K, V of every layer and the writer tags); returns the recurrent-state
     checkpoint stored with it (None for a model without one), for the block to keep. Under
-    tier_layout_mismatch the token-major data is read as head-major: reshaped, not transposed."""
+    tier_layout_mismatch the token-major data is read as head-major: reshaped, not transposed. An entry
+    stored without its checkpoint (tier_drops_recurrent_state) gives what `tier`'s state buffer holds, kept
+    under the entry's positions."""
     layers, _, size, heads, dim = entry.data.shape
     if FaultName.TIER_LAYOUT_MISMATCH in faults:
         data = entry.data.reshape(layers, 2, heads, size, dim)
     else:
         data = entry.data.transpose(2, 3)
     pool.restore_block(block, data, entry.tags)
+    if entry.state is None and entry.state_tokens is not None and tier is not None and tier.state_buffer is not None:
+        return tier.state_buffer.relabeled(entry.state_tokens, entry.origin.writer)
     return entry.state

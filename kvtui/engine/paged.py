@@ -10,6 +10,12 @@ newest running request gives all its blocks back and goes to the front of the wa
 it is admitted again it feeds its prompt and the tokens it had generated as one prefill (its
 cached blocks may still be hit), and the last chunk samples its next token with its own generator,
 so its output is unchanged.
+
+A hybrid's recurrent-state checkpoints (state_side.py) are kept with the blocks they end (keep_checkpoint)
+and read back on a hit (checkpoint). Under `state_published_before_write` a checkpoint is published when its
+chunk is scheduled (ensure: the block's entry is what the block's state memory holds then) and the forward's
+real one is written at the request's next step (as vLLM's align mode copies a boundary's state into its
+block at the start of the next step); a request that ends first (finish, preempt) never writes it.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class PagedCache:
         self.manager.tier = self.tier
         self._tier_counted = (0, 0, 0)  # tier stores, queried and hit tokens at the last report
         self._restored: dict[int, tuple[list[int], bool, str | None]] = {}  # block -> (tags it should hold, intact, found writer)
+        self._unwritten: dict[str, list] = {}  # state_published_before_write: request -> checkpoints to write next step
 
     def configure(self, config: EngineConfig, faults: frozenset[str]) -> None:
         """max_batch_size (running requests) and the faults the block bookkeeping acts on from the next
@@ -144,10 +151,13 @@ class PagedCache:
         stores, loads = self.manager.take_tier_ops()
         self._restored = {}
         for block, key, origin, state in stores:
-            self.tier.put(key, offload.store(self.pool, block, origin, state))
+            self.tier.put(key, offload.store(self.pool, block, origin, state, tier=self.tier, faults=self.faults))
         skipped = loads[-1:] if FaultName.TIER_PARTIAL_LOAD in self.faults else []  # promised, never copied
         for block, entry in loads[: len(loads) - len(skipped)]:
-            self.manager.pool.blocks[block].state = offload.restore(self.pool, entry, block, self.faults)
+            kept = self.manager.pool.blocks[block]
+            kept.state = offload.restore(self.pool, entry, block, self.faults, self.tier)
+            if kept.state is not None:
+                kept.memory = kept.state
         for block, entry in loads:
             self._restored[block] = tags, intact, found = self._check(block, entry)
             if not intact:
@@ -188,7 +198,23 @@ class PagedCache:
         self._apply_tier()  # blocks this growth evicted go to the tier before anything is written there
         for src, dst in self.manager.take_copies():
             self.pool.copy_block(src, dst)
+        if table is not None:
+            for checkpoint in self._unwritten.pop(request.request_id, []):  # its last step's, written late
+                self.manager.publish_state(request.request_id, checkpoint.num_tokens // self.block_size - 1,
+                                           checkpoint)
+            if FaultName.STATE_PUBLISHED_BEFORE_WRITE in self.faults and self.manager.needs_state:
+                self._publish_before_write(request, num_tokens)
         return None if table is None else KVPlace(None, table)
+
+    def _publish_before_write(self, request: RequestState, num_tokens: int) -> None:
+        """state_published_before_write, when a chunk is scheduled: every block boundary the chunk reaches gets
+        its checkpoint entry now, holding what that block's state memory holds (another request's state; a
+        block whose memory holds nothing yet gets none)."""
+        for n in range((request.cache_len // self.block_size + 1) * self.block_size, num_tokens + 1, self.block_size):
+            memory = self.manager.state_memory(request.request_id, n // self.block_size - 1)
+            if memory is not None:
+                self.manager.publish_state(request.request_id, n // self.block_size - 1,
+                                           memory.relabeled(n, request.request_id))
 
     def fork(self, lead: RequestState, child: RequestState, num_running: int) -> KVPlace | None:
         """Parallel sampling: `child` shares every block of `lead` (reference count + 1); the partial last
@@ -205,6 +231,7 @@ class PagedCache:
         """Preemption by recompute: all the request's blocks go back (cached ones stay cached)."""
         self.manager.free(request.request_id)
         self.borrowed.pop(request.request_id, None)
+        self._unwritten.pop(request.request_id, None)  # state_published_before_write: never written
         self.num_preemptions += 1
         self._preempted.append(request.request_id)
 
@@ -216,7 +243,11 @@ class PagedCache:
 
     def keep_checkpoint(self, request: RequestState, checkpoint) -> None:
         """Keep `checkpoint` (state_pool.StateCheckpoint after its num_tokens positions, a block boundary) with
-        the request's block ending there, to be cached, offloaded and evicted with it."""
+        the request's block ending there, to be cached, offloaded and evicted with it. Under
+        state_published_before_write it is written at the request's next step (ensure) instead."""
+        if FaultName.STATE_PUBLISHED_BEFORE_WRITE in self.faults:
+            self._unwritten.setdefault(request.request_id, []).append(checkpoint)
+            return
         self.manager.publish_state(request.request_id, checkpoint.num_tokens // self.block_size - 1, checkpoint)
 
     # -- after the forward ----------------------------------------------------------------------------
@@ -231,6 +262,7 @@ class PagedCache:
         """A finished request's blocks go back (cached ones stay cached until evicted)."""
         self.manager.free(request.request_id)
         self.borrowed.pop(request.request_id, None)
+        self._unwritten.pop(request.request_id, None)  # state_published_before_write: never written
 
     def expected_writers(self, batch, chunks, own: list[int]) -> torch.Tensor:
         """[R, K] the writer serial each of a request's own key columns may hold (for slot_taint and

@@ -12,13 +12,54 @@ the KV slot pool (kv_pool.KVPool): a free list hands out the lowest free slot, a
 request never starts from what an earlier owner left (the one place a slot is handed out and zeroed). A
 slot is freed when its request finishes or is preempted. `snapshot` copies one slot's states out as a
 StateCheckpoint (a prefix-cache checkpoint) and `restore` copies one back in.
+
+Provenance: the pool notes what each slot holds as a StateOrigin (the request whose forward computed it, the
+positions it covers and a digest of their key items), and every checkpoint carries the same for its
+contents, so the state_provenance detector can check the state a request starts from against its own
+prefix. A slot holding the zero state is what lets a request's first piece take transformers' "no previous
+state" path (`holds_zero`); any other slot is read as the request's initial state. Under the
+`state_slot_not_reset` fault `allocate` skips the zeroing, so a reused slot is read with its previous
+owner's state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
+
+
+def prefix_digest(items: Sequence) -> str:
+    """16 hex digits of sha256 over the JSON of a request's key items of positions 0 .. n - 1
+    (RequestState.cache_keys: token ids, or strings naming what fills a position): equal digests mean the
+    same positions in the same order."""
+    payload = [i if isinstance(i, str) else int(i) for i in items]
+    return hashlib.sha256(json.dumps(payload, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+EMPTY_PREFIX = prefix_digest(())  # what the zero state covers: no position
+
+
+@dataclass(frozen=True)
+class StateOrigin:
+    """Where a state's contents came from.
+
+    Attributes:
+        writer: the request whose forward computed it ("": the zero state nobody wrote).
+        covered: positions it covers (tokens; 0 for the zero state).
+        prefix: prefix_digest of the writer's key items of those positions.
+    """
+
+    writer: str = ""
+    covered: int = 0
+    prefix: str = EMPTY_PREFIX
+
+    @property
+    def is_zero(self) -> bool:
+        return not self.writer and self.covered == 0
 
 
 @dataclass(frozen=True)
@@ -64,17 +105,35 @@ class StateCheckpoint:
         num_tokens: positions the state covers (a block boundary: k x block_size).
         conv: per linear layer (StateShape.linear_layers order) its conv state [conv_dim, kernel] float32.
         recurrent: per linear layer its recurrent state [heads, k_dim, v_dim] float32.
-        writer: the request whose forward computed it.
+        writer: the request whose forward computed it ("": the zero state).
+        covered: positions its contents cover (None: num_tokens); it differs from num_tokens only when a
+            fault kept another state under this boundary (`relabeled`).
+        prefix: prefix_digest of the key items of the positions its contents cover ("": not noted).
+        publisher: the request that kept it at its boundary when that is not the writer ("": the writer).
     """
 
     num_tokens: int
     conv: tuple[torch.Tensor, ...]
     recurrent: tuple[torch.Tensor, ...]
     writer: str
+    covered: int | None = None
+    prefix: str = ""
+    publisher: str = ""
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+
+    @property
+    def origin(self) -> StateOrigin:
+        """Where its contents came from (the writer, the positions they cover, their digest)."""
+        return StateOrigin(self.writer, self.num_tokens if self.covered is None else self.covered, self.prefix)
+
+    def relabeled(self, num_tokens: int, publisher: str) -> StateCheckpoint:
+        """The same contents kept under another boundary (`num_tokens`) by `publisher`: what a fault that
+        serves one block's state memory as another's checkpoint publishes. Its origin stays the contents'."""
+        origin = self.origin
+        return replace(self, num_tokens=num_tokens, covered=origin.covered, publisher=publisher)
 
 
 class StatePool:
@@ -89,6 +148,7 @@ class StatePool:
         conv: layer index -> [slots, conv_dim, kernel] float32.
         recurrent: layer index -> [slots, heads, k_dim, v_dim] float32.
         owner: per slot its request id, None when free.
+        held: per slot the StateOrigin of what it holds (the zero state at first).
 
     Raises:
         ValueError: num_slots < 1.
@@ -105,6 +165,7 @@ class StatePool:
         self.recurrent = {i: torch.zeros((num_slots, *shape.recurrent), dtype=torch.float32, device=self.device)
                           for i in shape.linear_layers}
         self.owner: list[str | None] = [None] * num_slots
+        self.held: list[StateOrigin] = [StateOrigin()] * num_slots
         self._staged: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @property
@@ -115,33 +176,54 @@ class StatePool:
     def num_used(self) -> int:
         return self.num_slots - self.num_free
 
-    def allocate(self, owner: str) -> int:
+    def allocate(self, owner: str, *, zero: bool = True) -> int:
         """The lowest free slot, now `owner`'s, its conv and recurrent states ZEROED in every layer: the one
-        place a slot is handed out. Raises RuntimeError when none is free (callers check num_free)."""
+        place a slot is handed out. zero=False (the state_slot_not_reset fault) skips the zeroing: the slot
+        keeps what its previous owner left. Raises RuntimeError when none is free (callers check num_free)."""
         slot = next((s for s, o in enumerate(self.owner) if o is None), None)
         if slot is None:
             raise RuntimeError("no free state slot")
         self.owner[slot] = owner
-        for i in self.shape.linear_layers:
-            self.conv[i][slot].zero_()
-            self.recurrent[i][slot].zero_()
+        if zero:
+            for i in self.shape.linear_layers:
+                self.conv[i][slot].zero_()
+                self.recurrent[i][slot].zero_()
+            self.held[slot] = StateOrigin()
         return slot
+
+    def holds_zero(self, slot: int) -> bool:
+        """Whether `slot` holds the zero state (zeroed at allocation, nothing written since): a request's first
+        piece there may take transformers' "no previous state" path; any other slot is read."""
+        return self.held[slot].is_zero
+
+    def zero_checkpoint(self, num_tokens: int, publisher: str = "") -> StateCheckpoint:
+        """The zero state kept under boundary `num_tokens` (by `publisher`): what a read of a state nobody
+        wrote finds."""
+        layers = self.shape.linear_layers
+        return StateCheckpoint(num_tokens, tuple(torch.zeros_like(self.conv[i][0]) for i in layers),
+                               tuple(torch.zeros_like(self.recurrent[i][0]) for i in layers), "", 0, EMPTY_PREFIX,
+                               publisher)
 
     def free(self, slot: int) -> None:
         """Give `slot` back (its tensors keep their values until the next allocate zeroes them)."""
         self.owner[slot] = None
 
     def snapshot(self, slot: int, num_tokens: int) -> StateCheckpoint:
-        """A copy of `slot`'s states in every layer, covering `num_tokens` positions."""
+        """A copy of `slot`'s states in every layer, covering `num_tokens` positions, written by the slot's owner
+        (with the digest the pool noted, when the owner's forward wrote what it holds)."""
         layers = self.shape.linear_layers
+        owner, held = self.owner[slot] or "", self.held[slot]
+        noted = held.writer == owner and held.covered == num_tokens
         return StateCheckpoint(num_tokens, tuple(self.conv[i][slot].clone() for i in layers),
-                               tuple(self.recurrent[i][slot].clone() for i in layers), self.owner[slot] or "")
+                               tuple(self.recurrent[i][slot].clone() for i in layers), owner,
+                               prefix=held.prefix if noted else "")
 
     def restore(self, slot: int, checkpoint: StateCheckpoint) -> None:
-        """Copy `checkpoint`'s states into `slot`, every layer."""
+        """Copy `checkpoint`'s states into `slot`, every layer; the slot now holds its origin."""
         for i, conv, rec in zip(self.shape.linear_layers, checkpoint.conv, checkpoint.recurrent):
             self.conv[i][slot].copy_(conv)
             self.recurrent[i][slot].copy_(rec)
+        self.held[slot] = checkpoint.origin
 
     # -- checkpoints taken inside a forward, one layer at a time ------------------------------------
     def stage(self, slot: int, num_tokens: int, layer: int) -> None:

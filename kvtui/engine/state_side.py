@@ -14,7 +14,7 @@ the model (`make_state_side`, from its ModelKind); the Scheduler owns it and cal
 | release(request) | Scheduler.finish, Scheduler._preempt | the slot goes back (preemption by recompute starts from zero) |
 | bind(chunks) | Scheduler.plan | each planned chunk with its state slot |
 | update_from_output(plan, failed) | Scheduler.update_from_output | the checkpoints the forward took at block boundaries, to keep with their blocks |
-| report() | Engine, step report | the StepEvent's state fields |
+| report() | Engine, step report | the StepEvent's state fields (with each start's provenance and the slot map) |
 
 Chunked prefill carries the state: chunk N reads the slot chunk N - 1 wrote. With paged KV and prefix caching
 (`checkpoints`), the forward copies every request's state out at each block boundary it crosses (the linear
@@ -23,6 +23,12 @@ changing the token budget's chunks), and the scheduler keeps each checkpoint wit
 (KVCache.keep_checkpoint); a prefix hit is cut back to its longest block that keeps one, and the request's
 slot restores it. Attributes every implementation has: `checkpoints` (whether hits need a checkpoint) and
 `pool` (the StatePool, or None).
+
+Provenance: every start (admission, fork) is reported as a StateStartEntry (the state's writer, the positions
+it covers and their digest, against the request's own), and after each forward the pool notes what each slot
+now holds; the state_provenance detector reads the entries. Faults acting here: `state_slot_not_reset`
+(admission takes its slot without zeroing it: StatePool.allocate) and `state_index_units` (the checkpoint a
+hit's wrongly computed index finds is restored whatever it covers; none found restores the zero state).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from kvtui.engine.state_pool import StateCheckpoint, StatePool, state_shape
+from kvtui.engine.state_pool import EMPTY_PREFIX, StateCheckpoint, StateOrigin, StatePool, prefix_digest, state_shape
+from kvtui.events import StateStartEntry
+from kvtui.faults import FaultName
 from kvtui.model_kinds import ModelKind, model_kind
 
 if TYPE_CHECKING:
@@ -119,7 +127,9 @@ class RecurrentState:
         self.checkpoints = checkpoints
         self.faults: frozenset[str] = frozenset()
         self.slots: dict[str, int] = {}  # running request -> its state slot
+        self.last_checkpoint: dict[str, int] = {}  # running request -> positions of its last checkpoint
         self._published = self._restores = self._hit_tokens = 0  # since the last report
+        self._starts: list[StateStartEntry] = []
 
     def configure(self, faults: frozenset[str]) -> None:
         self.faults = faults
@@ -128,14 +138,20 @@ class RecurrentState:
         return self.pool.num_free > 0
 
     def admit(self, request: RequestState, hit_tokens: int, checkpoint: StateCheckpoint | None) -> None:
-        slot = self.slots[request.request_id] = self.pool.allocate(request.request_id)  # zeroed
+        slot = self.slots[request.request_id] = self.pool.allocate(
+            request.request_id, zero=FaultName.STATE_SLOT_NOT_RESET not in self.faults)  # zeroed
         if hit_tokens == 0:
+            self._note_start(request, slot, "slot", 0, self.pool.held[slot])
             return
-        if checkpoint is None or checkpoint.num_tokens != hit_tokens:
+        if FaultName.STATE_INDEX_UNITS in self.faults:  # the engine trusts the index it computed
+            checkpoint = checkpoint or self.pool.zero_checkpoint(hit_tokens)
+        elif checkpoint is None or checkpoint.num_tokens != hit_tokens:
             raise RuntimeError(f"{request.request_id} starts on {hit_tokens} cached tokens without their state "
                                f"checkpoint ({checkpoint and checkpoint.num_tokens})")
         self.restore(slot, checkpoint)
         self._hit_tokens += hit_tokens
+        self.last_checkpoint[request.request_id] = hit_tokens
+        self._note_start(request, slot, "checkpoint", hit_tokens, checkpoint.origin, checkpoint.publisher)
 
     def restore(self, slot: int, checkpoint: StateCheckpoint) -> None:
         """Copy a prefix hit's checkpoint into the request's freshly zeroed `slot`: the one place a state is
@@ -145,10 +161,23 @@ class RecurrentState:
 
     def fork(self, lead: RequestState, child: RequestState) -> None:
         slot = self.slots[child.request_id] = self.pool.allocate(child.request_id)
+        held = self.pool.held[self.slots[lead.request_id]]
         self.pool.restore(slot, self.pool.snapshot(self.slots[lead.request_id], lead.cache_len))
+        self.pool.held[slot] = held
+        self._note_start(child, slot, "fork", lead.cache_len, held)
+
+    def _note_start(self, request: RequestState, slot: int, via: str, tokens: int, origin: StateOrigin,
+                    publisher: str = "") -> None:
+        """Report the state `request` starts from (StepEvent.state_starts) against its own first `tokens`."""
+        reader = prefix_digest(request.cache_keys(tokens)) if tokens else EMPTY_PREFIX
+        self._starts.append(StateStartEntry(
+            request_id=request.request_id, slot=slot, via=via, tokens=tokens, writer=origin.writer or None,
+            writer_tokens=origin.covered, publisher=publisher if publisher and publisher != origin.writer else None,
+            writer_key=origin.prefix, reader_key=reader))
 
     def release(self, request: RequestState) -> None:
         slot = self.slots.pop(request.request_id, None)
+        self.last_checkpoint.pop(request.request_id, None)
         if slot is not None:
             self.pool.free(slot)
 
@@ -156,24 +185,32 @@ class RecurrentState:
         return tuple(replace(c, state_slot=self.slots[c.request.request_id]) for c in chunks)
 
     def update_from_output(self, plan, failed=()) -> list[tuple[RequestState, StateCheckpoint]]:
-        """The checkpoints the forward staged (StatePool.take_staged) of the chunks that ran: the one place a
-        checkpoint is published (the scheduler hands each to KVCache.keep_checkpoint)."""
+        """The checkpoints the forward staged (StatePool.take_staged) of the chunks that ran, each with the
+        digest of the positions it covers: the one place a checkpoint is published (the scheduler hands each
+        to KVCache.keep_checkpoint). The pool notes what each chunk's slot now holds."""
         staged = self.pool.take_staged()
         out = []
         for index, chunk in enumerate(plan.chunks):
             if index in failed:
                 continue
-            for (slot, n), checkpoint in staged.items():
-                if slot == chunk.state_slot and chunk.start_pos < n <= chunk.end_pos:
-                    out.append((chunk.request, checkpoint))
+            request, slot = chunk.request, chunk.state_slot
+            keys = request.cache_keys(chunk.end_pos)
+            self.pool.held[slot] = StateOrigin(request.request_id, chunk.end_pos, prefix_digest(keys))
+            for (at, n), checkpoint in staged.items():
+                if at == slot and chunk.start_pos < n <= chunk.end_pos:
+                    out.append((request, replace(checkpoint, covered=n, prefix=prefix_digest(keys[:n]))))
+                    self.last_checkpoint[request.request_id] = n
         self._published += len(out)
         return out
 
     def report(self) -> dict:
+        owner = self.pool.owner
         fields = dict(state_slots_used=self.pool.num_used, num_state_slots=self.pool.num_slots,
                       state_checkpoints=self._published, state_checkpoint_hits=self._hit_tokens,
-                      state_restores=self._restores)
+                      state_restores=self._restores, state_starts=tuple(self._starts),
+                      state_slot_map=tuple((s, o, self.last_checkpoint.get(o) if o else None) for s, o in enumerate(owner)))
         self._published = self._restores = self._hit_tokens = 0
+        self._starts = []
         return fields
 
 

@@ -103,6 +103,12 @@ def _sampling(context: ObserverContext):
     return SamplingObserver()
 
 
+def _state(context: ObserverContext):
+    from kvtui.detect.state_provenance import StateProvenanceObserver
+
+    return StateProvenanceObserver()
+
+
 def _canary(context: ObserverContext):
     from kvtui.detect.canary import CanaryObserver
 
@@ -126,6 +132,7 @@ OBSERVERS: dict[str, Callable[[ObserverContext], Observer]] = {
     "prefix_provenance": _provenance,
     "constraint": _constraint,
     "sampling_provenance": _sampling,
+    "state_provenance": _state,
     "canary": _canary,
     "reference": _reference,
 }

@@ -232,7 +232,8 @@ def audio_mismatch(scenario: Scenario, tokenizer, model: str) -> str:
     if images and not image_model:
         return (f"prompts kind {scenario.prompts.kind} shows images, and model {model} has no image encoder; "
                 "use --model dinov2-smollm2 (or tiny-vision)")
-    kind = ModelKind.ENCODER_DECODER if speech else ModelKind.IMAGE_TEXT if image_model else ModelKind.DECODER_ONLY
+    kind = (ModelKind.ENCODER_DECODER if speech else ModelKind.IMAGE_TEXT if image_model
+            else ModelKind.HYBRID if kind_of(model) is ModelKind.HYBRID else ModelKind.DECODER_ONLY)
     named = [*scenario.engine.faults, *(e.fault_switch[0] for e in scenario.timeline if e.fault_switch)]
     wrong = next((n for n in named if not acts_on(n, kind)), None)
     if wrong:

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from kvtui.tui import server_panels
 from kvtui.tui.draw import LEAK_STYLE, RED, SPARKS, bar, clean, color, ms, sparkline
-from kvtui.tui.snapshot import BlockView, RequestView, SlotView, Snapshot
+from kvtui.tui.snapshot import BlockView, RequestView, SlotView, Snapshot, StateSlotView
 
 PACE_SHOWN_BELOW = 0.95  # the header says the paced clock's pace when it runs slower than this
 SHORT_KINDS = {"cross_request": "cross", "cross_tenant": "tenant", "corruption": "corrupt"}  # narrow panel
@@ -90,15 +90,49 @@ def _slot_cell(slot: SlotView, cell: int) -> Text:
     return text
 
 
+# -- recurrent-state slots (hybrid models) ------------------------------------------------------------
+def _state_cell(s: StateSlotView) -> Text:
+    if s.owner is None:
+        return Text(f"{s.index} free", style="dim")
+    text = Text(f"{s.index} ").append(s.owner, style=f"bold black on {color(s.color)}")
+    return text.append(f" @{s.checkpoint if s.checkpoint is not None else '-'}")
+
+
+def state_strip(snap: Snapshot, width: int) -> Text:
+    """A hybrid's recurrent-state slots beside its KV: "state slots (owner @checkpoint) 2/8 · 0 r003 @48 · 1 r005
+    @- · 6 free": each slot in use with its index, owner (coloured) and the positions of the owner's last state
+    checkpoint (`-`: none yet); the free slots counted (dim)."""
+    used = [s for s in snap.state_slots if s.owner]
+    text = Text(f"state slots (owner @checkpoint) {len(used)}/{len(snap.state_slots)}", style="bold")
+    for s in used:
+        text.append(" · ").append_text(_state_cell(s))
+    if len(used) < len(snap.state_slots):
+        text.append(f" · {len(snap.state_slots) - len(used)} free", style="dim")
+    return text
+
+
+def _height(text: Text, width: int) -> int:
+    """Lines `text` takes wrapped at `width` (a rough count: its length over the width)."""
+    return max(-(-text.cell_len // max(width, 1)), 1)
+
+
 def slot_map(snap: Snapshot, width: int, height: int) -> Text | Group:
     """One cell per slot: index, owner (coloured), fill bar of cache_len/capacity, cache_len; `↻`
     marks a slot reused within the last few steps; free slots dim. Falls back to one character per
     slot (fill height as ▁..█ in the owner's colour, · free) when the cells do not fit. A target
-    server's run shows the server's own slots (kvtui/tui/server_panels.py)."""
+    server's run shows the server's own slots (kvtui/tui/server_panels.py). A hybrid model's recurrent-state
+    slots follow (state_strip)."""
     if snap.server is not None:
         return server_panels.slot_map(snap, width, height)
     if not snap.slots:
         return Text("no slots yet", style="dim")
+    if snap.state_slots:
+        strip = state_strip(snap, width)
+        return Group(_kv_slots(snap, width, max(height - _height(strip, width), 2)), strip)
+    return _kv_slots(snap, width, height)
+
+
+def _kv_slots(snap: Snapshot, width: int, height: int) -> Text | Group:
     cell = 26
     if len(snap.slots) <= height - 1:  # room for one slot per line: use the whole width
         cell, per_row = max(width - 1, 20), 1
@@ -175,9 +209,13 @@ def block_map(snap: Snapshot, width: int, height: int) -> Group | Text:
     """Paged KV: one cell per block in block order, coloured by the request holding it (by its tenant
     when the run has tenants): `█` one holder, a digit the number of holders of a shared block (prefix
     caching), `░` a cached block no request holds (dimmed; evicted least recently used first), `·` a
-    free one. Below: blocks in use / shared / cached, prefix hit rate, preemptions, cross-tenant hits."""
+    free one. Below: blocks in use / shared / cached, prefix hit rate, preemptions, cross-tenant hits, and a
+    hybrid model's recurrent-state slots (state_strip)."""
     if not snap.blocks:
         return Text("no blocks yet", style="dim")
+    strip = state_strip(snap, width) if snap.state_slots else None
+    if strip is not None:
+        height -= _height(strip, width)
     room = max(height - 3, 1) * max(width, 1)
     cell = 2 if len(snap.blocks) * 2 <= room and width >= 2 else 1
     per_row = max(width // cell, 1)
@@ -194,6 +232,8 @@ def block_map(snap: Snapshot, width: int, height: int) -> Group | Text:
     legend = Text(f"█ held · 2 shared by 2 · ░ cached free · · free{size}", style="dim")
     if snap.encoder is not None:
         return Group(*lines, _paged_line(snap), encoder_line(snap), legend)
+    if strip is not None:
+        return Group(*lines, _paged_line(snap), strip, legend)
     return Group(*lines, _paged_line(snap), legend)
 
 

@@ -58,6 +58,23 @@ class EncoderView:
 
 
 @dataclass(frozen=True)
+class StateSlotView:
+    """One recurrent-state slot of a hybrid model (last step).
+
+    Attributes:
+        index: the slot; owner: the request holding it, None when free.
+        checkpoint: positions (tokens) of the owner's last state checkpoint (kept with its block, or restored on
+            its prefix hit), None before its first.
+        color: palette index of the owner (-1: free).
+    """
+
+    index: int
+    owner: str | None
+    checkpoint: int | None
+    color: int
+
+
+@dataclass(frozen=True)
 class BlockView:
     """One paged KV block (the null block 0 is left out).
 
@@ -208,6 +225,7 @@ class Snapshot:
             machine is slower than the model); None on other clocks or before it is known.
         encoder: a speech model's encoder cache (EncoderView), else None.
         prefix_caching: the engine caches prompt prefixes (paged KV), as the header says.
+        state_slots: a hybrid model's recurrent-state slots (StateSlotView each); empty for other models.
     """
 
     seq: int
@@ -255,6 +273,7 @@ class Snapshot:
     pace: float | None = None
     encoder: EncoderView | None = None
     prefix_caching: bool = False
+    state_slots: tuple[StateSlotView, ...] = ()
 
     @property
     def isolation_on(self) -> bool:

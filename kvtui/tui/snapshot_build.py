@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from kvtui.metrics import percentile
-from kvtui.tui.snapshot import BlockView, EncoderView, Latency, PagedView, RequestView, SlotView, Snapshot
+from kvtui.tui.snapshot import (
+    BlockView,
+    EncoderView,
+    Latency,
+    PagedView,
+    RequestView,
+    SlotView,
+    Snapshot,
+    StateSlotView,
+)
 from kvtui.tui.state import MAX_TABLE_ROWS, REUSE_MARK_STEPS, TAIL_CHARS, DashboardState, _Request
 
 FLAGGED_ROWS = 16  # finished rows with a leak or a detector report kept in the table ahead of others
@@ -155,7 +164,18 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
         pace=state.pace, encoder=_encoder(last),
         prefix_caching=bool(header.engine.get("prefix_caching")) if header else False,
+        state_slots=_state_slots(state, last),
     )
+
+
+def _state_slots(state: DashboardState, last) -> tuple[StateSlotView, ...]:
+    """A hybrid's recurrent-state slots after the last step (StepEvent.state_slot_map), coloured by owner; ()
+    for other models."""
+    if last is None or not getattr(last, "state_slot_map", ()):
+        return ()
+    return tuple(StateSlotView(slot, owner, checkpoint,
+                               state.requests[owner].color if owner in state.requests else -1)
+                 for slot, owner, checkpoint in last.state_slot_map)
 
 
 def _encoder(last) -> EncoderView | None:

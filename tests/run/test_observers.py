@@ -57,10 +57,10 @@ def test_the_registry_names_every_detector_and_each_observer_class_is_registered
         mod = importlib.import_module(f"kvtui.detect.{module.name}")
         classes |= {c for _, c in inspect.getmembers(mod, inspect.isclass)
                     if issubclass(c, Quiet) and c is not Quiet and c.__module__ == mod.__name__}
-    assert {type(o) for o in built} == classes and len(classes) == 6
+    assert {type(o) for o in built} == classes and len(classes) == 7
     # in the order their reports go out: the engine's signals, ..., the canary, the reference last
-    assert [o.name for o in built] == ["engine", "prefix_provenance", "constraint", "sampling_provenance", "canary",
-                                       "reference"]
+    assert [o.name for o in built] == ["engine", "prefix_provenance", "constraint", "sampling_provenance",
+                                       "state_provenance", "canary", "reference"]
     for o in built:
         assert isinstance(o, Observer), type(o)
         assert o.name in OBSERVERS and OBSERVERS[o.name](ObserverContext(DETECTOR_NAMES, loaded, loaded.tokenizer)).name \
