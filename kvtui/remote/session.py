@@ -49,6 +49,8 @@ from kvtui.remote.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.remote.server_probe import ServerProbe
 from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
+from kvtui.remote.wire import WirePool
+from kvtui.remote.wire import usable as wire_usable
 from kvtui.request import EmbedsPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
@@ -137,6 +139,7 @@ class TargetSession(RunBase):
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
         self._round, self._round_start = None, 0.0  # `process: rounds`: the round sent last, and when
         self.summary: Summary | None = None
+        self._load_client = None  # what the load's requests go out on: a WirePool, or the httpx client
         self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
         self.solo_results: dict[str, StreamResult] = {}  # the compared solo runs, by request id
@@ -196,10 +199,13 @@ class TargetSession(RunBase):
 
     async def run_async(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
         """run() inside a running event loop."""
+        # the load goes out on kvtui.remote.wire's pooled keep-alive connections where it can (plain http://);
+        # everything else (models, probes, solo runs, the request-id audit's probes) on httpx, one at a time
         limits = httpx.Limits(max_connections=self.options.max_concurrency + 2, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), transport=self.options.transport,
                                      timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
             await self._resolve_model(client)
+            self._load_client = self._wire_pool() or client
             if self.id_audit is not None:
                 await self.id_audit.before_load(client)  # /health as it answers before any request
             self._t0 = self._clock()
@@ -231,7 +237,18 @@ class TargetSession(RunBase):
             sample = await probe.sample(self.now())
             if sample is not None:
                 self.emit(sample)
+            if isinstance(self._load_client, WirePool):
+                await self._load_client.aclose()
         return self.close()
+
+    def _wire_pool(self) -> WirePool | None:
+        """The load's pooled connections (kvtui/remote/wire.py), None where the load goes on httpx (a test
+        transport, https, a proxy). llama.cpp's server and the request-id audit get a connection per request
+        (`Connection: close`, never retried): llama.cpp drops a stream's connection although it says
+        Keep-Alive, and the audit must see each request exactly once."""
+        if not wire_usable(self.options.url, self.options.transport):
+            return None
+        return WirePool(self.options.url, fresh=self.server_kind == "llama.cpp" or self.id_audit is not None)
 
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
         """Check the server (and the reference server, when named) answers /v1/models with JSON; take the
@@ -328,7 +345,7 @@ class TargetSession(RunBase):
                     if self.options.uncached_load:
                         body = uncached(body, self.server_kind)
                     send_as = self.id_audit.spec.send_as if self.id_audit is not None else ()
-                    await stream_request(client, path, {**body, **id_fields(p.client_id, send_as)},
+                    await stream_request(self._load_client, path, {**body, **id_fields(p.client_id, send_as)},
                                          timeout_s=self.request_timeout_s, clock=self.now, result=result,
                                          on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
                                                                                   p.cancel_after),
