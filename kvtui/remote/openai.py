@@ -35,6 +35,7 @@ from kvtui.remote.wire import WirePool
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 TOP_LOGPROBS = 5  # alternatives per token: a near tie of three still shows both runs' choices
+NEG_INF = float("-inf")
 DRAIN_S = 0.5  # after `data: [DONE]`, how long the rest of the body may take before the connection is dropped
 
 
@@ -185,8 +186,9 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
         on_chunk: called after each chunk with the result so far and the chunk's text.
         headers: more request headers (the request-id audit's x-request-id).
 
-    The request goes out with `Connection: close`: llama.cpp's server closes the connection after every
-    stream, so a pooled connection reused at once fails (see kvtui.remote.llama_server).
+    `client` is an httpx.AsyncClient (the request then goes out with `Connection: close`: llama.cpp's
+    server closes the connection after every stream, so an httpx pooled connection reused at once fails, see
+    kvtui.remote.llama_server) or a kvtui.remote.wire.WirePool (the load's pooled keep-alive connections).
     """
     result = result if result is not None else StreamResult(sent_s=0.0)
     result.sent_s = clock()
@@ -313,5 +315,5 @@ def parse_logprobs(logprobs) -> list[TokenInfo]:
 
 def _ranked(pairs) -> tuple[tuple[int | str, float], ...]:
     """(key, logprob) pairs with a finite logprob, most likely first."""
-    kept = [(k, float(v)) for k, v in pairs if isinstance(v, (int, float)) and v > float("-inf")]
+    kept = [(k, float(v)) for k, v in pairs if isinstance(v, (int, float)) and v > NEG_INF]
     return tuple(sorted(kept, key=lambda kv: -kv[1]))
