@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -213,6 +214,10 @@ class TargetSession(RunBase):
             self._load_client = self._wire_pool() or client
             if self.id_audit is not None:
                 await self.id_audit.before_load(client)  # /health as it answers before any request
+            # what exists now (the tokenizer, the plan: hundreds of thousands of objects) is left out of the
+            # garbage collector's full passes, each of which would stop the sending loop for tens of ms
+            gc.collect()
+            gc.freeze()
             self._t0 = self._clock()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             self.fidelity.start()
@@ -246,6 +251,7 @@ class TargetSession(RunBase):
                 self.emit(sample)
             if isinstance(self._load_client, WirePool):
                 await self._load_client.aclose()
+            gc.unfreeze()
         return self.close()
 
     def _wire_pool(self) -> WirePool | None:
