@@ -305,6 +305,7 @@ class TargetSession(RunBase):
             self.emit(arrive)
             self._emit_all(o.on_arrive(arrival) for o in self.observers)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
+            await asyncio.sleep(0)  # let it go out now: a loop behind its schedule would otherwise send in bursts
         return tasks
 
     async def _wait_round(self, tasks: list[asyncio.Task]) -> None:
