@@ -246,12 +246,12 @@ class TargetSession(RunBase):
                 poller.cancel()
                 markers.cancel()
                 await asyncio.gather(poller, markers, return_exceptions=True)
+                if isinstance(self._load_client, WirePool):
+                    await self._load_client.aclose()
+                gc.unfreeze()
             sample = await probe.sample(self.now())
             if sample is not None:
                 self.emit(sample)
-            if isinstance(self._load_client, WirePool):
-                await self._load_client.aclose()
-            gc.unfreeze()
         return self.close()
 
     def _wire_pool(self) -> WirePool | None:
