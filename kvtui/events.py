@@ -142,6 +142,9 @@ class Finish(_Frozen):
     # (v2, target runs) prompt tokens the server said it took from its prefix cache
     # (`usage.prompt_tokens_details.cached_tokens` or llama.cpp's `timings.cache_n`); None: not said
     cached_tokens: int | None = None
+    # (v3, target runs) its send time minus its planned time (arrival_s), the wait for a place under
+    # --max-concurrency left out: how late the client sent it (kvtui/remote/fidelity.py)
+    send_lag_s: float | None = None
 
     @property
     def completed(self) -> bool:
@@ -855,6 +858,40 @@ class ServerSample(_Frozen):
     slots: tuple[SlotState, ...] | None = None
 
 
+class LoadFidelity(_Frozen):
+    """(v3, target runs) How faithfully the client kept the scenario's schedule (kvtui/remote/fidelity.py):
+    emitted while the load runs (about every second, for the dashboard) and once after it; the last one is
+    also the summary's `load_fidelity`.
+
+    Attributes:
+        requests_sent: requests sent so far. capped: of those, how many waited for a place under
+            --max-concurrency (that wait is the cap's, not lag).
+        requested_rate_per_s / achieved_rate_per_s: (sent - 1) over the span of their planned / actual
+            send times (req/s); None with fewer than two sends or all planned at one instant.
+        lag_p50_s, lag_p99_s, lag_max_s: schedule lag, each request's actual minus planned send time
+            (seconds, the cap's wait left out); None before the first send.
+        client_cpu_s: CPU seconds this client process used (user + system, all its threads) over
+            `wall_s`, the wall seconds since the load started; client_cpu_share: their ratio (1.0 = one
+            core busy all the time).
+        warning: one line when the client rather than the server limited the run (lag p99 over 10 ms, or
+            under 98% of the requested rate sent), else None.
+    """
+
+    type: Literal["load.fidelity"] = "load.fidelity"
+    t: float
+    requests_sent: int = 0
+    capped: int = 0
+    requested_rate_per_s: float | None = None
+    achieved_rate_per_s: float | None = None
+    lag_p50_s: float | None = None
+    lag_p99_s: float | None = None
+    lag_max_s: float | None = None
+    client_cpu_s: float = 0.0
+    wall_s: float = 0.0
+    client_cpu_share: float | None = None
+    warning: str | None = None
+
+
 # -- summary ------------------------------------------------------------------------------------------
 class LatencyStats(_Frozen):
     """Count, mean and percentiles (linear interpolation) of a latency list, seconds."""
@@ -952,6 +989,8 @@ class Summary(_Frozen):
     # model), and the timeline's reloads by adapter; None when no request ran under an adapter
     lora_requests: dict[str, int] | None = None
     lora_reloads: dict[str, int] | None = None
+    # (v3, target runs) how faithfully the client kept the schedule: the run's last LoadFidelity
+    load_fidelity: LoadFidelity | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""
@@ -959,12 +998,12 @@ class Summary(_Frozen):
 
 
 Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-                        ReferenceStatus, ServerSample, Summary], Field(discriminator="type")]
+                        ReferenceStatus, ServerSample, LoadFidelity, Summary], Field(discriminator="type")]
 _EVENT = pydantic.TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Frozen]] = {
     m.model_fields["type"].default: m
     for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
-              ReferenceStatus, ServerSample, Summary)}
+              ReferenceStatus, ServerSample, LoadFidelity, Summary)}
 
 
 def parse_event(data: dict, version: int = VERSION, engine: dict | None = None) -> _Frozen:

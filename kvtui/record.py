@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Iterator
@@ -50,7 +51,7 @@ class RecordingWriter:
     """
 
     def __init__(self, path: str | Path, *, sync_every: int = 50,
-                 on_error: Callable[[RecordingWriter], None] | None = None) -> None:
+                 on_error: Callable[[RecordingWriter], None] | None = None, background_sync: bool = False) -> None:
         self.path = Path(path)
         if self.path.parent and not self.path.parent.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,9 @@ class RecordingWriter:
         self.sync_every = sync_every
         self.error: OSError | None = None
         self.on_error = on_error
+        # fsync in a thread of its own (a target run's load: a disk that takes milliseconds to sync must not
+        # hold up the sending loop); its failure is reported at the next write, from the writing thread
+        self._syncer = _Syncer() if background_sync and self._syncable else None
 
     @property
     def failed(self) -> bool:
@@ -71,10 +75,15 @@ class RecordingWriter:
         if self._file is None:
             return
         try:
+            if self._syncer is not None and self._syncer.error is not None:
+                raise self._syncer.error
             self._file.write(event.to_json() + "\n")
             self._file.flush()
             if self._syncable and (self.lines + 1) % self.sync_every == 0:
-                os.fsync(self._file.fileno())
+                if self._syncer is not None:
+                    self._syncer.request(self._file.fileno())
+                else:
+                    os.fsync(self._file.fileno())
         except OSError as e:
             self._fail(e)
             return
@@ -85,6 +94,10 @@ class RecordingWriter:
         if self._file is None:
             return
         try:
+            if self._syncer is not None:
+                self._syncer.stop()
+                if self._syncer.error is not None:
+                    raise self._syncer.error
             self._file.flush()
             if self._syncable:
                 os.fsync(self._file.fileno())
@@ -112,11 +125,62 @@ class RecordingWriter:
             self.on_error(self)
 
     def _release(self) -> None:
+        if self._syncer is not None:
+            self._syncer.stop()
         file, self._file = self._file, None
         try:
             file.close()  # closing the descriptor releases the flock
         except OSError:  # the buffered tail cannot be written either: the descriptor is closed regardless
             pass
+
+
+class _Syncer:
+    """One daemon thread that fsyncs a descriptor when asked (a request while one runs is folded into
+    the next); the first failure is kept in `error`."""
+
+    def __init__(self) -> None:
+        self.error: OSError | None = None
+        self._fd: int | None = None
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def request(self, fd: int) -> None:
+        with self._wake:
+            self._fd = fd
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvtui-fsync", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while self._fd is None and not self._stopped:
+                    self._wake.wait()
+                if self._fd is None:
+                    return
+                fd, self._fd, self._busy = self._fd, None, True
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                self.error = self.error or e
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
+
+    def stop(self) -> None:
+        """Wait for a sync in progress (and one asked for), then end the thread."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+            while self._busy or (self._fd is not None and self._thread is not None and self._thread.is_alive()):
+                self._wake.wait(0.1)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def describe_os_error(e: OSError) -> str:

@@ -58,6 +58,9 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
     console.print(table)
     if summary.request_id_audit:  # one line, never wrapped: for pasting into a report
         console.print(printable(summary.request_id_audit), markup=False, highlight=False, soft_wrap=True)
+    fidelity = summary.load_fidelity
+    if fidelity is not None and fidelity.warning:  # the one line saying the client set the pace
+        console.print(Text.assemble(("warning:", "yellow"), " ", printable(fidelity.warning)), soft_wrap=True)
 
 
 def tolerance_text(described: dict) -> str:
@@ -274,6 +277,8 @@ def _target_rows(s: Summary, header: Header | None = None) -> list[tuple[str, st
         + ([("server peak KV usage / waiting", f"{s.kv_cache_usage_perc_peak:.1%} / {s.num_requests_waiting_peak}")]
            if s.kv_cache_usage_perc_peak or s.num_requests_waiting_peak else []),
     }
+    if s.load_fidelity is not None:
+        extra["goodput"] = fidelity_rows(s.load_fidelity)
     words = header is not None and header.engine.get("api") == "transcription"
     rows = []
     for name, value in _rows(s, target=True, header=header):
@@ -281,6 +286,23 @@ def _target_rows(s: Summary, header: Header | None = None) -> list[tuple[str, st
             row = WORD_ROWS[name](value) if words and name in WORD_ROWS else (name, value)
             rows += [row] + extra.get(name, [])
     return rows
+
+
+def fidelity_rows(f) -> list[tuple[str, str]]:
+    """A target run's load fidelity (kvtui.events.LoadFidelity): the schedule lag, the rate asked and sent,
+    and the client's CPU."""
+    rate = (f"{f.requested_rate_per_s:.1f} / {f.achieved_rate_per_s:.1f} req/s"
+            if f.requested_rate_per_s is not None and f.achieved_rate_per_s is not None else
+            "- (fewer than two sends, or all planned at one instant)")
+    capped = f"; {f.capped} waited for --max-concurrency (not counted as lag)" if f.capped else ""
+    cpu = f"{f.client_cpu_s:.2f} s over {f.wall_s:.2f} s" + (f" ({f.client_cpu_share:.0%} of a core)"
+                                                             if f.client_cpu_share is not None else "")
+    def ms(v) -> str:
+        return "-" if v is None else f"{v * 1000:.1f} ms"
+
+    return [("schedule lag p50 / p99 / max", f"{ms(f.lag_p50_s)} / {ms(f.lag_p99_s)} / {ms(f.lag_max_s)}{capped}"),
+            ("rate requested / achieved", rate),
+            ("client CPU (the load)", cpu)]
 
 
 # a transcription target's rows: its output is words (the transcript split at spaces), not tokens

@@ -4,7 +4,8 @@ Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the b
 (bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
 bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost), profile (where a decode step's time
 goes), transcribe (Whisper tiny.en transcription throughput against transformers and ctranslate2), images
-(DINOv2-small per image, batched vs one at a time, the encoder cache's hits and savings). Every
+(DINOv2-small per image, batched vs one at a time, the encoder cache's hits and savings), loadgen (the
+`--target` client against `vllm bench serve` on a mock OpenAI server: docs/loadgen.md). Every
 part writes its figures to the JSON and a Markdown table; `--quick` uses fewer repeats and shapes (under 10 minutes on 2 cores).
 """
 
@@ -14,7 +15,19 @@ import json
 import time
 from pathlib import Path
 
-from kvtui.bench import curve, detectors, faults, images, knobs, overhead, peers, penalties, profile, transcribe
+from kvtui.bench import (
+    curve,
+    detectors,
+    faults,
+    images,
+    knobs,
+    loadgen,
+    overhead,
+    peers,
+    penalties,
+    profile,
+    transcribe,
+)
 from kvtui.bench.common import machine, peak_rss_bytes
 
 PARTS = {
@@ -31,13 +44,23 @@ PARTS = {
                    "Whisper tiny.en transcription: batched vs one at a time vs generate vs ctranslate2"),
     "images": (images.run, images.markdown,
                "the image encoder: per image, batched vs one at a time, and the encoder cache's hits and savings"),
+    "loadgen": (loadgen.run, loadgen.markdown,
+                "the --target client against vllm bench serve on a mock server: rates kept, lag, client-added TTFT"),
 }
+MODEL_FREE = {"loadgen"}  # parts that load no model (`kvtui bench --part loadgen` starts in seconds)
 
 
-def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path, console) -> dict:
+def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path, console,
+              part_options: dict[str, dict] | None = None) -> dict:
     """Run `parts` (keys of PARTS) in order; write `output` (JSON) and `output` with .md (Markdown);
-    returns the figures. Each part records its wall time and the process's peak RSS after it."""
-    figures = {"model": loaded.model_id, "dtype": str(loaded.dtype).replace("torch.", ""), "quick": quick,
+    returns the figures. Each part records its wall time and the process's peak RSS after it.
+
+    Args:
+        loaded: the model (kvtui.models.load_model), None when every part is in MODEL_FREE.
+        part_options: more keyword arguments for a part's run, by part (e.g. loadgen's rates).
+    """
+    figures = {"model": loaded.model_id if loaded is not None else "(no model)",
+               "dtype": str(loaded.dtype).replace("torch.", "") if loaded is not None else "-", "quick": quick,
                "machine": machine(), "parts": {}}
     m = figures["machine"]
     console.print(f"CPU: {m['processor']} ({m['cores']} cores, {m['machine']}); flags: "
@@ -47,7 +70,7 @@ def run_suite(loaded, *, name: str, parts: list[str], quick: bool, output: Path,
         run, _, title = PARTS[part]
         console.print(f"[bold]{part}[/]: {title}")
         t0 = time.perf_counter()
-        result = run(loaded, name=name, quick=quick, console=console)
+        result = run(loaded, name=name, quick=quick, console=console, **(part_options or {}).get(part, {}))
         result["seconds"] = time.perf_counter() - t0
         result["peak_rss_bytes"] = peak_rss_bytes()
         figures["parts"][part] = result

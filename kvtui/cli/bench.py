@@ -16,13 +16,14 @@ from kvtui.config import DType
 
 BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch", "knobs", "peers", "bf16",
                                                             "detectors", "profile", "penalties", "faults",
-                                                            "transcribe", "images")}, type=str)
+                                                            "transcribe", "images", "loadgen")}, type=str)
 
 
 def bench(
     part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
                                                             "overhead, batch, knobs, peers, bf16, detectors, "
-                                                            "profile, penalties, faults, transcribe, images.")] = None,
+                                                            "profile, penalties, faults, transcribe, images, "
+                                                            "loadgen.")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer repeats and shapes: under 10 minutes on 2 cores.")]
     = False,
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
@@ -30,18 +31,36 @@ def bench(
     model: Annotated[str, typer.Option(help="Model to benchmark.")] = MODEL,
     dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores).", min=1)] = None,
+    rates: Annotated[str, typer.Option("--rates", help="loadgen: requested rates (req/s), comma-separated.")]
+    = "100,200,400",
+    first_token_ms: Annotated[float, typer.Option("--first-token-ms", min=0.0, help="loadgen: the mock server's "
+                                                  "first token after this many ms.")] = 20.0,
+    gap_ms: Annotated[float, typer.Option("--gap-ms", min=0.0, help="loadgen: the mock's gap between tokens (ms).")]
+    = 5.0,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="loadgen: tokens per answer.")] = 32,
+    seconds: Annotated[Optional[float], typer.Option("--seconds", min=0.1, help="loadgen: each run's planned "
+                                                     "length (default 5 s, 3 with --quick).")] = None,
 ) -> None:
     """Measure kvtui side by side with a bare transformers forward, transformers' generate and continuous
-    batching, and llama.cpp's server (when built): medians of repeats with min/max, JSON plus Markdown."""
+    batching, and llama.cpp's server (when built): medians of repeats with min/max, JSON plus Markdown.
+    `--part loadgen` loads no model: kvtui's --target client against `vllm bench serve` on a mock server."""
     import torch
 
-    from kvtui.bench import PARTS, run_suite
+    from kvtui.bench import MODEL_FREE, PARTS, run_suite
 
     if threads:
         torch.set_num_threads(threads)
     parts = [p.value for p in part] if part else list(PARTS)
-    loaded = load_model(model, dtype, ENGINE.device)
-    run_suite(loaded, name=model, parts=parts, quick=quick, output=output, console=out)
+    try:
+        chosen = tuple(float(r) for r in rates.split(",") if r.strip())
+    except ValueError:
+        chosen = ()
+    if not chosen or min(chosen) <= 0:
+        fail(f"--rates {rates!r}: give positive request rates, comma-separated (e.g. 100,200,400)")
+    loaded = None if set(parts) <= MODEL_FREE else load_model(model, dtype, ENGINE.device)
+    options = {"loadgen": {"rates": chosen, "first_token_ms": first_token_ms, "gap_ms": gap_ms, "tokens": tokens,
+                           "seconds": seconds}}
+    run_suite(loaded, name=model, parts=parts, quick=quick, output=output, console=out, part_options=options)
     out.print(f"figures written to {output} and {output.with_suffix('.md')}")
 
 

@@ -23,6 +23,7 @@ logprob}]}`. Natural-log probabilities: differences of logprobs at one position 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,9 +31,12 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvtui.remote.reach import BadAnswer, answered, stream_event
+from kvtui.remote.wire import WirePool
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 TOP_LOGPROBS = 5  # alternatives per token: a near tie of three still shows both runs' choices
+NEG_INF = float("-inf")
+DRAIN_S = 0.5  # after `data: [DONE]`, how long the rest of the body may take before the connection is dropped
 
 
 @dataclass(frozen=True)
@@ -182,8 +186,9 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
         on_chunk: called after each chunk with the result so far and the chunk's text.
         headers: more request headers (the request-id audit's x-request-id).
 
-    The request goes out with `Connection: close`: llama.cpp's server closes the connection after every
-    stream, so a pooled connection reused at once fails (see kvtui.remote.llama_server).
+    `client` is an httpx.AsyncClient (the request then goes out with `Connection: close`: llama.cpp's
+    server closes the connection after every stream, so an httpx pooled connection reused at once fails, see
+    kvtui.remote.llama_server) or a kvtui.remote.wire.WirePool (the load's pooled keep-alive connections).
     """
     result = result if result is not None else StreamResult(sent_s=0.0)
     result.sent_s = clock()
@@ -201,29 +206,41 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
     return result
 
 
-async def _read_stream(client: httpx.AsyncClient, path: str, body: dict, result: StreamResult,
+async def _read_stream(client, path: str, body: dict, result: StreamResult,
                        clock: Callable[[], float], on_chunk: ChunkCallback | None, headers: dict) -> None:
+    if isinstance(client, WirePool):
+        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        async with client.post(path, payload, headers) as response:
+            await _read_answer(response, response.lines(), None, result, clock, on_chunk)
+            await response.finish(DRAIN_S)  # the body's end after [DONE]: the connection can be reused
+        return
     async with client.stream("POST", path, json=body, headers={**headers, "Connection": "close"}) as response:
-        result.status = response.status_code
-        if response.status_code != 200:
-            detail = (await response.aread()).decode("utf-8", "replace").strip()
-            _failed(result, f"HTTP {response.status_code}: {detail[:300]}")
+        await _read_answer(response, response.aiter_lines(), response.request.url.path, result, clock, on_chunk)
+
+
+async def _read_answer(response, lines, path: str | None, result: StreamResult, clock: Callable[[], float],
+                       on_chunk: ChunkCallback | None) -> None:
+    """Fold an answer's server-sent events into `result` (an httpx or a kvtui.remote.wire response)."""
+    result.status = response.status_code
+    if response.status_code != 200:
+        detail = (await response.aread()).decode("utf-8", "replace").strip()
+        _failed(result, f"HTTP {response.status_code}: {detail[:300]}")
+        return
+    events, other = 0, []  # data lines read; the start of anything else (what came instead of a stream)
+    async for line in lines:
+        if not line.startswith("data:"):
+            if not events and line.strip() and sum(map(len, other)) < 200:
+                other.append(line)
+            continue
+        events += 1
+        chunks = len(result.chunk_times_s)
+        if _read_event(line, result, clock):
             return
-        events, other = 0, []  # data lines read; the start of anything else (what came instead of a stream)
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                if not events and line.strip() and sum(map(len, other)) < 200:
-                    other.append(line)
-                continue
-            events += 1
-            chunks = len(result.chunk_times_s)
-            if _read_event(line, result, clock):
-                return
-            if on_chunk is not None and len(result.chunk_times_s) > chunks:
-                on_chunk(result, result.pieces[-1])
-        if not events:  # e.g. a 200 text/html page: no server-sent event at all
-            raise BadAnswer(f"POST {response.request.url.path} "
-                            f"{answered(response, ' '.join(other), 'not a stream of server-sent events')}")
+        if on_chunk is not None and len(result.chunk_times_s) > chunks:
+            on_chunk(result, result.pieces[-1])
+    if not events:  # e.g. a 200 text/html page: no server-sent event at all
+        raise BadAnswer(f"POST {path if path is not None else response.path} "
+                        f"{answered(response, ' '.join(other), 'not a stream of server-sent events')}")
 
 
 def _failed(result: StreamResult, error: str) -> StreamResult:
@@ -298,5 +315,5 @@ def parse_logprobs(logprobs) -> list[TokenInfo]:
 
 def _ranked(pairs) -> tuple[tuple[int | str, float], ...]:
     """(key, logprob) pairs with a finite logprob, most likely first."""
-    kept = [(k, float(v)) for k, v in pairs if isinstance(v, (int, float)) and v > float("-inf")]
+    kept = [(k, float(v)) for k, v in pairs if isinstance(v, (int, float)) and v > NEG_INF]
     return tuple(sorted(kept, key=lambda kv: -kv[1]))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from kvtui.events import (
 )
 from kvtui.metrics import SLO
 from kvtui.remote.embeds import chat_parts, check_expressible, completion_embeds, embedding_table, is_whole
+from kvtui.remote.fidelity import FidelityMeter
 from kvtui.remote.openai import StreamResult, request_body, stream_request
 from kvtui.remote.options import TargetOptions
 from kvtui.remote.reach import TargetError as TargetError  # re-exported: the run's one error for its callers
@@ -49,6 +51,8 @@ from kvtui.remote.request_ids import RequestIdAudit, id_fields, id_headers
 from kvtui.remote.server_probe import ServerProbe
 from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
+from kvtui.remote.wire import WirePool
+from kvtui.remote.wire import usable as wire_usable
 from kvtui.request import EmbedsPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
@@ -117,7 +121,7 @@ class TargetSession(RunBase):
         # what watches the load from outside (the canary); `reference` is the solo reruns after it
         self.observers: list[Observer] = build_observers(self.detectors, target=True)
         self.sink = RunSink(SLO(scenario.slo.ttft_s, scenario.slo.tpot_s), clock=self.now, record_path=record_path,
-                            listeners=listeners)
+                            listeners=listeners, background_sync=True)
         self.warnings = timeline_warnings(scenario)
         self.id_audit = None  # the request-id audit (a scenario's request_ids), when the plan carries client ids
         if scenario.request_ids is not None and any(p.client_id is not None for p in self.pending):
@@ -137,6 +141,11 @@ class TargetSession(RunBase):
         self.held_s, self._held_since = 0.0, None  # arrivals held (seconds so far, since when)
         self._round, self._round_start = None, 0.0  # `process: rounds`: the round sent last, and when
         self.summary: Summary | None = None
+        self._load_client = None  # what the load's requests go out on: a WirePool, or the httpx client
+        self.fidelity = FidelityMeter(self.now)  # planned vs actual send times (kvtui/remote/fidelity.py)
+        self.fidelity.max_concurrency = options.max_concurrency
+        self.load_fidelity = None  # the LoadFidelity at the load's end
+        self._fidelity_emitted = (-1.0, -1)  # the last live LoadFidelity: when, and at how many sends
         self.reference_checked = 0
         self.reference_cached = self.reference_uncached_verified = 0
         self.solo_results: dict[str, StreamResult] = {}  # the compared solo runs, by request id
@@ -196,20 +205,29 @@ class TargetSession(RunBase):
 
     async def run_async(self, on_progress: Callable[[TargetSession], None] | None = None) -> Summary:
         """run() inside a running event loop."""
+        # the load goes out on kvtui.remote.wire's pooled keep-alive connections where it can (plain http://);
+        # everything else (models, probes, solo runs, the request-id audit's probes) on httpx, one at a time
         limits = httpx.Limits(max_connections=self.options.max_concurrency + 2, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), transport=self.options.transport,
                                      timeout=httpx.Timeout(self.options.timeout_s), limits=limits) as client:
             await self._resolve_model(client)
+            self._load_client = self._wire_pool() or client
             if self.id_audit is not None:
                 await self.id_audit.before_load(client)  # /health as it answers before any request
+            # what exists now (the tokenizer, the plan: hundreds of thousands of objects) is left out of the
+            # garbage collector's full passes, each of which would stop the sending loop for tens of ms
+            gc.collect()
+            gc.freeze()
             self._t0 = self._clock()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
+            self.fidelity.start()
             probe = ServerProbe(client, self.in_flight)
             await self._sample(probe)  # before the first request: the server's counters at the start
             poller = asyncio.create_task(self._poll(probe, on_progress))
             markers = asyncio.create_task(self._markers())
             try:
                 await self._wait_all(await self._drive(client))
+                self._end_of_load()
                 await self._sample(probe)  # the load's end: the server's counters before the references
                 if self.id_audit is not None and not self.stop_requested:
                     await self._audit_ids(client)
@@ -228,10 +246,28 @@ class TargetSession(RunBase):
                 poller.cancel()
                 markers.cancel()
                 await asyncio.gather(poller, markers, return_exceptions=True)
+                if isinstance(self._load_client, WirePool):
+                    await self._load_client.aclose()
+                gc.unfreeze()
             sample = await probe.sample(self.now())
             if sample is not None:
                 self.emit(sample)
         return self.close()
+
+    def _wire_pool(self) -> WirePool | None:
+        """The load's pooled connections (kvtui/remote/wire.py), None where the load goes on httpx (a test
+        transport, https, a proxy). llama.cpp's server and the request-id audit get a connection per request
+        (`Connection: close`, never retried): llama.cpp drops a stream's connection although it says
+        Keep-Alive, and the audit must see each request exactly once."""
+        if not wire_usable(self.options.url, self.options.transport):
+            return None
+        return WirePool(self.options.url, fresh=self.server_kind == "llama.cpp" or self.id_audit is not None)
+
+    def _end_of_load(self) -> None:
+        """The load's fidelity at its end (before the probes and solo runs): emitted, and kept for the summary."""
+        if self.load_fidelity is None:
+            self.load_fidelity = self.fidelity.figures(self.now())
+            self.emit(self.load_fidelity)
 
     async def _resolve_model(self, client: httpx.AsyncClient) -> None:
         """Check the server (and the reference server, when named) answers /v1/models with JSON; take the
@@ -269,6 +305,7 @@ class TargetSession(RunBase):
             self.emit(arrive)
             self._emit_all(o.on_arrive(arrival) for o in self.observers)
             tasks.append(asyncio.create_task(self._one(client, cap, p)))
+            await asyncio.sleep(0)  # let it go out now: a loop behind its schedule would otherwise send in bursts
         return tasks
 
     async def _wait_round(self, tasks: list[asyncio.Task]) -> None:
@@ -317,10 +354,14 @@ class TargetSession(RunBase):
     async def _one(self, client: httpx.AsyncClient, cap: asyncio.Semaphore, p) -> None:
         """One request: wait for a place under the cap, stream it, emit its first token and finish."""
         result = StreamResult(sent_s=self.now())
+        ready, cap_wait, sending = result.sent_s, 0.0, False
         try:
+            waits = cap.locked()  # no place free under --max-concurrency: that wait is the cap's, not lag
             async with cap:
+                cap_wait = self.now() - ready if waits else 0.0
                 self.in_flight[p.request_id] = p.passphrase or p.text or ""
                 result = StreamResult(sent_s=self.now())
+                sending = True
                 if is_audio(p):
                     await self._transcribe(client, p, result)
                 else:
@@ -328,7 +369,7 @@ class TargetSession(RunBase):
                     if self.options.uncached_load:
                         body = uncached(body, self.server_kind)
                     send_as = self.id_audit.spec.send_as if self.id_audit is not None else ()
-                    await stream_request(client, path, {**body, **id_fields(p.client_id, send_as)},
+                    await stream_request(self._load_client, path, {**body, **id_fields(p.client_id, send_as)},
                                          timeout_s=self.request_timeout_s, clock=self.now, result=result,
                                          on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
                                                                                   p.cancel_after),
@@ -340,8 +381,9 @@ class TargetSession(RunBase):
             result.error = f"cancelled by the client after {p.cancel_after} tokens (the scenario's rounds cancel)"
         finally:
             self.in_flight.pop(p.request_id, None)
+        lag = self.fidelity.record(p.arrival_s, result.sent_s, cap_wait) if sending else None
         self.results[p.request_id] = result
-        self._finish(p, result)
+        self._finish(p, result, lag)
 
     async def _transcribe(self, client: httpx.AsyncClient, p, result: StreamResult, *,
                           temperature: float | None = None, live: bool = True) -> StreamResult:
@@ -383,13 +425,13 @@ class TargetSession(RunBase):
     def _on_chunk(self, request_id: str, result: StreamResult, piece: str, cancel_after: int | None = None) -> None:
         if len(result.chunk_times_s) == 1:
             self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
-        if piece:
+        if piece and self.observers:
             chunk = StepSeen(self.now(), -1, ((request_id, piece),))
             self._emit_all(o.on_step(chunk) for o in self.observers)
         if cancel_after is not None and max(len(result.tokens), len(result.chunk_times_s)) >= cancel_after:
             raise _ClientCancel  # leaves the stream: the connection closes, as a client going away
 
-    def _finish(self, p, r: StreamResult) -> None:
+    def _finish(self, p, r: StreamResult, send_lag_s: float | None = None) -> None:
         reason = r.finish_reason if r.finish_reason in FINISH_REASONS else "stop"
         detail = r.error or ("" if reason == r.finish_reason else f"server finish_reason {r.finish_reason!r}")
         end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
@@ -401,15 +443,24 @@ class TargetSession(RunBase):
             p, text=r.text, t=end, finish_reason=reason, detail=detail, prompt_ids=tuple(p.prompt_ids),
             output_ids=ids, arrival_s=p.arrival_s, sent_s=r.sent_s, first_token_s=r.first_s, finish_s=end,
             token_times_s=tuple(r.chunk_times_s), prompt_tokens=r.prompt_tokens, completion_tokens=r.output_tokens,
-            cached_tokens=r.cached_tokens))
+            cached_tokens=r.cached_tokens, send_lag_s=send_lag_s))
 
     async def _poll(self, probe: ServerProbe, on_progress) -> None:
         """Sample the server's /metrics and /slots every poll interval until cancelled."""
         while True:
             await self._sample(probe)
+            self._live_fidelity()
             if on_progress is not None:
                 on_progress(self)
             await asyncio.sleep(self.options.poll_interval_s)
+
+    def _live_fidelity(self) -> None:
+        """A LoadFidelity about every second while the load runs and requests finish (the dashboard's)."""
+        when, sent = self._fidelity_emitted
+        now, count = self.now(), len(self.fidelity.sent)
+        if self.load_fidelity is None and count > sent and now - when >= 1.0:
+            self._fidelity_emitted = (now, count)
+            self.emit(self.fidelity.figures(now))
 
     async def _sample(self, probe: ServerProbe) -> None:
         sample = await probe.sample(self.now())
@@ -516,8 +567,10 @@ class TargetSession(RunBase):
         """Write the summary line and close the recording (once)."""
         aborted = any(r.finish_reason == "abort" for r in self.results.values())
         line = self.id_audit.line(self.results) if self.id_audit is not None and self.id_audit.outcomes else None
+        if self.load_fidelity is None and self.fidelity.sent:  # stopped or failed before the load's end
+            self.load_fidelity = self.fidelity.figures(self.now())
         return self._close_run(work_left=bool(self.pending) or aborted, requests_not_submitted=len(self.pending),
-                               request_id_audit=line)
+                               request_id_audit=line, load_fidelity=self.load_fidelity)
 
 
 def check_reachable(options: TargetOptions) -> None:

@@ -26,6 +26,8 @@ class RunSink:
             report still goes to the recording, the metrics count them all.
         on_finding: called with each joined report before it is written (a local run counts it for
             the faults that were on).
+        background_sync: the recording's periodic fsync in a thread (kvtui.record.RecordingWriter): a
+            target run's sending loop is not held up by the disk.
 
     Raises:
         OSError: the recording cannot be created or opened (kvtui.record.RecordingWriter).
@@ -33,9 +35,9 @@ class RunSink:
 
     def __init__(self, slo: SLO, *, clock: Callable[[], float], record_path=None,
                  listeners: tuple[Listener, ...] = (), keep: int | None = None,
-                 on_finding: Callable[[Contamination], None] | None = None) -> None:
+                 on_finding: Callable[[Contamination], None] | None = None, background_sync: bool = False) -> None:
         self.metrics = Metrics(slo)
-        self.recorder = RecordingWriter(record_path) if record_path else None
+        self.recorder = RecordingWriter(record_path, background_sync=background_sync) if record_path else None
         self.listeners: list[Listener] = list(listeners)
         self.contamination: list[Contamination] = []
         self.keep = keep

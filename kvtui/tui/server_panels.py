@@ -51,7 +51,7 @@ def _gauge(value: float | None, fmt: str, missing: str = "not exposed") -> str:
 
 def stats(snap, width: int, height: int) -> Text:
     """The server's token rates, KV usage and request gauges (each or 'not exposed'), the client's
-    request counts, and TTFT / TPOT as the client measured them."""
+    request counts, TTFT / TPOT as the client measured them, and how faithfully it kept the schedule."""
     view = snap.server
     spark_w = max(width - 34, 4)
     text = Text()
@@ -74,7 +74,22 @@ def stats(snap, width: int, height: int) -> Text:
     text.append("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}\n")
     text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}\n")
     text.append("prefix   ", style="bold").append(*_prefix(view))
+    text.append("\n").append("sending  ", style="bold").append(*_fidelity(view.fidelity))
     return text
+
+
+def _fidelity(f) -> tuple[str, str | None]:
+    """The client's own pace (kvtui.events.LoadFidelity): schedule lag, rate asked and sent, its CPU; the
+    warning when the client, not the server, limited the run."""
+    if f is None:
+        return "lag and rate come with the first finished requests", "dim"
+    lag = "-" if f.lag_p99_s is None else f"lag p50 {f.lag_p50_s * 1000:.1f} p99 {f.lag_p99_s * 1000:.1f} ms"
+    rate = ("" if f.requested_rate_per_s is None or f.achieved_rate_per_s is None else
+            f"  {f.achieved_rate_per_s:.1f}/{f.requested_rate_per_s:.1f} req/s")
+    cpu = "" if f.client_cpu_share is None else f"  CPU {f.client_cpu_share:.0%}"
+    if f.warning:
+        return f"{lag}{rate}{cpu}\n{f.warning}", "yellow"
+    return f"{lag}{rate}{cpu}", None
 
 
 def _prefix(view) -> tuple[str, str | None]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvtui.events import Finish, ServerSample, SlotState
+from kvtui.events import Finish, LoadFidelity, ServerSample, SlotState, Summary
 from kvtui.metrics import PREFIX_HITS, PREFIX_QUERIES
 
 PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total", "sglang:prompt_tokens_total")
@@ -41,6 +41,8 @@ class ServerView:
             since the run's first sample (its counters; None: not exposed).
         cached_tokens: prompt tokens the finished requests' responses said came from the server's cache,
             of `prompt_tokens` (None: no response said).
+        fidelity: how faithfully the client kept the schedule, the last LoadFidelity (None: none yet, or a
+            recording made before kvtui measured it).
     """
 
     url: str
@@ -59,6 +61,7 @@ class ServerView:
     prefix_hits: float | None = None
     cached_tokens: int | None = None
     prompt_tokens: int = 0
+    fidelity: LoadFidelity | None = None
 
 
 def _counter(sample: ServerSample, names: tuple[str, ...]) -> float | None:
@@ -66,8 +69,8 @@ def _counter(sample: ServerSample, names: tuple[str, ...]) -> float | None:
 
 
 class ServerTrack:
-    """Folds ServerSample events and the cached tokens of Finish events (others are ignored) into the
-    latest ServerView."""
+    """Folds ServerSample events, the cached tokens of Finish events and the client's LoadFidelity
+    (others are ignored) into the latest ServerView."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -80,10 +83,15 @@ class ServerTrack:
         self.prefix: tuple[float, float] | None = None
         self.cached_tokens: int | None = None
         self.prompt_tokens = 0
+        self.fidelity: LoadFidelity | None = None
 
     def apply(self, event) -> None:
         if isinstance(event, Finish):
             self._finished(event)
+        if isinstance(event, LoadFidelity):
+            self.fidelity = event
+        if isinstance(event, Summary) and event.load_fidelity is not None:
+            self.fidelity = event.load_fidelity
         if not isinstance(event, ServerSample):
             return
         queries, hits = _counter(event, PREFIX_QUERIES), _counter(event, PREFIX_HITS)
@@ -124,4 +132,4 @@ class ServerTrack:
             generation_history=tuple(self.generation_history), metric_count=len(last.metrics) if last else 0,
             prefix_queries=self.prefix[0] - self.first_prefix[0] if self.prefix else None,
             prefix_hits=self.prefix[1] - self.first_prefix[1] if self.prefix else None,
-            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens)
+            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens, fidelity=self.fidelity)
