@@ -189,7 +189,7 @@ def _read_mooncake(path: str, lines: Iterator[str]) -> list[TraceRow]:
             continue
         where = f"{path} line {lineno}"
         try:
-            item = json.loads(line)
+            item = json.loads(line.strip())
         except json.JSONDecodeError as e:
             raise Problem(f"{where}, column {e.colno}: not JSON ({e.msg})",
                           "write one JSON object per line (Mooncake's JSON Lines)") from None
@@ -332,3 +332,48 @@ def theoretical_hits(requests: Sequence[tuple[tuple[int, ...] | None, int]], blo
         hits += min(lead * block_size, prompt_tokens)
         seen.update(hash_ids)
     return PrefixHits(hits, total)
+
+
+@dataclass(frozen=True)
+class TraceHitRow:
+    """One row of a trace run's prefix-hit table (all requests, or one tenant's).
+
+    Attributes:
+        who: "all" or a tenant's name.
+        theoretical: PrefixHits of the planned prompts' hash ids (an unbounded cache; a tenant's row: that
+            tenant's requests alone, as a cache salted per tenant sees them).
+        cached_tokens: prompt tokens the server said it took from its cache (`usage.prompt_tokens_details.
+            cached_tokens`), summed over the answered requests; None: no answer said.
+        prompt_tokens: prompt tokens the server counted for those requests (its usage), summed.
+    """
+
+    who: str
+    theoretical: PrefixHits
+    cached_tokens: int | None
+    prompt_tokens: int
+
+    def as_dict(self) -> dict[str, int | None]:
+        """The summary's form: theoretical hit / prompt tokens, cached / server prompt tokens."""
+        return {"trace_hit_tokens": self.theoretical.hit_tokens, "trace_prompt_tokens": self.theoretical.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "prompt_tokens": self.prompt_tokens}
+
+
+def hit_table(requests: Sequence[tuple[str | None, tuple[int, ...] | None, int, int | None, int | None]],
+              block_size: int) -> list[TraceHitRow]:
+    """The prefix-hit rows of a trace run: "all", then one per tenant when there are several.
+
+    Args:
+        requests: per request in arrival order, (tenant, hash ids, planned prompt tokens, the prompt tokens the
+            server's usage counted or None, the cached tokens it reported or None).
+        block_size: tokens per hash id.
+    """
+    tenants = sorted({r[0] for r in requests if r[0] is not None})
+    groups = [("all", list(requests))]
+    if len(tenants) > 1:
+        groups += [(t, [r for r in requests if r[0] == t]) for t in tenants]
+    rows = []
+    for who, members in groups:
+        said = [r[4] for r in members if r[4] is not None]
+        rows.append(TraceHitRow(who, theoretical_hits([(r[1], r[2]) for r in members], block_size),
+                                sum(said) if said else None, sum(r[3] or 0 for r in members)))
+    return rows
