@@ -24,13 +24,13 @@ TOK = FakeTokenizer()
 def test_mooncake_sample_rows_and_arrivals():
     rows = read_trace("mooncake_sample.jsonl", TRACES, "mooncake")
     assert len(rows) == 30
-    assert (rows[0].timestamp, rows[0].prompt_tokens, rows[0].output_tokens, rows[0].hash_ids) == (0.0, 55, 9,
+    assert (rows[0].timestamp, rows[0].prompt_tokens, rows[0].output_tokens, rows[0].hash_ids) == (0.0, 123, 9,
                                                                                                    (0, 1, 5, 6))
     assert (rows[1].timestamp, rows[1].hash_ids) == (0.12, (2, 3, 4, 7))  # 120 ms
     s = load_scenario(ROOT / "scenarios" / "trace_mooncake.yaml")  # time_scale 0.5
     arrivals = planned_arrivals(s)
     assert [a.at_s for a in arrivals[:3]] == [0.0, 0.06, 0.06]
-    assert arrivals[2].hash_ids == (0, 1, 5, 6, 8) and arrivals[2].prompt_tokens == 76
+    assert arrivals[2].hash_ids == (0, 1, 5, 8, 9) and arrivals[2].prompt_tokens == 160
 
 
 def test_burstgpt_sample_rows_leave_out_failed_requests():
@@ -88,12 +88,12 @@ def test_sample_prompts_share_the_prefixes_the_trace_says():
             k = 0
             while k < min(len(a.facts.hash_ids), len(b.facts.hash_ids)) and a.facts.hash_ids[k] == b.facts.hash_ids[k]:
                 k += 1
-            n = min(16 * k, bodies)
-            if n >= 16:  # their shared leading blocks (as far as both bodies reach) are the same token ids
+            n = min(32 * k, bodies)
+            if n >= 32:  # their shared leading blocks (as far as both bodies reach) are the same token ids
                 assert a.prompt_ids[:n] == b.prompt_ids[:n]
                 same += 1
-            if k == 0 and bodies >= 16:
-                assert a.prompt_ids[:16] != b.prompt_ids[:16]
+            if k == 0 and bodies >= 32:
+                assert a.prompt_ids[:32] != b.prompt_ids[:32]
                 differ += 1
     assert same >= 20 and differ >= 20
 
