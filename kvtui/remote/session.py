@@ -608,14 +608,17 @@ class TargetSession(RunBase):
                                trace_prefix_hits=self._trace_prefix_hits())
 
     def _trace_prefix_hits(self) -> dict | None:
-        """A trace run's prefix hits (kvtui.scenario.trace.hit_table) over the requests sent: the trace's
-        theoretical hits beside the server's reported cached tokens; None for other arrivals."""
+        """A trace run's prefix hits (kvtui.scenario.trace.hit_table) over the trace's requests sent (a session's
+        later turns left out): the trace's theoretical hits beside the server's reported cached tokens; None for
+        other arrivals."""
         from kvtui.scenario.trace import hit_table
 
         arrivals = self.scenario.arrivals
         if getattr(arrivals, "process", None) != "trace":
             return None
-        sent = sorted((self.planned[rid] for rid in self.results), key=lambda p: (p.arrival_s, p.request_id))
+        sent = sorted((self.planned[rid] for rid in self.results if not (self.planned[rid].turn and
+                                                                         self.planned[rid].turn.turn)),
+                      key=lambda p: (p.arrival_s, p.request_id))  # the trace's rows: sessions' first turns
         rows = [(p.tenant, p.facts.hash_ids, len(p.prompt_ids), self.results[p.request_id].prompt_tokens,
                  self.results[p.request_id].cached_tokens) for p in sent]
         return {row.who: row.as_dict() for row in hit_table(rows, arrivals.hash_block_size)}
