@@ -991,6 +991,10 @@ class Summary(_Frozen):
     lora_reloads: dict[str, int] | None = None
     # (v3, target runs) how faithfully the client kept the schedule: the run's last LoadFidelity
     load_fidelity: LoadFidelity | None = None
+    # (v3, trace runs against a target) prefix hits: "all" (and each tenant's) -> {trace_hit_tokens,
+    # trace_prompt_tokens: the trace's theoretical hits (kvtui.scenario.trace.hit_table); cached_tokens,
+    # prompt_tokens: what the server's usage reported}; None: not a trace run
+    trace_prefix_hits: dict[str, dict[str, int | None]] | None = None
 
     def contamination_total(self) -> int:
         """Events that count (cross_request, cross_tenant and corruption, not numeric or unknown)."""

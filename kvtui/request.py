@@ -157,6 +157,7 @@ class PromptFacts:
         system_prompt: system_prompt prompts: which system prompt it starts with.
         session, turn: multi_turn prompts: its conversation and its turn in it (from 0).
         prompt_index: file prompts: its entry in the scenario's prompt list.
+        hash_ids: a Mooncake trace row's block hash ids (trace_passphrase prompts), when it gave them.
     """
 
     opening: int | None = None
@@ -167,6 +168,7 @@ class PromptFacts:
     session: int | None = None
     turn: int | None = None
     prompt_index: int | None = None
+    hash_ids: tuple[int, ...] | None = None
 
 
 NO_FACTS = PromptFacts()
@@ -200,6 +202,23 @@ class ClientId:
 
 
 @dataclass(frozen=True)
+class SessionTurn:
+    """One turn of a multi-turn session (a scenario's `sessions`, sent with the server's real answers).
+
+    Attributes:
+        session: the request id of the session's first turn.
+        turn: its turn, from 0.
+        turns: the session's turns in all.
+        think_s: seconds after the previous turn's answer ended before this turn is sent (0 for the first).
+    """
+
+    session: str
+    turn: int
+    turns: int
+    think_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class PlannedRequest:
     """One request of a run, before it reaches the engine (or a server).
 
@@ -225,6 +244,10 @@ class PlannedRequest:
             many generated tokens (it finishes `abort`); None: it runs to its end.
         min_tokens_asked: the min_tokens its sampling section or mix entry asks; sampling.min_tokens is that
             capped at its output length (kvtui.scenario.fit.min_tokens_lines says when a cap happened).
+        turn: a session's turn (SessionTurn), None outside sessions. A later turn's `text` is its follow-up
+            user message; its `messages` and `input` are set when it is sent, from the answers before it.
+        messages: the chat sent (role/content dicts, the earlier turns' real answers included), when it is
+            not one user message with `text`; None: that one message.
 
     Raises:
         TypeError: `input` is not an InputSpec.
@@ -244,6 +267,8 @@ class PlannedRequest:
     round: int | None = None
     cancel_after: int | None = None
     min_tokens_asked: int = 0
+    turn: SessionTurn | None = None
+    messages: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.input, INPUT_SPECS):

@@ -17,7 +17,7 @@ from kvtui.memory import release_free_memory
 from kvtui.metrics import SLO
 from kvtui.pacing import Pacer
 from kvtui.run.base import RunBase
-from kvtui.run.build import arrive_event, finish_event, run_header
+from kvtui.run.build import arrive_event, finish_event, run_header, sessions_markers
 from kvtui.run.clock import MEASURED, MODELED_VIRTUAL, RunClock, check_clock
 from kvtui.run.controls import Controls
 from kvtui.run.engine_setup import engine_config, make_engine, scenario_adapters, step_cost_model
@@ -165,6 +165,7 @@ class Session(RunBase):
         self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): refused here (OSError)
         for name in sorted(self.engine.faults):
             self.emit(FaultSwitch(t=0.0, name=name, on=True, source="config", active=tuple(sorted(self.engine.faults))))
+        self._emit_all([sessions_markers(self.scenario)] if not self.serving else [])
 
     # -- what the run tells (kvtui.run.outcome.RunOutcome; the sink's properties: kvtui.run.base.RunBase) --
     faults_known = True  # kvtui's own engine: fault_history is every fault that was on

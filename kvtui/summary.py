@@ -257,6 +257,21 @@ def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
     if s.prompt_tokens_cached is not None:
         rows.append(("cached prompt tokens", f"{s.prompt_tokens_cached} of {s.prompt_tokens} (the server's usage, "
                                              "per request)"))
+    rows += trace_hit_rows(s.trace_prefix_hits)
+    return rows
+
+
+def trace_hit_rows(table: dict | None) -> list[tuple[str, str]]:
+    """A trace run's prefix hits: the trace's theoretical rate beside what the server said it cached, for all
+    requests and each tenant."""
+    rows = []
+    for who, f in (table or {}).items():
+        theory = f["trace_hit_tokens"] / f["trace_prompt_tokens"] if f["trace_prompt_tokens"] else 0.0
+        said = "the server reported no cached tokens" if f["cached_tokens"] is None else (
+            f"server cached {f['cached_tokens'] / f['prompt_tokens']:.1%} ({f['cached_tokens']} of "
+            f"{f['prompt_tokens']})" if f["prompt_tokens"] else "no prompt tokens counted by the server")
+        rows.append((f"trace prefix hits ({who})", f"{theory:.1%} in theory ({f['trace_hit_tokens']} of "
+                                                  f"{f['trace_prompt_tokens']} prompt tokens); {said}"))
     return rows
 
 

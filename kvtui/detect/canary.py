@@ -38,12 +38,20 @@ class CanaryDetector:
         self._seen: set[tuple[str, str]] = set()
         self.spoken: set[str] = set()  # requests whose passphrase is spoken (matched in a transcript)
         self.inputs: dict[str, str] = {}  # request id -> its input's content key (a speech request's audio hash)
+        self.turns: OrderedDict[str, str] = OrderedDict()  # a session's later turn -> its first request
 
     def on_arrive(self, request_id: str, passphrase: str | None, spoken: bool = False,
-                  input_key: str | None = None) -> None:
+                  input_key: str | None = None, same_as: str | None = None) -> None:
         """Note a request's passphrase (None: it has none) and, for speech, its audio's content hash:
         two requests with the same audio say the same words, so neither's text is evidence against the
-        other (the same clip uploaded under another name is no leak)."""
+        other (the same clip uploaded under another name is no leak). A session's later turn (`same_as`: its
+        first request) carries that request's passphrase as its own and is no source of its own: a leak of
+        the session's passphrase names the first request once."""
+        if same_as is not None:
+            self.turns[request_id] = same_as
+            while len(self.turns) > self.memory:
+                self.turns.popitem(last=False)
+            return
         if input_key:
             self.inputs[request_id] = input_key
             while len(self.inputs) > self.memory:
@@ -59,11 +67,12 @@ class CanaryDetector:
 
     def _check(self, victim: str, text: str, t: float, step: int) -> list[Contamination]:
         events = []
-        own = self.passphrases.get(victim, "")
+        first = self.turns.get(victim)
+        own = self.passphrases.get(victim, "") or (self.passphrases.get(first, "") if first else "")
         upper = text.upper()
         key = self.inputs.get(victim)
         for source, phrase in self.passphrases.items():
-            if source == victim or (victim, source) in self._seen or (key and self.inputs.get(source) == key):
+            if source == victim or source == first or (victim, source) in self._seen or (key and self.inputs.get(source) == key):
                 continue
             if source in self.spoken:
                 matched = _spoken_leak(phrase, own, text)
@@ -110,7 +119,7 @@ class CanaryObserver(Quiet):
 
     def on_arrive(self, arrival: Arrival) -> list[Contamination]:
         self.detector.on_arrive(arrival.request_id, arrival.passphrase, spoken=arrival.spoken,
-                                input_key=arrival.input_key)
+                                input_key=arrival.input_key, same_as=arrival.same_as)
         return []
 
     def on_step(self, step: StepSeen) -> list[Contamination]:

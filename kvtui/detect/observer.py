@@ -25,6 +25,8 @@ class Arrival:
             request's audio hash), None when not known (a target run).
         sampling: the SamplingParams it runs under (as the engine runs it: a capped max_new_tokens
             included), None when not known.
+        same_as: a later turn of a session: the session's first request, whose passphrase it carries (it is
+            then no source of its own); None otherwise.
     """
 
     request_id: str
@@ -32,6 +34,7 @@ class Arrival:
     spoken: bool = False
     input_key: str | None = None
     sampling: object = None
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from kvtui.remote.solo_check import reference_event, uncached
 from kvtui.remote.transcription import is_audio, transcribe_request, transcription_form
 from kvtui.remote.wire import WirePool
 from kvtui.remote.wire import usable as wire_usable
-from kvtui.request import EmbedsPrompt
+from kvtui.request import EmbedsPrompt, TokenPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
 from kvtui.run.observers import Arrival, Finished, Observer, StepSeen, build_observers
@@ -103,12 +103,18 @@ class TargetSession(RunBase):
         if options.max_concurrency < 1 or options.timeout_s <= 0:
             raise ValueError("--max-concurrency must be >= 1 and --timeout > 0")
         self.scenario, self.tokenizer, self.options, self.detectors = scenario, tokenizer, options, tuple(detectors)
-        plan = planned if planned is not None else plan_requests(scenario, tokenizer)
-        self.pending = sorted(plan, key=lambda p: (p.arrival_s, p.request_id))
-        self.planned = {p.request_id: p for p in self.pending}
+        plan = planned if planned is not None else plan_requests(scenario, tokenizer, sessions=True)
+        # a session's later turns wait for the answer before them (and a think time): (session, turn) -> request
+        self.later_turns = {(p.turn.session, p.turn.turn): p for p in plan if p.turn is not None and p.turn.turn}
+        self.pending = sorted((p for p in plan if p.turn is None or not p.turn.turn),
+                              key=lambda p: (p.arrival_s, p.request_id))
+        self.planned = {p.request_id: p for p in plan}
         self.api = options.api if options.api != "auto" else (
             "transcription" if self.pending and all(is_audio(p) for p in self.pending) else
-            "chat" if all(p.text is not None for p in self.pending) else "completions")
+            "chat" if self.later_turns or all(p.text is not None for p in self.pending) else "completions")
+        if self.later_turns and self.api != "chat":
+            raise ValueError(f"sessions send each later turn as a chat with the answers before it; --api {self.api} "
+                             "cannot carry one: use --api chat (or auto)")
         self.embeds_table = None  # the scenario model's input embedding table, for prompts sent as rows
         self._embeds: dict[str, object] = {}  # request id -> its prompt_embeds (the load and the solo run alike)
         if any(p.images for p in self.pending):
@@ -384,6 +390,31 @@ class TargetSession(RunBase):
         lag = self.fidelity.record(p.arrival_s, result.sent_s, cap_wait) if sending else None
         self.results[p.request_id] = result
         self._finish(p, result, lag)
+        if p.turn is not None:
+            await self._next_turn(client, cap, p, result)
+
+    async def _next_turn(self, client: httpx.AsyncClient, cap: asyncio.Semaphore, p, result: StreamResult) -> None:
+        """A session's next turn, once `p` (its turn before) has answered: after its think time, the chat so far
+        (the server's real answer to `p` in it) and the follow-up, sent as a request of its own. A turn that
+        failed, or a stop, ends the session: its later turns stay unsent."""
+        from kvtui.scenario.prompts import chat_ids
+
+        key = (p.turn.session, p.turn.turn + 1)
+        if key not in self.later_turns or self.stop_requested or result.finish_reason not in ("stop", "length"):
+            return
+        at = self.now() - self.held_s + self.later_turns[key].turn.think_s  # on the plan's schedule
+        await self._wait_until(at)
+        if self.stop_requested:
+            return
+        chat = [*(self._messages(p) or [{"role": "user", "content": p.text}]),
+                {"role": "assistant", "content": result.text}, {"role": "user", "content": self.later_turns[key].text}]
+        nxt = replace(self.later_turns.pop(key), arrival_s=at + self.held_s, messages=tuple(chat),
+                      input=TokenPrompt(tuple(chat_ids(self.tokenizer, chat))))
+        self.planned[nxt.request_id] = nxt  # what its solo rerun replays: this very chat
+        self.emit(arrive_event(nxt))
+        self._emit_all(o.on_arrive(Arrival(nxt.request_id, sampling=nxt.sampling, same_as=p.turn.session))
+                       for o in self.observers)
+        await self._one(client, cap, nxt)
 
     async def _transcribe(self, client: httpx.AsyncClient, p, result: StreamResult, *,
                           temperature: float | None = None, live: bool = True) -> StreamResult:
@@ -415,6 +446,8 @@ class TargetSession(RunBase):
         prompt-file entry that is a chat; the decoded token ids for a prompt without text (synthetic)."""
         if self.api != "chat":
             return None
+        if p.messages is not None:  # a session's later turn: the chat so far, the server's answers in it
+            return list(p.messages)
         if p.text is None:
             return [{"role": "user", "content": self.tokenizer.decode(p.prompt_ids, skip_special_tokens=True)}]
         index = p.facts.prompt_index
@@ -569,8 +602,26 @@ class TargetSession(RunBase):
         line = self.id_audit.line(self.results) if self.id_audit is not None and self.id_audit.outcomes else None
         if self.load_fidelity is None and self.fidelity.sent:  # stopped or failed before the load's end
             self.load_fidelity = self.fidelity.figures(self.now())
-        return self._close_run(work_left=bool(self.pending) or aborted, requests_not_submitted=len(self.pending),
-                               request_id_audit=line, load_fidelity=self.load_fidelity)
+        unsent = len(self.pending) + len(self.later_turns)
+        return self._close_run(work_left=unsent > 0 or aborted, requests_not_submitted=unsent,
+                               request_id_audit=line, load_fidelity=self.load_fidelity,
+                               trace_prefix_hits=self._trace_prefix_hits())
+
+    def _trace_prefix_hits(self) -> dict | None:
+        """A trace run's prefix hits (kvtui.scenario.trace.hit_table) over the trace's requests sent (a session's
+        later turns left out): the trace's theoretical hits beside the server's reported cached tokens; None for
+        other arrivals."""
+        from kvtui.scenario.trace import hit_table
+
+        arrivals = self.scenario.arrivals
+        if getattr(arrivals, "process", None) != "trace":
+            return None
+        sent = sorted((self.planned[rid] for rid in self.results if not (self.planned[rid].turn and
+                                                                         self.planned[rid].turn.turn)),
+                      key=lambda p: (p.arrival_s, p.request_id))  # the trace's rows: sessions' first turns
+        rows = [(p.tenant, p.facts.hash_ids, len(p.prompt_ids), self.results[p.request_id].prompt_tokens,
+                 self.results[p.request_id].cached_tokens) for p in sent]
+        return {row.who: row.as_dict() for row in hit_table(rows, arrivals.hash_block_size)}
 
 
 def check_reachable(options: TargetOptions) -> None:

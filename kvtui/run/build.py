@@ -11,7 +11,7 @@ import time
 from collections.abc import Mapping
 
 import kvtui
-from kvtui.events import Arrive, Finish, Header, ModelInfo, ReferenceStatus
+from kvtui.events import Arrive, Finish, Header, Marker, ModelInfo, ReferenceStatus
 
 
 def run_header(scenario, *, model: ModelInfo, engine: dict, clock: str, detectors: tuple[str, ...],
@@ -80,3 +80,12 @@ def reference_status(t: float, *, checked: int, skipped_by_reason: Mapping[str, 
     skips = {str(reason): n for reason, n in sorted(skipped_by_reason.items()) if n}
     return ReferenceStatus(t=t, checked=checked, skipped=sum(skips.values()), pending=pending,
                            skipped_by_reason=skips, cached=cached, uncached_verified=uncached_verified)
+
+
+SESSIONS_LOCAL = ("sessions: a local run sends each session's first turn only; its later turns carry the server's "
+                  "real answers and need `kvtui run --target` (docs/loadgen.md)")
+
+
+def sessions_markers(scenario) -> list[Marker]:
+    """A local run's note at its start when the scenario has `sessions` (SESSIONS_LOCAL), else none."""
+    return [Marker(t=0.0, text=SESSIONS_LOCAL)] if getattr(scenario, "sessions", None) is not None else []

@@ -8,7 +8,8 @@ YAML `arrivals:` takes one of
     (`--burstiness`): the mean gap stays 1/rate; burstiness 1 is Poisson, below 1 burstier, above 1
     more regular. The gaps' coefficient of variation is 1/sqrt(burstiness).
   - `{process: burst, size, every_s}`: `size` requests at once every `every_s` seconds.
-  - `{process: trace, file, time_scale}`: times (and lengths) from a CSV trace (see trace.py);
+  - `{process: trace, file, format, hash_block_size, time_scale}`: times (and lengths, and Mooncake's
+    shared prefixes) from a trace file: kvtui's CSV, Mooncake JSONL, BurstGPT or Azure CSV (see trace.py);
     arrival = (timestamp - first timestamp) * time_scale, so 0.5 replays twice as fast.
   - `{process: scripted, requests: [{at_s, prompt, max_new_tokens}]}`: an explicit list.
   - `{process: rounds, rounds: [{size, count}]}`: closed-loop rounds: a round's `size` requests arrive
@@ -36,7 +37,7 @@ from pydantic import Field
 
 from kvtui.scenario.base import MAX_PLANNED, MAX_PROMPT_CHARS, MAX_RATE, MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem
-from kvtui.scenario.trace import MAX_TRACE_BYTES, TraceRow, read_trace
+from kvtui.scenario.trace import MAX_TRACE_BYTES, MOONCAKE_BLOCK_TOKENS, TraceRow, read_trace
 
 Rate = Annotated[float, Field(ge=0, le=MAX_RATE)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
@@ -100,16 +101,28 @@ class Burst(Strict):
 
 
 class Trace(Strict):
-    """Arrival times and lengths from a CSV file of rows `timestamp,prompt_tokens,output_tokens`
-    (seconds, tokens, tokens). A header naming the three columns (in any order) is optional; blank lines
-    and lines starting with `#` are skipped. Timestamps may be absolute (epoch seconds) or relative and
-    must not decrease; request i arrives at (timestamp_i - first timestamp) x time_scale. A row's
-    prompt_tokens sets the length of a synthetic prompt, its output_tokens the request's max new tokens."""
+    """Arrival times and lengths from a trace file. `format: csv` (kvtui's own): rows
+    `timestamp,prompt_tokens,output_tokens` (seconds, tokens, tokens); a header naming the three columns (in
+    any order) is optional; blank lines and lines starting with `#` are skipped. `format: mooncake`: JSON
+    Lines `{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}`, each hash id
+    one block of `hash_block_size` prompt tokens (Mooncake's traces: 512), so requests whose hash_ids start
+    alike share that prompt prefix. `format: burstgpt`: BurstGPT's CSV (`Timestamp` seconds, `Request
+    tokens`, `Response tokens`; rows with 0 response tokens, its failed requests, are left out). `format:
+    azure`: the Azure LLM inference trace's CSV (`TIMESTAMP` a UTC date and time, `ContextTokens`,
+    `GeneratedTokens`). Timestamps may be absolute or relative and must not decrease; request i arrives at
+    (timestamp_i - first timestamp) x time_scale. A row's prompt length sets the length of the prompt
+    (synthetic and trace_passphrase prompts), its output length the request's max new tokens."""
 
     process: Literal["trace"]
     file: Annotated[str, Field(min_length=1, max_length=4096)] = Field(
-        description=f"CSV path, relative to the scenario file; at most {MAX_TRACE_BYTES >> 20} MiB and "
-                    f"{MAX_PLANNED} rows")
+        description=f"trace path, relative to the scenario file; a csv file at most {MAX_TRACE_BYTES >> 20} MiB "
+                    f"and {MAX_PLANNED} rows; of the other formats the first {MAX_PLANNED} rows are read")
+    format: Literal["csv", "mooncake", "burstgpt", "azure"] = Field(
+        "csv", description="the file's layout: `csv` (timestamp,prompt_tokens,output_tokens), `mooncake` (JSON "
+                           "Lines with hash_ids), `burstgpt` or `azure` (their published CSVs)")
+    hash_block_size: Annotated[int, Field(ge=1, le=100_000)] = Field(
+        MOONCAKE_BLOCK_TOKENS, description="prompt tokens per hash id (mooncake; Mooncake's traces use 512): "
+                                           "the block each hash id stands for")
     time_scale: Annotated[float, Field(gt=0, le=1e6)] = Field(
         1.0, description="multiplies the trace's gaps: 0.5 replays it twice as fast")
     _rows: list[TraceRow] = pydantic.PrivateAttr(default_factory=list)
@@ -118,7 +131,7 @@ class Trace(Strict):
     def _read(self, info: pydantic.ValidationInfo):
         ctx = info.context or {}
         try:
-            self._rows = read_trace(self.file, ctx.get("base_dir"))
+            self._rows = read_trace(self.file, ctx.get("base_dir"), self.format)
         except Problem as e:
             raise Problem(e.problem, e.fix, ("file",)) from None
         return self
@@ -205,6 +218,7 @@ class Arrival:
     tenant: str | None = None  # scripted: its tenant
     round: int | None = None  # rounds: its round (0, 1, ...); it arrives once every earlier round finished
     cancel_after: int | None = None  # rounds' cancel: the client cuts it after this many generated tokens
+    hash_ids: tuple[int, ...] | None = None  # mooncake trace: its prompt's block hash ids
 
 
 @dataclass(frozen=True)
@@ -284,7 +298,8 @@ def arrivals(spec, rng: random.Random, changes: Sequence[tuple[float, dict]] = (
     elif isinstance(spec, Trace):
         t0 = spec.rows[0].timestamp
         for row in spec.rows:
-            yield Arrival((row.timestamp - t0) * spec.time_scale, row.prompt_tokens, row.output_tokens)
+            yield Arrival((row.timestamp - t0) * spec.time_scale, row.prompt_tokens, row.output_tokens,
+                          hash_ids=row.hash_ids)
     elif isinstance(spec, Scripted):
         for item in sorted(spec.requests, key=lambda r: r.at_s):
             yield Arrival(item.at_s, None, item.max_new_tokens, item.prompt, item.chat, item.tenant)

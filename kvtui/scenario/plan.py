@@ -23,6 +23,7 @@ from kvtui.request import (
     InputSpec,
     PlannedRequest,
     PromptFacts,
+    SessionTurn,
     TokenPrompt,
 )
 from kvtui.scenario.arrivals import Arrival, arrivals
@@ -39,6 +40,7 @@ from kvtui.scenario.prompts import (
     SpokenPassphrasePrompts,
     SyntheticPrompts,
     SystemPromptPrompts,
+    TracePassphrasePrompts,
     chat_ids,
     encode_text,
     passphrases,
@@ -50,6 +52,8 @@ from kvtui.scenario.request_ids import assign_ids
 from kvtui.scenario.sampling import asked_min_tokens, pick_entry, request_fields
 from kvtui.scenario.schema import Scenario
 from kvtui.scenario.tenants import TenantPlan
+from kvtui.scenario.trace import MOONCAKE_BLOCK_TOKENS
+from kvtui.scenario.trace_prompts import CanaryText, encode_piece
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class PromptMaker:
             self.prefix = random_ids(prefix_rng, self.spec.shared_prefix_tokens, tokenizer)
         self.file_prompts = self.spec.prompts if isinstance(self.spec, FilePrompts) else []
         self.shared = SharedPrompts(self.spec, seed, tokenizer)
+        self.canary_text: CanaryText | None = None
+        if isinstance(self.spec, TracePassphrasePrompts):
+            block = getattr(scenario.arrivals, "hash_block_size", MOONCAKE_BLOCK_TOKENS)
+            self.canary_text = CanaryText(tokenizer, lambda h: derive_seed(seed, f"hash_block:{h}"), block)
 
     def image(self, spec: ImagePassphrasePrompts, index: int, facts: PromptFacts) -> MadePrompt:
         """An image request: canary picture `index mod pictures` at the template's <image> (one position, its
@@ -178,7 +186,20 @@ class PromptMaker:
             return self.audio(spec, index, facts)
         if isinstance(spec, ImagePassphrasePrompts):
             return self.image(spec, index, facts)
+        if isinstance(spec, TracePassphrasePrompts):
+            return self.trace_passphrase(spec, arrival)
         raise TypeError(f"unknown prompt spec {type(spec).__name__}")
+
+    def trace_passphrase(self, spec: TracePassphrasePrompts, arrival: Arrival) -> MadePrompt:
+        """A trace row's prompt: its hash ids' canary blocks, words of its own, its passphrase last; the
+        trace's prompt length (or one drawn from `prompt_tokens`), token ids without a chat template."""
+        phrase = next(self.phrases)
+        tail = encode_piece(self.tok, spec.template.replace("{passphrase}", phrase))
+        length = arrival.prompt_tokens or spec.prompt_tokens.sample(self.length_rng)
+        ids = self.canary_text.prompt(arrival.hash_ids, length, tail, self.rng)
+        facts = PromptFacts(prompt_tokens=len(ids), trace_prompt_tokens=arrival.prompt_tokens or None,
+                            hash_ids=arrival.hash_ids)
+        return MadePrompt(TokenPrompt(tuple(ids)), None, Canary(phrase), facts)
 
     def audio(self, spec, index: int, facts: PromptFacts) -> MadePrompt:
         """A speech request: its clip (in turn) with the decoder prompt [<|startoftranscript|>,
@@ -303,11 +324,43 @@ def _bad_words(params, tokenizer, cache: dict):
     return replace(params, bad_words_ids=cache[params.bad_words])
 
 
-def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
+def plan_requests(scenario: Scenario, tokenizer, *, limit: int | None = None,
+                  sessions: bool = False) -> list[PlannedRequest]:
     """The requests of a run, in arrival order, fully determined by the scenario (and its seed): one
     per `planned_arrivals(scenario, limit=limit)`. The timeline's arrival-rate changes are applied there;
     the other timeline knobs are the session's to apply.
+
+    With `sessions` (a --target run) and a `sessions` section, each of those requests opens a session (its
+    `turn` set) and every later turn follows, after all first turns: request id "<first>-t<k>", its
+    follow-up text, the session's canary, tenant and salt, its think time drawn from the seed's own stream;
+    its chat and input are made when it is sent (kvtui/remote/session.py). Without `sessions` the section
+    is left alone (a local run sends first turns only).
     """
+    planned = _plan_first(scenario, tokenizer, limit=limit)
+    if not sessions or scenario.sessions is None:
+        return planned
+    return with_turns(scenario, planned)
+
+
+def with_turns(scenario: Scenario, planned: list[PlannedRequest]) -> list[PlannedRequest]:
+    """`planned` as the first turns of sessions, followed by their later turns (see plan_requests)."""
+    spec = scenario.sessions
+    think_rng = random.Random(derive_seed(scenario.seed, "think_time"))
+    firsts, later = [], []
+    for p in planned:
+        firsts.append(replace(p, turn=SessionTurn(p.request_id, 0, spec.turns)))
+        for k in range(1, spec.turns):
+            rid = f"{p.request_id}-t{k}"
+            later.append(replace(
+                p, request_id=rid, text=spec.follow_up, turn=SessionTurn(p.request_id, k, spec.turns,
+                                                                         spec.think_time_s.sample(think_rng)),
+                sampling=replace(p.sampling, seed=derive_seed(scenario.seed, f"sampling:{rid}")),
+                facts=replace(p.facts, turn=k), client_id=None, round=None, cancel_after=None))
+    return firsts + later
+
+
+def _plan_first(scenario: Scenario, tokenizer, *, limit: int | None = None) -> list[PlannedRequest]:
+    """One request per planned arrival (plan_requests without sessions)."""
     from kvtui.engine.request import SamplingParams
 
     seed = scenario.seed

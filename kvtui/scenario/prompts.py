@@ -18,6 +18,8 @@ YAML `prompts:` takes one of
     one spoken clip "The passphrase is WORD WORD NN." from a folder of WAV files named after their
     passphrase (word-word-nn.wav; scenarios/audio/ ships 8); the passphrase is its canary.
   - `{kind: audio, path}` (speech models): WAV files (one file, or every .wav in a folder), in turn.
+  - `{kind: trace_passphrase, template, prompt_tokens}`: a trace's lengths and (Mooncake hash ids) shared
+    prefixes as blocks of canary text, ending with the request's passphrase (kvtui/scenario/trace_prompts.py).
 
 A tokenizer here is anything with `apply_chat_template`, `encode`, `vocab_size` and
 `all_special_ids` (a transformers tokenizer).
@@ -171,6 +173,31 @@ class MultiTurnPrompts(Strict):
     reply_tokens: LengthDist = Field(Fixed(value=24), description="length of each previous answer's stand-in (tokens)")
 
 
+class TracePassphrasePrompts(Strict):
+    """Canaried prompts of a trace's shapes: each prompt is `prompt_tokens` long (a trace row's prompt length
+    replaces the drawn one) and ends with `template`, its own passphrase in it (the canary). Before that comes
+    canary text: with Mooncake hash ids, each hash id is a block of `hash_block_size` tokens of made-up words
+    fixed by the seed and the hash id, so two requests whose hash_ids start alike share exactly that prompt
+    prefix (the passphrase's tokens take the place of the last ones); without hash ids the text is the
+    request's own (no shared prefix). Sent as token ids, no chat template (the completions API against a
+    --target; `sessions` send it as a chat's first user message). A prompt shorter than its template is the
+    template alone."""
+
+    kind: Literal["trace_passphrase"]
+    template: Annotated[str, Field(min_length=1, max_length=10_000)] = Field(
+        " The passphrase is {passphrase}. Reply with only the passphrase.",
+        description="the prompt's end; must contain `{passphrase}`")
+    prompt_tokens: LengthDist = Field(Fixed(value=128), description="prompt length when the arrival gives none "
+                                                                    "(tokens)")
+
+    @pydantic.field_validator("template")
+    @classmethod
+    def _has_slot(cls, v: str) -> str:
+        if "{passphrase}" not in v:
+            raise Problem("template has no {passphrase}", "put {passphrase} where the passphrase goes")
+        return v
+
+
 SAMPLE_RATE = 16000  # Hz, 16-bit mono: what Whisper's feature extractor takes
 MAX_AUDIO_SECONDS = 30.0  # one Whisper window
 PASSPHRASE_CLIP = re.compile(r"[a-z]+-[a-z]+-[0-9]+")
@@ -316,10 +343,11 @@ def _read_path(reader, path: str, info: pydantic.ValidationInfo):
 
 
 PromptSpec = Annotated[Union[PassphrasePrompts, SyntheticPrompts, FilePrompts, SystemPromptPrompts,
-                             MultiTurnPrompts, SpokenPassphrasePrompts, AudioPrompts, ImagePassphrasePrompts],
+                             MultiTurnPrompts, SpokenPassphrasePrompts, AudioPrompts, ImagePassphrasePrompts,
+                             TracePassphrasePrompts],
                        Field(discriminator="kind")]
 PROMPT_KINDS = ("passphrase", "synthetic", "file", "system_prompt", "multi_turn", "spoken_passphrase", "audio",
-                "image_passphrase")
+                "image_passphrase", "trace_passphrase")
 AUDIO_KINDS = ("spoken_passphrase", "audio")
 IMAGE_KINDS = ("image_passphrase",)
 

@@ -308,6 +308,47 @@ class Dashboard(Strict):
                             "(as fast as the engine goes)")
 
 
+class ThinkTime(Strict):
+    """Seconds a user thinks between an answer and the next turn, drawn from the seed's own stream:
+    `fixed` (always mean_s), `uniform` (in [min_s, max_s]) or `exponential` (mean mean_s, as think times are
+    usually modelled)."""
+
+    distribution: Literal["fixed", "uniform", "exponential"] = Field("fixed", description="its shape")
+    mean_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = Field(
+        1.0, description="fixed: the time; exponential: its mean (seconds)")
+    min_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = Field(0.0, description="uniform: shortest (seconds)")
+    max_s: Annotated[float, Field(ge=0, le=MAX_SECONDS)] = Field(2.0, description="uniform: longest (seconds)")
+
+    @pydantic.model_validator(mode="after")
+    def _ordered(self):
+        if self.distribution == "uniform" and self.max_s < self.min_s:
+            raise Problem(f"max_s {self.max_s} is below min_s {self.min_s}", "raise max_s", ("max_s",))
+        return self
+
+    def sample(self, rng) -> float:
+        """One think time (seconds) drawn with `rng` (random.Random)."""
+        if self.distribution == "uniform":
+            return rng.uniform(self.min_s, self.max_s)
+        if self.distribution == "exponential":
+            return rng.expovariate(1.0 / self.mean_s) if self.mean_s > 0 else 0.0
+        return self.mean_s
+
+
+class Sessions(Strict):
+    """Multi-turn chat sessions with the server's real answers (a `kvtui run --target` run; a local run
+    sends each session's first turn only and says so). Each planned arrival opens a session: its prompt is
+    turn 1; after the server's answer and a think time, turn 2 is sent as a chat of the first user message,
+    the answer the server actually gave, and `follow_up`; and so on for `turns` turns. Every turn carries the
+    session's passphrase as its canary (another session's passphrase in any answer is a leak), and the
+    reference check's solo rerun of a turn replays exactly the conversation that turn sent."""
+
+    turns: Annotated[int, Field(ge=1, le=1000)] = Field(3, description="turns per session, the first included")
+    think_time_s: ThinkTime = Field(ThinkTime(), description="between an answer and the next turn (see think time)")
+    follow_up: Annotated[str, Field(min_length=1, max_length=10_000)] = Field(
+        "What was the passphrase? Reply with only the passphrase.",
+        description="the user message of every turn after the first")
+
+
 class Scenario(Strict):
     """A load scenario: who arrives when, saying what, served by which engine."""
 
@@ -331,6 +372,9 @@ class Scenario(Strict):
     request_ids: RequestIds | None = Field(
         None, description="clients choose their own request ids, duplicates among them (see request_ids); a "
                           "`kvtui run --target` audit, ignored by a local run; null: kvtui sends none")
+    sessions: Sessions | None = Field(
+        None, description="multi-turn sessions carrying the server's real answers (see sessions); a `kvtui run "
+                          "--target` feature, a local run sends first turns only; null: one request per arrival")
     arrivals: ArrivalSpec = Field(
         Poisson(process="poisson", rate_per_s=1.0), description="when requests arrive: one of the processes "
                                                                 "under arrivals, chosen by `process`")

@@ -41,6 +41,7 @@ from kvtui.scenario.prompts import (
     SpokenPassphrasePrompts,
     SyntheticPrompts,
     SystemPromptPrompts,
+    TracePassphrasePrompts,
 )
 from kvtui.scenario.request_ids import DuplicateIds, NearDuplicateIds, RequestIds, UniqueIds
 from kvtui.scenario.sampling import MixEntry
@@ -52,7 +53,9 @@ from kvtui.scenario.schema import (
     Expect,
     SamplingSection,
     Scenario,
+    Sessions,
     StructuredSection,
+    ThinkTime,
 )
 from kvtui.scenario.tenants import Tenants
 from kvtui.scenario.timeline import RUNTIME_KNOBS, TimelineEvent
@@ -122,10 +125,11 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
     ("tenants", "", [Tenants]),
     ("lora", "", [LoraSection]),
     ("request_ids", "", [RequestIds, UniqueIds, DuplicateIds, NearDuplicateIds]),
+    ("sessions", "", [Sessions, ThinkTime]),
     ("prompts", "One of the kinds below, chosen by `kind`.", [PassphrasePrompts, SyntheticPrompts, FilePrompts,
                                                               SystemPromptPrompts, MultiTurnPrompts,
                                                               SpokenPassphrasePrompts, AudioPrompts,
-                                                              ImagePassphrasePrompts]),
+                                                              ImagePassphrasePrompts, TracePassphrasePrompts]),
     ("Length distributions", "`output_tokens` and `prompts.prompt_tokens` take one of these, chosen by `dist`; a "
                              "bare integer `24` means `{dist: fixed, value: 24}`. Lengths are whole tokens, drawn "
                              "from the scenario seed's own stream.", [Fixed, Uniform, Normal, LogNormal, Choice, Zipf]),
@@ -139,7 +143,8 @@ SECTIONS: list[tuple[str, str, list[type[pydantic.BaseModel]]]] = [
 HEADINGS = {Scenario: "Top level", EngineSection: "engine", Bucketing: "engine.bucketing", SamplingSection: "sampling",
             StructuredSection: "sampling.structured",
             MixEntry: "sampling.mix entry",
-            Tenants: "tenants", LoraSection: "lora", RequestIds: "request_ids",
+            Tenants: "tenants", LoraSection: "lora", RequestIds: "request_ids", Sessions: "sessions",
+            ThinkTime: "think time",
             SLO: "slo", Expect: "expect", Dashboard: "dashboard", TimelineEvent: "timeline", Stage: "stage",
             ScriptedRequest: "scripted request", RoundSpec: "round"}
 UNION_TAGS = {"process": "arrivals", "kind": "prompts", "dist": "Length distributions", "ids": "request_ids"}
