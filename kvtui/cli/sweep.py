@@ -185,7 +185,7 @@ def print_table(points: list[SweepPoint], slo_share: float | None) -> None:
     out.print(table)
     for p in points:
         if p.warning:
-            out.print(f"{p.rate:g} req/s: {p.warning}", markup=False, highlight=False)
+            out.print(f"{p.rate:g} req/s: {p.warning}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_knees(spec, points, knee, plateau, has_slo: bool, share: float) -> None:
@@ -193,18 +193,18 @@ def _print_knees(spec, points, knee, plateau, has_slo: bool, share: float) -> No
                                                                     ("TPOT", spec.slo.tpot_s)) if value is not None)
     if has_slo and knee is None:
         out.print(f"knee: none: the lowest rate, {points[0].rate:g} req/s, already broke the SLO ({limits} for "
-                  f"{share:.0%} of requests)", markup=False, highlight=False)
+                  f"{share:.0%} of requests)", markup=False, highlight=False, soft_wrap=True)
     elif has_slo:
         broke = next((p for p in sorted(points, key=lambda p: p.rate) if not p.holds(share)), None)
         after = f"; {broke.rate:g} req/s broke it" if broke is not None else "; no rate run broke it"
         out.print(f"knee: {knee.rate:g} req/s, the highest rate that held the SLO ({limits} for {share:.0%} of "
-                  f"requests; goodput {knee.goodput:.2f} req/s){after}", markup=False, highlight=False)
+                  f"requests; goodput {knee.goodput:.2f} req/s){after}", markup=False, highlight=False, soft_wrap=True)
     if plateau is not None:
         last = plateau is max(points, key=lambda p: p.rate)
         said = ("throughput still rose at every rate run: no plateau yet" if last else
                 f"throughput stopped rising after {plateau.rate:g} req/s ({plateau.output_tok_s:.1f} tok/s; the next "
                 "rate added 5% or less)")
-        out.print(("" if has_slo else "knee (no slo in the scenario): ") + said, markup=False, highlight=False)
+        out.print(("" if has_slo else "knee (no slo in the scenario): ") + said, markup=False, highlight=False, soft_wrap=True)
 
 
 def _draw(points, knee, plot: Path | None, terminal: bool, title: str) -> None:
@@ -223,7 +223,7 @@ def _draw(points, knee, plot: Path | None, terminal: bool, title: str) -> None:
             sweep_plot.write_plot(points, knee, plot, title=title)
         except OSError as e:
             fail(f"--plot {plot}: cannot write it ({e.strerror or e})", EXIT_RUNTIME)
-        out.print(f"plot: {plot}", markup=False, highlight=False)
+        out.print(f"plot: {plot}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _exit(spec, sessions, points) -> None:

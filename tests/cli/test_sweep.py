@@ -1,0 +1,123 @@
+"""`kvtui sweep SCENARIO --target URL`: one run per rate against the fake server (tests/fake_openai.py),
+served one request at a time so that TTFT grows with the rate: the table's figures against each run's own
+recording, the knee, the re-timed arrivals and the SVG's axes."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import xml.etree.ElementTree as ET
+
+import pytest
+from fake_openai import FakeHTTPServer, FakeOpenAI
+
+from kvtui.events import Arrive, Finish
+from kvtui.record import read_recording
+from kvtui.remote.sweep import SweepPoint, retimed, slo_knee, throughput_knee
+from kvtui.scenario import parse_scenario
+from kvtui.scenario.plan import derive_seed
+
+KVTUI = [sys.executable, "-m", "kvtui.cli"]
+SCENARIO = ("name: sweep-test\nseed: 3\nmax_requests: 6\nmodel: tiny-llama\narrivals: {process: poisson, "
+            "rate_per_s: 1}\nprompts: {kind: passphrase}\noutput_tokens: 8\nslo: {ttft_s: 0.5}\n")
+
+
+class SerialServer(FakeHTTPServer):
+    """The fake over HTTP, answering one request at a time (the others wait in its queue): an answer
+    takes about 8 chunk delays, so requests that arrive together wait for those before them."""
+
+    def __init__(self, fake: FakeOpenAI, chunk_delay_s: float) -> None:
+        super().__init__(fake, chunk_delay_s)
+        handler, lock = self.server.RequestHandlerClass, threading.Lock()
+        post = handler.do_POST
+
+        def do_post(h):
+            with lock:
+                post(h)
+
+        handler.do_POST = do_post
+
+
+def point(rate, tok_s, good, sent=6):
+    return SweepPoint(rate=rate, achieved=rate, sent=sent, completed=sent, good=good, output_tok_s=tok_s,
+                      goodput=good / 3, ttft_p50_s=0.1, ttft_p99_s=0.2, tpot_p50_s=0.01, findings=0, failed=False,
+                      warning=None)
+
+
+def test_knees_the_last_rate_holding_the_slo_and_where_throughput_stops_rising():
+    points = [point(1, 10.0, 6), point(2, 20.0, 6), point(4, 20.9, 5), point(8, 30.0, 6)]
+    assert slo_knee(points).rate == 2  # 4 req/s: 5 of 6 met, under 90%; a later recovery does not count
+    assert slo_knee(points, share=0.8).rate == 8
+    assert throughput_knee(points).rate == 2  # 20.9 tok/s is within 5% of 20.0
+    assert throughput_knee(points[:2]).rate == 2  # still rising: the highest rate run
+    assert slo_knee([point(1, 10.0, 0)]) is None
+
+
+def test_retimed_arrivals_are_one_poisson_sequence_scaled_by_the_rate():
+    from kvtui.models import build_tiny_tokenizer
+    from kvtui.scenario import plan_requests
+
+    spec = parse_scenario(SCENARIO)
+    base = plan_requests(spec, build_tiny_tokenizer())
+    slow, fast = retimed(base, 2.0, 3), retimed(base, 8.0, 3)
+    rng = random.Random(derive_seed(3, "sweep_arrivals"))
+    gaps = [rng.expovariate(1.0) for _ in range(5)]
+    assert [p.arrival_s for p in slow] == pytest.approx([sum(gaps[:k]) / 2.0 for k in range(6)])
+    assert [p.arrival_s for p in fast] == pytest.approx([sum(gaps[:k]) / 8.0 for k in range(6)])
+    assert [p.prompt_ids for p in slow] == [p.prompt_ids for p in base]  # the same requests, re-timed only
+
+
+def test_sweep_against_a_one_at_a_time_server_finds_the_knee_and_writes_the_svg(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    fake = FakeOpenAI()
+    with SerialServer(fake, chunk_delay_s=0.03) as url:
+        out = subprocess.run(KVTUI + ["sweep", str(path), "--target", url, "--rates", "1,64", "--record-dir",
+                                      str(tmp_path / "runs"), "--plot", str(tmp_path / "sweep.svg"),
+                                      "--detectors", "canary", "--slo-share", "0.8"],
+                             capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "[1/2] 1 req/s" in out.stderr and "[2/2] 64 req/s" in out.stderr
+    # each run sent the same six prompts (the same seed), twelve in all
+    prompts = [str(r.get("messages") or r.get("prompt")) for r in fake.requests]
+    assert len(prompts) == 12 and sorted(prompts[:6]) == sorted(prompts[6:]) and len(set(prompts)) == 6
+    rows = {}
+    for rate in ("1", "64"):
+        header, events, summary, _ = read_recording(tmp_path / "runs" / f"rate-{rate}.jsonl")
+        finishes = [e for e in events if isinstance(e, Finish)]
+        arrivals = [e.t for e in events if isinstance(e, Arrive)]
+        assert len(finishes) == 6 and summary.requests_completed == 6
+        rows[rate] = (summary, finishes, arrivals)
+        line = next(line for line in out.stdout.splitlines() if line.startswith(f"│ {rate:>10} │"))
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        ttft = summary.time_to_first_token_seconds
+        good = sum(f.first_token_s - f.sent_s <= 0.5 for f in finishes)
+        assert cells[2] == f"{summary.output_tokens_per_s:.1f}"
+        assert cells[3] == f"{ttft.p50 * 1000:.1f}" and cells[4] == f"{ttft.p99 * 1000:.1f}"
+        assert cells[6] == f"{summary.goodput_requests_per_s:.2f}"
+        assert cells[7].startswith(f"{good}/6") and cells[8] == "0"
+    # one answer takes about 8 x 30 ms: at 1 req/s (gaps of 0.3 s and more) none waits behind two others; at
+    # 64 req/s the sixth waits for five before it (over 1 s), so at most half meet TTFT <= 0.5 s
+    slow, fast = rows["1"][1], rows["64"][1]
+    assert all(f.first_token_s - f.sent_s <= 0.5 for f in slow[1:])
+    assert sum(f.first_token_s - f.sent_s <= 0.5 for f in fast) <= 3
+    assert "knee: 1 req/s, the highest rate that held the SLO" in out.stdout
+    assert "64 req/s broke it" in out.stdout
+    svg = ET.parse(tmp_path / "sweep.svg").getroot()
+    texts = {"".join(t.itertext()).strip() for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"Throughput vs latency", "Goodput vs rate", "throughput (output tok/s)", "TTFT (ms)",
+            "rate asked (req/s)", "knee 1 req/s"} <= texts
+    assert "Throughput vs latency" in out.stdout and "Goodput vs rate" in out.stdout  # the terminal's picture
+
+
+def test_sweep_refuses_both_or_neither_rate_choice(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    out = subprocess.run(KVTUI + ["sweep", str(path), "--target", "http://127.0.0.1:9"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "give --rates 1,2,4,8 or --until-slo" in out.stderr
+    out = subprocess.run(KVTUI + ["sweep", str(path), "--target", "http://127.0.0.1:9", "--rates", "1,x"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--rates '1,x'" in out.stderr
