@@ -1,8 +1,13 @@
 """`kvtui run --target URL --workers N`: the load sent from Ray workers (kvtui/remote/workers.py), on a
-local Ray runtime (two CPUs). Against `kvtui serve --fault shared_cache` (tiny-llama: every request reads
-and writes one cache region) a two-worker run finds what the single-process run of the same plan finds;
-a worker killed mid-run has its requests reported as errors naming it. Skipped without Ray
-(pip install 'kvtui[ray]')."""
+local Ray runtime (two CPUs). Against `kvtui serve --fault stale_slot` with one slot (SmolLM2: each
+request continues the previous owner's conversation and repeats its passphrase) a two-worker run finds
+what the single-process run of the same plan finds, victims and sources alike; a worker killed mid-run
+has its requests reported as errors naming it. Skipped without Ray (pip install 'kvtui[ray]').
+
+Why stale_slot and not shared_cache: under shared_cache the victims depend on which requests share an
+engine step, which differs between two single-process runs of one plan (a burst of three found r000 and
+r001 once, r001 and r002 the next time), so no second run can be compared exactly. One slot serves the
+requests one at a time in arrival order, the same order however they were sent."""
 
 from __future__ import annotations
 
@@ -22,9 +27,9 @@ from kvtui.remote.session import TargetOptions, TargetSession  # noqa: E402
 from kvtui.remote.workers import RayTargetSession  # noqa: E402
 from kvtui.scenario import parse_scenario  # noqa: E402
 
-# three requests at once, then one alone 3 s later (after the three have finished on tiny-llama)
-SCENARIO = ("name: workers-test\nseed: 5\nmax_requests: 4\nmodel: tiny-llama\narrivals: {process: burst, size: 3, "
-            "every_s: 3}\nprompts: {kind: passphrase}\noutput_tokens: 16\n")
+# four requests 2 s apart: one slot serves them in this order (SmolLM2 answers within about 2 s)
+SCENARIO = ("name: workers-test\nseed: 5\nmodel: default\narrivals: {process: scripted, requests: [{at_s: 0}, "
+            "{at_s: 2}, {at_s: 4}, {at_s: 6}]}\nprompts: {kind: passphrase}\noutput_tokens: 16\n")
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +41,12 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def shared_cache_server():
+def stale_slot_server(smollm2):
     from kvtui.serve.server import ServeOptions, ServeServer
 
-    options = ServeOptions(model="tiny-llama", port=0, slots=4, max_len=256, faults=("shared_cache",),
-                           detectors=(), threads=1)
-    with ServeServer(options) as server:
+    options = ServeOptions(model="default", port=0, slots=1, max_len=256, faults=("stale_slot",), detectors=(),
+                           threads=1)
+    with ServeServer(options, load=lambda _: smollm2) as server:
         yield server.url
 
 
@@ -49,10 +54,11 @@ def findings(session) -> set:
     return {(e.detector, e.kind, e.victim, e.source) for e in session.contamination if e.counts}
 
 
-def test_two_workers_find_the_same_victims_and_sources_as_one_process(local_ray, shared_cache_server):
+@pytest.mark.smollm
+def test_two_workers_find_the_same_victims_and_sources_as_one_process(local_ray, stale_slot_server):
     spec = parse_scenario(SCENARIO)
-    tok = load_tokenizer("tiny-llama")
-    options = TargetOptions(url=shared_cache_server)
+    tok = load_tokenizer("default")
+    options = TargetOptions(url=stale_slot_server)
     single = TargetSession(spec, tok, options, detectors=("reference", "canary"))
     single.run()
     events = []
@@ -64,11 +70,10 @@ def test_two_workers_find_the_same_victims_and_sources_as_one_process(local_ray,
     assert sharded.shard == {"r000": 0, "r001": 1, "r002": 0, "r003": 1}
     assert not sharded.dead
     found = findings(single)
-    assert found, "shared_cache should change the answers of the three requests that ran together"
-    assert {v for _, _, v, _ in found} == {"r000", "r001", "r002"}  # the one alone (r003) is no victim
-    assert findings(sharded) == found
-    # the same answers, request by request (greedy: the server's batch decides them)
-    assert {rid: r.text for rid, r in sharded.results.items()} == {rid: r.text for rid, r in single.results.items()}
+    # each later request answers with an earlier one's passphrase: the canary names victim and source
+    assert {(v, src) for d, _, v, src in found if d == "canary"} >= {("r001", "r000")}
+    assert findings(sharded) == found, (findings(sharded), found)
+    # (their answers differ from run to run: the one slot starts each run holding the last run's state)
     finishes = [e for e in events if isinstance(e, Finish)]
     assert sorted(f.request_id for f in finishes) == ["r000", "r001", "r002", "r003"]
     assert all(f.finish_reason in ("stop", "length") and f.send_lag_s is not None for f in finishes)
