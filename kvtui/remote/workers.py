@@ -26,6 +26,7 @@ none is dropped. Requests of its shard that had not arrived yet finish the same 
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import os
 import time
@@ -107,6 +108,8 @@ class ShardSession(TargetSession):
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), timeout=httpx.Timeout(
                 self.options.timeout_s), limits=limits) as client:
             self._load_client = self._wire_pool() or client
+            gc.collect()  # the plan and the tokenizer out of the collector's full passes, as the single client
+            gc.freeze()
             self._t0 = self._clock() - (time.time() - start_wall)  # now() = seconds since the shared start
             self.fidelity.start()
             try:
@@ -114,6 +117,7 @@ class ShardSession(TargetSession):
             finally:
                 if isinstance(self._load_client, WirePool):
                     await self._load_client.aclose()
+                gc.unfreeze()
         return len(self.done)
 
 
@@ -185,6 +189,14 @@ class RayTargetSession(TargetSession):
         self._collector: asyncio.Task | None = None
         self._stop_sent = False
         self._started_ray = False
+
+    def header(self):
+        """TargetSession's header, its `engine` also saying how many workers sent the load (and the cluster)."""
+        if self._header is None:
+            h = super().header()
+            extra = {"workers": self.workers, **({"ray_address": self.address} if self.address else {})}
+            self._header = h.model_copy(update={"engine": {**h.engine, **extra}})
+        return self._header
 
     # -- the workers -------------------------------------------------------------------------------
     def _start_ray(self):
