@@ -42,7 +42,7 @@ from kvtui.remote.wire import WirePool
 from kvtui.run.observers import StepSeen
 
 RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
-START_LEAD_S = 0.5  # the shared start lies this far ahead of the moment the workers are told it (seconds)
+START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
 
 
@@ -108,8 +108,6 @@ class ShardSession(TargetSession):
         async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), timeout=httpx.Timeout(
                 self.options.timeout_s), limits=limits) as client:
             self._load_client = self._wire_pool() or client
-            gc.collect()  # the plan and the tokenizer out of the collector's full passes, as the single client
-            gc.freeze()
             self._t0 = self._clock() - (time.time() - start_wall)  # now() = seconds since the shared start
             self.fidelity.start()
             try:
@@ -136,6 +134,8 @@ class ShardWorker:
         tokenizer = load_tokenizer(model)
         self.session = ShardSession(scenario, tokenizer, options, index=index, workers=workers, model=model,
                                     api=api, served_model=served_model, server_kind=server_kind)
+        gc.collect()  # the plan and the tokenizer out of the collector's full passes while it sends (ShardSession.send
+        gc.freeze()  # unfreezes), as the single client does; here, before the shared start is set
         return os.getpid(), [p.request_id for p in self.session.pending]
 
     async def run(self, start_wall: float) -> int:
