@@ -165,8 +165,9 @@ class RayTargetSession(TargetSession):
             None: a local Ray runtime with `workers` CPUs (or the one already initialized).
 
     Raises:
-        ValueError: as TargetSession; also workers < 1, a test transport (it cannot cross processes),
-            `process: rounds` (each round waits for the last one's answers: a closed loop).
+        ValueError: as TargetSession; also workers < 1, a test transport (it cannot cross processes), a
+            `planned` list (the workers plan from the seed), `process: rounds` (each round waits for the last
+            one's answers: a closed loop).
     """
 
     def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None, **kwargs) -> None:
@@ -174,6 +175,9 @@ class RayTargetSession(TargetSession):
             raise ValueError("--workers must be >= 1")
         if options.transport is not None:
             raise ValueError("--workers sends over the network; a test transport cannot reach other processes")
+        if kwargs.get("planned") is not None:
+            raise ValueError("--workers: each worker plans the scenario from its seed; a plan of other requests "
+                             "cannot be sharded")
         super().__init__(scenario, tokenizer, options, **kwargs)
         if any(p.round is not None for p in self.pending):
             raise ValueError("--workers: `process: rounds` sends each round once the last one's answers are in, "

@@ -121,3 +121,27 @@ def test_sweep_refuses_both_or_neither_rate_choice(tmp_path):
     out = subprocess.run(KVTUI + ["sweep", str(path), "--target", "http://127.0.0.1:9", "--rates", "1,x"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "--rates '1,x'" in out.stderr
+
+
+def test_until_slo_doubles_the_rate_and_stops_at_the_first_run_that_broke_it(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    with SerialServer(FakeOpenAI(), chunk_delay_s=0.03) as url:
+        out = subprocess.run(KVTUI + ["sweep", str(path), "--target", url, "--until-slo", "--start-rate", "2",
+                                      "--max-rate", "64", "--detectors", "none", "--slo-share", "0.8",
+                                      "--no-terminal-plot"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    ran = [float(line.split()[1]) for line in out.stderr.splitlines() if line.startswith("[") and "planned" in line]
+    assert ran == [2.0, 4.0, 8.0, 16.0, 32.0, 64.0][:len(ran)]  # doubling from 2 req/s, up to 64
+    rows = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if line.startswith("│") and len(cells) == 10:
+            rows[float(cells[0])] = cells[7]
+    assert list(rows) == ran
+    # every run before the last held the SLO; the last broke it (at 64 req/s the six requests queue for
+    # over 1 s, so it breaks there at the latest)
+    assert all(met.endswith(" ok") for rate, met in rows.items() if rate != ran[-1])
+    assert rows[ran[-1]].endswith(" broken")
+    assert len(ran) >= 2, "2 req/s (gaps of 0.08 s and more, answers of about 0.25 s) should hold the SLO"
+    assert f"knee: {ran[-2]:g} req/s, the highest rate that held the SLO" in out.stdout
