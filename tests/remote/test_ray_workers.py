@@ -23,6 +23,7 @@ from fake_openai import FakeHTTPServer, FakeOpenAI  # noqa: E402
 
 from kvtui.events import Arrive, Finish  # noqa: E402
 from kvtui.models import load_tokenizer  # noqa: E402
+from kvtui.record import read_recording  # noqa: E402
 from kvtui.remote.session import TargetOptions, TargetSession  # noqa: E402
 from kvtui.remote.workers import RayTargetSession  # noqa: E402
 from kvtui.scenario import parse_scenario  # noqa: E402
@@ -118,3 +119,21 @@ def test_workers_without_ray_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: --workers sends the load from Ray workers, and Ray is not "
                                                "installed: pip install 'kvtui[ray]'"]
+
+
+def test_the_command_line_sends_from_workers_and_its_recording_says_so(tmp_path):
+    """`kvtui run --target URL --headless --workers 2` (a Ray runtime of its own) against the fake server."""
+    path, rec = tmp_path / "s.yaml", tmp_path / "run.jsonl"
+    path.write_text("name: workers-cli\nseed: 3\nmax_requests: 6\nmodel: tiny-llama\narrivals: {process: poisson, "
+                    "rate_per_s: 10}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    fake = FakeOpenAI()
+    with FakeHTTPServer(fake) as url:
+        out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", url, "--headless",
+                              "--detectors", "canary", "--workers", "2", "--record", str(rec)],
+                             capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    header, events, summary, _ = read_recording(rec)
+    assert header.engine["workers"] == 2
+    assert summary.finish_reasons == {"stop": 6} and summary.passphrase_echoed == 6
+    assert len(fake.requests) == 6  # each planned request sent once, by one of the workers
+    assert sorted(e.request_id for e in events if isinstance(e, Finish)) == [f"r00{k}" for k in range(6)]
