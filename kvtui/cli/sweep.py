@@ -99,8 +99,13 @@ def sweep(
     points, sessions = [], []
     for k, rate in enumerate(asked):
         record = record_dir / f"rate-{rate:g}.jsonl" if record_dir is not None else None
-        p, session = _one_run(spec, scenario, run, tokenizer, retimed(plan, rate, spec.seed), rate, record,
-                              chosen, label=f"[{k + 1}/{len(asked)}]", quiet=quiet)
+        p, session, stopped = _one_run(spec, scenario, run, tokenizer, retimed(plan, rate, spec.seed), rate, record,
+                                       chosen, label=f"[{k + 1}/{len(asked)}]", quiet=quiet)
+        if stopped.signum is not None:  # Ctrl-C / SIGTERM: the runs so far, then 128 + the signal's number
+            print_table(points, slo_share if has_slo else None)
+            say("error", f"interrupted by {stopped.name} during the {rate:g} req/s run; the table covers the runs "
+                         f"before it (exit {stopped.exit_code})")
+            raise typer.Exit(stopped.exit_code)
         points.append(p)
         sessions.append(session)
         if until_slo and (not p.holds(slo_share) if has_slo else throughput_knee(points) is not points[-1]):
@@ -130,9 +135,10 @@ def _plan(spec, scenario: Path, model: str | None):
 
 def _one_run(spec, scenario: Path, run, tokenizer, planned, rate: float, record: Path | None, detectors, *,
              label: str, quiet: bool):
-    """One --target run at `rate` with `planned`; its SweepPoint and session. A progress line before and
-    one after it on stderr."""
+    """One --target run at `rate` with `planned`; its SweepPoint, session and StopSignal (a Ctrl-C or
+    SIGTERM stops the run as it stops `kvtui run`). A progress line before and one after it on stderr."""
     from kvtui.cli import target as command
+    from kvtui.cli.finish import install_stop_handlers
     from kvtui.remote.session import TargetError, TargetSession
     from kvtui.run.outcome import verdict
 
@@ -146,6 +152,7 @@ def _one_run(spec, scenario: Path, run, tokenizer, planned, rate: float, record:
     if not quiet:
         err.print(f"{label} {rate:g} req/s: {len(planned)} requests over {planned[-1].arrival_s:.1f} s planned",
                   highlight=False)
+    stopped = install_stop_handlers(session)
     try:
         summary = session.run()
     except TargetError as e:
@@ -159,7 +166,7 @@ def _one_run(spec, scenario: Path, run, tokenizer, planned, rate: float, record:
                   f"{p.findings} findings" + (f"{'; recording ' + str(record) if record else ''}"), highlight=False)
     if session.recording_error:
         say("error", f"{session.recording_error}; the run went on without it")
-    return p, session
+    return p, session, stopped
 
 
 def _ms(value: float | None) -> float | None:

@@ -5,9 +5,11 @@ recording, the knee, the re-timed arrivals and the SVG's axes."""
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 import threading
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -145,3 +147,23 @@ def test_until_slo_doubles_the_rate_and_stops_at_the_first_run_that_broke_it(tmp
     assert rows[ran[-1]].endswith(" broken")
     assert len(ran) >= 2, "2 req/s (gaps of 0.08 s and more, answers of about 0.25 s) should hold the SLO"
     assert f"knee: {ran[-2]:g} req/s, the highest rate that held the SLO" in out.stdout
+
+
+def test_ctrl_c_stops_the_sweep_with_130_naming_the_run(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    with FakeHTTPServer(FakeOpenAI(), chunk_delay_s=1.0) as url:  # each answer takes about 8 s
+        proc = subprocess.Popen(KVTUI + ["sweep", str(path), "--target", url, "--rates", "1,2", "--detectors", "none",
+                                         "--no-terminal-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("[1/2] 1 req/s: 6 requests"):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        stdout, rest = proc.communicate(timeout=300)
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "interrupted by SIGINT during the 1 req/s run" in rest
+    assert "[2/2]" not in "".join(lines) + rest  # no run after the stopped one
