@@ -28,6 +28,9 @@ from kvtui.remote.session import TargetOptions, TargetSession  # noqa: E402
 from kvtui.remote.workers import RayTargetSession  # noqa: E402
 from kvtui.scenario import parse_scenario  # noqa: E402
 
+# one xdist worker runs the module: one local Ray runtime at a time on the machine (the CLI test starts its own)
+pytestmark = pytest.mark.xdist_group("ray_workers")
+
 # four requests 2 s apart: one slot serves them in this order (SmolLM2 answers within about 2 s)
 SCENARIO = ("name: workers-test\nseed: 5\nmodel: default\narrivals: {process: scripted, requests: [{at_s: 0}, "
             "{at_s: 2}, {at_s: 4}, {at_s: 6}]}\nprompts: {kind: passphrase}\noutput_tokens: 16\n")
