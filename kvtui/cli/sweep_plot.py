@@ -18,9 +18,13 @@ FILE_SUFFIXES = (".svg", ".png")
 
 def missing(module: str) -> bool:
     """`module` cannot be imported (the plot extra is not installed)."""
-    import importlib.util
+    import importlib
 
-    return importlib.util.find_spec(module) is None
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return True
+    return False
 
 
 def _ms(value: float | None) -> float:

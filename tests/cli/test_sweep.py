@@ -4,6 +4,7 @@ recording, the knee, the re-timed arrivals and the SVG's axes."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -72,6 +73,8 @@ def test_retimed_arrivals_are_one_poisson_sequence_scaled_by_the_rate():
 
 
 def test_sweep_against_a_one_at_a_time_server_finds_the_knee_and_writes_the_svg(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot extra: pip install 'kvtui[plot]'")
+    pytest.importorskip("plotext", reason="the plot extra: pip install 'kvtui[plot]'")
     path = tmp_path / "sweep.yaml"
     path.write_text(SCENARIO)
     fake = FakeOpenAI()
@@ -167,3 +170,17 @@ def test_ctrl_c_stops_the_sweep_with_130_naming_the_run(tmp_path):
     assert proc.returncode == 130, "".join(lines) + rest
     assert "interrupted by SIGINT during the 1 req/s run" in rest
     assert "[2/2]" not in "".join(lines) + rest  # no run after the stopped one
+
+
+def test_plot_without_matplotlib_says_what_to_install_before_any_run(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "matplotlib.py").write_text("raise ImportError('hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(KVTUI + ["sweep", str(path), "--target", "http://127.0.0.1:9", "--rates", "1",
+                                  "--plot", str(tmp_path / "s.svg")], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: --plot needs matplotlib: pip install 'kvtui[plot]'"]
