@@ -103,7 +103,7 @@ def run(
         "probes with fresh ids and GET /health.", rich_help_panel=TARGET_PANEL)] = None,
     workers: Annotated[int, typer.Option(
         "--workers", min=0, help="With --target: send the load from this many Ray workers (pip install "
-        "'kvtui[ray]'), each its shard of the seeded plan against one shared start; detectors, recording and "
+        "'kvtui\\[ray]'), each its shard of the seeded plan against one shared start; detectors, recording and "
         "dashboard stay here. 0: this process sends.", rich_help_panel=TARGET_PANEL)] = 0,
     ray_address: Annotated[Optional[str], typer.Option(
         "--ray", help="With --workers: the Ray cluster's address (default: a local Ray runtime).",

@@ -52,9 +52,9 @@ def sweep(
     record_dir: Annotated[Optional[Path], typer.Option("--record-dir", help="Write each run's recording here "
                                                        "(rate-<R>.jsonl).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write the pictures to this .svg or .png file "
-                                                 "(needs kvtui[plot]).")] = None,
+                                                 "(needs the plot extra: pip install 'kvtui\\[plot]').")] = None,
     terminal_plot: Annotated[bool, typer.Option("--terminal-plot/--no-terminal-plot", help="Draw the pictures "
-                                                "in the terminal (needs kvtui[plot]).")] = True,
+                                                "in the terminal (needs the plot extra: pip install 'kvtui\\[plot]').")] = True,
     model: Annotated[Optional[str], typer.Option("--model", help="The tokenizer to plan with (default: the "
                                                  "scenario's model).")] = None,
     detectors: Annotated[str, typer.Option(help="Comma-separated: reference, canary, or 'none'.")] = "reference,canary",
