@@ -1,4 +1,4 @@
-"""kvtui command line: run, serve, replay, validate, bench, model.
+"""kvtui command line: run, serve, replay, validate, bench, model, sweep.
 
 Each command lives in its own module of this package (run, replay, validate, faults, audit, serve,
 model, bench), the `--target` paths of run and audit in target; console helpers and exit codes in
@@ -22,6 +22,7 @@ from kvtui.cli.model import model_cmd
 from kvtui.cli.replay import replay
 from kvtui.cli.run import run
 from kvtui.cli.serve import serve
+from kvtui.cli.sweep import sweep
 from kvtui.cli.validate import validate
 from kvtui.names import did_you_mean
 
@@ -38,6 +39,7 @@ app.command("model")(model_cmd)
 app.command()(bench)
 app.command("calibrate")(calibrate_cmd)
 app.command()(conformance)
+app.command()(sweep)
 
 
 _NOT_ONE_OF = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")

@@ -101,6 +101,13 @@ def run(
         "choosing in these places (comma-separated: header = x-request-id, user, request_id), grouped as the "
         "scenario's request_ids says or, without that section, in pairs that share one id; after the load, "
         "probes with fresh ids and GET /health.", rich_help_panel=TARGET_PANEL)] = None,
+    workers: Annotated[int, typer.Option(
+        "--workers", min=0, help="With --target: send the load from this many Ray workers (pip install "
+        "'kvtui\\[ray]'), each its shard of the seeded plan against one shared start; detectors, recording and "
+        "dashboard stay here. 0: this process sends.", rich_help_panel=TARGET_PANEL)] = 0,
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray", help="With --workers: the Ray cluster's address (default: a local Ray runtime).",
+        rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run a scenario on a real model: the dashboard, or --headless for CI. With --target, drive a real
     inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
@@ -111,6 +118,8 @@ def run(
     recording stopped, or no request completed); 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     spec = load_scenario(scenario)
+    if workers or ray_address is not None:
+        _check_workers(target, llama_server, workers, ray_address)
     if target is not None or llama_server is not None or reference_target is not None or request_ids is not None:
         from kvtui.cli import target as command
 
@@ -119,7 +128,7 @@ def run(
                                            prefix_caching=prefix_caching is not None,
                                            batch_invariant=batch_invariant is not None))
         client = dict(api=api, served_model=served_model, max_concurrency=max_concurrency, timeout_s=timeout,
-                      tolerance=tolerance, logprobs=logprobs)
+                      tolerance=tolerance, logprobs=logprobs, workers=workers, ray_address=ray_address)
         _on_target(spec, scenario, target, reference_target, llama_server, client, model=model, record=record,
                    detectors=detectors, headless=headless, quiet=quiet, request_ids=request_ids)
         return
@@ -201,6 +210,18 @@ def _on_target(spec, scenario: Path, target: str | None, reference_target: str |
         return
     with command.started_llama_server(llama_server, model or spec.model) as (url, reference):
         drive(url, reference)
+
+
+def _check_workers(target: str | None, llama_server: str | None, workers: int, ray_address: str | None) -> None:
+    """--workers / --ray: with --target only, --ray only with --workers, and Ray installed (else one line, exit 2)."""
+    from kvtui.remote.workers import RAY_MISSING, ray_available
+
+    if target is None and llama_server is None:
+        fail("--workers sends a --target run's load from Ray workers; add --target URL")
+    if ray_address is not None and not workers:
+        fail("--ray names the cluster of --workers N; add --workers")
+    if not ray_available():
+        fail(RAY_MISSING)
 
 
 def _with_prefix_caching(path: Path, spec, on: bool, headless: bool):

@@ -33,6 +33,8 @@ class TargetRun:
     tolerance: float
     logprobs: bool
     reference_url: str | None = None
+    workers: int = 0  # > 0: the load sent from this many Ray workers (kvtui/remote/workers.py)
+    ray_address: str | None = None  # a Ray cluster's address; None: a local Ray runtime
 
 
 def check_url(url: str) -> str:
@@ -300,6 +302,12 @@ def new_target_session(spec, run: TargetRun, *, model: str | None, record: Path 
     from kvtui.models import load_tokenizer
 
     tokenizer = load_tokenizer(model or spec.model)
+    if run.workers:
+        from kvtui.remote.workers import RayTargetSession
+
+        return RayTargetSession(spec, tokenizer, target_options(run), workers=run.workers, address=run.ray_address,
+                                record_path=record, detectors=detectors, listeners=tuple(listeners),
+                                planned=planned, model=model or spec.model)
     return TargetSession(spec, tokenizer, target_options(run), record_path=record, detectors=detectors,
                          listeners=tuple(listeners), planned=planned, model=model or spec.model)
 

@@ -224,7 +224,7 @@ class TargetSession(RunBase):
             # garbage collector's full passes, each of which would stop the sending loop for tens of ms
             gc.collect()
             gc.freeze()
-            self._t0 = self._clock()
+            self._t0 = await self._load_start()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             self.fidelity.start()
             probe = ServerProbe(client, self.in_flight)
@@ -268,6 +268,11 @@ class TargetSession(RunBase):
         if not wire_usable(self.options.url, self.options.transport):
             return None
         return WirePool(self.options.url, fresh=self.server_kind == "llama.cpp" or self.id_audit is not None)
+
+    async def _load_start(self) -> float:
+        """The moment the load starts, on `clock` (the run's t = 0): now. A subclass that sends the load
+        from elsewhere (kvtui/remote/workers.py) readies its senders here and returns their shared start."""
+        return self._clock()
 
     def _end_of_load(self) -> None:
         """The load's fidelity at its end (before the probes and solo runs): emitted, and kept for the summary."""

@@ -1,0 +1,349 @@
+"""`kvtui run SCENARIO --target URL --workers N [--ray ADDRESS]`: the load sent from N Ray workers.
+
+One client process falls behind its schedule at some rate (docs/loadgen.md); past it, the load is
+split. The seeded plan is sharded by index: the k-th request in send order (arrival time, then request
+id) goes to worker k mod N. Each worker (a Ray actor: one process, one event loop thread) loads the
+scenario model's tokenizer, plans the scenario again from its seed and keeps its own shard, so only the
+scenario travels; it checks that it holds the request ids the driver expects. All of them send against
+one shared start: the driver picks a wall-clock moment (time.time(), START_LEAD_S ahead), each worker
+maps it onto its own time.perf_counter, and every time a worker measures (sent, first chunk, each chunk,
+end) is in seconds since that start, the driver's run clock too. On one machine the clocks agree; on a
+cluster they agree as well as the nodes' clocks do (NTP: typically a millisecond or better).
+
+Each worker sends as the single-process client does (the same bodies, the same pooled connections,
+at most ceil(max_concurrency / N) requests of its own in flight) and keeps each finished request's
+record (kvtui.remote.openai.StreamResult with its pieces and chunk times, the wait for a place under its
+cap). The driver takes the finished records every COLLECT_S; for each one it emits what the
+single-process client emits (the first token, each chunk to the observers, the finish event, the
+fidelity figures), so the detectors, the recording, the reference checks and the dashboard run on the
+driver as before. Arrivals are emitted on the driver at their planned times.
+
+A worker that dies (its process killed, its node lost) is reported: a marker names it, and each request
+it held that had not come back finishes as an error saying so (what the server did with it is unknown);
+none is dropped. Requests of its shard that had not arrived yet finish the same way at their arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+
+import httpx
+
+from kvtui.events import FirstToken, Marker
+from kvtui.remote.openai import StreamResult
+from kvtui.remote.reach import TargetError
+from kvtui.remote.session import TargetSession
+from kvtui.remote.wire import WirePool
+from kvtui.run.observers import StepSeen
+
+RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
+START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
+COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
+
+
+def ray_available() -> bool:
+    """Ray can be imported (the `kvtui[ray]` extra is installed)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def send_order(plan: list) -> list:
+    """The plan in send order (arrival time, then request id): a request's index in it picks its shard."""
+    return sorted(plan, key=lambda p: (p.arrival_s, p.request_id))
+
+
+@dataclass
+class Sent:
+    """One finished request, as a worker hands it back.
+
+    Attributes:
+        request_id: the planned request's id. result: what its stream gave (times: seconds since the
+            shared start). cap_wait_s: its wait for a place under the worker's cap (seconds).
+        sending: its POST went out (False: stopped before it was sent).
+    """
+
+    request_id: str
+    result: StreamResult
+    cap_wait_s: float = 0.0
+    sending: bool = True
+
+
+class ShardSession(TargetSession):
+    """A worker's side: its shard of the plan, sent at the planned times against the shared start, each
+    finished request kept (in `done`) for the driver instead of emitted. No detectors, no recording.
+
+    Args:
+        scenario, tokenizer, options: as TargetSession (options' max_concurrency: this worker's own cap).
+        index, workers: this shard (0-based) of how many.
+        model: the scenario model (prompt embeddings' table). api, served_model, server_kind: as the
+            driver resolved them from the server.
+    """
+
+    def __init__(self, scenario, tokenizer, options, *, index: int, workers: int, model: str, api: str,
+                 served_model: str | None, server_kind: str | None) -> None:
+        from kvtui.scenario import plan_requests
+
+        plan = send_order(plan_requests(scenario, tokenizer))
+        mine = [p for k, p in enumerate(plan) if k % workers == index]
+        super().__init__(scenario, tokenizer, options, detectors=(), planned=mine, model=model)
+        self.api, self.served_model, self.server_kind = api, served_model, server_kind
+        self.done: list[Sent] = []
+
+    def _finish(self, p, r: StreamResult, send_lag_s: float | None = None) -> None:
+        cap_wait = r.sent_s - p.arrival_s - send_lag_s if send_lag_s is not None else 0.0
+        self.done.append(Sent(p.request_id, r, max(cap_wait, 0.0), send_lag_s is not None))
+
+    async def send(self, start_wall: float) -> int:
+        """Send the shard: each request at its planned time after `start_wall` (time.time()); returns how
+        many finished."""
+        limits = httpx.Limits(max_connections=self.options.max_concurrency + 2, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=self.options.url.rstrip("/"), timeout=httpx.Timeout(
+                self.options.timeout_s), limits=limits) as client:
+            self._load_client = self._wire_pool() or client
+            self._t0 = self._clock() - (time.time() - start_wall)  # now() = seconds since the shared start
+            self.fidelity.start()
+            try:
+                await self._wait_all(await self._drive(client))
+            finally:
+                if isinstance(self._load_client, WirePool):
+                    await self._load_client.aclose()
+                gc.unfreeze()
+        return len(self.done)
+
+
+class ShardWorker:
+    """The Ray actor around a ShardSession (async: its methods run on one event loop, so `take` answers
+    while `run` sends)."""
+
+    def __init__(self) -> None:
+        self.session: ShardSession | None = None
+
+    async def prepare(self, scenario, model: str, options, index: int, workers: int, api: str,
+                      served_model: str | None, server_kind: str | None) -> tuple[int, list[str]]:
+        """Load the tokenizer and plan the shard; returns (this process's id, the shard's request ids)."""
+        from kvtui.models import load_tokenizer
+
+        tokenizer = load_tokenizer(model)
+        self.session = ShardSession(scenario, tokenizer, options, index=index, workers=workers, model=model,
+                                    api=api, served_model=served_model, server_kind=server_kind)
+        gc.collect()  # the plan and the tokenizer out of the collector's full passes while it sends (ShardSession.send
+        gc.freeze()  # unfreezes), as the single client does; here, before the shared start is set
+        return os.getpid(), [p.request_id for p in self.session.pending]
+
+    async def run(self, start_wall: float) -> int:
+        """Send the shard (ShardSession.send)."""
+        return await self.session.send(start_wall)
+
+    async def take(self) -> list[Sent]:
+        """The requests finished since the last take."""
+        done, self.session.done = self.session.done, []
+        return done
+
+    async def stop(self) -> None:
+        """Stop sending; requests in flight finish as `abort`."""
+        self.session.stop_requested = True
+
+    async def hold(self, on: bool) -> None:
+        """Hold arrivals (the dashboard's pause) or let them go again."""
+        self.session.hold(on)
+
+
+class RayTargetSession(TargetSession):
+    """A TargetSession whose load goes out from `workers` Ray workers (the module's docstring).
+
+    Args:
+        scenario, tokenizer, options, record_path, detectors, listeners, clock, model: as TargetSession.
+        workers: how many workers (>= 1). address: a Ray cluster's address (`ray.init(address=...)`);
+            None: a local Ray runtime with `workers` CPUs (or the one already initialized).
+
+    Raises:
+        ValueError: as TargetSession; also workers < 1, a test transport (it cannot cross processes), a
+            `planned` list (the workers plan from the seed), `process: rounds` (each round waits for the last
+            one's answers: a closed loop).
+    """
+
+    def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None, **kwargs) -> None:
+        if workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if options.transport is not None:
+            raise ValueError("--workers sends over the network; a test transport cannot reach other processes")
+        if kwargs.get("planned") is not None:
+            raise ValueError("--workers: each worker plans the scenario from its seed; a plan of other requests "
+                             "cannot be sharded")
+        super().__init__(scenario, tokenizer, options, **kwargs)
+        if any(p.round is not None for p in self.pending):
+            raise ValueError("--workers: `process: rounds` sends each round once the last one's answers are in, "
+                             "which one client decides; run it without --workers")
+        self.workers, self.address = workers, address
+        self.model_name = kwargs.get("model") or scenario.model
+        self.shard = {p.request_id: k % workers for k, p in enumerate(self.pending)}
+        self.actors: list = []
+        self.pids: list[int] = []  # each worker's process id
+        self.dead: dict[int, str] = {}  # worker index -> why it stopped
+        self._records: dict[str, asyncio.Future] = {}
+        self._runs: list = []
+        self._collector: asyncio.Task | None = None
+        self._stop_sent = False
+        self._started_ray = False
+
+    def header(self):
+        """TargetSession's header, its `engine` also saying how many workers sent the load (and the cluster)."""
+        if self._header is None:
+            h = super().header()
+            extra = {"workers": self.workers, **({"ray_address": self.address} if self.address else {})}
+            self._header = h.model_copy(update={"engine": {**h.engine, **extra}})
+        return self._header
+
+    # -- the workers -------------------------------------------------------------------------------
+    def _start_ray(self):
+        import ray
+
+        if not ray.is_initialized():
+            if self.address:
+                ray.init(address=self.address, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        return ray
+
+    async def _load_start(self) -> float:
+        """Start the workers, have each plan its shard, tell them the shared start; returns it on `clock`.
+
+        Raises:
+            TargetError: a worker's plan is not the driver's (another tokenizer or kvtui), or it failed.
+        """
+        ray = self._start_ray()
+        actor = ray.remote(ShardWorker).options(num_cpus=1)
+        options = replace(self.options, max_concurrency=math.ceil(self.options.max_concurrency / self.workers))
+        self.actors = [actor.remote() for _ in range(self.workers)]
+        try:
+            shards = await asyncio.gather(*(a.prepare.remote(self.scenario, self.model_name, options, k, self.workers,
+                                                             self.api, self.served_model, self.server_kind)
+                                            for k, a in enumerate(self.actors)))
+        except Exception as e:  # a worker that cannot import kvtui, load the tokenizer or plan
+            raise TargetError(f"--workers: a Ray worker could not plan its shard: {type(e).__name__}: {e}") from e
+        for k, (pid, ids) in enumerate(shards):
+            expected = [rid for rid, s in self.shard.items() if s == k]
+            if ids != expected:
+                raise TargetError(f"--workers: worker {k} planned other requests than this process ({len(ids)} vs "
+                                  f"{len(expected)}); give the workers the same kvtui and tokenizer")
+            self.pids.append(pid)
+        start_wall = time.time() + START_LEAD_S
+        self._runs = [a.run.remote(start_wall) for a in self.actors]
+        self._collector = asyncio.create_task(self._collect())
+        await asyncio.sleep(max(0.0, start_wall - time.time()))
+        return self._clock() - (time.time() - start_wall)
+
+    def _future(self, request_id: str) -> asyncio.Future:
+        if request_id not in self._records:
+            self._records[request_id] = asyncio.get_running_loop().create_future()
+        return self._records[request_id]
+
+    async def _collect(self) -> None:
+        """Take the finished records from every live worker every COLLECT_S; report a dead one."""
+        import ray
+
+        while True:
+            live = [k for k in range(self.workers) if k not in self.dead]
+            taken = await asyncio.gather(*(self.actors[k].take.remote() for k in live), return_exceptions=True)
+            for k, got in zip(live, taken):
+                if isinstance(got, BaseException):
+                    self._lost_worker(k, got)
+                    continue
+                for sent in got:
+                    future = self._future(sent.request_id)
+                    if not future.done():
+                        future.set_result(sent)
+            for k in live:
+                if k in self.dead:
+                    continue
+                ready, _ = ray.wait([self._runs[k]], timeout=0)
+                if ready:  # its run ended: an exception there is a worker lost (its records were taken above)
+                    try:
+                        ray.get(ready[0])
+                    except Exception as e:
+                        self._lost_worker(k, e)
+            if self.stop_requested and not self._stop_sent:
+                self._stop_sent = True
+                for k in live:
+                    self.actors[k].stop.remote()
+            await asyncio.sleep(COLLECT_S)
+
+    def _lost_worker(self, k: int, error: BaseException) -> None:
+        """Worker `k` died or failed: every request of its shard that has not come back finishes as an error."""
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = f"{type(error).__name__}{': ' + first[:200] if first else ''}"
+        self.dead[k] = reason
+        lost = [rid for rid, s in self.shard.items() if s == k and not self._future(rid).done()]
+        for rid in lost:
+            result = StreamResult(sent_s=self.planned[rid].arrival_s, finish_reason="error",
+                                  error=f"Ray worker {k} of {self.workers} (pid {self.pids[k]}) was lost before this "
+                                        f"request's answer came back ({reason}); what the server did with it is "
+                                        "unknown")
+            self._future(rid).set_result(Sent(rid, result, 0.0, False))
+        self.emit(Marker(t=self.now(), text=f"Ray worker {k} was lost ({reason}): its {len(lost)} unfinished "
+                                            "requests finish as errors"))
+
+    # -- the driver's side of each request ------------------------------------------------------------
+    async def _one(self, client, cap, p) -> None:
+        """Wait for the request's record from its worker; emit what the single-process client emits."""
+        self.in_flight[p.request_id] = p.passphrase or p.text or ""
+        try:
+            sent = await self._future(p.request_id)
+        except asyncio.CancelledError:
+            sent = Sent(p.request_id, StreamResult(sent_s=self.now(), finish_reason="abort",
+                                                   error="stopped before the answer ended"), 0.0, False)
+        finally:
+            self.in_flight.pop(p.request_id, None)
+        r = sent.result
+        self._replay_chunks(p.request_id, r)
+        lag = self.fidelity.record(p.arrival_s, r.sent_s, sent.cap_wait_s) if sent.sending else None
+        self.results[p.request_id] = r
+        self._finish(p, r, lag)
+
+    def _replay_chunks(self, request_id: str, r: StreamResult) -> None:
+        """The first token and each chunk's text to the observers, at the times the worker saw them."""
+        if r.first_s is not None and r.chunk_times_s:
+            self.emit(FirstToken(t=r.first_s, request_id=request_id, ttft_s=r.first_s - r.sent_s))
+        pieces = r.pieces if r.pieces else ([r.text] if r.text else [])
+        times = r.chunk_times_s or [r.end_s if r.end_s is not None else self.now()]
+        if self.observers:
+            for t, piece in zip(times, pieces):
+                if piece:
+                    self._emit_all(o.on_step(StepSeen(t, -1, ((request_id, piece),))) for o in self.observers)
+
+    def hold(self, on: bool) -> None:
+        """Hold arrivals here and on every live worker (the dashboard's pause)."""
+        super().hold(on)
+        for k, a in enumerate(self.actors):
+            if k not in self.dead:
+                a.hold.remote(on)
+
+    async def run_async(self, on_progress=None):
+        """TargetSession.run_async, then the workers stopped (and Ray, when this session started it)."""
+        try:
+            return await super().run_async(on_progress)
+        finally:
+            if self._collector is not None:
+                self._collector.cancel()
+                await asyncio.gather(self._collector, return_exceptions=True)
+            if self.actors:
+                import ray
+
+                for a in self.actors:
+                    try:
+                        ray.kill(a)
+                    except Exception:  # already gone
+                        pass
+            if self._started_ray:
+                import ray
+
+                ray.shutdown()

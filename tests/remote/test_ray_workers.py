@@ -1,0 +1,142 @@
+"""`kvtui run --target URL --workers N`: the load sent from Ray workers (kvtui/remote/workers.py), on a
+local Ray runtime (two CPUs). Against `kvtui serve --fault stale_slot` with one slot (SmolLM2: each
+request continues the previous owner's conversation and repeats its passphrase) a two-worker run finds
+what the single-process run of the same plan finds, victims and sources alike; a worker killed mid-run
+has its requests reported as errors naming it. Skipped without Ray (pip install 'kvtui[ray]').
+
+Why stale_slot and not shared_cache: under shared_cache the victims depend on which requests share an
+engine step, which differs between two single-process runs of one plan (a burst of three found r000 and
+r001 once, r001 and r002 the next time), so no second run can be compared exactly. One slot serves the
+requests one at a time in arrival order, the same order however they were sent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fake_openai import FakeHTTPServer, FakeOpenAI  # noqa: E402
+
+from kvtui.events import Arrive, Finish  # noqa: E402
+from kvtui.models import load_tokenizer  # noqa: E402
+from kvtui.record import read_recording  # noqa: E402
+from kvtui.remote.session import TargetOptions, TargetSession  # noqa: E402
+from kvtui.remote.workers import RayTargetSession  # noqa: E402
+from kvtui.scenario import parse_scenario  # noqa: E402
+
+# one xdist worker runs the module: one local Ray runtime at a time on the machine (the CLI test starts its own)
+pytestmark = pytest.mark.xdist_group("ray_workers")
+
+# four requests 2 s apart: one slot serves them in this order (SmolLM2 answers within about 2 s)
+SCENARIO = ("name: workers-test\nseed: 5\nmodel: default\narrivals: {process: scripted, requests: [{at_s: 0}, "
+            "{at_s: 2}, {at_s: 4}, {at_s: 6}]}\nprompts: {kind: passphrase}\noutput_tokens: 16\n")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the workers inherit it: one thread each
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stale_slot_server(smollm2):
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    options = ServeOptions(model="default", port=0, slots=1, max_len=256, faults=("stale_slot",), detectors=(),
+                           threads=1)
+    with ServeServer(options, load=lambda _: smollm2) as server:
+        yield server.url
+
+
+def findings(session) -> set:
+    return {(e.detector, e.kind, e.victim, e.source) for e in session.contamination if e.counts}
+
+
+@pytest.mark.smollm
+def test_two_workers_find_the_same_victims_and_sources_as_one_process(local_ray, stale_slot_server):
+    spec = parse_scenario(SCENARIO)
+    tok = load_tokenizer("default")
+    options = TargetOptions(url=stale_slot_server)
+    single = TargetSession(spec, tok, options, detectors=("reference", "canary"))
+    single.run()
+    events = []
+    sharded = RayTargetSession(spec, tok, options, workers=2, detectors=("reference", "canary"),
+                               listeners=(events.append,))
+    sharded.run()
+    # two worker processes, neither this one, each holding every other request in send order
+    assert len(set(sharded.pids)) == 2 and os.getpid() not in sharded.pids
+    assert sharded.shard == {"r000": 0, "r001": 1, "r002": 0, "r003": 1}
+    assert not sharded.dead
+    found = findings(single)
+    # each later request answers with an earlier one's passphrase: the canary names victim and source
+    assert {(v, src) for d, _, v, src in found if d == "canary"} >= {("r001", "r000")}
+    assert findings(sharded) == found, (findings(sharded), found)
+    # (their answers differ from run to run: the one slot starts each run holding the last run's state)
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert sorted(f.request_id for f in finishes) == ["r000", "r001", "r002", "r003"]
+    assert all(f.finish_reason in ("stop", "length") and f.send_lag_s is not None for f in finishes)
+    assert sharded.load_fidelity.requests_sent == 4
+
+
+def test_a_killed_worker_has_its_requests_reported_as_errors(local_ray):
+    spec = parse_scenario("name: workers-kill\nseed: 5\nmax_requests: 4\nmodel: tiny-llama\narrivals: {process: "
+                          "burst, size: 4, every_s: 100}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    tok = load_tokenizer("tiny-llama")
+    events, held = [], {}
+
+    def kill_on_first_arrival(event):
+        events.append(event)
+        if isinstance(event, Arrive) and event.request_id == "r000":
+            ray.kill(held["session"].actors[1], no_restart=True)
+
+    with FakeHTTPServer(FakeOpenAI(), chunk_delay_s=0.5) as url:  # each answer takes about 4 s
+        session = held["session"] = RayTargetSession(spec, tok, TargetOptions(url=url), workers=2,
+                                                     detectors=("canary",), listeners=(kill_on_first_arrival,))
+        summary = session.run()
+    finishes = {e.request_id: e for e in events if isinstance(e, Finish)}
+    assert sorted(finishes) == ["r000", "r001", "r002", "r003"]  # none dropped
+    assert {rid for rid, f in finishes.items() if f.finish_reason == "error"} == {"r001", "r003"}
+    for rid in ("r001", "r003"):
+        assert "Ray worker 1 of 2" in finishes[rid].detail and "was lost" in finishes[rid].detail
+    assert {finishes[rid].finish_reason for rid in ("r000", "r002")} <= {"stop", "length"}
+    assert summary.finish_reasons.get("error") == 2
+    assert 1 in session.dead and 0 not in session.dead
+
+
+def test_workers_without_ray_is_one_line_and_exit_2(tmp_path):
+    """With Ray hidden from the import system, --workers says what to install."""
+    path = tmp_path / "s.yaml"
+    path.write_text(SCENARIO)
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "ray.py").write_text("raise ImportError('hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", "http://127.0.0.1:9",
+                          "--headless", "--workers", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == ["error: --workers sends the load from Ray workers, and Ray is not "
+                                               "installed: pip install 'kvtui[ray]'"]
+
+
+def test_the_command_line_sends_from_workers_and_its_recording_says_so(tmp_path):
+    """`kvtui run --target URL --headless --workers 2` (a Ray runtime of its own) against the fake server."""
+    path, rec = tmp_path / "s.yaml", tmp_path / "run.jsonl"
+    path.write_text("name: workers-cli\nseed: 3\nmax_requests: 6\nmodel: tiny-llama\narrivals: {process: poisson, "
+                    "rate_per_s: 10}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    fake = FakeOpenAI()
+    with FakeHTTPServer(fake) as url:
+        out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", url, "--headless",
+                              "--detectors", "canary", "--workers", "2", "--record", str(rec)],
+                             capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    header, events, summary, _ = read_recording(rec)
+    assert header.engine["workers"] == 2
+    assert summary.finish_reasons == {"stop": 6} and summary.passphrase_echoed == 6
+    assert len(fake.requests) == 6  # each planned request sent once, by one of the workers
+    assert sorted(e.request_id for e in events if isinstance(e, Finish)) == [f"r00{k}" for k in range(6)]
