@@ -147,7 +147,8 @@ def request_ids(server: Server) -> CheckResult:
 def prompt_embeds(server: Server) -> CheckResult:
     """Passphrase prompts sent as embedding rows (vLLM's `prompt_embeds`), one at a time, through the prefix
     cache; every answer must be its own passphrase's and equal its solo run. n/a when the server refuses
-    prompt embeddings."""
+    prompt embeddings, or when kvtui has no input embedding table for the model to make the rows from (the
+    hybrid tiny-qwen35moe)."""
     n = 4 if server.quick else 6
     spec = scenario(EMBEDS, f"arrivals: {{process: rounds, rounds: [{{size: 1, count: {n}}}]}}\n"
                             "prompts: {kind: passphrase, embeds: all}\noutput_tokens: 16\nsampling: greedy\n",

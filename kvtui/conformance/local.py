@@ -44,6 +44,14 @@ def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads:
                         threads=threads, **tier)
 
 
+def describe(model: str = "default") -> str:
+    """The conformance server's configuration in words, for the note the command prints when it starts it."""
+    options = serve_options(model)
+    tier = (f", {options.extra['num_blocks'] - 1} blocks over a {options.kv_offload_blocks}-block offload tier"
+            if options.kv_offload_blocks else "")
+    return f"paged KV, {BLOCK_SIZE}-token blocks, prefix caching{tier}, prompt embeddings"
+
+
 @contextlib.contextmanager
 def local_server(model: str = "default", faults: tuple[str, ...] = (), threads: int | None = None) -> Iterator[str]:
     """Start the conformance server (serve_options), yield its URL, stop it after.
