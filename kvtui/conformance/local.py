@@ -17,12 +17,12 @@ MAX_LEN = 512
 TOLERANCE = FLOAT32
 
 
-# a hybrid (recurrent state: checkpoints kept with cached blocks) also gets a KV offload tier under a small pool,
-# so cached blocks are evicted into the tier and restored with their state checkpoints (the tier's faults act)
-# KV blocks with the null block: 96 blocks of 16 tokens (1,536 tokens) hold what any other check reuses (a
-# prompt-cache conversation's second sending comes after under 100 blocks of other traffic), so only the
-# recurrent-state check's tier part, whose 6 first turns of ~24 blocks each come between a conversation's two
-# turns, pushes its own blocks out into the tier
+# A hybrid (recurrent state: checkpoints kept with cached blocks) also gets a KV offload tier under a pool of
+# HYBRID_NUM_BLOCKS (with the null block), so cached blocks are evicted into the tier and restored with their
+# state checkpoints (the tier's faults act). 96 blocks of 16 tokens (1,536 tokens) hold what any other check
+# reuses (a prompt-cache conversation's second sending comes after under 100 blocks of other traffic), so only
+# the recurrent-state check's tier part, whose 6 first turns of ~24 blocks each come between a conversation's
+# two turns, pushes its own blocks out into the tier.
 HYBRID_NUM_BLOCKS = 97
 HYBRID_OFFLOAD_BLOCKS = 512
 
