@@ -4,9 +4,10 @@ conformance configuration (paged KV, 16-token blocks, prefix caching) with a 96-
 
 - Clean, the recurrent-state check passes every part, and the tier part's second turns were served from the
   cache (restored from the tier: their first turns overflow the pool).
+- Clean, the server's own counter says its offload tier served the second turns' prefixes.
 - With `tier_drops_recurrent_state` (the tier keeps a block's K/V but hands back the last stored block's state)
-  the check fails, and the evidence names the tier part and a second turn that took its prefix from the cache;
-  the parts that restore nothing from the tier pass.
+  the check fails, and the evidence names the tier part and answers that took their prefix from the cache; the
+  parts that run before anything goes through the tier pass.
 - With KVTUI_CONFORMANCE_MATRIX=1: every check, clean (each class it passes on the default model passes or
   is n/a with a reason) and against each of the four state mutants (each fails recurrent_state; the two
   that break every start or every hit also fail the classes that compare answers with solo runs).
@@ -52,15 +53,36 @@ def serve(tokenizer, faults: tuple[str, ...]):
     return started()
 
 
+def tier_hit_tokens(url: str) -> float:
+    """Prompt tokens the server's KV offload tier served (vllm:external_prefix_cache_hits, from /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    return sum(s.value for f in families for s in f.samples if s.name == "vllm:external_prefix_cache_hits_total")
+
+
 def parts(result) -> dict[str, dict]:
     return {p["name"]: p for p in result.parts}
+
+
+def test_prompt_embeddings_are_na_for_the_hybrid_before_any_request(tokenizer):
+    from kvtui.conformance.load_checks import prompt_embeds
+
+    # nothing listens on port 9: a request would fail the check outright rather than make it n/a
+    result = prompt_embeds(Server(url="http://127.0.0.1:9", model=MODEL, tokenizer=tokenizer, quick=True))
+    assert (result.verdict, result.evidence) == ("n/a", "kvtui has no input embedding table for model tiny-qwen35moe "
+                                                 "to make the rows from (it sends rows of default, tiny-llama, "
+                                                 "tiny-gpt2, dinov2-smollm2)")
 
 
 def test_clean_hybrid_keeps_each_requests_state_through_the_tier(tokenizer):
     with serve(tokenizer, ()) as server:
         result = run_checks(server, ["recurrent_state"])[0]
+        tier_hits = tier_hit_tokens(server.url)
     found = parts(result)
     assert result.verdict == "pass", result
+    assert tier_hits >= 6 * 256  # the six second turns took most of their prefixes back from the tier
     assert {n: p["verdict"] for n, p in found.items()} == dict.fromkeys(found, "pass")
     assert "12 of 12 equal their solo run; 6 of 6 meant to resume took cached prompt tokens" in (
         found["tier_restore"]["figures"])
@@ -74,10 +96,15 @@ def test_a_tier_that_drops_the_state_fails_the_tier_part(tokenizer):
     assert found["tier_restore"]["verdict"] == "fail"
     assert (found["multi_turn"]["verdict"], found["cancel_retry"]["verdict"]) == ("pass", "pass")
     assert result.evidence.startswith("tier_restore: t")
-    # a second turn restored from the tier: its prefix from the cache, its first tokens another state's
-    turn2 = re.search(r"t\d turn 2: differs from its solo run at token \d+ \([^)]*\); it took (\d+) of (\d+) prompt "
-                      r"tokens from the cache", result.evidence)
-    assert turn2 and int(turn2.group(1)) >= 256, result.evidence
+    # the answers named (the first two that differ) each started from a prefix taken from the cache: a second
+    # turn's own history, or the 32-token opening every tier conversation shares, which the tier part also pushed
+    # out and brought back
+    named = re.findall(r"t\d turn [12]: differs from its solo run at token \d+ \([^)]*\); it took (\d+) of \d+ "
+                       r"prompt tokens from the cache", found["tier_restore"]["evidence"])
+    assert len(named) == 2 and all(int(n) >= 32 for n in named), result.evidence
+    equal = re.search(r"(\d+) of 12 equal their solo run; 6 of 6 meant to resume took cached prompt tokens",
+                      found["tier_restore"]["figures"])
+    assert equal and int(equal.group(1)) < 12, found["tier_restore"]
 
 
 @pytest.mark.skipif(not os.environ.get("KVTUI_CONFORMANCE_MATRIX"), reason="every check on the hybrid, clean and "
