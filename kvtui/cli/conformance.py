@@ -104,7 +104,9 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
     from kvtui.serve.main import BadInput
 
     label = "kvtui serve" + "".join(f" --fault {f}" for f in faults)
-    say("note", f"starting {label} (paged KV, 16-token blocks, prefix caching, prompt embeddings) on a free port")
+    from kvtui.conformance.local import describe
+
+    say("note", f"starting {label} ({describe(model)}) on a free port")
     try:
         with local_server(model, faults, threads) as url:
             _run(url, model, None, names, quick, timeout, json_path, markdown_path, label=label,

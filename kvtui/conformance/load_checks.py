@@ -147,7 +147,8 @@ def request_ids(server: Server) -> CheckResult:
 def prompt_embeds(server: Server) -> CheckResult:
     """Passphrase prompts sent as embedding rows (vLLM's `prompt_embeds`), one at a time, through the prefix
     cache; every answer must be its own passphrase's and equal its solo run. n/a when the server refuses
-    prompt embeddings."""
+    prompt embeddings, or when kvtui has no input embedding table for the model to make the rows from (the
+    hybrid tiny-qwen35moe)."""
     n = 4 if server.quick else 6
     spec = scenario(EMBEDS, f"arrivals: {{process: rounds, rounds: [{{size: 1, count: {n}}}]}}\n"
                             "prompts: {kind: passphrase, embeds: all}\noutput_tokens: 16\nsampling: greedy\n",
@@ -155,6 +156,13 @@ def prompt_embeds(server: Server) -> CheckResult:
     sent = (f"{n} completions whose whole prompt is embedding rows (prompt_embeds), one at a time, through the "
             "prefix cache; each then alone with a fresh cache_salt")
     server.say(f"prompt embeddings: {sent}")
+    from kvtui.models.registry import ENTRIES, find_model
+
+    entry = find_model(server.model)
+    if entry is not None and entry.embeds_from is None:  # e.g. the hybrid: no table to make the rows from
+        known = ", ".join(e.name for e in ENTRIES if e.embeds_from)
+        return not_applicable(EMBEDS, TITLES[EMBEDS], sent, f"kvtui has no input embedding table for model "
+                              f"{server.model} to make the rows from (it sends rows of {known})")
     refused = server.salt_refusal()
     session = run_session(server, spec, ("canary",) if refused else ("reference", "canary"))
     refused = [r for r in session.results.values() if r.status is not None and 400 <= r.status < 500]

@@ -17,14 +17,39 @@ MAX_LEN = 512
 TOLERANCE = FLOAT32
 
 
+# A hybrid (recurrent state: checkpoints kept with cached blocks) also gets a KV offload tier under a pool of
+# HYBRID_NUM_BLOCKS (with the null block), so cached blocks are evicted into the tier and restored with their
+# state checkpoints (the tier's faults act). 96 blocks of 16 tokens (1,536 tokens) hold what any other check
+# reuses (a prompt-cache conversation's second sending comes after under 100 blocks of other traffic), so only
+# the recurrent-state check's tier part, whose 6 first turns of ~24 blocks each come between a conversation's
+# two turns, pushes its own blocks out into the tier.
+HYBRID_NUM_BLOCKS = 97
+HYBRID_OFFLOAD_BLOCKS = 512
+
+
 def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads: int | None = None):
     """The ServeOptions of the conformance server: a free port, paged KV with prefix caching, prompt
-    embeddings on, no engine detectors (the checks judge from outside)."""
+    embeddings on, no engine detectors (the checks judge from outside). A hybrid model (tiny-qwen35moe)
+    also gets a pool of HYBRID_NUM_BLOCKS blocks over an offload tier of HYBRID_OFFLOAD_BLOCKS, so its
+    cached blocks and their recurrent-state checkpoints move between the two."""
+    from kvtui.model_kinds import ModelKind
+    from kvtui.models.registry import kind_of
     from kvtui.serve.server import ServeOptions
 
+    tier = {}
+    if kind_of(model) is ModelKind.HYBRID:
+        tier = {"kv_offload_blocks": HYBRID_OFFLOAD_BLOCKS, "extra": {"num_blocks": HYBRID_NUM_BLOCKS}}
     return ServeOptions(model=model, port=0, faults=tuple(faults), kv="paged", block_size=BLOCK_SIZE,
                         prefix_caching=True, max_len=MAX_LEN, enable_prompt_embeds=True, detectors=(),
-                        threads=threads)
+                        threads=threads, **tier)
+
+
+def describe(model: str = "default") -> str:
+    """The conformance server's configuration in words, for the note the command prints when it starts it."""
+    options = serve_options(model)
+    tier = (f", {options.extra['num_blocks'] - 1} blocks over a {options.kv_offload_blocks}-block offload tier"
+            if options.kv_offload_blocks else "")
+    return f"paged KV, {BLOCK_SIZE}-token blocks, prefix caching{tier}, prompt embeddings"
 
 
 @contextlib.contextmanager

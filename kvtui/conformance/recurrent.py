@@ -117,7 +117,9 @@ class Plan:
 
 
 DOC_TOKENS = 200  # the cancelled prompt's document: long enough that its prefill can be cut
-TIER_DOC_TOKENS = 60  # each tier conversation's own document
+TIER_DOC_TOKENS = 360  # each tier conversation's own document: the part's first turns (6 x ~24 blocks of 16
+# tokens) overflow a pool of 96 blocks (kvtui's conformance server on a hybrid), so each second turn is restored
+# from the tier below it
 SYSTEM_TOKENS = 30  # the multi-turn conversations' shared system prompt
 OPENING_TOKENS = 60  # each conversation's own opening, longer than what it shares (a server that keeps a
 # conversation only when a new prompt shares little of it, as llama-server, then keeps each)

@@ -194,6 +194,9 @@ class ServeServer:
         from kvtui.faults import check_fault_names, fault_misfit
 
         check_fault_names(self.options.faults)
+        from kvtui.models.registry import kind_of
+
+        self._refuse_model_misfit(kind_of(self.options.model))
         scenario = serve_scenario(self.options)
         engine = scenario.engine  # the flags and any extra engine fields, as the session will run them
         for name in self.engine_faults:  # a fault that cannot act here would never fire
@@ -204,6 +207,17 @@ class ServeServer:
                                  "and --kv-offload-blocks pick where)")
         return scenario
 
+    def _refuse_model_misfit(self, kind) -> None:
+        """ValueError (one line) for an engine --fault that does not act on a `kind` model (a ModelKind; None:
+        not known yet, a model given by path before it loads): a state fault on an attention-only model, a
+        non-state fault on a hybrid, an image fault on a text model. No setting makes such a fault act."""
+        from kvtui.faults import FAULTS, acts_on
+
+        wrong = next((n for n in self.engine_faults if kind is not None and not acts_on(n, kind)), None)
+        if wrong:
+            raise ValueError(f"--fault {wrong} does not act on {kind} models like {self.options.model}; it acts on "
+                             f"{' or '.join(FAULTS[wrong].models)} models (`kvtui faults` lists them)")
+
     def load(self) -> None:
         """Load the model and prepare the serving session's factory (the session itself is made by
         `start_engine` or the dashboard).
@@ -213,6 +227,7 @@ class ServeServer:
         """
         self.scenario = self._checked_scenario()
         self.loaded = self._load(self.options)
+        self._refuse_model_misfit(getattr(self.loaded, "kind", None))  # a model given by path: known now
         paged = self.scenario.engine.kv == "paged"
         self.metrics = ServeMetrics(self.options.served_model_name or self.loaded.model_id,
                                     block_size=self.scenario.engine.block_size if paged else None,

@@ -42,7 +42,9 @@ def test_list_names_every_check_with_its_mutant():
     assert lines[6].endswith("(kvtui serve mutant: --fault prefix_key_no_parent)")  # prompt_cache
     assert lines[5].endswith("(kvtui serve mutants --model dinov2-smollm2: --fault mm_hash_missing, --fault "
                              "mm_uuid_trusted, --fault stale_image_embedding)")  # images
-    assert lines[7].startswith("recurrent_state") and "mutant" not in lines[7]  # no fault of kvtui's engine is for it
+    assert lines[7].endswith("(kvtui serve mutants --model tiny-qwen35moe: --fault state_published_before_write, "
+                             "--fault tier_drops_recurrent_state, --fault state_slot_not_reset, --fault "
+                             "state_index_units)")  # recurrent_state
 
 
 @pytest.mark.parametrize("args, line", [
