@@ -69,8 +69,7 @@ def sweep(
     """Send a scenario's requests to a server at several arrival rates (Poisson, the same seed): one
     `--target` run per rate; print throughput, latency and goodput per rate, name the knee and draw it.
 
-    Exit codes: 0 as expected; 1 when a run found contamination the scenario does not expect (or missed
-    one it does), as `kvtui run --target`; 2 bad input; 3 no request completed in any run.
+    Exit codes (as kvtui run --target): 0 as expected, 1 unexpected (or missed) contamination, 2 bad input, 3 none done.
     """
     from kvtui.cli import sweep_plot
     from kvtui.cli import target as command

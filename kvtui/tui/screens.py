@@ -144,7 +144,8 @@ class HelpScreen(ModalScreen[None]):
     text follows the run's header: the app calls `show_faults` with each snapshot's fault set, so a help
     opened while the model loads names the run's set once the header arrives."""
 
-    BINDINGS = [Binding("escape,question_mark,q", "close", "close")]
+    # `q` quits from here too, as the text lists it: closing the help first made a user press it twice
+    BINDINGS = [Binding("escape,question_mark", "close", "close"), Binding("q", "app.quit", "quit")]
 
     def __init__(self, isolation_faults: tuple[str, ...]) -> None:
         super().__init__()

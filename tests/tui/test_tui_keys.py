@@ -27,6 +27,7 @@ from kvtui.events import FaultSwitch, StepEvent
 from kvtui.record import read_recording
 from kvtui.tui.app import KvtuiApp, screen_text
 from kvtui.tui.live import LiveSource
+from kvtui.tui.replay import ReplaySource
 from kvtui.tui.screens import HELP, FaultPicker, HelpScreen
 
 DATA = Path(__file__).parents[1] / "data"
@@ -468,3 +469,18 @@ def test_sigterm_stops_the_target_dashboard_and_says_which_signal(tmp_path, monk
     assert signals == [signal.SIGTERM]
     assert summary is not None and summary.stopped_early and summary.requests_not_submitted > 0
     assert read_recording(tmp_path / "target.jsonl")[2] == summary
+
+
+def test_q_in_the_open_help_quits_the_dashboard_at_once():
+    """The help lists `q quit`; pressed while the help is open it quits (it used to close the help only)."""
+    async def run():
+        app = KvtuiApp(ReplaySource.from_file(ROOT / "recordings" / "passphrase_demo.jsonl", start_paused=True))
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("question_mark")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("q")
+            await pilot.pause(0.5)
+            return app.is_running
+
+    assert asyncio.run(run()) is False
