@@ -399,6 +399,19 @@ def acts_on(name: str, kind: ModelKind | str) -> bool:
     return kind in models or (kind == ModelKind.IMAGE_TEXT and ModelKind.DECODER_ONLY in models)
 
 
+def kind_refusal(faults, kind: ModelKind | str | None, model: str) -> str | None:
+    """The one line refusing the first of `faults` that does not act on a model of `kind` (named `model`),
+    or None when all act (or the kind is not known yet). A hybrid is decoder-only too, so the attention-only
+    kind is named as such: "it acts on decoder-only models" read as if the hybrid were one of them."""
+    wrong = next((f for f in faults if kind is not None and not acts_on(f, kind)), None)
+    if wrong is None:
+        return None
+    words = {ModelKind.DECODER_ONLY: "attention-only decoder"}
+    kinds = " or ".join(words.get(k, f"{k}") for k in FAULTS[wrong].models)
+    return f"--fault {wrong} does not act on {kind} models like {model}; it acts on {kinds} models " \
+           "(`kvtui faults` lists them)"
+
+
 def faults_for(kv: str = "slots", model: ModelKind | str = ModelKind.DECODER_ONLY) -> tuple[str, ...]:
     """The faults that act in KV mode `kv` on a `model` kind (a ModelKind or its string), in catalogue
     order."""

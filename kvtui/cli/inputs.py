@@ -118,7 +118,7 @@ def refuse_misfit_faults(path: Path, spec, faults: tuple[str, ...], model: str |
     text model, a cross-attention fault on a text model), named with the fix; checked before the engine
     settings, since no setting makes such a fault act. Models known by name only (a path is checked
     when it is loaded)."""
-    from kvtui.faults import FAULTS, acts_on, server_faults
+    from kvtui.faults import kind_refusal, server_faults
     from kvtui.models.registry import kind_of
 
     for served in server_faults(faults):
@@ -127,10 +127,9 @@ def refuse_misfit_faults(path: Path, spec, faults: tuple[str, ...], model: str |
              "scenarios/request_ids.yaml --target http://127.0.0.1:8000 --headless`")
     name = model or spec.model
     kind = kind_of(name)
-    wrong = next((f for f in faults if kind is not None and not acts_on(f, kind)), None)
-    if wrong:
-        fail(f"{path}: --fault {wrong} does not act on {kind} models like {name}; it acts on "
-             f"{' or '.join(FAULTS[wrong].models)} models (`kvtui faults` lists them)")
+    problem = kind_refusal(faults, kind, name)
+    if problem:
+        fail(f"{path}: {problem}")
 
 
 def refuse_idle_faults(path: Path, spec, faults: tuple[str, ...] = (), off: tuple[str, ...] = (), *,

@@ -211,12 +211,11 @@ class ServeServer:
         """ValueError (one line) for an engine --fault that does not act on a `kind` model (a ModelKind; None:
         not known yet, a model given by path before it loads): a state fault on an attention-only model, a
         non-state fault on a hybrid, an image fault on a text model. No setting makes such a fault act."""
-        from kvtui.faults import FAULTS, acts_on
+        from kvtui.faults import kind_refusal
 
-        wrong = next((n for n in self.engine_faults if kind is not None and not acts_on(n, kind)), None)
-        if wrong:
-            raise ValueError(f"--fault {wrong} does not act on {kind} models like {self.options.model}; it acts on "
-                             f"{' or '.join(FAULTS[wrong].models)} models (`kvtui faults` lists them)")
+        problem = kind_refusal(self.engine_faults, kind, self.options.model)
+        if problem:
+            raise ValueError(problem)
 
     def load(self) -> None:
         """Load the model and prepare the serving session's factory (the session itself is made by

@@ -73,8 +73,8 @@ def check(model: str, fault: str) -> str:
 
 def test_a_fault_that_does_not_act_on_the_model_is_refused_before_loading():
     assert check("tiny-qwen35moe", "cow_missing") == (
-        "--fault cow_missing does not act on hybrid models like tiny-qwen35moe; it acts on decoder-only models "
-        "(`kvtui faults` lists them)")
+        "--fault cow_missing does not act on hybrid models like tiny-qwen35moe; it acts on attention-only decoder "
+        "models (`kvtui faults` lists them)")
     assert check("default", "state_slot_not_reset") == (
         "--fault state_slot_not_reset does not act on decoder-only models like default; it acts on hybrid models "
         "(`kvtui faults` lists them)")
@@ -88,4 +88,4 @@ def test_the_command_refuses_a_non_state_fault_on_the_hybrid_in_one_line():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "error: --fault prefix_key_no_parent does not act on hybrid models like tiny-qwen35moe; it acts on "
-        "decoder-only or encoder-decoder models (`kvtui faults` lists them)"]
+        "attention-only decoder or encoder-decoder models (`kvtui faults` lists them)"]
