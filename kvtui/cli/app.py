@@ -32,14 +32,21 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
-for _command in (run, replay, validate, faults, audit, serve):  # in the order `kvtui --help` lists them
-    app.command()(_command)
-app.command("model")(model_cmd)
-app.command()(bench)
-app.command("calibrate")(calibrate_cmd)
-app.command()(conformance)
-app.command()(sweep)
+
+
+def _short_help(command) -> str:
+    """The first paragraph of a command's docstring as one line: typer's list keeps the docstring's first line
+    break, which cut every multi-line summary in `kvtui --help` mid-sentence."""
+    paragraph = (command.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
+
+
+for _name, _command in (("run", run), ("replay", replay), ("validate", validate), ("faults", faults),
+                        ("audit", audit), ("serve", serve), ("model", model_cmd), ("bench", bench),
+                        ("calibrate", calibrate_cmd), ("conformance", conformance), ("sweep", sweep)):
+    app.command(_name, short_help=_short_help(_command))(_command)  # in the order `kvtui --help` lists them
 
 
 _NOT_ONE_OF = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")

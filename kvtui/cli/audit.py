@@ -30,7 +30,7 @@ from kvtui.cli.options import (
 def audit(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")],
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model.")] = None,
-    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Isolation fault on "
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", metavar="FAULT", help="Isolation fault on "
                                                                "(repeatable).")] = None,
     timing: Annotated[bool, typer.Option("--timing", help="Instead: the prefix-cache timing side channel (paged "
                                          "KV): how well TTFT tells apart probes whose prefix another tenant has "

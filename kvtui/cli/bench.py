@@ -20,7 +20,7 @@ BenchPart = enum.Enum("BenchPart", {name: name for name in ("overhead", "batch",
 
 
 def bench(
-    part: Annotated[Optional[list[BenchPart]], typer.Option("--part", help="Run only this part (repeatable): "
+    part: Annotated[Optional[list[BenchPart]], typer.Option("--part", metavar="PART", help="Run only this part (repeatable): "
                                                             "overhead, batch, knobs, peers, bf16, detectors, "
                                                             "profile, penalties, faults, transcribe, images, "
                                                             "loadgen.")] = None,
@@ -29,7 +29,7 @@ def bench(
     output: Annotated[Path, typer.Option("--output", "-o", help="JSON file for the figures (a .md beside it).")] =
     Path("bench-results/bench.json"),
     model: Annotated[str, typer.Option(help="Model to benchmark.")] = MODEL,
-    dtype: Annotated[DType, typer.Option(help="Model dtype.")] = DTYPE,
+    dtype: Annotated[DType, typer.Option(metavar="DTYPE", help="Model dtype: float32, bfloat16 or float16.")] = DTYPE,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores).", min=1)] = None,
     rates: Annotated[str, typer.Option("--rates", help="loadgen: requested rates (req/s), comma-separated.")]
     = "100,200,400",
@@ -66,7 +66,7 @@ def bench(
 
 def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model to calibrate for.")] = MODEL,
-    dtype: Annotated[Optional[DType], typer.Option(help=f"Model dtype (default {DTYPE}; with --numeric: "
+    dtype: Annotated[Optional[DType], typer.Option(metavar="DTYPE", help=f"Model dtype (default {DTYPE}; with --numeric: "
                                                    "bfloat16 and float16, each in turn).")] = None,
     device: Annotated[str, typer.Option(help="torch device.")] = ENGINE.device,
     numeric: Annotated[bool, typer.Option("--numeric", help="Measure instead how far batching moves the logits "

@@ -51,7 +51,7 @@ def conformance(
     check: Annotated[Optional[list[str]], typer.Option("--check", help="Run only this check (repeatable); "
                                                        "--list names them.")] = None,
     list_checks: Annotated[bool, typer.Option("--list", help="Name the checks, one line each, and exit.")] = False,
-    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Without --target: start kvtui "
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", metavar="FAULT", help="Without --target: start kvtui "
                                                                "serve with this isolation fault on (a mutant; "
                                                                "repeatable).")] = None,
     model: Annotated[str, typer.Option("--model", help="kvtui's name of the served model: its tokenizer plans "

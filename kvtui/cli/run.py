@@ -52,14 +52,14 @@ def run(
     record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Override the scenario's model: default, "
                                                  "tiny-llama, tiny-gpt2, a HF model directory or a .gguf file.")] = None,
-    dtype: Annotated[Optional[DType], typer.Option(help="Override the scenario's dtype.")] = None,
+    dtype: Annotated[Optional[DType], typer.Option(metavar="DTYPE", help="Override the scenario's dtype: float32, bfloat16 or float16.")] = None,
     clock: Annotated[Optional[Clock], typer.Option(help="virtual (modeled step times: the same steps and tokens "
                                                    "on any machine; headless default), paced (virtual, held to real "
                                                    "time: a demo on the dashboard) or wall (real time). The "
                                                    "dashboard's default is the scenario's dashboard.clock (wall).")] = None,
     layout: Annotated[Optional[Layout], typer.Option(help="Override the engine layout.")] = None,
     device: Annotated[str, typer.Option(help="torch device, e.g. cpu or cuda.")] = ENGINE.device,
-    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on from "
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", metavar="FAULT", help="Turn an isolation fault on from "
                                                                "the start (repeatable); see `kvtui faults`.")] = None,
     isolation: Annotated[Isolation, typer.Option(help="'off' turns on the default fault set (stale_slot; with "
                                                  "paged KV block_refcount, or shared_position_offset without "

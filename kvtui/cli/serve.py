@@ -40,10 +40,10 @@ def speech_max_len(model: str) -> int | None:
 def serve(
     model: Annotated[str, typer.Option("--model", help="default, tiny-llama, tiny-gpt2, a HF model directory or a "
                                        ".gguf file.")] = SERVE.model,
-    dtype: Annotated[DType, typer.Option(help="Weights, KV cache and activations.")] = SERVE.dtype,
+    dtype: Annotated[DType, typer.Option(metavar="DTYPE", help="Weights, KV cache and activations: float32, bfloat16 or float16.")] = SERVE.dtype,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = SERVE.host,
     port: Annotated[int, typer.Option(help="TCP port (0: a free one).", min=0, max=65535)] = SERVE.port,
-    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Turn an isolation fault on "
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", metavar="FAULT", help="Turn an isolation fault on "
                                                                "(repeatable): it acts across clients.")] = None,
     dashboard: Annotated[bool, typer.Option("--dashboard", help="Show the served engine live in the dashboard.")]
     = False,

@@ -50,7 +50,7 @@ def sweep(
     slo_share: Annotated[float, typer.Option("--slo-share", min=0.0, max=1.0, help="A run holds the SLO when at "
                                              "least this share of its requests met it.")] = SLO_SHARE,
     record_dir: Annotated[Optional[Path], typer.Option("--record-dir", help="Write each run's recording here "
-                                                       "(rate-<R>.jsonl).")] = None,
+                                                       "(rate-R.jsonl, R the rate).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write the pictures to this .svg or .png file "
                                                  "(needs the plot extra: pip install 'kvtui\\[plot]').")] = None,
     terminal_plot: Annotated[bool, typer.Option("--terminal-plot/--no-terminal-plot", help="Draw the pictures "

@@ -15,7 +15,7 @@ from kvtui.config import Layout
 
 def validate(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML file.")],
-    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", help="Check this fault too, as `kvtui "
+    fault: Annotated[Optional[list[FaultChoice]], typer.Option("--fault", metavar="FAULT", help="Check this fault too, as `kvtui "
                                                                "run --fault` would turn it on (repeatable).")] = None,
     layout: Annotated[Optional[Layout], typer.Option(help="Check with this engine layout, as `kvtui run --layout`."
                                                      )] = None,
