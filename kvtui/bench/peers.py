@@ -1,9 +1,11 @@
-"""Peers on one Poisson workload: kvtui's engine against what a user would pick instead.
+"""Peers on two workloads: kvtui's engine against what a user would pick instead.
 
-Workload: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, Poisson
-arrivals at 8 per second (faster than any system here serves them, so throughput measures capacity,
-not the arrival rate), greedy, every request forced to its output length; arrival times are honoured
-on the wall clock (a system cannot start a request before it arrives).
+Workloads: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, greedy, every
+request forced to its output length. "poisson": Poisson arrivals at 8 per second, honoured on the wall
+clock (a system cannot start a request before it arrives), so part of the makespan is spent waiting for
+arrivals and the ratio of two systems is pulled toward 1. "saturation": the same requests sent all at
+once (a closed burst, every arrival at t=0), so the makespan is the systems' own work: the ratio a
+saturated server shows.
 
 The systems a user would serve with, run A B A B (each once per round, in the same order; servers
 started once before the first round, their starts not timed; after each system the servers are given
@@ -68,6 +70,13 @@ class Workload:
             arrivals.append(t)
             t += rng.expovariate(rate_per_s)
         return Workload(make_prompts(tokenizer, n, seed, 26, 188), [rng.randint(16, 48) for _ in range(n)], arrivals)
+
+    @staticmethod
+    def burst(tokenizer, n: int, rate_per_s: float = RATE, seed: int = 3) -> "Workload":
+        """The requests of Workload.poisson(tokenizer, n, rate_per_s, seed), every one arriving at t=0 (a
+        closed burst: the saturation workload)."""
+        work = Workload.poisson(tokenizer, n, rate_per_s, seed)
+        return Workload(work.prompts, work.outputs, [0.0] * n)
 
 
 @dataclass
@@ -409,17 +418,22 @@ def wait_idle(pids: list[int], *, quiet_s: float = 1.0, busy_share: float = 0.05
 
 
 def run(loaded, *, name: str, quick: bool, console) -> dict:
-    """Every system on the same workload (see the module docstring); returns their figures.
+    """Every system on both workloads (see the module docstring); returns their figures: the Poisson
+    workload's at the top level ("systems", "targets", "floor"), the saturation workload's under
+    "saturation" ("systems", "targets"; its requests are the Poisson ones, all arriving at t=0).
 
     The systems a user would pick to serve (kvtui's engine, `kvtui serve` with its default detectors
-    and without, llama-server, vLLM CPU) run A B A B: `rounds` rounds, each system once per round in
-    the same order, every server started once before the first round (starts not timed), and after each
-    system the servers are left to finish their own background work (wait_idle). The others run once."""
+    and without, llama-server, vLLM CPU) run A B A B: `rounds` rounds, each round every system once on
+    the Poisson workload and then every system once at saturation, in the same order, every server
+    started once before the first round (starts not timed), and after each system the servers are left
+    to finish their own background work (wait_idle). The others run once, on the Poisson workload."""
     from contextlib import ExitStack
 
     from kvtui.bench.overhead import bare_model
 
-    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=RATE)
+    n = 12 if quick else 16
+    work = Workload.poisson(loaded.tokenizer, n, rate_per_s=RATE)
+    workloads = {"poisson": work, "saturation": Workload.burst(loaded.tokenizer, n, rate_per_s=RATE)}
     rounds = 2 if quick else 3
     threads = torch.get_num_threads()
     console.print("  peers: solo (reference)")
@@ -437,36 +451,42 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         results[label] = call().figures(work, solo.tokens)
     with ExitStack() as servers:
         systems, pids = _ab_systems(loaded, name, work, threads, servers, console)
-        per_round = _ab_rounds(systems, pids, rounds, work, {"text": solo_text, "tokens": solo.tokens}, console)
+        per_round = _ab_rounds(systems, pids, rounds, workloads, {"text": solo_text, "tokens": solo.tokens}, console)
         scraped = {label: server_metrics(url) for label, (_, _, url) in systems.items() if url is not None}
-    for label, figures in per_round.items():
-        results[label] = {**_merge_rounds(figures), **scraped.get(label, {})}
+    merged = {kind: {label: {**_merge_rounds(figures), **(scraped.get(label, {}) if kind == "poisson" else {})}
+                     for label, figures in per_label.items()} for kind, per_label in per_round.items()}
+    results.update(merged["poisson"])
     floor = _engine_floor(loaded.model, work, console) if supports(loaded.model) else None
     return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
             "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
-            "targets": _targets(results, threads), "floor": floor}
+            "targets": _targets(results, threads), "floor": floor,
+            "saturation": {"systems": merged["saturation"], "targets": _targets(merged["saturation"], threads)}}
 
 
-def _ab_rounds(systems: dict, pids: list, rounds: int, work: Workload, reference: dict, console) -> dict:
-    """The A/B rounds: each system once per round, in order, its figures against `reference` ("text" or
-    "tokens": the solo run's answers), the servers left idle after each. A system whose run fails
-    forced_length_shortfall is left out from then on, with one line saying why. Returns label -> figures
-    per round (the systems left out: none)."""
-    per_round: dict[str, list[dict]] = {label: [] for label in systems}
+def _ab_rounds(systems: dict, pids: list, rounds: int, workloads: dict, reference: dict, console) -> dict:
+    """The A/B rounds: in each round, for each workload of `workloads` (kind -> Workload) in order, each
+    system once, in order, its figures against `reference` ("text" or "tokens": the solo run's answers),
+    the servers left idle after each. A system whose run fails forced_length_shortfall is left out from
+    then on, on every workload, with one line saying why. Returns kind -> label -> figures per round (the
+    systems left out: none)."""
+    per_round = {kind: {label: [] for label in systems} for kind in workloads}
+    dropped: set[str] = set()
     for r in range(rounds):
-        for label, (call, compared_by, _) in systems.items():
-            if label not in per_round:
-                continue
-            console.print(f"  peers: round {r + 1}/{rounds}: {label}")
-            outcome = call()
-            wait_idle(pids)
-            reason = forced_length_shortfall(outcome)
-            if reason:
-                console.print(f"  peers: {label} left out: {reason}")
-                del per_round[label]
-                continue
-            per_round[label].append(outcome.figures(work, reference[compared_by]))
-    return per_round
+        for kind, work in workloads.items():
+            for label, (call, compared_by, _) in systems.items():
+                if label in dropped:
+                    continue
+                console.print(f"  peers: round {r + 1}/{rounds}, {kind}: {label}")
+                outcome = call(work)
+                wait_idle(pids)
+                reason = forced_length_shortfall(outcome)
+                if reason:
+                    console.print(f"  peers: {label} left out: {reason}")
+                    dropped.add(label)
+                    continue
+                per_round[kind][label].append(outcome.figures(work, reference[compared_by]))
+    return {kind: {label: f for label, f in per_label.items() if label not in dropped}
+            for kind, per_label in per_round.items()}
 
 
 def _engine_floor(model, work: Workload, console) -> dict:
@@ -489,15 +509,16 @@ def _eager(model, work: Workload) -> Outcome:
 
 
 def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, console):
-    """The A/B systems that can run here: label -> (call, "tokens" or "text": what it is compared by, the
-    URL of a server with vLLM's metrics or None), and the servers' process ids. Servers are entered on
-    `servers` (an ExitStack)."""
+    """The A/B systems that can run here: label -> (call(workload) -> Outcome, "tokens" or "text": what it
+    is compared by, the URL of a server with vLLM's metrics or None), and the servers' process ids. Servers
+    are entered on `servers` (an ExitStack), sized for `work`; a call takes `work` or a workload with the
+    same requests at other arrival times (Workload.burst), since per-request bodies follow the index."""
     from kvtui.remote.llama_server import find_llama_server
     from kvtui.remote.vllm_cpu import VllmCpuServer, find_vllm_cpu
 
     default_model = find_model(name) is SMOLLM2
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
-    systems = {"kvtui engine": (lambda: run_kvtui(loaded.model, work), "tokens", None)}
+    systems = {"kvtui engine": (lambda w: run_kvtui(loaded.model, w), "tokens", None)}
     pids = []
     serves = [(None, threads, "kvtui serve, default detectors"), ("none", threads, "kvtui serve --detectors none")]
     if (os.cpu_count() or 1) >= 2 * threads:  # does a second thread pay, the reference checks included?
@@ -506,7 +527,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         console.print(f"  peers: starting {label}")
         server = servers.enter_context(KvtuiServe(name, threads=n, detectors=detectors, max_len=max_len))
         pids.append(server.process.pid)
-        systems[label] = (lambda url=server.url: _stream_all(url, work, {}), "text", server.url)
+        systems[label] = (lambda w, url=server.url: _stream_all(url, w, {}), "text", server.url)
     if find_llama_server() is not None and default_model:  # it serves the default GGUF
         from kvtui.models import default_model_path
         from kvtui.remote.llama_server import LlamaServer
@@ -514,7 +535,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         llama = servers.enter_context(LlamaServer(default_model_path(), parallel=16, ctx_per_slot=max_len,
                                                   threads=threads))
         pids.append(llama.process.pid)
-        systems["llama.cpp llama-server (-np 16)"] = (lambda: _stream_all(llama.url, work, {"cache_prompt": False}),
+        systems["llama.cpp llama-server (-np 16)"] = (lambda w: _stream_all(llama.url, w, {"cache_prompt": False}),
                                                        "text", None)
     missing = find_vllm_cpu()
     if missing is None and default_model and loaded.dtype == torch.float32:
@@ -522,7 +543,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         console.print(f"  peers: vLLM CPU started in {vllm.start_s:.0f} s")
         pids.append(vllm.pgid)
         body = lambda i: {"model": "SmolLM2-135M-Instruct", "cache_salt": secrets.token_hex(16)}  # noqa: E731
-        systems[f"vLLM CPU 0.32 ({threads_label(threads)})"] = (lambda: _stream_all(vllm.url, work, body), "text",
+        systems[f"vLLM CPU 0.32 ({threads_label(threads)})"] = (lambda w: _stream_all(vllm.url, w, body), "text",
                                                                  vllm.url)
     elif missing is not None:
         console.print(f"  peers: vLLM CPU left out: {missing}")
@@ -576,7 +597,7 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
     pids.append(server.pgid)
     body = transformers_serve_body(loaded.tokenizer, work, server.model_name)
     systems[f"transformers serve {server.version} --continuous-batching ({threads_label(threads)})"] = (
-        lambda: _stream_all(server.url, work, body), "text", None)
+        lambda w: _stream_all(server.url, w, body), "text", None)
 
 
 def server_metrics(url: str) -> dict:
@@ -641,7 +662,34 @@ def _targets(results: dict, threads: int) -> list[dict]:
 
 
 def markdown(result: dict) -> list[str]:
+    """The peers part as Markdown lines: the Poisson workload's table, waits, targets and floor, then the
+    saturation workload's table and targets (when the result has them)."""
+    lines = ["Poisson arrivals:", "", *_table(result["systems"])]
     systems = result["systems"]
+    waits = [(label, f["engine_wait_share"]) for label, f in systems.items() if f.get("engine_wait_share") is not None]
+    if waits:
+        lines += ["", "The engine thread off the CPU during its steps (in kvtui serve: waits for the GIL the HTTP "
+                      "event loop holds, and preemption; in process: preemption alone): "
+                      + "; ".join(f"{label} {share:.1%}" for label, share in waits)]
+    lines += _target_lines(result.get("targets"), result)
+    lines += _floor_lines(result.get("floor"), systems)
+    saturated = result.get("saturation")
+    if saturated:
+        lines += ["", "Saturation (the same requests, all sent at t=0):", "", *_table(saturated["systems"])]
+        lines += _target_lines(saturated.get("targets"), result)
+    return lines
+
+
+def _target_lines(targets: list | None, result: dict) -> list[str]:
+    if not targets:
+        return []
+    lines = ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
+    return lines + [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: "
+                    f"{'met' if t['ratio'] >= t['goal'] else 'not met'})" for t in targets]
+
+
+def _table(systems: dict) -> list[str]:
+    """One workload's systems as a Markdown table (tokens/s with the rounds' spread, x against kvtui's engine)."""
     kvtui = systems["kvtui engine" if "kvtui engine" in systems else "kvtui"]["tokens_per_s"]
     lines = ["| system | output tokens/s | kvtui x | TTFT p50 / p95 s | E2E p50 / p95 s | mean ITL ms | equal to solo |",
              "|---|---|---|---|---|---|---|"]
@@ -652,16 +700,7 @@ def markdown(result: dict) -> list[str]:
         lines.append(f"| {label} | {f['tokens_per_s']:.1f}{spread} | {kvtui / f['tokens_per_s']:.2f} | "
                      f"{f['ttft_p50_s']:.2f} / {f['ttft_p95_s']:.2f} | {f['e2e_p50_s']:.2f} / {f['e2e_p95_s']:.2f} | "
                      f"{itl} | {same} |")
-    waits = [(label, f["engine_wait_share"]) for label, f in systems.items() if f.get("engine_wait_share") is not None]
-    if waits:
-        lines += ["", "The engine thread off the CPU during its steps (in kvtui serve: waits for the GIL the HTTP "
-                      "event loop holds, and preemption; in process: preemption alone): "
-                      + "; ".join(f"{label} {share:.1%}" for label, share in waits)]
-    if result.get("targets"):
-        lines += ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
-        lines += [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: {'met' if t['ratio'] >= t['goal'] else 'not met'})"
-                  for t in result["targets"]]
-    return lines + _floor_lines(result.get("floor"), systems)
+    return lines
 
 
 def _floor_lines(floor: dict | None, systems: dict) -> list[str]:

@@ -361,3 +361,41 @@ def test_kvtui_serve_ends_every_forced_request_with_length():
     with ServeServer(ServeOptions(model="tiny-llama", port=0, slots=4, max_len=64, detectors=(), threads=1)) as srv:
         outcome = _stream_all(srv.url, work, {})
     assert outcome.finish == ["length"] * 3 and forced_length_shortfall(outcome) is None
+
+
+def test_the_saturation_workload_is_the_poisson_requests_all_sent_at_once(tiny):
+    from kvtui.bench.peers import run_kvtui
+
+    tokenizer = tiny["tiny-llama"].tokenizer
+    poisson, burst = Workload.poisson(tokenizer, 5, rate_per_s=8.0), Workload.burst(tokenizer, 5, rate_per_s=8.0)
+    assert burst.prompts == poisson.prompts and burst.outputs == poisson.outputs
+    assert burst.arrivals == [0.0] * 5 and poisson.arrivals[0] == 0.0 and poisson.arrivals[4] > 0.0
+    # in process every request is in the first step: it prefills all five prompts (enough slots and budget)
+    one_token = Workload(burst.prompts, [1] * 5, burst.arrivals)  # the first step is all this test reads
+    out = run_kvtui(tiny["tiny-llama"].model, one_token, max_tokens_per_step=2048)
+    assert out.steps[0] == (sum(len(p) for p in burst.prompts), 5)
+
+
+def test_the_ab_rounds_run_each_system_on_each_workload_in_every_round(monkeypatch):
+    from kvtui.bench import peers
+
+    monkeypatch.setattr(peers, "wait_idle", lambda pids: 0.0)
+    work = {"poisson": Workload([[5, 6]], [2], [0.5]), "saturation": Workload([[5, 6]], [2], [0.0])}
+    calls = []
+
+    def system(label, shortfall_on=None):
+        def call(w):
+            kind = next(k for k, v in work.items() if v is w)
+            calls.append((label, kind))
+            finish = ["stop"] if (label, kind, len(calls)) == shortfall_on else ["length"]
+            return Outcome(tokens=[[1, 2]], first=[w.arrivals[0] + 1.0], last=[w.arrivals[0] + 2.0], finish=finish)
+        return call
+
+    systems = {"A": (system("A"), "tokens", None), "B": (system("B", ("B", "saturation", 8)), "tokens", None)}
+    per_round = peers._ab_rounds(systems, [], 2, work, {"tokens": [[1, 2]]}, Console(file=open("/dev/null", "w")))
+    assert calls == [("A", "poisson"), ("B", "poisson"), ("A", "saturation"), ("B", "saturation"),
+                     ("A", "poisson"), ("B", "poisson"), ("A", "saturation"), ("B", "saturation")]
+    # B's last run ended short of its forced length: B is left out of both workloads
+    assert list(per_round["poisson"]) == list(per_round["saturation"]) == ["A"]
+    assert [f["tokens_per_s"] for f in per_round["poisson"]["A"]] == [1.0, 1.0]  # 2 tokens from 0.5 s to 2.5 s
+    assert [f["ttft_p50_s"] for f in per_round["saturation"]["A"]] == [1.0, 1.0]
