@@ -58,6 +58,7 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enforce_eager: bool = _ENGINE.enforce_eager
     batch_invariant: bool | None = None  # None: the engine's default (on for bfloat16/float16 with reference)
+    compile: bool | None = _ENGINE.compile  # the compiled decode step (EngineConfig.compile)
     enable_prompt_embeds: bool = False  # take prompt_embeds in requests (kvtui/serve/embeds.py)
     # LoRA (kvtui/serve/lora.py): adapters loaded at startup (LoraModule), LoRA on without them, and vLLM's
     # runtime LoRA updating (/v1/load_lora_adapter, /v1/unload_lora_adapter)
