@@ -33,7 +33,7 @@ ENV = "KVTUI_COMPILE"  # "0": never compile (the test suite's default); "1": com
 _STEP = threading.local()  # the step the custom op serves: .cache, .modules, .mask
 
 
-@torch.library.custom_op("kvtui::pooled_attention", mutates_args=())
+@torch.library.custom_op("kvtui::pooled_attention", mutates_args=("k_pool", "v_pool"))
 def pooled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                      v_pool: torch.Tensor, layer: int) -> torch.Tensor:
     """One layer's KV write and attention for the running step: k, v [R, Hkv, Q, D] written into the
