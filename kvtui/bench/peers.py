@@ -209,6 +209,45 @@ def linear_floor_s(model, steps: list[tuple[int, int]], repeats: int = 2) -> flo
     return sum(timed[shape] for shape in steps)
 
 
+@torch.inference_mode()
+def machine_peaks(repeats: int = 3) -> dict:
+    """This CPU's measured limits with torch's current threads: memory bandwidth (GB/s, the best of
+    `repeats` sums over a 256 MiB float32 tensor, far past any cache) and float32 matmul peak (GFLOP/s,
+    the best of `repeats` 2048 x 2048 x 2048 products, as near the cores' peak as torch's GEMM gets)."""
+    big = torch.ones(64 << 20)
+    square = torch.randn(2048, 2048)
+    big.sum(), square @ square  # warm-up: pages touched, the GEMM's buffers set up
+    read = min(_seconds(lambda: big.sum()) for _ in range(repeats))
+    gemm = min(_seconds(lambda: square @ square) for _ in range(repeats))
+    return {"bandwidth_gb_s": big.numel() * big.element_size() / read / 1e9, "peak_gflop_s": 2 * 2048 ** 3 / gemm / 1e9}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def roofline_s(model, steps: list[tuple[int, int]], peaks: dict) -> float:
+    """The least time a step schedule could take on this machine (steps as in linear_floor_s; `peaks` as
+    machine_peaks): per step the larger of reading the linear layers' weights once (and the LM head's
+    when it samples) at the measured bandwidth, and their multiply-adds (2 x weights x positions, and 2 x
+    head x sampled rows) at the measured peak; attention, the KV cache and everything else are left out,
+    so the bound is lower still than any engine can reach. Seconds, summed over the steps."""
+    fused = fused_for(model)
+    size = fused.embed.weight.element_size()
+    layer_params = sum(lin.in_features * lin.out_features for layer in fused.layers for lin in _linears(layer))
+    head_params = fused.head.in_features * fused.head.out_features
+    total = 0.0
+    for rows, sampled in steps:
+        if not rows:
+            continue
+        read = (layer_params + (head_params if sampled else 0)) * size / (peaks["bandwidth_gb_s"] * 1e9)
+        flops = 2 * (layer_params * rows + head_params * sampled) / (peaks["peak_gflop_s"] * 1e9)
+        total += max(read, flops)
+    return total
+
+
 def _linears(layer) -> tuple:
     """A fused layer's linear layers in the order a step runs them."""
     return layer.qkv, layer.o, layer.gate_up, layer.down
@@ -491,16 +530,22 @@ def _ab_rounds(systems: dict, pids: list, rounds: int, workloads: dict, referenc
 
 def _engine_floor(model, work: Workload, console) -> dict:
     """One more in-process engine run, and its step schedule replayed on its linear layers and LM head
-    alone (linear_floor_s; the run built the fused forward the replay reads). Returns the steps, the
-    engine's step seconds, the floor's, and the output tokens/s at the floor, measured like every
-    system's: output tokens over the makespan, here the run's with each step's time replaced by its floor
-    (time spent waiting for arrivals stays)."""
-    console.print("  peers: the kvtui engine's steps on their linear layers alone (the linear-layer floor)")
+    alone (linear_floor_s, "kvtui's kernels alone"; the run built the fused forward the replay reads) and
+    bounded by this machine's roofline (machine_peaks, roofline_s). Returns the steps, the engine's step
+    seconds, the floor's, the output tokens/s at the floor, the measured bandwidth and peak, the
+    roofline's seconds and its output tokens/s, each measured like every system's: output tokens over the
+    makespan, here the run's with each step's time replaced by its floor or roofline (time spent waiting
+    for arrivals stays)."""
+    console.print("  peers: the kvtui engine's steps on their linear layers alone (kvtui's kernels alone) and "
+                  "against this machine's roofline")
     outcome = run_kvtui(model, work)
     floor = linear_floor_s(model, outcome.steps)
+    peaks = machine_peaks()
+    roof = roofline_s(model, outcome.steps, peaks)
     makespan = max(outcome.last) - min(work.arrivals)
     return {"steps": len(outcome.steps), "engine_step_s": outcome.step_s, "floor_s": floor,
-            "floor_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + floor)}
+            "floor_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + floor), **peaks,
+            "roofline_s": roof, "roofline_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + roof)}
 
 
 def _eager(model, work: Workload) -> Outcome:
@@ -704,16 +749,28 @@ def _table(systems: dict) -> list[str]:
 
 
 def _floor_lines(floor: dict | None, systems: dict) -> list[str]:
-    """The linear-layer floor (see linear_floor_s) in words, against vLLM CPU where it ran."""
+    """The linear-layer floor (see linear_floor_s: kvtui's kernels alone) and the machine's roofline (see
+    roofline_s) in words, against vLLM CPU where it ran."""
     if not floor:
         return []
     vllm = next((f for label, f in systems.items() if label.startswith("vLLM CPU")), None)
-    against = "" if vllm is None else f", {floor['floor_tokens_per_s'] / vllm['tokens_per_s']:.2f}x vLLM CPU"
-    return ["", f"Linear-layer floor: one more engine run's {floor['steps']} steps took {floor['engine_step_s']:.2f} s; "
-                f"the same steps on the linear layers and LM head alone took {floor['floor_s']:.2f} s "
-                f"({floor['floor_s'] / floor['engine_step_s']:.0%}). With everything else free the engine would "
-                f"give {floor['floor_tokens_per_s']:.1f} output tokens/s{against}: on this CPU's kernels, no "
-                "saving outside the linear layers can run these steps faster."]
+
+    def against(rate: float) -> str:
+        return "" if vllm is None else f", {rate / vllm['tokens_per_s']:.2f}x vLLM CPU"
+
+    lines = ["", f"Linear-layer floor (kvtui's kernels alone): one more engine run's {floor['steps']} steps took "
+                 f"{floor['engine_step_s']:.2f} s; the same steps on the linear layers and LM head alone took "
+                 f"{floor['floor_s']:.2f} s ({floor['floor_s'] / floor['engine_step_s']:.0%}). With everything else "
+                 f"free the engine would give {floor['floor_tokens_per_s']:.1f} output tokens/s"
+                 f"{against(floor['floor_tokens_per_s'])}: with kvtui's kernel choices, no saving outside the linear "
+                 "layers can run these steps faster; faster kernels can."]
+    if "roofline_s" in floor:
+        lines += ["", f"Roofline: this machine measured {floor['bandwidth_gb_s']:.1f} GB/s of memory bandwidth and "
+                      f"{floor['peak_gflop_s']:.0f} GFLOP/s of float32 matmul peak; the same steps reading their "
+                      f"weights once at that bandwidth or multiplying at that peak, whichever is slower, take "
+                      f"{floor['roofline_s']:.2f} s, {floor['roofline_tokens_per_s']:.1f} output tokens/s"
+                      f"{against(floor['roofline_tokens_per_s'])}: no kernel on this machine runs these steps faster."]
+    return lines
 
 
 __all__ = ["Spread", "Workload", "markdown", "markdown_bf16", "run", "run_bf16"]

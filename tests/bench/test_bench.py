@@ -254,16 +254,22 @@ def test_the_floor_is_measured_like_the_systems_and_stated_against_vllm(tiny, mo
     outcome = Outcome(tokens=[[1, 2, 3, 4]], first=[1.0], last=[10.0], step_s=8.0, steps=[(3, 1)] * 4)
     monkeypatch.setattr(peers, "run_kvtui", lambda model, w: outcome)
     monkeypatch.setattr(peers, "linear_floor_s", lambda model, steps: 6.0 if steps == outcome.steps else None)
+    peaks = {"bandwidth_gb_s": 20.0, "peak_gflop_s": 90.0}
+    monkeypatch.setattr(peers, "machine_peaks", lambda: peaks)
+    monkeypatch.setattr(peers, "roofline_s", lambda model, steps, p: 2.0 if (steps, p) == (outcome.steps, peaks) else None)
     floor = peers._engine_floor(object(), work, Console(file=open("/dev/null", "w")))
-    # the makespan (10 s) with the 8 s of steps replaced by their 6 s floor: 4 tokens / 8 s
-    assert floor == {"steps": 4, "engine_step_s": 8.0, "floor_s": 6.0, "floor_tokens_per_s": 0.5}
+    # the makespan (10 s) with the 8 s of steps replaced by their 6 s floor: 4 tokens / 8 s; by the 2 s roofline: 4 s
+    assert floor == {"steps": 4, "engine_step_s": 8.0, "floor_s": 6.0, "floor_tokens_per_s": 0.5, **peaks,
+                     "roofline_s": 2.0, "roofline_tokens_per_s": 1.0}
     systems = {"kvtui engine": {"tokens_per_s": 0.4, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0, "e2e_p50_s": 1.0,
                                 "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1},
                "vLLM CPU 0.32 (1 thread)": {"tokens_per_s": 0.25, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
                                             "e2e_p50_s": 1.0, "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1}}
-    line = peers.markdown({"systems": systems, "floor": floor})[-1]
-    assert line.startswith("Linear-layer floor: one more engine run's 4 steps took 8.00 s;")
+    line, roof = peers.markdown({"systems": systems, "floor": floor})[-3::2]
+    assert line.startswith("Linear-layer floor (kvtui's kernels alone): one more engine run's 4 steps took 8.00 s;")
     assert "alone took 6.00 s (75%)" in line and "0.5 output tokens/s, 2.00x vLLM CPU" in line
+    assert roof.startswith("Roofline: this machine measured 20.0 GB/s of memory bandwidth and 90 GFLOP/s")
+    assert "take 2.00 s, 1.0 output tokens/s, 4.00x vLLM CPU" in roof
     assert "vLLM" not in peers._floor_lines(floor, {"kvtui engine": systems["kvtui engine"]})[1]
     assert peers.markdown({"systems": systems})[-1].startswith("| vLLM CPU")  # no floor, no line
 
@@ -399,3 +405,14 @@ def test_the_ab_rounds_run_each_system_on_each_workload_in_every_round(monkeypat
     assert list(per_round["poisson"]) == list(per_round["saturation"]) == ["A"]
     assert [f["tokens_per_s"] for f in per_round["poisson"]["A"]] == [1.0, 1.0]  # 2 tokens from 0.5 s to 2.5 s
     assert [f["ttft_p50_s"] for f in per_round["saturation"]["A"]] == [1.0, 1.0]
+
+
+def test_the_roofline_takes_per_step_the_slower_of_reading_the_weights_and_multiplying(tiny):
+    from kvtui.bench.peers import machine_peaks, roofline_s
+
+    # tiny-llama: 2 layers of qkv 64x128, o 64x64, gate_up 64x256, down 128x64 (73728 weights), head 64x259, float32
+    slow = {"bandwidth_gb_s": 1e-6, "peak_gflop_s": 1e-6}  # 1000 bytes/s, 1000 flop/s
+    # (5, 2): reading 361.2 s, multiplying 2 x (73728 x 5 + 16576 x 2) / 1000 = 803.6 s; (1, 0): reading 294.9 s
+    assert roofline_s(tiny["tiny-llama"].model, [(5, 2), (0, 0), (1, 0)], slow) == pytest.approx(803.584 + 294.912)
+    peaks = machine_peaks(repeats=1)
+    assert 0.1 < peaks["bandwidth_gb_s"] < 10_000 and 0.1 < peaks["peak_gflop_s"] < 1_000_000
