@@ -331,10 +331,10 @@ def test_a_server_that_stops_before_the_forced_length_is_left_out_in_one_line():
         assert forced_length_shortfall(_stream_all(honest.url, work, {})) is None
         assert [b["ignore_eos"] for b in short.bodies] == [True] * 3  # the bench asked for the lengths
         out = io.StringIO()
-        systems = {"honest": (lambda: _stream_all(honest.url, work, {}), "text", None),
-                   "short": (lambda: _stream_all(short.url, work, {}), "text", None)}
-        per_round = _ab_rounds(systems, [], 2, work, {"text": [" t0 t1"] * 3, "tokens": []},
-                               Console(file=out, width=400))
+        systems = {"honest": (lambda w: _stream_all(honest.url, w, {}), "text", None),
+                   "short": (lambda w: _stream_all(short.url, w, {}), "text", None)}
+        per_round = _ab_rounds(systems, [], 2, {"poisson": work}, {"text": [" t0 t1"] * 3, "tokens": []},
+                               Console(file=out, width=400))["poisson"]
     finally:
         honest.close()
         short.close()
@@ -342,10 +342,10 @@ def test_a_server_that_stops_before_the_forced_length_is_left_out_in_one_line():
     assert per_round["honest"][0]["equal_to_solo"] == 1  # r000's two tokens are the reference's
     assert len(short.bodies) == 3 + 3  # the check above, then round 1 only
     assert out.getvalue().splitlines() == [
-        "  peers: round 1/2: honest", "  peers: round 1/2: short",
+        "  peers: round 1/2, poisson: honest", "  peers: round 1/2, poisson: short",
         "  peers: short left out: 2 of 3 requests ended before their forced output length (r001 stop, r002 stop), "
         "so its tokens/s would count tokens it never generated",
-        "  peers: round 2/2: honest"]
+        "  peers: round 2/2, poisson: honest"]
 
 
 def test_the_shortfall_names_the_first_three_requests_and_a_missing_finish():
