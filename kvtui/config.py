@@ -114,6 +114,11 @@ class EngineConfig:
             the fused forward only; slower (docs/performance.md).
         kv_offload_blocks: blocks of a host-memory KV offload tier under the prefix cache (LRU; evicted
             full blocks stored, restored on a later prefix hit: kvtui/engine/offload.py); None or 0: none.
+        compile: the fused forward's decode steps as one compiled inductor graph (kvtui/engine/compiled.py):
+            True compiles where it can run, False (the default: on the CPUs measured it was no faster than
+            the eager step, docs/performance.md) never, None where it can run unless $KVTUI_COMPILE=0.
+            Where it cannot (no C++ compiler, --enforce-eager, the batch-invariant mode, a model the fused
+            forward does not run) the step runs eagerly; the runner's compile_note says why.
 
     Raises:
         ValueError: a field out of range, named as `field = value`.
@@ -141,6 +146,7 @@ class EngineConfig:
     enforce_eager: bool = False
     batch_invariant: bool = False
     kv_offload_blocks: int | None = None
+    compile: bool | None = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # in field order: the first bad field is the one named

@@ -38,7 +38,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
                   detectors: tuple[str, ...] = DETECTOR_NAMES, listeners: tuple[Listener, ...] = (),
                   cost_model: str = "auto", serving: bool = False, planned: list | None = None,
                   pacer: Pacer | None = None, enforce_eager: bool = False,
-                  batch_invariant: bool | None = None,
+                  batch_invariant: bool | None = None, compile: bool | None = None,
                   progress: Callable[[str], None] | None = None) -> "Session":
     """The Session the headless run and the dashboard both use, from CLI-level choices.
 
@@ -55,6 +55,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
             (EngineConfig.enforce_eager).
         batch_invariant: overrides the scenario's engine.batch_invariant when given
             (EngineConfig.batch_invariant).
+        compile: overrides EngineConfig.compile (the compiled decode step) when given.
         progress: hears one line when the numeric tolerance is measured at load (see Session).
 
     Raises:
@@ -67,8 +68,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         overrides["faults"] = frozenset()
     if enforce_eager:
         overrides["enforce_eager"] = True
-    if batch_invariant is not None:
-        overrides["batch_invariant"] = batch_invariant
+    overrides.update({k: v for k, v in (("batch_invariant", batch_invariant), ("compile", compile)) if v is not None})
     return Session(scenario, loaded, clock=clock, record_path=record, engine_overrides=overrides,
                    listeners=listeners, detectors=detectors, faults=faults, fault_switches=not clear_faults,
                    cost_model=cost_model, serving=serving, planned=planned, pacer=pacer, progress=progress)

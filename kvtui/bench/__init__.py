@@ -1,7 +1,7 @@
 """`kvtui bench`: a suite of side-by-side measurements, each part selectable.
 
 Parts: overhead (kvtui decode step vs a bare transformers forward), batch (the batch curve), knobs
-(bucketing, slot reuse, layouts), peers (kvtui vs transformers and llama.cpp on one Poisson workload),
+(bucketing, slot reuse, layouts), peers (kvtui vs vLLM, transformers and llama.cpp on a Poisson workload and at saturation),
 bf16 (float32 vs bfloat16), detectors (the in-engine detectors' cost), profile (where a decode step's time
 goes), transcribe (Whisper tiny.en transcription throughput against transformers and ctranslate2), images
 (DINOv2-small per image, batched vs one at a time, the encoder cache's hits and savings), loadgen (the
@@ -34,7 +34,7 @@ PARTS = {
     "overhead": (overhead.run, overhead.markdown, "engine overhead: kvtui decode step vs a bare transformers forward"),
     "batch": (curve.run, curve.markdown, "batch curve: decode tokens/s by batch size"),
     "knobs": (knobs.run, knobs.markdown, "bucketing, slot reuse and layouts on a wide length spread"),
-    "peers": (peers.run, peers.markdown, "peers on one Poisson workload (arrivals on the wall clock)"),
+    "peers": (peers.run, peers.markdown, "peers on a Poisson workload (arrivals on the wall clock) and at saturation (all at once)"),
     "bf16": (peers.run_bf16, peers.markdown_bf16, "float32 vs bfloat16 on the same workload"),
     "detectors": (detectors.run, detectors.markdown, "in-engine detectors' cost"),
     "profile": (profile.run, profile.markdown, "where a decode step's time goes (phases and operators)"),

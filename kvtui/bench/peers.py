@@ -1,9 +1,11 @@
-"""Peers on one Poisson workload: kvtui's engine against what a user would pick instead.
+"""Peers on two workloads: kvtui's engine against what a user would pick instead.
 
-Workload: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, Poisson
-arrivals at 8 per second (faster than any system here serves them, so throughput measures capacity,
-not the arrival rate), greedy, every request forced to its output length; arrival times are honoured
-on the wall clock (a system cannot start a request before it arrives).
+Workloads: requests with mixed prompt (26-188 tokens) and output (16-48 tokens) lengths, greedy, every
+request forced to its output length. "poisson": Poisson arrivals at 8 per second, honoured on the wall
+clock (a system cannot start a request before it arrives), so part of the makespan is spent waiting for
+arrivals and the ratio of two systems is pulled toward 1. "saturation": the same requests sent all at
+once (a closed burst, every arrival at t=0), so the makespan is the systems' own work: the ratio a
+saturated server shows.
 
 The systems a user would serve with, run A B A B (each once per round, in the same order; servers
 started once before the first round, their starts not timed; after each system the servers are given
@@ -68,6 +70,13 @@ class Workload:
             arrivals.append(t)
             t += rng.expovariate(rate_per_s)
         return Workload(make_prompts(tokenizer, n, seed, 26, 188), [rng.randint(16, 48) for _ in range(n)], arrivals)
+
+    @staticmethod
+    def burst(tokenizer, n: int, rate_per_s: float = RATE, seed: int = 3) -> "Workload":
+        """The requests of Workload.poisson(tokenizer, n, rate_per_s, seed), every one arriving at t=0 (a
+        closed burst: the saturation workload)."""
+        work = Workload.poisson(tokenizer, n, rate_per_s, seed)
+        return Workload(work.prompts, work.outputs, [0.0] * n)
 
 
 @dataclass
@@ -198,6 +207,45 @@ def linear_floor_s(model, steps: list[tuple[int, int]], repeats: int = 2) -> flo
             best = min(best, time.perf_counter() - start)
         timed[(rows, sampled)] = best
     return sum(timed[shape] for shape in steps)
+
+
+@torch.inference_mode()
+def machine_peaks(repeats: int = 3) -> dict:
+    """This CPU's measured limits with torch's current threads: memory bandwidth (GB/s, the best of
+    `repeats` sums over a 256 MiB float32 tensor, far past any cache) and float32 matmul peak (GFLOP/s,
+    the best of `repeats` 2048 x 2048 x 2048 products, as near the cores' peak as torch's GEMM gets)."""
+    big = torch.ones(64 << 20)
+    square = torch.randn(2048, 2048)
+    big.sum(), square @ square  # warm-up: pages touched, the GEMM's buffers set up
+    read = min(_seconds(lambda: big.sum()) for _ in range(repeats))
+    gemm = min(_seconds(lambda: square @ square) for _ in range(repeats))
+    return {"bandwidth_gb_s": big.numel() * big.element_size() / read / 1e9, "peak_gflop_s": 2 * 2048 ** 3 / gemm / 1e9}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def roofline_s(model, steps: list[tuple[int, int]], peaks: dict) -> float:
+    """The least time a step schedule could take on this machine (steps as in linear_floor_s; `peaks` as
+    machine_peaks): per step the larger of reading the linear layers' weights once (and the LM head's
+    when it samples) at the measured bandwidth, and their multiply-adds (2 x weights x positions, and 2 x
+    head x sampled rows) at the measured peak; attention, the KV cache and everything else are left out,
+    so the bound is lower still than any engine can reach. Seconds, summed over the steps."""
+    fused = fused_for(model)
+    size = fused.embed.weight.element_size()
+    layer_params = sum(lin.in_features * lin.out_features for layer in fused.layers for lin in _linears(layer))
+    head_params = fused.head.in_features * fused.head.out_features
+    total = 0.0
+    for rows, sampled in steps:
+        if not rows:
+            continue
+        read = (layer_params + (head_params if sampled else 0)) * size / (peaks["bandwidth_gb_s"] * 1e9)
+        flops = 2 * (layer_params * rows + head_params * sampled) / (peaks["peak_gflop_s"] * 1e9)
+        total += max(read, flops)
+    return total
 
 
 def _linears(layer) -> tuple:
@@ -409,17 +457,22 @@ def wait_idle(pids: list[int], *, quiet_s: float = 1.0, busy_share: float = 0.05
 
 
 def run(loaded, *, name: str, quick: bool, console) -> dict:
-    """Every system on the same workload (see the module docstring); returns their figures.
+    """Every system on both workloads (see the module docstring); returns their figures: the Poisson
+    workload's at the top level ("systems", "targets", "floor"), the saturation workload's under
+    "saturation" ("systems", "targets"; its requests are the Poisson ones, all arriving at t=0).
 
     The systems a user would pick to serve (kvtui's engine, `kvtui serve` with its default detectors
-    and without, llama-server, vLLM CPU) run A B A B: `rounds` rounds, each system once per round in
-    the same order, every server started once before the first round (starts not timed), and after each
-    system the servers are left to finish their own background work (wait_idle). The others run once."""
+    and without, llama-server, vLLM CPU) run A B A B: `rounds` rounds, each round every system once on
+    the Poisson workload and then every system once at saturation, in the same order, every server
+    started once before the first round (starts not timed), and after each system the servers are left
+    to finish their own background work (wait_idle). The others run once, on the Poisson workload."""
     from contextlib import ExitStack
 
     from kvtui.bench.overhead import bare_model
 
-    work = Workload.poisson(loaded.tokenizer, 12 if quick else 16, rate_per_s=RATE)
+    n = 12 if quick else 16
+    work = Workload.poisson(loaded.tokenizer, n, rate_per_s=RATE)
+    workloads = {"poisson": work, "saturation": Workload.burst(loaded.tokenizer, n, rate_per_s=RATE)}
     rounds = 2 if quick else 3
     threads = torch.get_num_threads()
     console.print("  peers: solo (reference)")
@@ -437,50 +490,62 @@ def run(loaded, *, name: str, quick: bool, console) -> dict:
         results[label] = call().figures(work, solo.tokens)
     with ExitStack() as servers:
         systems, pids = _ab_systems(loaded, name, work, threads, servers, console)
-        per_round = _ab_rounds(systems, pids, rounds, work, {"text": solo_text, "tokens": solo.tokens}, console)
+        per_round = _ab_rounds(systems, pids, rounds, workloads, {"text": solo_text, "tokens": solo.tokens}, console)
         scraped = {label: server_metrics(url) for label, (_, _, url) in systems.items() if url is not None}
-    for label, figures in per_round.items():
-        results[label] = {**_merge_rounds(figures), **scraped.get(label, {})}
+    merged = {kind: {label: {**_merge_rounds(figures), **(scraped.get(label, {}) if kind == "poisson" else {})}
+                     for label, figures in per_label.items()} for kind, per_label in per_round.items()}
+    results.update(merged["poisson"])
     floor = _engine_floor(loaded.model, work, console) if supports(loaded.model) else None
     return {"requests": len(work.prompts), "rate_per_s": RATE, "rounds": rounds, "threads": threads,
             "prompt_lengths": [len(p) for p in work.prompts], "output_lengths": work.outputs, "systems": results,
-            "targets": _targets(results, threads), "floor": floor}
+            "targets": _targets(results, threads), "floor": floor,
+            "saturation": {"systems": merged["saturation"], "targets": _targets(merged["saturation"], threads)}}
 
 
-def _ab_rounds(systems: dict, pids: list, rounds: int, work: Workload, reference: dict, console) -> dict:
-    """The A/B rounds: each system once per round, in order, its figures against `reference` ("text" or
-    "tokens": the solo run's answers), the servers left idle after each. A system whose run fails
-    forced_length_shortfall is left out from then on, with one line saying why. Returns label -> figures
-    per round (the systems left out: none)."""
-    per_round: dict[str, list[dict]] = {label: [] for label in systems}
+def _ab_rounds(systems: dict, pids: list, rounds: int, workloads: dict, reference: dict, console) -> dict:
+    """The A/B rounds: in each round, for each workload of `workloads` (kind -> Workload) in order, each
+    system once, in order, its figures against `reference` ("text" or "tokens": the solo run's answers),
+    the servers left idle after each. A system whose run fails forced_length_shortfall is left out from
+    then on, on every workload, with one line saying why. Returns kind -> label -> figures per round (the
+    systems left out: none)."""
+    per_round = {kind: {label: [] for label in systems} for kind in workloads}
+    dropped: set[str] = set()
     for r in range(rounds):
-        for label, (call, compared_by, _) in systems.items():
-            if label not in per_round:
-                continue
-            console.print(f"  peers: round {r + 1}/{rounds}: {label}")
-            outcome = call()
-            wait_idle(pids)
-            reason = forced_length_shortfall(outcome)
-            if reason:
-                console.print(f"  peers: {label} left out: {reason}")
-                del per_round[label]
-                continue
-            per_round[label].append(outcome.figures(work, reference[compared_by]))
-    return per_round
+        for kind, work in workloads.items():
+            for label, (call, compared_by, _) in systems.items():
+                if label in dropped:
+                    continue
+                console.print(f"  peers: round {r + 1}/{rounds}, {kind}: {label}")
+                outcome = call(work)
+                wait_idle(pids)
+                reason = forced_length_shortfall(outcome)
+                if reason:
+                    console.print(f"  peers: {label} left out: {reason}")
+                    dropped.add(label)
+                    continue
+                per_round[kind][label].append(outcome.figures(work, reference[compared_by]))
+    return {kind: {label: f for label, f in per_label.items() if label not in dropped}
+            for kind, per_label in per_round.items()}
 
 
 def _engine_floor(model, work: Workload, console) -> dict:
     """One more in-process engine run, and its step schedule replayed on its linear layers and LM head
-    alone (linear_floor_s; the run built the fused forward the replay reads). Returns the steps, the
-    engine's step seconds, the floor's, and the output tokens/s at the floor, measured like every
-    system's: output tokens over the makespan, here the run's with each step's time replaced by its floor
-    (time spent waiting for arrivals stays)."""
-    console.print("  peers: the kvtui engine's steps on their linear layers alone (the linear-layer floor)")
+    alone (linear_floor_s, "kvtui's kernels alone"; the run built the fused forward the replay reads) and
+    bounded by this machine's roofline (machine_peaks, roofline_s). Returns the steps, the engine's step
+    seconds, the floor's, the output tokens/s at the floor, the measured bandwidth and peak, the
+    roofline's seconds and its output tokens/s, each measured like every system's: output tokens over the
+    makespan, here the run's with each step's time replaced by its floor or roofline (time spent waiting
+    for arrivals stays)."""
+    console.print("  peers: the kvtui engine's steps on their linear layers alone (kvtui's kernels alone) and "
+                  "against this machine's roofline")
     outcome = run_kvtui(model, work)
     floor = linear_floor_s(model, outcome.steps)
+    peaks = machine_peaks()
+    roof = roofline_s(model, outcome.steps, peaks)
     makespan = max(outcome.last) - min(work.arrivals)
     return {"steps": len(outcome.steps), "engine_step_s": outcome.step_s, "floor_s": floor,
-            "floor_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + floor)}
+            "floor_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + floor), **peaks,
+            "roofline_s": roof, "roofline_tokens_per_s": sum(work.outputs) / (makespan - outcome.step_s + roof)}
 
 
 def _eager(model, work: Workload) -> Outcome:
@@ -489,15 +554,16 @@ def _eager(model, work: Workload) -> Outcome:
 
 
 def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, console):
-    """The A/B systems that can run here: label -> (call, "tokens" or "text": what it is compared by, the
-    URL of a server with vLLM's metrics or None), and the servers' process ids. Servers are entered on
-    `servers` (an ExitStack)."""
+    """The A/B systems that can run here: label -> (call(workload) -> Outcome, "tokens" or "text": what it
+    is compared by, the URL of a server with vLLM's metrics or None), and the servers' process ids. Servers
+    are entered on `servers` (an ExitStack), sized for `work`; a call takes `work` or a workload with the
+    same requests at other arrival times (Workload.burst), since per-request bodies follow the index."""
     from kvtui.remote.llama_server import find_llama_server
     from kvtui.remote.vllm_cpu import VllmCpuServer, find_vllm_cpu
 
     default_model = find_model(name) is SMOLLM2
     max_len = max(len(p) + n for p, n in zip(work.prompts, work.outputs)) + 8
-    systems = {"kvtui engine": (lambda: run_kvtui(loaded.model, work), "tokens", None)}
+    systems = {"kvtui engine": (lambda w: run_kvtui(loaded.model, w), "tokens", None)}
     pids = []
     serves = [(None, threads, "kvtui serve, default detectors"), ("none", threads, "kvtui serve --detectors none")]
     if (os.cpu_count() or 1) >= 2 * threads:  # does a second thread pay, the reference checks included?
@@ -506,7 +572,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         console.print(f"  peers: starting {label}")
         server = servers.enter_context(KvtuiServe(name, threads=n, detectors=detectors, max_len=max_len))
         pids.append(server.process.pid)
-        systems[label] = (lambda url=server.url: _stream_all(url, work, {}), "text", server.url)
+        systems[label] = (lambda w, url=server.url: _stream_all(url, w, {}), "text", server.url)
     if find_llama_server() is not None and default_model:  # it serves the default GGUF
         from kvtui.models import default_model_path
         from kvtui.remote.llama_server import LlamaServer
@@ -514,7 +580,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         llama = servers.enter_context(LlamaServer(default_model_path(), parallel=16, ctx_per_slot=max_len,
                                                   threads=threads))
         pids.append(llama.process.pid)
-        systems["llama.cpp llama-server (-np 16)"] = (lambda: _stream_all(llama.url, work, {"cache_prompt": False}),
+        systems["llama.cpp llama-server (-np 16)"] = (lambda w: _stream_all(llama.url, w, {"cache_prompt": False}),
                                                        "text", None)
     missing = find_vllm_cpu()
     if missing is None and default_model and loaded.dtype == torch.float32:
@@ -522,7 +588,7 @@ def _ab_systems(loaded, name: str, work: Workload, threads: int, servers, consol
         console.print(f"  peers: vLLM CPU started in {vllm.start_s:.0f} s")
         pids.append(vllm.pgid)
         body = lambda i: {"model": "SmolLM2-135M-Instruct", "cache_salt": secrets.token_hex(16)}  # noqa: E731
-        systems[f"vLLM CPU 0.32 ({threads_label(threads)})"] = (lambda: _stream_all(vllm.url, work, body), "text",
+        systems[f"vLLM CPU 0.32 ({threads_label(threads)})"] = (lambda w: _stream_all(vllm.url, w, body), "text",
                                                                  vllm.url)
     elif missing is not None:
         console.print(f"  peers: vLLM CPU left out: {missing}")
@@ -576,7 +642,7 @@ def _add_transformers_serve(loaded, work: Workload, threads: int, servers, syste
     pids.append(server.pgid)
     body = transformers_serve_body(loaded.tokenizer, work, server.model_name)
     systems[f"transformers serve {server.version} --continuous-batching ({threads_label(threads)})"] = (
-        lambda: _stream_all(server.url, work, body), "text", None)
+        lambda w: _stream_all(server.url, w, body), "text", None)
 
 
 def server_metrics(url: str) -> dict:
@@ -641,7 +707,34 @@ def _targets(results: dict, threads: int) -> list[dict]:
 
 
 def markdown(result: dict) -> list[str]:
+    """The peers part as Markdown lines: the Poisson workload's table, waits, targets and floor, then the
+    saturation workload's table and targets (when the result has them)."""
+    lines = ["Poisson arrivals:", "", *_table(result["systems"])]
     systems = result["systems"]
+    waits = [(label, f["engine_wait_share"]) for label, f in systems.items() if f.get("engine_wait_share") is not None]
+    if waits:
+        lines += ["", "The engine thread off the CPU during its steps (in kvtui serve: waits for the GIL the HTTP "
+                      "event loop holds, and preemption; in process: preemption alone): "
+                      + "; ".join(f"{label} {share:.1%}" for label, share in waits)]
+    lines += _target_lines(result.get("targets"), result)
+    lines += _floor_lines(result.get("floor"), systems)
+    saturated = result.get("saturation")
+    if saturated:
+        lines += ["", "Saturation (the same requests, all sent at t=0):", "", *_table(saturated["systems"])]
+        lines += _target_lines(saturated.get("targets"), result)
+    return lines
+
+
+def _target_lines(targets: list | None, result: dict) -> list[str]:
+    if not targets:
+        return []
+    lines = ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
+    return lines + [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: "
+                    f"{'met' if t['ratio'] >= t['goal'] else 'not met'})" for t in targets]
+
+
+def _table(systems: dict) -> list[str]:
+    """One workload's systems as a Markdown table (tokens/s with the rounds' spread, x against kvtui's engine)."""
     kvtui = systems["kvtui engine" if "kvtui engine" in systems else "kvtui"]["tokens_per_s"]
     lines = ["| system | output tokens/s | kvtui x | TTFT p50 / p95 s | E2E p50 / p95 s | mean ITL ms | equal to solo |",
              "|---|---|---|---|---|---|---|"]
@@ -652,29 +745,32 @@ def markdown(result: dict) -> list[str]:
         lines.append(f"| {label} | {f['tokens_per_s']:.1f}{spread} | {kvtui / f['tokens_per_s']:.2f} | "
                      f"{f['ttft_p50_s']:.2f} / {f['ttft_p95_s']:.2f} | {f['e2e_p50_s']:.2f} / {f['e2e_p95_s']:.2f} | "
                      f"{itl} | {same} |")
-    waits = [(label, f["engine_wait_share"]) for label, f in systems.items() if f.get("engine_wait_share") is not None]
-    if waits:
-        lines += ["", "The engine thread off the CPU during its steps (in kvtui serve: waits for the GIL the HTTP "
-                      "event loop holds, and preemption; in process: preemption alone): "
-                      + "; ".join(f"{label} {share:.1%}" for label, share in waits)]
-    if result.get("targets"):
-        lines += ["", f"Targets ({result.get('rounds', 1)} A/B rounds, {threads_label(result.get('threads', 1))}):", ""]
-        lines += [f"- {t['what']}: {t['ratio']:.2f}x (goal {t['goal']:.2f}x: {'met' if t['ratio'] >= t['goal'] else 'not met'})"
-                  for t in result["targets"]]
-    return lines + _floor_lines(result.get("floor"), systems)
+    return lines
 
 
 def _floor_lines(floor: dict | None, systems: dict) -> list[str]:
-    """The linear-layer floor (see linear_floor_s) in words, against vLLM CPU where it ran."""
+    """The linear-layer floor (see linear_floor_s: kvtui's kernels alone) and the machine's roofline (see
+    roofline_s) in words, against vLLM CPU where it ran."""
     if not floor:
         return []
     vllm = next((f for label, f in systems.items() if label.startswith("vLLM CPU")), None)
-    against = "" if vllm is None else f", {floor['floor_tokens_per_s'] / vllm['tokens_per_s']:.2f}x vLLM CPU"
-    return ["", f"Linear-layer floor: one more engine run's {floor['steps']} steps took {floor['engine_step_s']:.2f} s; "
-                f"the same steps on the linear layers and LM head alone took {floor['floor_s']:.2f} s "
-                f"({floor['floor_s'] / floor['engine_step_s']:.0%}). With everything else free the engine would "
-                f"give {floor['floor_tokens_per_s']:.1f} output tokens/s{against}: on this CPU's kernels, no "
-                "saving outside the linear layers can run these steps faster."]
+
+    def against(rate: float) -> str:
+        return "" if vllm is None else f", {rate / vllm['tokens_per_s']:.2f}x vLLM CPU"
+
+    lines = ["", f"Linear-layer floor (kvtui's kernels alone): one more engine run's {floor['steps']} steps took "
+                 f"{floor['engine_step_s']:.2f} s; the same steps on the linear layers and LM head alone took "
+                 f"{floor['floor_s']:.2f} s ({floor['floor_s'] / floor['engine_step_s']:.0%}). With everything else "
+                 f"free the engine would give {floor['floor_tokens_per_s']:.1f} output tokens/s"
+                 f"{against(floor['floor_tokens_per_s'])}: with kvtui's kernel choices, no saving outside the linear "
+                 "layers can run these steps faster; faster kernels can."]
+    if "roofline_s" in floor:
+        lines += ["", f"Roofline: this machine measured {floor['bandwidth_gb_s']:.1f} GB/s of memory bandwidth and "
+                      f"{floor['peak_gflop_s']:.0f} GFLOP/s of float32 matmul peak; the same steps reading their "
+                      f"weights once at that bandwidth or multiplying at that peak, whichever is slower, take "
+                      f"{floor['roofline_s']:.2f} s, {floor['roofline_tokens_per_s']:.1f} output tokens/s"
+                      f"{against(floor['roofline_tokens_per_s'])}: no kernel on this machine runs these steps faster."]
+    return lines
 
 
 __all__ = ["Spread", "Workload", "markdown", "markdown_bf16", "run", "run_bf16"]

@@ -59,6 +59,15 @@ def enforce_eager_option():
                                         "models run fused by default, others always run the modules).")]
 
 
+def compile_option():
+    """--compile/--no-compile: the compiled decode step (EngineConfig.compile); default: where it can run."""
+    return Annotated[Optional[bool], typer.Option(
+        "--compile/--no-compile", help="Run decode steps as one compiled inductor graph (kvtui/engine/compiled.py; "
+        "Llama-family models on kvtui's fused forward, a C++ compiler needed; the first decode steps compile, a "
+        "minute or more per shape). Default: eager, since the compiled step measured no faster "
+        "(docs/performance.md); a note says which runs and why.")]
+
+
 def batch_invariant_option():
     """--batch-invariant/--no-batch-invariant: override the scenario's engine.batch_invariant."""
     return Annotated[Optional[bool], typer.Option(

@@ -35,6 +35,7 @@ from kvtui.cli.options import (
     Tolerance,
     api_option,
     batch_invariant_option,
+    compile_option,
     enforce_eager_option,
     fault_names,
     parse_detectors,
@@ -74,6 +75,7 @@ def run(
                                                            )] = None,
     enforce_eager: enforce_eager_option() = ENGINE.enforce_eager,
     batch_invariant: batch_invariant_option() = None,
+    compile: compile_option() = None,
     cost_model: Annotated[CostModel, typer.Option(help="Virtual clock step costs: auto (this machine's `kvtui "
                                                   "calibrate` fit if there is one) or default (the built-in "
                                                   "fit).")] = "auto",
@@ -154,7 +156,7 @@ def run(
             _dashboard_checks(scenario, spec, model, dtype, device)
     options = dict(clock=clock, record=record, layout=layout, device=device, faults=faults, detectors=chosen,
                    clear_faults=clear_faults, cost_model=cost_model, enforce_eager=enforce_eager,
-                   batch_invariant=batch_invariant)
+                   batch_invariant=batch_invariant, compile=compile)
     if not headless:
         _dashboard(scenario, model=model, dtype=dtype, **{**options, "clock": clock or spec.dashboard.clock})
         return
@@ -162,6 +164,8 @@ def run(
     planned = check_lengths(scenario, spec, loaded.tokenizer, model)
     session = _session(spec, scenario, loaded, planned=planned, progress=lambda line: say("note", line),
                        **{**options, "clock": clock or "virtual"})
+    if compile is not None:  # asked for one way or the other: say which runs and why
+        say("note", f"decode steps: {session.engine.runner.compile_note}")
     stopped = install_stop_handlers(session)
     summary = _run_headless(session, record, quiet)
     from kvtui.summary import print_contamination, print_summary

@@ -14,6 +14,7 @@ from kvtui.cli.options import (
     SERVE,
     FaultChoice,
     batch_invariant_option,
+    compile_option,
     enforce_eager_option,
     fault_names,
     parse_detectors,
@@ -86,6 +87,7 @@ def serve(
                                                    "413 before they are parsed.", min=1)] = SERVE.max_request_bytes,
     enforce_eager: enforce_eager_option() = SERVE.enforce_eager,
     batch_invariant: batch_invariant_option() = SERVE.batch_invariant,
+    compile: compile_option() = SERVE.compile,
     enable_prompt_embeds: Annotated[bool, typer.Option("--enable-prompt-embeds", help="Take prompt embeddings "
                                                        "(base64 torch.save tensors) in `prompt_embeds` of completions "
                                                        "and prompt_embeds parts of chat messages, as vLLM's flag; "
@@ -130,7 +132,7 @@ def serve(
                            kv_offload_blocks=kv_offload_blocks, max_waiting=max_waiting, detectors=parse_detectors(detectors),
                            threads=threads or default_torch_threads(), progress=True, api_key=api_key or None,
                            max_request_bytes=max_request_bytes, enforce_eager=enforce_eager,
-                           batch_invariant=batch_invariant, enable_prompt_embeds=enable_prompt_embeds,
+                           batch_invariant=batch_invariant, compile=compile, enable_prompt_embeds=enable_prompt_embeds,
                            lora_modules=modules, enable_lora=enable_lora,
                            allow_runtime_lora_updating=allow_runtime_lora_updating)
     from kvtui.faults import FAULTS, server_faults

@@ -119,7 +119,7 @@ class Engine:
         self.runner, encoder = make_encoder_side(model, self.pool, capacity=encoder_cache_entries or
                                                  encoder_capacity(config), enforce_eager=config.enforce_eager,
                                                  image_encoder=image_encoder, batch_invariant=config.batch_invariant,
-                                                 state=state)
+                                                 state=state, compile=config.compile)
         self.scheduler = Scheduler(self.kv, config, encoder, state)
         self.clock, self.cost_model = clock, cost_model or StepCostModel()
         self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
@@ -694,14 +694,14 @@ def _make_kv(model, config: EngineConfig, serial_of, name_of=None, state: StateS
 
 
 def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False, image_encoder=None,
-                      batch_invariant: bool = False, state: StateSide | None = None):
+                      batch_invariant: bool = False, state: StateSide | None = None, compile: bool | None = False):
     """(ModelRunner, EncoderSide) for `model`: the one place that reads the model's kind (besides
     state_side.make_state_side, which picks the state side from it).
     An encoder-decoder (Whisper; `config.is_encoder_decoder`): EncoderDecoderRunner and CrossAttentionInputs
     with an encoder cache of `capacity` entries. A hybrid (linear-attention layers beside attention layers):
     HybridRunner over the state side's StatePool (`state`, checkpoints at block boundaries when it keeps
     them) and TokenInputs. Any other causal LM: ModelRunner (`enforce_eager`, `batch_invariant`: see
-    ModelRunner) and TokenInputs, or with an `image_encoder` (kvtui.models.vision.ImageEncoder) ImageInputs
+    ModelRunner; `compile`: its compiled decode step, see EngineConfig.compile) and TokenInputs, or with an `image_encoder` (kvtui.models.vision.ImageEncoder) ImageInputs
     with an image cache of `capacity` entries (one encoder forward per picture when batch_invariant).
 
     Raises:
@@ -717,7 +717,7 @@ def make_encoder_side(model, pool, *, capacity: int, enforce_eager: bool = False
         runner = HybridRunner(model, pool, state.pool, batch_invariant=batch_invariant,
                               checkpoint_every=pool.block_size if state.checkpoints else None)
         return runner, TokenInputs(hidden, kind=kind)
-    runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+    runner = ModelRunner(model, pool, enforce_eager=enforce_eager, batch_invariant=batch_invariant, compile=compile)
     if image_encoder is not None:
         side = ImageInputs(hidden, image_encoder, capacity)
         side.one_at_a_time = batch_invariant

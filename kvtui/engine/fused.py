@@ -7,7 +7,8 @@ What changes against `LlamaModel.forward` with the "kvtui" attention (and nothin
     (kvtui/engine/linear.py: F.linear, tiled F.linear, input-major `x @ W`, or oneDNN prepacked), and the model's own
     q/k/v/gate/up/o/down modules keep working on it (views into it, or PackedSlice modules over a
     prepacked weight), so `model.generate` on the same instance still runs. A tied LM head stays the
-    embedding table (re-laid input-major in place when that multiplies faster), never a copy.
+    embedding table (re-laid input-major in place when that multiplies faster), or, where a oneDNN
+    prepacked copy of the table measured fastest at load, runs on that copy (the embedding keeps the table).
   - one Python function per layer instead of transformers' module stack (decorators, kwargs
     plumbing, output recording), and no additive mask unless the step's attention path reads one.
   - element-wise work with fewer temporaries, exactly: q and k rotated in one pass, the residual adds

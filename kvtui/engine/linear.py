@@ -40,7 +40,10 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("linear", "tiled", "input_major", "prepacked")
-TIED_HEAD_KERNELS = ("linear", "tiled", "input_major")  # those that keep the embedding's one copy readable
+# a tied head's kernels: those that keep the embedding's one copy readable, and "prepacked" as a oneDNN copy
+# of the table beside it (vocab x hidden more bytes: 113 MB for SmolLM2 in float32), taken only where it
+# measures fastest, as vLLM's CPU path keeps such a copy
+TIED_HEAD_KERNELS = ("linear", "tiled", "input_major", "prepacked")
 TILE = 2048  # output features per tile of the "tiled" kernel (1024 to 4096 timed alike)
 ENV = "KVTUI_LINEAR_KERNEL"
 DECODE_ROWS, PREFILL_ROWS = 16, 128
@@ -252,9 +255,10 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     """The linear kernels for a model's layers (`num_layers` layers of `shapes`, (in, out) each) and LM
     head (`head`, (in, vocab), or None) in `dtype` on this machine.
 
-    The layers take one of KERNELS. A tied head is the embedding table itself, so it may take only a
-    kernel that keeps one copy the embedding can still read: "linear", "tiled", or "input_major" (the table
-    stored [hidden, vocab], the embedding reading rows of its transposed view); an untied head any.
+    The layers take one of KERNELS. A tied head is the embedding table itself, so it may take a kernel
+    that keeps one copy the embedding can still read: "linear", "tiled", or "input_major" (the table
+    stored [hidden, vocab], the embedding reading rows of its transposed view); or "prepacked", a oneDNN
+    copy of the table beside it (vocab x hidden more bytes); an untied head any.
 
     Order: $KVTUI_LINEAR_KERNEL when set (the layers, and the head where it can); this process's earlier
     choice; the choice stored in kvtui's cache for this CPU model, flags, torch version, threads, dtype
@@ -270,17 +274,19 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     """
     forced = os.environ.get(ENV)
     candidates = [k for k in KERNELS if k != "prepacked" or prepack_available(dtype)]
-    head_candidates = list(TIED_HEAD_KERNELS) if tied else candidates
+    head_candidates = [k for k in TIED_HEAD_KERNELS if k in candidates] if tied else candidates
     if forced:
         if forced not in candidates:
             raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(candidates)} on this machine")
-        head_kernel = forced if forced in head_candidates else "linear"
+        copy = tied and forced == "prepacked"  # a forced kernel makes no copy of a tied table
+        head_kernel = forced if forced in head_candidates and not copy else "linear"
         return {"kernel": forced, "head_kernel": head_kernel, "why": f"forced by {ENV}", "ms": {}}
     key = (dtype, tuple(shapes), num_layers, head, tied)
     if key in _CHOSEN:
         return _CHOSEN[key]
     store_key = (f"{_machine_key()} | {str(dtype).replace('torch.', '')} | {shapes} x {num_layers} | head {head}"
-                 f"{' tied' if tied else ''} | {'/'.join(candidates)}")  # a new candidate measures again
+                 f"{' tied' if tied else ''} | {'/'.join(candidates)}"  # a new candidate measures again
+                 + (f" | head {'/'.join(head_candidates)}" if tied else ""))
     path = _store_path()
     with _locked(path):  # one process measures; the others wait and read its choice
         choice = _stored_or_measured(path, store_key, dtype, shapes, num_layers, head, candidates, head_candidates,

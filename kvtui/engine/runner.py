@@ -15,6 +15,7 @@ import torch
 from kvtui.engine import fused as fused_forward
 from kvtui.engine.attention import PooledCache, StepInterrupted, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
+from kvtui.engine.compiled import bound_step, compile_problem, compiled_decode, decode_only
 from kvtui.engine.kv_pool import KVPool
 from kvtui.faults import FP16_MASK_CONSTANT
 
@@ -69,12 +70,15 @@ class ModelRunner:
             fused forward (kvtui/engine/fused.py) where the model supports it, the modules elsewhere.
         batch_invariant: the batch-invariant mode (kvtui/engine/invariant.py): fixed row tiles chosen
             on this CPU, attention per query position.
+        compile: the compiled decode step (kvtui/engine/compiled.py): True where it can run, None too
+            unless $KVTUI_COMPILE=0, False never (EngineConfig.compile); `compile_note` says which and why.
 
     Raises:
         ValueError: batch_invariant on a model the fused forward does not run, or with enforce_eager.
     """
 
-    def __init__(self, model, pool: KVPool, *, enforce_eager: bool = False, batch_invariant: bool = False) -> None:
+    def __init__(self, model, pool: KVPool, *, enforce_eager: bool = False, batch_invariant: bool = False,
+                 compile: bool | None = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
@@ -89,6 +93,14 @@ class ModelRunner:
             if problem:
                 raise ValueError(problem)
             self.tiles, self.tile_figures = self.fused.invariant_tiles()
+        # the compiled decode step (kvtui/engine/compiled.py): compile True takes it where it can run, None
+        # too unless $KVTUI_COMPILE=0, False never; compile_note says which and why
+        self.compiled = None
+        problem = compile_problem(model, compile=compile, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+        if problem is None:
+            self.compiled = compiled_decode(self.fused)
+            self._attention_modules = [layer.attn for layer in self.fused.layers]
+        self.compile_note = "compiled decode step (inductor)" if problem is None else f"eager: {problem}"
 
     @property
     def head(self):
@@ -121,6 +133,12 @@ class ModelRunner:
             return self.fused.invariant_logits(hidden[batch.sample_row, batch.sample_col], self.tiles).float().cpu()
         if self.fused is not None:
             mask = None if state.own_range else batch.additive_mask(self.dtype, masked).to(self.device)
+            if self.compiled is not None and lora is None and bind and decode_only(batch):
+                cos, sin = self.fused.rotary(embeds, position_ids=batch.position_ids)
+                with bound_step(self.cache, self._attention_modules, mask):
+                    logits = self.compiled(embeds, cos, sin, batch.sample_row, batch.sample_col,
+                                           self.pool.keys, self.pool.values)
+                return logits.float().cpu()
             hidden = self.fused(embeds, batch.position_ids, self.cache, state, mask, lora)
         else:
             hidden = self.body(

@@ -108,6 +108,7 @@ def _plain(server: ServeServer, note: Callable[[str], None]):
             server.start_engine()
         except OSError as e:
             raise _recording_error(server, e) from None
+        note(f"decode steps: {server.session.engine.runner.compile_note}")
         note(f"serving {server.metrics.model_name} at {server.url}/v1 (OpenAI API; /metrics, /health); "
              "Ctrl-C stops")
         while not stop.wait(0.2) and not server.engine_stopped:

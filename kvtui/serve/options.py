@@ -20,8 +20,11 @@ SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "const
 # from about 128 rows), while a smaller budget ends the first arrivals' prefills sooner and lets running
 # decodes take a token in every prefill step. On the peers workload (docs/performance.md), one thread of
 # a 2-core AMD EPYC (avx2, no avx512): TTFT p50 2.2-2.3 s at 256 against 3.7-3.9 s at 1024, output
-# tokens/s 39.2-40.3 against 38.8-39.3. Never below max_batch_size (serve_budget): decodes take one
-# token each first, so a smaller budget would leave the later rows and every prefill waiting.
+# tokens/s 39.2-40.3 against 38.8-39.3. Measured again against 2048 on that workload and at saturation (the
+# same requests all at once), 3 A/B rounds on a shared AVX-512 AMD EPYC: TTFT p50 lower at 256 in every
+# serve round; serve at saturation 1.01-1.73x faster at 2048 but the engine alone faster at 256 in four of
+# six pairs (docs/performance.md, fourth pass), so 256 stays. Never below max_batch_size (serve_budget):
+# decodes take one token each first, so a smaller budget would leave the later rows and every prefill waiting.
 SERVE_MAX_TOKENS_PER_STEP = 256
 
 
@@ -58,6 +61,7 @@ class ServeOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enforce_eager: bool = _ENGINE.enforce_eager
     batch_invariant: bool | None = None  # None: the engine's default (on for bfloat16/float16 with reference)
+    compile: bool | None = _ENGINE.compile  # the compiled decode step (EngineConfig.compile)
     enable_prompt_embeds: bool = False  # take prompt_embeds in requests (kvtui/serve/embeds.py)
     # LoRA (kvtui/serve/lora.py): adapters loaded at startup (LoraModule), LoRA on without them, and vLLM's
     # runtime LoRA updating (/v1/load_lora_adapter, /v1/unload_lora_adapter)

@@ -279,7 +279,8 @@ class ServeServer:
         session = build_session(self.scenario, self.loaded, clock="wall", device=self.options.device,
                                 record=restart_path(self.options.record, generation), faults=self.engine_faults,
                                 detectors=self.options.detectors, listeners=listeners, serving=True,
-                                enforce_eager=self.options.enforce_eager, batch_invariant=self._batch_invariant)
+                                enforce_eager=self.options.enforce_eager, batch_invariant=self._batch_invariant,
+                                compile=self.options.compile)
         self.adapters.install_all(session.adapters)  # before the engine thread steps it
         self.session = session
         self.bridge.attach(session)

@@ -34,7 +34,8 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                   device: str = "cpu", faults: tuple[str, ...] | list[str] = (),
                   detectors: tuple[str, ...] | None = None, clear_faults: bool = False, progress: bool = True,
                   torch_threads: int | None = None, cost_model: str = "auto", on_closed=None,
-                  enforce_eager: bool = False, batch_invariant: bool | None = None, on_signal=None):
+                  enforce_eager: bool = False, batch_invariant: bool | None = None, compile: bool | None = None,
+                  on_signal=None):
     """Run a scenario live in the dashboard until `q` (or the terminal closes).
 
     Args:
@@ -53,6 +54,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
         on_closed: called with the last Session once it closed (the CLI reads its recording_error).
         enforce_eager: transformers' own modules instead of kvtui's fused forward.
         batch_invariant: overrides the scenario's engine.batch_invariant when given.
+        compile: the compiled decode step (EngineConfig.compile; None: where it can run).
         on_signal: called with the signal number when SIGTERM or SIGINT stopped the dashboard (after the
             session closed and wrote its summary); the CLI exits 128 + that number.
 
@@ -93,7 +95,7 @@ def run_dashboard(scenario_path: str | Path, *, model: str | None = None, dtype:
                              layout=layout, faults=tuple(faults), clear_faults=clear_faults,
                              detectors=DETECTOR_NAMES if detectors is None else tuple(detectors),
                              listeners=(listener,), cost_model=cost_model, enforce_eager=enforce_eager,
-                             batch_invariant=batch_invariant)
+                             batch_invariant=batch_invariant, compile=compile)
 
     source = LiveSource(make_session, prepare=prepare, loading_text=f"loading the model ({model_label(name)})…",
                         torch_threads=torch_threads or default_torch_threads())

@@ -254,16 +254,22 @@ def test_the_floor_is_measured_like_the_systems_and_stated_against_vllm(tiny, mo
     outcome = Outcome(tokens=[[1, 2, 3, 4]], first=[1.0], last=[10.0], step_s=8.0, steps=[(3, 1)] * 4)
     monkeypatch.setattr(peers, "run_kvtui", lambda model, w: outcome)
     monkeypatch.setattr(peers, "linear_floor_s", lambda model, steps: 6.0 if steps == outcome.steps else None)
+    peaks = {"bandwidth_gb_s": 20.0, "peak_gflop_s": 90.0}
+    monkeypatch.setattr(peers, "machine_peaks", lambda: peaks)
+    monkeypatch.setattr(peers, "roofline_s", lambda model, steps, p: 2.0 if (steps, p) == (outcome.steps, peaks) else None)
     floor = peers._engine_floor(object(), work, Console(file=open("/dev/null", "w")))
-    # the makespan (10 s) with the 8 s of steps replaced by their 6 s floor: 4 tokens / 8 s
-    assert floor == {"steps": 4, "engine_step_s": 8.0, "floor_s": 6.0, "floor_tokens_per_s": 0.5}
+    # the makespan (10 s) with the 8 s of steps replaced by their 6 s floor: 4 tokens / 8 s; by the 2 s roofline: 4 s
+    assert floor == {"steps": 4, "engine_step_s": 8.0, "floor_s": 6.0, "floor_tokens_per_s": 0.5, **peaks,
+                     "roofline_s": 2.0, "roofline_tokens_per_s": 1.0}
     systems = {"kvtui engine": {"tokens_per_s": 0.4, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0, "e2e_p50_s": 1.0,
                                 "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1},
                "vLLM CPU 0.32 (1 thread)": {"tokens_per_s": 0.25, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
                                             "e2e_p50_s": 1.0, "e2e_p95_s": 1.0, "equal_to_solo": 1, "requests": 1}}
-    line = peers.markdown({"systems": systems, "floor": floor})[-1]
-    assert line.startswith("Linear-layer floor: one more engine run's 4 steps took 8.00 s;")
+    line, roof = peers.markdown({"systems": systems, "floor": floor})[-3::2]
+    assert line.startswith("Linear-layer floor (kvtui's kernels alone): one more engine run's 4 steps took 8.00 s;")
     assert "alone took 6.00 s (75%)" in line and "0.5 output tokens/s, 2.00x vLLM CPU" in line
+    assert roof.startswith("Roofline: this machine measured 20.0 GB/s of memory bandwidth and 90 GFLOP/s")
+    assert "take 2.00 s, 1.0 output tokens/s, 4.00x vLLM CPU" in roof
     assert "vLLM" not in peers._floor_lines(floor, {"kvtui engine": systems["kvtui engine"]})[1]
     assert peers.markdown({"systems": systems})[-1].startswith("| vLLM CPU")  # no floor, no line
 
@@ -325,10 +331,10 @@ def test_a_server_that_stops_before_the_forced_length_is_left_out_in_one_line():
         assert forced_length_shortfall(_stream_all(honest.url, work, {})) is None
         assert [b["ignore_eos"] for b in short.bodies] == [True] * 3  # the bench asked for the lengths
         out = io.StringIO()
-        systems = {"honest": (lambda: _stream_all(honest.url, work, {}), "text", None),
-                   "short": (lambda: _stream_all(short.url, work, {}), "text", None)}
-        per_round = _ab_rounds(systems, [], 2, work, {"text": [" t0 t1"] * 3, "tokens": []},
-                               Console(file=out, width=400))
+        systems = {"honest": (lambda w: _stream_all(honest.url, w, {}), "text", None),
+                   "short": (lambda w: _stream_all(short.url, w, {}), "text", None)}
+        per_round = _ab_rounds(systems, [], 2, {"poisson": work}, {"text": [" t0 t1"] * 3, "tokens": []},
+                               Console(file=out, width=400))["poisson"]
     finally:
         honest.close()
         short.close()
@@ -336,10 +342,10 @@ def test_a_server_that_stops_before_the_forced_length_is_left_out_in_one_line():
     assert per_round["honest"][0]["equal_to_solo"] == 1  # r000's two tokens are the reference's
     assert len(short.bodies) == 3 + 3  # the check above, then round 1 only
     assert out.getvalue().splitlines() == [
-        "  peers: round 1/2: honest", "  peers: round 1/2: short",
+        "  peers: round 1/2, poisson: honest", "  peers: round 1/2, poisson: short",
         "  peers: short left out: 2 of 3 requests ended before their forced output length (r001 stop, r002 stop), "
         "so its tokens/s would count tokens it never generated",
-        "  peers: round 2/2: honest"]
+        "  peers: round 2/2, poisson: honest"]
 
 
 def test_the_shortfall_names_the_first_three_requests_and_a_missing_finish():
@@ -361,3 +367,52 @@ def test_kvtui_serve_ends_every_forced_request_with_length():
     with ServeServer(ServeOptions(model="tiny-llama", port=0, slots=4, max_len=64, detectors=(), threads=1)) as srv:
         outcome = _stream_all(srv.url, work, {})
     assert outcome.finish == ["length"] * 3 and forced_length_shortfall(outcome) is None
+
+
+def test_the_saturation_workload_is_the_poisson_requests_all_sent_at_once(tiny):
+    from kvtui.bench.peers import run_kvtui
+
+    tokenizer = tiny["tiny-llama"].tokenizer
+    poisson, burst = Workload.poisson(tokenizer, 5, rate_per_s=8.0), Workload.burst(tokenizer, 5, rate_per_s=8.0)
+    assert burst.prompts == poisson.prompts and burst.outputs == poisson.outputs
+    assert burst.arrivals == [0.0] * 5 and poisson.arrivals[0] == 0.0 and poisson.arrivals[4] > 0.0
+    # in process every request is in the first step: it prefills all five prompts (enough slots and budget)
+    one_token = Workload(burst.prompts, [1] * 5, burst.arrivals)  # the first step is all this test reads
+    out = run_kvtui(tiny["tiny-llama"].model, one_token, max_tokens_per_step=2048)
+    assert out.steps[0] == (sum(len(p) for p in burst.prompts), 5)
+
+
+def test_the_ab_rounds_run_each_system_on_each_workload_in_every_round(monkeypatch):
+    from kvtui.bench import peers
+
+    monkeypatch.setattr(peers, "wait_idle", lambda pids: 0.0)
+    work = {"poisson": Workload([[5, 6]], [2], [0.5]), "saturation": Workload([[5, 6]], [2], [0.0])}
+    calls = []
+
+    def system(label, shortfall_on=None):
+        def call(w):
+            kind = next(k for k, v in work.items() if v is w)
+            calls.append((label, kind))
+            finish = ["stop"] if (label, kind, len(calls)) == shortfall_on else ["length"]
+            return Outcome(tokens=[[1, 2]], first=[w.arrivals[0] + 1.0], last=[w.arrivals[0] + 2.0], finish=finish)
+        return call
+
+    systems = {"A": (system("A"), "tokens", None), "B": (system("B", ("B", "saturation", 8)), "tokens", None)}
+    per_round = peers._ab_rounds(systems, [], 2, work, {"tokens": [[1, 2]]}, Console(file=open("/dev/null", "w")))
+    assert calls == [("A", "poisson"), ("B", "poisson"), ("A", "saturation"), ("B", "saturation"),
+                     ("A", "poisson"), ("B", "poisson"), ("A", "saturation"), ("B", "saturation")]
+    # B's last run ended short of its forced length: B is left out of both workloads
+    assert list(per_round["poisson"]) == list(per_round["saturation"]) == ["A"]
+    assert [f["tokens_per_s"] for f in per_round["poisson"]["A"]] == [1.0, 1.0]  # 2 tokens from 0.5 s to 2.5 s
+    assert [f["ttft_p50_s"] for f in per_round["saturation"]["A"]] == [1.0, 1.0]
+
+
+def test_the_roofline_takes_per_step_the_slower_of_reading_the_weights_and_multiplying(tiny):
+    from kvtui.bench.peers import machine_peaks, roofline_s
+
+    # tiny-llama: 2 layers of qkv 64x128, o 64x64, gate_up 64x256, down 128x64 (73728 weights), head 64x259, float32
+    slow = {"bandwidth_gb_s": 1e-6, "peak_gflop_s": 1e-6}  # 1000 bytes/s, 1000 flop/s
+    # (5, 2): reading 361.2 s, multiplying 2 x (73728 x 5 + 16576 x 2) / 1000 = 803.6 s; (1, 0): reading 294.9 s
+    assert roofline_s(tiny["tiny-llama"].model, [(5, 2), (0, 0), (1, 0)], slow) == pytest.approx(803.584 + 294.912)
+    peaks = machine_peaks(repeats=1)
+    assert 0.1 < peaks["bandwidth_gb_s"] < 10_000 and 0.1 < peaks["peak_gflop_s"] < 1_000_000

@@ -91,9 +91,10 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
     assert len(calls) == 2 and other["head_kernel"] == "linear"
 
 
-def test_a_tied_head_never_takes_a_kernel_that_would_copy_the_embedding(fresh_store, monkeypatch):
-    """A tied head is the embedding table: only F.linear, tiled F.linear or input-major (the table re-laid in
-    place) are offered to it, never prepacked; an untied head may take any."""
+def test_a_tied_head_is_offered_the_kernels_that_keep_the_table_and_a_prepacked_copy(fresh_store, monkeypatch):
+    """A tied head is the embedding table: F.linear, tiled F.linear or input-major (the table re-laid in
+    place) keep its one copy; prepacked is offered as a oneDNN copy beside it (where oneDNN can prepack),
+    taken only where it measures fastest; an untied head may take any."""
     offered = []
 
     def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
@@ -104,7 +105,8 @@ def test_a_tied_head_never_takes_a_kernel_that_would_copy_the_embedding(fresh_st
     monkeypatch.setattr(linear, "measure", fake_measure)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), False)
-    assert offered[0] == ("linear", "tiled", "input_major")
+    packs = linear.prepack_available(torch.float32)
+    assert offered[0] == ("linear", "tiled", "input_major") + (("prepacked",) if packs else ())
     assert set(offered[1]) == set(linear.KERNELS) - ({"prepacked"} if not linear.prepack_available(torch.float32) else set())
 
 
@@ -193,6 +195,29 @@ def test_a_prepacked_untied_head_leaves_no_second_copy_and_the_choice_can_be_ask
     assert old_head() is None
     assert type(engine.runner.head).__name__ == "PackedSlice" and engine.runner.head is model.get_output_embeddings()
     assert kernel_choice(model) is model._kvtui_fused.kernel_choice
+
+
+def test_a_prepacked_tied_head_is_a_copy_beside_the_table_and_gives_its_logits(monkeypatch):
+    """A tied head that measured fastest prepacked runs on a oneDNN copy of the table: the embedding keeps
+    the table (its values and the head module's weight untouched), and the fused forward's logits are the
+    table's own F.linear logits."""
+    from kvtui.engine import fused
+    from kvtui.models import build_tiny
+
+    if not linear.prepack_available(torch.float32):
+        pytest.skip("oneDNN cannot prepack float32 in this torch build")
+    model, _ = build_tiny("tiny-llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them, as SmolLM2's are
+    table = model.model.embed_tokens.weight.detach().clone()
+    monkeypatch.setattr(fused, "kernel_choice", lambda model, announce=None: {
+        "kernel": "linear", "head_kernel": "prepacked", "why": "measured (test)", "ms": {}})
+    make_engine(model, num_slots=1, max_len=32)
+    head = model._kvtui_fused.head
+    assert head.kernel == "prepacked" and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert torch.equal(model.get_input_embeddings().weight, table)
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.allclose(model._kvtui_fused.logits(hidden), F.linear(hidden, table), atol=1e-5, rtol=1e-5)
 
 
 def test_off_the_cpu_the_kernel_is_f_linear_and_nothing_is_measured(fresh_store):

@@ -668,6 +668,7 @@ def test_the_command_serves_until_sigterm_then_writes_the_summary_and_exits_0(tm
     finally:
         process.kill()
     assert process.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert "decode steps: eager: compile off (--compile turns it on)" in err  # the start log says which runs
     assert json.loads(last[-2][6:])["choices"][0]["finish_reason"] == "abort" and last[-1] == "data: [DONE]"
     assert "kvtui serve on tiny-llama" in out and f"recording: {record}" in out
     recorded = [json.loads(line) for line in record.read_text().splitlines()]
@@ -774,3 +775,15 @@ def test_a_missing_model_path_is_relative_to_the_current_folder_for_serve():
     message = str(raised.value)
     assert "--model" in message and "does not exist" in message and "relative to the current folder" in message
     assert "scenario file" not in message
+
+
+def test_the_default_step_budget_is_the_one_measured_on_both_peers_workloads():
+    """256 tokens per step (SERVE_MAX_TOKENS_PER_STEP), measured against 2048 on the Poisson and the
+    saturation workload (docs/performance.md); at least max_batch_size; a given budget is kept."""
+    from kvtui.serve.server import ServeOptions, serve_scenario
+
+    assert serve_scenario(ServeOptions(model="tiny-llama", port=0)).engine.max_tokens_per_step == 256
+    assert serve_scenario(ServeOptions(model="tiny-llama", port=0, slots=300, max_batch_size=300,
+                                       max_len=64)).engine.max_tokens_per_step == 300
+    assert serve_scenario(ServeOptions(model="tiny-llama", port=0, max_tokens_per_step=2048)
+                          ).engine.max_tokens_per_step == 2048

@@ -1,0 +1,215 @@
+"""The fused forward's decode step compiled with torch.compile (inductor, frozen weights).
+
+A decode-only step (every chunk one query token) runs kvtui's fused forward (kvtui/engine/fused.py) as
+one inductor graph: the norms, rotary, SiLU and residual adds become generated C++ fused into few
+loops, the linear layers oneDNN calls on weights inductor's freezing holds as constants, and the LM
+head on the sampled rows. Attention and the KV write stay out of the graph: both run behind one custom
+op, `kvtui::pooled_attention`, that writes the step's new K/V into the pool in place and runs
+`kvtui_attention` with the step's state, exactly the eager code (every attention path, the
+attention_flow measurement and every fault that acts in attention see what they see eagerly). Writing
+the KV cache inside the graph instead made the step several times slower (the pool is functionalized:
+copied).
+
+Prefill and mixed steps, LoRA rows and the batch-invariant mode run eagerly.
+
+Compiling needs a C++ compiler (torch's configured cxx): `compile_problem` says why a step cannot be
+compiled here, and the engine falls back to eager with that reason. It is off by default
+(EngineConfig.compile): on the 2-core AMD EPYC measured (docs/performance.md) the compiled step was no
+faster than the eager fused forward, whose linear layers already run oneDNN prepacked kernels, and each
+new shape kind cost 50-110 s of compiling per process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import torch
+
+from kvtui.engine.attention import kvtui_attention
+
+ENV = "KVTUI_COMPILE"  # "0": never compile (the test suite's default); "1": compile where possible
+_STEP = threading.local()  # the step the custom op serves: .cache, .modules, .mask
+
+
+@torch.library.custom_op("kvtui::pooled_attention", mutates_args=("k_pool", "v_pool"))
+def pooled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                     v_pool: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer's KV write and attention for the running step: k, v [R, Hkv, Q, D] written into the
+    layer's pool (k_pool, v_pool, mutated in place: the pool's tensors of `layer`) through the step's
+    PooledCache, then q [R, Hq, Q, D] attends as kvtui_attention does. Returns [R, Q, Hq, D] (a new
+    tensor). The step's cache, state and mask come from `bound_step` (thread-local).
+
+    Raises:
+        RuntimeError: called outside bound_step.
+    """
+    step = getattr(_STEP, "current", None)
+    if step is None:
+        raise RuntimeError("kvtui::pooled_attention called outside an engine step")
+    cache, modules, mask = step
+    kwargs: dict = {}
+    keys, values = cache.layers[layer].update(k, v, kwargs=kwargs)
+    out, _ = kvtui_attention(modules[layer], q, keys, values, mask, scaling=modules[layer].scaling, **kwargs)
+    out = out.contiguous()
+    storage = out.untyped_storage().data_ptr()
+    if any(storage == t.untyped_storage().data_ptr() for t in (q, k, v, k_pool, v_pool)):
+        out = out.clone()  # a custom op's output must not alias its inputs
+    return out
+
+
+@pooled_attention.register_fake
+def _(q, k, v, k_pool, v_pool, layer):
+    rows, heads, q_len, d = q.shape
+    return q.new_empty(rows, q_len, heads, d)
+
+
+@torch.library.custom_op("kvtui::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
+    """oneDNN's linear on a weight kvtui prepacked (kvtui/engine/linear.py "prepacked"): x [N, in] ->
+    [N, out_features]. Opaque to inductor, which lowers its own mkldnn linear only over weights it
+    froze itself."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+class bound_step:
+    """Context manager: the custom op serves `cache` (a PooledCache bound to the step's state), with the
+    layers' attention modules `modules` (for the scaling and overrides) and the additive `mask` (None on
+    the own-range path)."""
+
+    def __init__(self, cache, modules, mask) -> None:
+        self.value = (cache, modules, mask)
+
+    def __enter__(self):
+        self.previous = getattr(_STEP, "current", None)
+        _STEP.current = self.value
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STEP.current = self.previous
+
+
+def compiler_path() -> str | None:
+    """The C++ compiler inductor would call (torch._inductor.config.cpp.cxx, found on PATH), or None."""
+    from torch._inductor import config
+
+    for name in config.cpp.cxx:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def compile_problem(model, *, compile: bool | None = None, enforce_eager: bool = False,
+                    batch_invariant: bool = False) -> str | None:
+    """Why the decode step of `model` is not compiled here, or None when it can be, in this order: a model
+    the fused forward does not run, a model off the CPU, --enforce-eager, the batch-invariant mode,
+    --no-compile (`compile` False), $KVTUI_COMPILE=0 when the choice is automatic (`compile` None; an
+    explicit --compile overrides it), no C++ compiler (torch's configured cxx not on PATH)."""
+    from kvtui.engine import fused
+
+    if not fused.supports(model):
+        return f"the compiled step runs Llama-family models, not {model.config.model_type!r}"
+    if model.device.type != "cpu":
+        return f"the model is on {model.device.type}"
+    if enforce_eager:
+        return "--enforce-eager runs transformers' own modules"
+    if batch_invariant:
+        return "the batch-invariant mode runs its own tiled forward"
+    if compile is False:
+        return "compile off (--compile turns it on)"
+    if compile is None and os.environ.get(ENV) == "0":
+        return f"${ENV}=0"
+    if compiler_path() is None:
+        from torch._inductor import config
+
+        return f"no C++ compiler found (torch looks for {' or '.join(c for c in config.cpp.cxx if c)})"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward (fused._rms_norm), traceable: float32 variance, rsqrt, cast back, times weight."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for q and k at once (fused._rotate without its out= buffers, which a graph
+    cannot hold): (x * cos) + (rotate_half(x) * sin), rotate_half(x) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _DecodeModule(torch.nn.Module):
+    """The fused forward of a decode step as a module whose weights are parameters (so inductor's
+    freezing folds them as constants): forward(embeds [R, Q, hidden], position_ids [R, Q], sample_row [S],
+    sample_col [S], *pools) -> logits [S, V] in the model dtype."""
+
+    def __init__(self, fused) -> None:
+        super().__init__()
+        self.fused = fused
+        params = torch.nn.ParameterDict()
+        for i, layer in enumerate(fused.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                params[f"{name}{i}"] = torch.nn.Parameter(getattr(layer, name).weight, requires_grad=False)
+            params[f"norm1_{i}"] = torch.nn.Parameter(layer.norm1.detach(), requires_grad=False)
+            params[f"norm2_{i}"] = torch.nn.Parameter(layer.norm2.detach(), requires_grad=False)
+        params["final_norm"] = torch.nn.Parameter(fused.final_norm.detach(), requires_grad=False)
+        params["head"] = torch.nn.Parameter(fused.head.weight, requires_grad=False)
+        self.params = params
+
+    def _linear(self, which, name: str, x: torch.Tensor) -> torch.Tensor:
+        weight = self.params[name]
+        if which.kernel == "prepacked":
+            flat = x.reshape(-1, which.in_features)
+            out = torch.ops.kvtui.packed_linear(flat, weight, which.out_features)
+            return out.reshape(*x.shape[:-1], which.out_features)
+        if which.kernel == "input_major":
+            return x.matmul(weight)
+        return torch.nn.functional.linear(x, weight)
+
+    def forward(self, embeds, cos, sin, sample_row, sample_col, k_pools: list, v_pools: list):
+        fused = self.fused
+        hidden = embeds
+        rows, q_len = hidden.shape[:2]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        for i, layer in enumerate(fused.layers):
+            d = layer.head_dim
+            qkv = self._linear(layer.qkv, f"qkv{i}", _rms_norm(hidden, self.params[f"norm1_{i}"], float(layer.eps1)))
+            split = layer.q_size + layer.kv_size
+            qk = _rotate(qkv[..., :split].reshape(rows, q_len, -1, d), cos, sin)
+            heads = layer.q_size // d
+            q = qk[:, :, :heads].transpose(1, 2)
+            k = qk[:, :, heads:].transpose(1, 2)
+            v = qkv[..., split:].reshape(rows, q_len, -1, d).transpose(1, 2)
+            out = torch.ops.kvtui.pooled_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pools[i],
+                                                   v_pools[i], i)
+            hidden = hidden + self._linear(layer.o, f"o{i}", out.reshape(rows, q_len, -1))
+            gate, up = self._linear(layer.gate_up, f"gate_up{i}",
+                                    _rms_norm(hidden, self.params[f"norm2_{i}"], float(layer.eps2))).split(layer.inter, dim=-1)
+            hidden = hidden + self._linear(layer.down, f"down{i}", torch.nn.functional.silu(gate) * up)
+        hidden = _rms_norm(hidden, self.params["final_norm"], float(fused.final_eps))[sample_row, sample_col]
+        return self._linear(fused.head, "head", hidden)
+
+
+def compiled_decode(fused):
+    """The compiled decode step over `fused` (a FusedLlama): built on first use and kept on it, so every
+    engine over the same model instance (the batched run, the detectors' reference and replay engines)
+    runs the same graphs. Inductor compiles lazily, on the first call per new shape kind (one row, more
+    rows: the row count is dynamic)."""
+    built = getattr(fused, "_compiled_decode", None)
+    if built is None:
+        module = _DecodeModule(fused).eval()
+        built = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True, options={"freezing": True})
+        fused._compiled_decode = built
+    return built
+
+
+def decode_only(batch) -> bool:
+    """Whether every chunk of the step's BatchTensors decodes one token (the compiled step's shape)."""
+    return bool(batch.segments) and all(s.num_tokens == 1 for s in batch.segments)
