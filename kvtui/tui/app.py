@@ -19,7 +19,16 @@ from kvtui.model_kinds import ModelKind
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
-from kvtui.tui.widgets import PANELS, ContaminationPanel, EventLog, HeaderBar, RequestTable, SlotMap, StatsPanel
+from kvtui.tui.widgets import (
+    PANELS,
+    BlockMapPanel,
+    ContaminationPanel,
+    EventLog,
+    HeaderBar,
+    RequestTable,
+    SlotMap,
+    StatsPanel,
+)
 
 RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the playback speed) by this
 BURST_SIZE = 4  # requests moved to "now" by b
@@ -59,6 +68,8 @@ class KvtuiApp(App[dict | None]):
         Binding("b", "burst", "burst", tooltip=f"{BURST_SIZE} requests arrive now"),
         Binding("r", "restart", "restart", tooltip="restart the scenario with a fresh session"),
         Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under runs/"),
+        Binding("m", "block_map", "map", tooltip="the block map in place of the requests: whose KV is where",
+                show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit", tooltip="quit (live: writes the summary to the recording)"),
     ]
@@ -80,6 +91,7 @@ class KvtuiApp(App[dict | None]):
             yield StatsPanel(id="stats")
         with Horizontal(id="bottom"):
             yield RequestTable(id="requests")
+            yield BlockMapPanel(id="blockmap")
             with Vertical(id="side"):
                 yield ContaminationPanel(id="contamination")
                 yield EventLog(id="log")
@@ -252,6 +264,12 @@ class KvtuiApp(App[dict | None]):
         path = self.save_screenshot(name, path=str(self.screenshot_dir))
         self.notify(f"saved {path}")
         return path
+
+    def action_block_map(self) -> None:
+        """The block map in place of the request table, or back."""
+        shown = self.query_one(BlockMapPanel).display
+        self.query_one(BlockMapPanel).display = not shown
+        self.query_one(RequestTable).display = shown
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self._isolation_faults()))
