@@ -28,6 +28,7 @@ from kvtui.tui.widgets import (
     RequestTable,
     SlotMap,
     StatsPanel,
+    TimelinePanel,
 )
 
 RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the playback speed) by this
@@ -70,6 +71,8 @@ class KvtuiApp(App[dict | None]):
         Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under runs/"),
         Binding("m", "block_map", "map", tooltip="the block map in place of the requests: whose KV is where",
                 show=False),
+        Binding("t", "timelines", "timelines", tooltip="per-request timelines in place of the requests",
+                show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit", tooltip="quit (live: writes the summary to the recording)"),
     ]
@@ -92,6 +95,7 @@ class KvtuiApp(App[dict | None]):
         with Horizontal(id="bottom"):
             yield RequestTable(id="requests")
             yield BlockMapPanel(id="blockmap")
+            yield TimelinePanel(id="timelines")
             with Vertical(id="side"):
                 yield ContaminationPanel(id="contamination")
                 yield EventLog(id="log")
@@ -266,10 +270,18 @@ class KvtuiApp(App[dict | None]):
         return path
 
     def action_block_map(self) -> None:
-        """The block map in place of the request table, or back."""
-        shown = self.query_one(BlockMapPanel).display
-        self.query_one(BlockMapPanel).display = not shown
-        self.query_one(RequestTable).display = shown
+        """The block map in place of the request table (or of the timelines), or the request table back."""
+        self._swap(BlockMapPanel)
+
+    def action_timelines(self) -> None:
+        """The per-request timelines in place of the request table (or of the block map), or the table back."""
+        self._swap(TimelinePanel)
+
+    def _swap(self, panel: type) -> None:
+        """Show `panel` in the request table's place, or the table again when `panel` is showing."""
+        back = self.query_one(panel).display
+        for kind in (RequestTable, BlockMapPanel, TimelinePanel):
+            self.query_one(kind).display = kind is (RequestTable if back else panel)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self._isolation_faults()))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvtui.events import Summary
 
 if TYPE_CHECKING:
+    from kvtui.tui.lanes import LaneView
     from kvtui.tui.server_track import ServerView
 
 
@@ -273,6 +274,7 @@ class Snapshot:
         prefix_caching: the engine caches prompt prefixes (paged KV), as the header says.
         state_slots: a hybrid model's recurrent-state slots (StateSlotView each); empty for other models.
         kv_map: the block map panel's view (KVMapView); None for a run against a target server.
+        lanes: per-request timelines of the latest steps (kvtui.tui.lanes.LaneView), in arrival order.
     """
 
     seq: int
@@ -322,6 +324,7 @@ class Snapshot:
     prefix_caching: bool = False
     state_slots: tuple[StateSlotView, ...] = ()
     kv_map: KVMapView | None = None
+    lanes: tuple[LaneView, ...] = ()
 
     @property
     def isolation_on(self) -> bool:

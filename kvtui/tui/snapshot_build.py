@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvtui.metrics import percentile
 from kvtui.tui.kv_map import map_view
+from kvtui.tui.lanes import lane_views
 from kvtui.tui.snapshot import (
     BlockView,
     EncoderView,
@@ -166,6 +167,7 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         pace=state.pace, encoder=_encoder(last),
         prefix_caching=bool(header.engine.get("prefix_caching")) if header else False,
         state_slots=_state_slots(state, last), kv_map=map_view(state.kv_map, state, last),
+        lanes=lane_views(state.lanes, {rid: r.color for rid, r in state.requests.items()}, MAX_TABLE_ROWS),
     )
 
 
