@@ -92,6 +92,8 @@ def stats(snap, width: int, height: int) -> Group:
 
 def _spec(view) -> tuple[str, str | None]:
     """Speculative decoding: vLLM's acceptance rate, SGLang's accept length, with their history."""
+    if view.spec is None and view.spec_exposed:
+        return "nothing drafted (the server's speculative decoding is off or idle)", "dim"
     if view.spec is None:
         return "not exposed (vllm:spec_decode_num_accepted_tokens, sglang:spec_accept_length)", "dim"
     value, unit = view.spec
@@ -131,8 +133,9 @@ def _prefix(view) -> tuple[str, str | None]:
                      f"{view.prefix_queries:.0f} tok)")
     if view.cached_tokens is not None:
         parts.append(f"cached {view.cached_tokens} of {view.prompt_tokens} prompt tok (usage)")
-    if not view.prefix_queries and view.hit_rate is not None:  # SGLang's gauge
-        parts.insert(0, f"hits {view.hit_rate:.1%} (sglang:cache_hit_rate)")
+    if not view.prefix_queries and view.hit_rate is not None:  # SGLang's gauge, llama.cpp's cached prompt tokens
+        source = "llamacpp:prompt_tokens_cached" if view.kind == "llama.cpp" else "sglang:cache_hit_rate"
+        parts.insert(0, f"hits {view.hit_rate:.1%} ({source})")
     if not parts:
         return "not exposed (vllm:prefix_cache_hits, sglang:cache_hit_rate, usage.prompt_tokens_details)", "dim"
     return "  ".join(parts), None

@@ -23,8 +23,11 @@ from kvtui.metrics import PREFIX_HITS, PREFIX_QUERIES
 # the monitors' figures under each server's names (vLLM, SGLang, llama.cpp), the first one present wins
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")
 HIT_RATE = ("sglang:cache_hit_rate",)  # a gauge (0-1); vLLM's comes from its prefix-cache counters
-SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens_total",)  # over the drafted tokens: the acceptance rate
-SPEC_DRAFTED = ("vllm:spec_decode_num_draft_tokens_total",)
+SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens_total",  # over the drafted tokens: the acceptance rate
+                 "llamacpp:spec_decode_num_accepted_tokens_total")
+SPEC_DRAFTED = ("vllm:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_draft_tokens_total")
+# llama.cpp: prompt tokens taken from its cache, and those it computed (its prompt_tokens_total leaves them out)
+CACHED_PROMPT, COMPUTED_PROMPT = ("llamacpp:prompt_tokens_cached_total",), ("llamacpp:prompt_tokens_total",)
 SPEC_LENGTH = ("sglang:spec_accept_length",)  # SGLang: mean tokens accepted per step (a gauge)
 KINDS = {"vllm:": "vLLM", "sglang:": "SGLang", "llamacpp:": "llama.cpp", "tgi_": "TGI"}
 PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total", "sglang:prompt_tokens_total")
@@ -57,7 +60,8 @@ class ServerView:
         hit_rate: prefix-cache hit rate (0-1): vLLM's counters since the run's first sample, or SGLang's
             sglang:cache_hit_rate; None: not exposed. spec: speculative decoding, (value, unit): vLLM's
             accepted / drafted tokens since the first sample ("accepted", 0-1), or SGLang's mean accept length
-            ("tokens/step"); None: not exposed.
+            ("tokens/step"); None: not exposed, or nothing drafted yet (spec_exposed: the server has the counters).
+            llama.cpp's hit rate: its cached prompt tokens over all its prompt tokens since the first sample.
         running_history, waiting_history, hit_history, spec_history: one value per sample that had it.
     """
 
@@ -81,6 +85,7 @@ class ServerView:
     kind: str | None = None
     hit_rate: float | None = None
     spec: tuple[float, str] | None = None
+    spec_exposed: bool = False
     running_history: tuple[float, ...] = ()
     waiting_history: tuple[float, ...] = ()
     hit_history: tuple[float, ...] = ()
@@ -112,6 +117,8 @@ class ServerTrack:
         self.hit_rate: float | None = None
         self.spec: tuple[float, str] | None = None
         self.first_spec: tuple[float, float] | None = None
+        self.first_cached: tuple[float, float] | None = None
+        self.spec_exposed = False
         self.histories = {name: deque(maxlen=HISTORY_LEN) for name in ("running", "waiting", "hit", "spec")}
 
     def apply(self, event) -> None:
@@ -145,9 +152,14 @@ class ServerTrack:
         if self.prefix is not None and self.first_prefix is not None:
             queries, hits = self.prefix[0] - self.first_prefix[0], self.prefix[1] - self.first_prefix[1]
             self.hit_rate = hits / queries if queries > 0 else self.hit_rate
+        elif (cached := _counter(e, CACHED_PROMPT)) is not None and (computed := _counter(e, COMPUTED_PROMPT)) is not None:
+            self.first_cached = self.first_cached or (cached, computed)
+            hit, asked = cached - self.first_cached[0], cached - self.first_cached[0] + computed - self.first_cached[1]
+            self.hit_rate = hit / asked if asked > 0 else self.hit_rate
         else:
             self.hit_rate = _counter(e, HIT_RATE)
         accepted, drafted = _counter(e, SPEC_ACCEPTED), _counter(e, SPEC_DRAFTED)
+        self.spec_exposed = self.spec_exposed or accepted is not None or _counter(e, SPEC_LENGTH) is not None
         if accepted is not None and drafted is not None:
             self.first_spec = self.first_spec or (accepted, drafted)
             done = drafted - self.first_spec[1]
@@ -185,5 +197,5 @@ class ServerTrack:
             prefix_queries=self.prefix[0] - self.first_prefix[0] if self.prefix else None,
             prefix_hits=self.prefix[1] - self.first_prefix[1] if self.prefix else None,
             cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens, fidelity=self.fidelity,
-            kind=self.kind, hit_rate=self.hit_rate, spec=self.spec,
+            kind=self.kind, hit_rate=self.hit_rate, spec=self.spec, spec_exposed=self.spec_exposed,
             **{f"{name}_history": tuple(values) for name, values in self.histories.items()})

@@ -1,6 +1,7 @@
 """The server panels of a `--target` run against each server's own metric names: KV usage, running and waiting,
 prefix hit rate and speculative acceptance, each with a history, from fake /metrics texts of vLLM, SGLang and
-llama.cpp as their servers write them (two samples, the counters moved between them)."""
+llama.cpp as their servers write them (two samples, the counters moved between them; llama.cpp's names as the
+vendored llama-server gives them, plus the KV gauge older ones had)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,14 @@ sglang:cache_hit_rate{{model_name="m"}} {rate}
 sglang:spec_accept_length{{model_name="m"}} {length}
 """
 LLAMACPP = """\
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {computed}
+# TYPE llamacpp:prompt_tokens_cached_total counter
+llamacpp:prompt_tokens_cached_total {cached}
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 0
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total 0
 # TYPE llamacpp:kv_cache_usage_ratio gauge
 llamacpp:kv_cache_usage_ratio {kv}
 # TYPE llamacpp:requests_processing gauge
@@ -54,7 +63,8 @@ SAMPLES = {
              dict(running=4, waiting=1, kv=0.5, queries=1400, hits=400, drafted=600, accepted=250)),
     "SGLang": (SGLANG, dict(running=1, waiting=0, kv=0.1, rate=0.2, length=1.5),
                dict(running=3, waiting=2, kv=0.3, rate=0.6, length=2.25)),
-    "llama.cpp": (LLAMACPP, dict(running=1, waiting=3, kv=0.125), dict(running=2, waiting=0, kv=0.75)),
+    "llama.cpp": (LLAMACPP, dict(running=1, waiting=3, kv=0.125, computed=500, cached=0),
+                  dict(running=2, waiting=0, kv=0.75, computed=800, cached=100)),  # 100 of 400 since the first
 }
 
 
@@ -76,7 +86,7 @@ def track(kind: str) -> ServerTrack:
 @pytest.mark.parametrize("kind,kv,running,waiting,hit,spec", [
     ("vLLM", 0.5, 4, 1, 300 / 400, (150 / 200, "accepted")),  # counters: since the run's first sample
     ("SGLang", 0.3, 3, 2, 0.6, (2.25, "tokens/step")),
-    ("llama.cpp", 0.75, 2, 0, None, None),
+    ("llama.cpp", 0.75, 2, 0, 100 / 400, None),  # its spec counters exist, nothing drafted
 ])
 def test_each_servers_names_give_the_monitors_figures_and_their_history(kind, kv, running, waiting, hit, spec):
     view = track(kind).view({})
@@ -110,5 +120,6 @@ def test_the_stats_panel_names_each_figure_or_says_it_is_not_exposed_beside_the_
     assert vllm["KV usage"].startswith("  50.0%") and vllm["server"].startswith("running 4  waiting 1")
     assert vllm["prefix"].startswith("hits 75.0% (300 of 400 tok)") and vllm["spec"].startswith("75.0% accepted")
     assert sglang["prefix"].startswith("hits 60.0% (sglang:cache_hit_rate)") and sglang["spec"].startswith("2.25 tok")
-    assert llama["KV usage"].startswith("  75.0%") and llama["spec"].startswith("not exposed")
-    assert llama["prefix"].startswith("not exposed") and vllm["finding"].startswith("r004 ← r001 (canary")
+    assert llama["KV usage"].startswith("  75.0%") and llama["spec"].startswith("nothing drafted")
+    assert llama["prefix"].startswith("hits 25.0% (llamacpp:prompt_tokens_cach")
+    assert vllm["finding"].startswith("r004 ← r001 (canary")
