@@ -29,6 +29,7 @@ class KVMapTrack:
         self.owners: dict[Cell, str] = {}  # cell -> owner after the last step
         self.last_owner: dict[Cell, str] = {}  # cell -> its last owner (kept while it is free)
         self.previous: dict[Cell, str] = {}  # cell -> the owner before its current contents began
+        self._free: dict[tuple[int, bool], MapCell] = {}  # free_cell's cache
 
     def on_step(self, e: StepEvent, owners: dict[Cell, str]) -> None:
         """A step: `owners`, each held cell's owner after it. A cell whose contents are new starts its age at
@@ -80,6 +81,21 @@ class KVMapTrack:
             if cell[1] is not None and cell[1] >= 0:
                 self.detector[cell] = e.detector
 
+    @property
+    def marked(self) -> set[Cell]:
+        """The cells with a fault or detector mark."""
+        return self.fault.keys() | self.detector.keys()
+
+    def free_cell(self, index: int, cached: bool) -> MapCell:
+        """A free, unmarked block's cell (reused from snapshot to snapshot: a large pool is mostly these)."""
+        key = (index, cached)
+        if key not in self._free:
+            self._free[key] = MapCell(index, None, cached=cached, previous=self.previous.get(("kv", index)))
+        cell = self._free[key]
+        if cell.previous != self.previous.get(("kv", index)):  # it changed hands since: draw it anew
+            cell = self._free[key] = MapCell(index, None, cached=cached, previous=self.previous.get(("kv", index)))
+        return cell
+
     def cell(self, band: str, index: int, step: int, owner: str | None, **fields) -> MapCell:
         """The MapCell of (band, index) at `step`, its owner given (with its tenant, adapter, color, cached,
         shared in `fields`)."""
@@ -107,7 +123,9 @@ def map_view(track: KVMapTrack, state, last: StepEvent | None) -> KVMapView | No
 
     if state.kv == "paged":
         owners = {i: o for (band, i), o in track.owners.items() if band == "kv"}
-        cells = tuple(track.cell("kv", i, step, owners.get(i), cached=c == "c", shared=_refs(c), **fields(owners.get(i)))
+        marked = track.marked
+        cells = tuple(track.free_cell(i, c == "c") if i not in owners and ("kv", i) not in marked else
+                      track.cell("kv", i, step, owners.get(i), cached=c == "c", shared=_refs(c), **fields(owners.get(i)))
                       for i, c in enumerate(state.block_state) if c != "_")
     else:
         cells = tuple(track.cell("kv", i, step, state.slot_owner.get(i), shared=int(i in state.slot_owner),

@@ -88,12 +88,11 @@ def lane_views(lanes: Lanes, colors: dict[str, int], limit: int) -> tuple[LaneVi
     """The lanes with a step in the last WINDOW steps, at most `limit`, the latest arrivals kept, in arrival
     order; a lane's queued steps (arrival to first run, `·`) filled in."""
     first = lanes.step - WINDOW + 1
+    shown = [(rid, lane) for rid, lane in lanes.lanes.items() if lane.ended is None or lane.ended >= first]
     views = []
-    for rid, lane in lanes.lanes.items():
-        if lane.ended is not None and lane.ended < first:
-            continue
+    for rid, lane in shown[-limit:]:  # only the lanes a snapshot carries are built (a snapshot per frame)
         queued_to = lane.started if lane.started is not None else lanes.step + 1
         marks = {s: "·" for s in range(max(lane.arrived, first), queued_to)}
         marks.update((s, c) for s, c in lane.marks.items() if s >= first)
         views.append(LaneView(rid, colors.get(rid, -1), tuple(sorted(marks.items())), lane.ended))
-    return tuple(views[-limit:])
+    return tuple(views)
