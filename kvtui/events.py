@@ -362,6 +362,30 @@ class StateStartEntry(_Frozen):
         return self.writer_key == self.reader_key
 
 
+class FaultActed(_Frozen):
+    """(v3) Where an isolation fault acted in one step: the code path it changes took another decision than
+    the sound one on real data (a block handed over under a faulty key, a mask left open over another
+    request's keys, a slot kept stale, ...). One event per fault per step it acted in; a fault that was on
+    and has none acted 0 times (kvtui.faults.inert_line says why).
+
+    Attributes:
+        t: engine clock at the end of the step (seconds); step: the step index.
+        fault: the fault's name.
+        request_ids: the requests it acted on (the victims, as far as the code path knows them).
+        where: what `ids` number: "block" (paged KV block ids), "slot" (KV slots), "row" (batch rows),
+            "state_slot" (a hybrid's state slots), "entry" (encoder-cache entries, by their reader), or "".
+        ids: the blocks, slots or rows it touched (empty when it touched none by number).
+    """
+
+    type: Literal["fault.acted"] = "fault.acted"
+    t: float
+    step: int
+    fault: str
+    request_ids: tuple[str, ...] = ()
+    where: str = ""
+    ids: tuple[int, ...] = ()
+
+
 class StepEvent(_Frozen):
     """What one `Engine.step()` did: the engine's report and the recorded `step` line, one type.
 
@@ -422,6 +446,7 @@ class StepEvent(_Frozen):
             records each as a request.finish event); the engine forgets them once the step is out.
         nonfinite: NonfiniteEntry per request whose logits were not finite (slot_taint or attention_flow
             on); recorded as the contamination events the detectors make of them.
+        acted: FaultActed per fault that acted in the step (recorded as fault.acted events after the step).
     """
 
     type: Literal["step"] = "step"
@@ -493,6 +518,7 @@ class StepEvent(_Frozen):
     # in memory only
     finished: tuple[Any, ...] = Field(default=(), exclude=True)
     nonfinite: tuple[NonfiniteEntry, ...] = Field(default=(), exclude=True)
+    acted: tuple[FaultActed, ...] = Field(default=(), exclude=True)
 
     @property
     def tokens(self) -> int:
@@ -944,6 +970,9 @@ class Summary(_Frozen):
     contamination_events_total: tuple[CounterEntry, ...] = Field(alias="kvtui:contamination_events_total")
     faults_active_at_end: tuple[str, ...] = ()
     contamination_by_fault: dict[str, int] = {}
+    # (v3) fault.acted events per fault that was on during the run (0: it never acted); None: no fault was on,
+    # or the run does not know its faults (a target server's)
+    fault_acts: dict[str, int] | None = None
     stopped_early: bool = False
     requests_not_submitted: int = 0
     requests_completed: int | None = None  # (v2) stop or length
@@ -1001,12 +1030,12 @@ class Summary(_Frozen):
         return sum(c.value for c in self.contamination_events_total if c.kind not in UNCOUNTED_KINDS)
 
 
-Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
+Event = Annotated[Union[Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, FaultActed, TimelineApplied, Marker,
                         ReferenceStatus, ServerSample, LoadFidelity, Summary], Field(discriminator="type")]
 _EVENT = pydantic.TypeAdapter(Event)
 EVENT_TYPES: dict[str, type[_Frozen]] = {
     m.model_fields["type"].default: m
-    for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, TimelineApplied, Marker,
+    for m in (Header, Arrive, FirstToken, Finish, StepEvent, Contamination, FaultSwitch, FaultActed, TimelineApplied, Marker,
               ReferenceStatus, ServerSample, LoadFidelity, Summary)}
 
 

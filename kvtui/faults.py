@@ -372,6 +372,54 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 FAULT_NAMES: tuple[str, ...] = tuple(FAULTS)
+
+# Why a fault that was on acted 0 times, one clause per fault: what it needs and the run never gave it (the
+# line `kvtui run` prints when nothing was caught and the fault never acted: inert_line).
+INERT_REASONS: dict[str, str] = {
+    "shared_cache": "every step ran requests in slot 0 only, so no request was moved to another's slot",
+    "racy_threads": "no step ran more than one request, so no two threads shared the cache variable",
+    "no_request_mask": "no packed step held more than one request",
+    "unmasked_cache_padding": "no padded step held rows of different cache lengths, so no cache padding was left",
+    "shared_position_offset": "no step held rows whose cached lengths differed, so every position id was right",
+    "stale_slot": "no request was admitted into a slot another request had left",
+    "causal_offset": "no step fed a row with tokens already cached, so the square mask was the right one",
+    "fp16_cache": "no padded step had a padded row, so no pad cell was cached",
+    "unsalted_prefix": "no prefix-cache hit took a block another cache_salt had computed",
+    "block_refcount": "no request finished while another still held one of its blocks",
+    "shared_partial_block": "no prompt found an identical prompt's partial last block cached",
+    "prefix_key_no_parent": "no prefix-cache hit took a block computed under another prefix",
+    "cow_missing": "no forked sequence wrote into a block it still shared",
+    "stale_bitmask": "no plain request sampled through a bitmask row a grammar had filled",
+    "row_state_misalign": "no request sampled with another row's sampling state",
+    "shared_rng": "no seeded draw came from a generator another request had drawn from",
+    "penalty_shared_history": "no penalty counted another request's tokens",
+    "stale_cross_kv": "no request read cross K/V its slot's previous owner left",
+    "cross_row_misalign": "no batch row read another request's cross K/V",
+    "encoder_cache_unkeyed": "no encoder-cache hit gave a request another audio's output",
+    "cross_kv_prefix_cached": "no prefix-cache hit took a block computed against another audio",
+    "embeds_unkeyed": "no prefix-cache hit took a block whose embedding rows differed from the reader's",
+    "embeds_mask_unkeyed": "no prefix-cache hit took a block whose embedding mask differed from the reader's",
+    "mm_hash_missing": "no cached block held an image position of another picture when a request looked it up",
+    "mm_uuid_trusted": "no request was given another picture's features under its uuid",
+    "stale_image_embedding": "every picture was read right after its own encode, so the buffer held its own rows",
+    "lora_unkeyed_prefix": "no prefix-cache hit took a block computed under another adapter",
+    "lora_reload_stale": "no prefix-cache hit took a block computed under an adapter's older weights",
+    "tier_key_drops_partition": "no offload-tier restore gave a request a block of another partition",
+    "tier_layout_mismatch": "no block was restored from the offload tier",
+    "tier_partial_load": "no admission restored blocks from the offload tier",
+    "state_slot_not_reset": "no request took a state slot another request had left",
+    "state_published_before_write": "no checkpoint was published before its state was written",
+    "tier_drops_recurrent_state": "no block with a state checkpoint was restored from the offload tier",
+    "state_index_units": "no prefix hit looked its checkpoint up at another block than its own",
+    "request_id_keyed": "it acts in kvtui serve's HTTP layer, where a local run has no clients",
+}
+assert tuple(INERT_REASONS) == FAULT_NAMES, "every fault needs its inert reason, in catalogue order"
+
+
+def inert_line(name: str) -> str:
+    """The line for fault `name` on in a run where it acted 0 times, e.g. "mm_hash_missing acted 0 times:
+    no cached block held an image position of another picture when a request looked it up"."""
+    return f"{name} acted 0 times: {INERT_REASONS[name]}"
 assert FAULT_NAMES == tuple(FaultName), "FaultName and FAULTS must list the same faults, in the same order"
 
 # `--isolation off` and the dashboard's `i` key: the faults a talk shows first (the passphrase leaks).

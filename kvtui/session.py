@@ -346,4 +346,5 @@ class Session(RunBase):
         self.unapplied_timeline = self.timeline.unapplied(self.stop_requested)
         return self._close_run(work_left=work_left, requests_not_submitted=len(self.pending),
                                faults_active_at_end=tuple(sorted(self.engine.faults)),
-                               contamination_by_fault=dict(self._trails.fault_counts))
+                               contamination_by_fault=dict(self._trails.fault_counts), 
+                               fault_acts=self._trails.fault_acts(self.fault_history))

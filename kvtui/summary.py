@@ -150,6 +150,8 @@ def _rows(s: Summary, target: bool = False, header: Header | None = None) -> lis
     if s.contamination_by_fault:
         rows.append(("events while a fault was on",
                      ", ".join(f"{k} {v}" for k, v in sorted(s.contamination_by_fault.items()))))
+    if s.fault_acts:
+        rows.append(("steps a fault acted in", ", ".join(f"{k} {v}" for k, v in sorted(s.fault_acts.items()))))
     return rows
 
 

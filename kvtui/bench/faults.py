@@ -5,7 +5,9 @@ the fault act), seeds 9000 and up, which no test uses. Each scenario runs twice 
 with the fault on and with it removed. Figures per fault: the runs in which a counted report
 (`Contamination.counts`) came, the runs each detector reported in, the runs with a report naming both a
 victim and a source among the run's requests, the step of each run's first counted report (median, min,
-max), and the counted reports with the fault off (false alarms). Text and prompt-embeddings faults run on
+max), the counted reports with the fault off (false alarms), and apart from the misses (runs with no
+counted report where the fault acted: kvtui.events.FaultActed) the inert runs, where the scenario gave the
+fault nothing to act on. Text and prompt-embeddings faults run on
 tiny-llama, the cross-attention faults on tiny-whisper, the image faults on tiny-vision, the recurrent-state
 faults on tiny-qwen35moe (random weights: the canary, which needs a model that says its passphrase, stays
 silent there); `loaded`, the suite's model, is not used."""
@@ -194,19 +196,22 @@ def scenario_text(fault: str, seed: int, on: bool = True) -> str:
     return f"name: held-out-{fault}-{seed}\nseed: {seed}\n{body}\n"
 
 
-def run_one(loaded, fault: str, seed: int, on: bool) -> list:
-    """The counted reports of one held-out run (virtual clock)."""
+def run_one(loaded, fault: str, seed: int, on: bool) -> tuple[list, int]:
+    """The counted reports of one held-out run (virtual clock), and the steps the fault acted in (0 with it
+    off, or when the scenario gave it nothing to act on: an inert run, no detector miss)."""
     from kvtui.scenario import parse_scenario
     from kvtui.session import Session
 
     session = Session(parse_scenario(scenario_text(fault, seed, on), f"held-out {fault} {seed}"), loaded,
                       clock="virtual")
     session.run()
-    return [e for e in session.contamination if e.counts]
+    return [e for e in session.contamination if e.counts], (session.summary.fault_acts or {}).get(fault, 0)
 
 
-def tally(fault: str, on_runs: list[list], off_runs: list[list], ran: list[set[str]]) -> dict:
-    """The table row of `fault` from each run's counted reports (fault on, fault off) and request ids."""
+def tally(fault: str, on_runs: list[list], off_runs: list[list], ran: list[set[str]], acts: list[int]) -> dict:
+    """The table row of `fault` from each run's counted reports (fault on, fault off), request ids and the
+    steps the fault acted in (fault on): a run with no report is a miss only where the fault acted; one
+    where it acted 0 times is inert, counted apart."""
     caught = [r for r in on_runs if r]
     detectors = {d: sum(any(e.detector == d for e in r) for r in on_runs)
                  for d in dict.fromkeys([*FAULTS[fault].caught_by, *sorted({e.detector for r in on_runs for e in r})])}
@@ -214,6 +219,8 @@ def tally(fault: str, on_runs: list[list], off_runs: list[list], ran: list[set[s
                 for r, ids in zip(on_runs, ran))
     first = Spread.of([min(e.step for e in r) for r in caught]).as_dict() if caught else None
     return {"runs": len(on_runs), "caught": len(caught), "detectors": detectors, "named": named,
+            "acted": sum(1 for n in acts if n), "missed": sum(1 for r, n in zip(on_runs, acts) if n and not r),
+            "inert": sum(1 for r, n in zip(on_runs, acts) if not n and not r),
             "first_step": first, "false_alarms": sum(map(len, off_runs)),
             "false_alarm_runs": sum(1 for r in off_runs if r)}
 
@@ -232,14 +239,16 @@ def run(loaded, *, name: str, quick: bool, console, faults: tuple[str, ...] = FA
             rows[fault] = {"model": model, "skipped": missing}
             continue
         loaded_fault = models.get(model) or models.setdefault(model, load_model(model, progress=False))
-        on_runs, off_runs, ran = [], [], []
+        on_runs, off_runs, ran, acts = [], [], [], []
         for i in range(n):
             seed = SEED0 + i
             console.print(f"  faults: {fault} seed {seed}")
-            on_runs.append(run_one(loaded_fault, fault, seed, True))
-            off_runs.append(run_one(loaded_fault, fault, seed, False))
+            reports, acted = run_one(loaded_fault, fault, seed, True)
+            on_runs.append(reports)
+            acts.append(acted)
+            off_runs.append(run_one(loaded_fault, fault, seed, False)[0])
             ran.append(_request_ids(fault, seed))
-        rows[fault] = {"model": model, "seeds": [SEED0, SEED0 + n - 1], **tally(fault, on_runs, off_runs, ran)}
+        rows[fault] = {"model": model, "seeds": [SEED0, SEED0 + n - 1], **tally(fault, on_runs, off_runs, ran, acts)}
     return {"faults": rows}
 
 
@@ -267,17 +276,18 @@ def _request_ids(fault: str, seed: int) -> set[str]:
 
 
 def markdown(result: dict) -> list[str]:
-    lines = ["| fault | runs | caught in | detectors that reported (runs) | victim and source named (runs) | "
-             "first counted report, step: median (min-max) | false alarms with the fault off |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| fault | runs | caught in | missed where it acted | inert (acted 0 times) | detectors that reported "
+             "(runs) | victim and source named (runs) | first counted report, step: median (min-max) | false alarms "
+             "with the fault off |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for fault, r in result["faults"].items():
         if "skipped" in r:
-            lines.append(f"| {fault} ({r['model']}) | 0 | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {fault} ({r['model']}) | 0 | skipped: {r['skipped']} | | | | | | |")
             continue
         detectors = ", ".join(f"{d} {k}" for d, k in r["detectors"].items())
         s = r["first_step"]
         first = f"{s['median']:g} ({s['min']:g}-{s['max']:g})" if s else "-"
         alarms = f"{r['false_alarms']} ({r['false_alarm_runs']} of {r['runs']} runs)"
-        lines.append(f"| {fault} ({r['model']}) | {r['runs']} | {r['caught']} | {detectors} | {r['named']} | "
-                     f"{first} | {alarms} |")
+        lines.append(f"| {fault} ({r['model']}) | {r['runs']} | {r['caught']} | {r['missed']} | {r['inert']} | "
+                     f"{detectors} | {r['named']} | {first} | {alarms} |")
     return lines

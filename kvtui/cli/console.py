@@ -1,7 +1,8 @@
 """The command line's consoles, one-line messages and exit codes, shared by every command.
 
-Exit codes: 0 as expected, 1 contamination (or an expected one not found), 2 bad input, 3 runtime
-error; a run stopped by a signal exits 128 + its number (130 SIGINT, 143 SIGTERM).
+Exit codes: 0 as expected, 1 contamination (or an expected one not found where a fault acted), 2 bad input,
+3 runtime error, 4 an expected detection not found where no fault that was on ever acted (the run tested
+nothing); a run stopped by a signal exits 128 + its number (130 SIGINT, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from rich.markup import escape
 out = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True)
 
-EXIT_OK, EXIT_CONTAMINATION, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
+EXIT_OK, EXIT_CONTAMINATION, EXIT_BAD_INPUT, EXIT_RUNTIME, EXIT_INERT = 0, 1, 2, 3, 4
 
 
 def say(label: str, text: str) -> None:

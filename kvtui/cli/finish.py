@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_RUNTIME, err, out, say
-from kvtui.run.outcome import verdict
+from kvtui.cli.console import EXIT_CONTAMINATION, EXIT_INERT, EXIT_RUNTIME, err, out, say
+from kvtui.run.outcome import inert, verdict
 
 
 class StopSignal:
@@ -51,7 +51,8 @@ def finish_headless(spec, session, record: Path | None, stopped: StopSignal, exp
     """The last lines and the exit code of a headless run (local or --target), first match wins:
     interrupted by a signal (128 + its number: 130 SIGINT, 143 SIGTERM), the recording stopped (3), no
     request completed (3: each was rejected, or none arrived; `untested` replaces the line that says so),
-    then the scenario's `expect` (0 or 1)."""
+    then the scenario's `expect` (0 or 1; 4 when it expects a detection, none came, and no fault that was
+    on ever acted)."""
     broken = session.recording_error
     if record and not broken:
         out.print(f"recording: {record}", markup=False, highlight=False)
@@ -70,6 +71,11 @@ def finish_headless(spec, session, record: Path | None, stopped: StopSignal, exp
     if untested:
         say("error", untested)
         raise typer.Exit(EXIT_RUNTIME)
+    lines = inert(spec, session, expect_override=expect_override)
+    if lines:  # the fault never acted: the run tested nothing, which is no detector miss
+        for line in lines:
+            err.print(f"[bold yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INERT)
     failed, reason = verdict(spec, session, expect_override=expect_override)
     if failed:
         err.print(f"[bold red]{escape(reason)}[/]", highlight=False)

@@ -52,7 +52,7 @@ def replay_summary(header, events, recorded):
         metrics.add_event(event)
     session_fields = {}
     if recorded is not None:
-        session_fields = {k: getattr(recorded, k) for k in ("faults_active_at_end", "contamination_by_fault",
+        session_fields = {k: getattr(recorded, k) for k in ("faults_active_at_end", "contamination_by_fault", "fault_acts",
                                                             "stopped_early", "requests_not_submitted",
                                                             "request_id_audit", "load_fidelity")}
     return metrics.summary(t=recorded.t if recorded is not None else None, **session_fields)

@@ -115,9 +115,11 @@ def run(
     inference server (vLLM, SGLang, llama.cpp, TGI) over HTTP, black-box.
 
     Exit codes: 0 as expected; 1 contamination found while the scenario expects none, or a fault on and
-    `expect: {contamination: detected}` but nothing detected; 2 bad input (also a scenario in which no
-    request fits the engine, or a fault that cannot act in its layout or KV mode); 3 runtime error (the
-    recording stopped, or no request completed); 130 / 143 interrupted by SIGINT / SIGTERM.
+    `expect: {contamination: detected}` but nothing detected although the fault acted; 2 bad input (also
+    a scenario in which no request fits the engine, or a fault that cannot act in its layout or KV mode); 3
+    runtime error (the recording stopped, or no request completed); 4 `expect: {contamination: detected}`,
+    nothing detected, and no fault that was on ever acted: the scenario gave it nothing to act on, one line
+    per fault says why; 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     spec = load_scenario(scenario)
     if workers or ray_address is not None:

@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from kvtui.engine.fault_acts import FaultActs
 from kvtui.faults import FaultName
 
 NULL_BLOCK = 0
@@ -275,6 +276,7 @@ class BlockManager:
         self.tier_hit_tokens = self.tier_query_tokens = 0  # tokens restored from / asked of the tier
         self._loads: list[tuple[int, object]] = []  # (block, tier entry) restores the pool must make
         self.needs_state = False
+        self.acts = FaultActs()  # where the faults act (PagedCache hands the engine's notebook in)
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -461,6 +463,10 @@ class BlockManager:
         table = self.tables[request_id]
         need = max(self.blocks_for(num_tokens) - len(table.blocks), 0)
         shared = self._shared_at(table, write_from)
+        if FaultName.COW_MISSING in self.faults:  # it acts where the sound path would copy a shared block
+            unshared = self._shared_at(table, write_from, faults=frozenset())
+            if unshared is not None:
+                self.acts.note(FaultName.COW_MISSING, (request_id,), "block", (table.blocks[unshared],))
         if need + (shared is not None) > self.pool.num_free:
             return None
         if shared is not None:
@@ -469,9 +475,10 @@ class BlockManager:
             table.blocks += self.pool.allocate(need)
         return tuple(table.blocks)
 
-    def _shared_at(self, table: _Table, position: int | None) -> int | None:
-        """The table index of the block holding `position` when a fork still shares it (else None)."""
-        if position is None or FaultName.COW_MISSING in self.faults:
+    def _shared_at(self, table: _Table, position: int | None, faults: frozenset | None = None) -> int | None:
+        """The table index of the block holding `position` when a fork still shares it (else None), under
+        `faults` (default: the manager's)."""
+        if position is None or FaultName.COW_MISSING in (self.faults if faults is None else faults):
             return None
         index = position // self.block_size
         if index not in table.cow or index >= len(table.blocks):
@@ -511,6 +518,10 @@ class BlockManager:
         """A finished or preempted request gives its blocks back (no-op for one without blocks)."""
         table = self.tables.pop(request_id, None)
         if table is not None:
+            if FaultName.BLOCK_REFCOUNT in self.faults:  # it acts on the blocks others still hold
+                held = [b for b in table.blocks if self.pool.blocks[b].ref_cnt > 1]
+                if held:
+                    self.acts.note(FaultName.BLOCK_REFCOUNT, (request_id,), "block", held)
             self.pool.free(table.blocks, outright=FaultName.BLOCK_REFCOUNT in self.faults)
 
     def commit(self, request_id: str, token_ids: Sequence, num_tokens: int, *, prompt_len: int,

@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
 
 from kvtui.engine.batching import BatchTensors
 from kvtui.engine.encoder_cache import AudioInput, CrossEntry, EncoderCache
+from kvtui.engine.fault_acts import FaultActs
 from kvtui.engine.kv_pool import KVPool
 from kvtui.engine.runner import ModelRunner
 from kvtui.events import EncoderHitEntry, TaintEntry
@@ -189,6 +190,7 @@ class CrossAttentionInputs:
         self.cache = EncoderCache(capacity)
         self.audio: dict[str, AudioInput] = {}
         self.faults: frozenset[str] = frozenset()
+        self.acts = FaultActs()  # where the faults act (the engine hands its notebook in)
         self.slot_table: dict[int, CrossEntry] = {}  # the cross K/V a slot's request reads (stale_cross_kv)
         self.row_table: list[tuple[str, CrossEntry]] = []  # by admission order (cross_row_misalign)
         cfg = runner.model.config
@@ -268,10 +270,13 @@ class CrossAttentionInputs:
         entries = []
         for i, chunk in enumerate(chunks):
             entry = self.cache.entry_of(chunk.request.request_id)
+            acted = FaultName.ENCODER_CACHE_UNKEYED  # the cache itself gave another audio's entry
             if FaultName.STALE_CROSS_KV in self.faults and chunk.slot in self.slot_table:
-                entry = self.slot_table[chunk.slot]
+                entry, acted = self.slot_table[chunk.slot], FaultName.STALE_CROSS_KV
             if FaultName.CROSS_ROW_MISALIGN in self.faults and i < len(self.row_table):
-                entry = self.row_table[i][1]
+                entry, acted = self.row_table[i][1], FaultName.CROSS_ROW_MISALIGN
+            if acted in self.faults and entry.audio_hash != self.audio[request_ids[i]].content_hash:
+                self.acts.note(acted, (request_ids[i],), "row", (i,))
             entries.append(entry)
         self.runner.entries = entries
         taint = []

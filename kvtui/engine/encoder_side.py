@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvtui.engine.fault_acts import FaultActs
 from kvtui.model_kinds import ModelKind
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class TokenInputs:
             self.model_kind = kind
         self.hidden_size = hidden_size
         self.faults: frozenset[str] = frozenset()
+        self.acts = FaultActs()  # where the faults act (the engine hands its notebook in)
 
     def configure(self, faults: frozenset[str]) -> None:
         self.faults = faults

@@ -19,6 +19,8 @@ from kvtui.engine.attention import StepInterrupted
 from kvtui.engine.batching import BatchStats, build_batch
 from kvtui.engine.encoder import CrossAttentionInputs, EncoderDecoderRunner
 from kvtui.engine.encoder_side import EncoderSide, TokenInputs
+from kvtui.engine.fault_acts import FaultActs, plan_acts, step_acts
+from kvtui.engine.fault_acts import merge as merge_acts
 from kvtui.engine.faults import MASK_FAULTS, racy_forward
 from kvtui.engine.hybrid import HybridRunner
 from kvtui.engine.image_side import ImageInputs
@@ -121,6 +123,7 @@ class Engine:
                                                  image_encoder=image_encoder, batch_invariant=config.batch_invariant,
                                                  state=state, compile=config.compile)
         self.scheduler = Scheduler(self.kv, config, encoder, state)
+        self.acts = encoder.acts = getattr(self.kv, "acts", None) or FaultActs()  # where faults act: fault_acts.py
         self.clock, self.cost_model = clock, cost_model or StepCostModel()
         self._t0, self._paused_at, self._virtual_now = time.perf_counter(), None, 0.0
         self.step_index = 0
@@ -443,6 +446,9 @@ class Engine:
         end_s = self._advance_clock(start_s, outcome.stats, self.scheduler.encoder_cost_s)
         running = self._postprocess(plan, outcome, end_s)
         report = self._report(start_s, time.perf_counter() - wall_start, plan, outcome, running)
+        if faults:
+            notes = self.acts.take() + plan_acts(plan.chunks, self.config.layout, faults) + step_acts(report, faults)
+            report = report.model_copy(update={"acted": merge_acts(notes, report.t, report.step)})
         self.step_index += 1
         return report
 

@@ -150,6 +150,10 @@ class ImageInputs(TokenInputs):
                     rows.append(entry.rows[j : j + 1])
                     if entry.audio_hash != image.content_hash:
                         sources.append(entry.computed_for)
+            fed = any(chunk.start_pos <= p < end for p in image.positions)
+            if fed and self.faults and entry.audio_hash != image.content_hash:  # a fault gave another picture's rows
+                stale = FaultName.STALE_IMAGE_EMBEDDING in self.faults and entry is self.buffer
+                self.acts.note(FaultName.STALE_IMAGE_EMBEDDING if stale else FaultName.MM_UUID_TRUSTED, (rid,))
         if not rows:
             return chunk, sources
         order = sorted(range(len(offsets)), key=offsets.__getitem__)

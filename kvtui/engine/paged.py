@@ -25,6 +25,7 @@ import torch
 from kvtui.config import EngineConfig
 from kvtui.engine import offload
 from kvtui.engine.block_manager import Admission, BlockManager, salt_digest
+from kvtui.engine.fault_acts import KEY_FAULTS, FaultActs
 from kvtui.engine.kv_cache import KVPlace
 from kvtui.engine.kv_pool import PagedKVPool
 from kvtui.engine.lora import prefix_salt, true_items
@@ -69,6 +70,9 @@ class PagedCache:
         self._tier_counted = (0, 0, 0)  # tier stores, queried and hit tokens at the last report
         self._restored: dict[int, tuple[list[int], bool, str | None]] = {}  # block -> (tags it should hold, intact, found writer)
         self._unwritten: dict[str, list] = {}  # state_published_before_write: request -> checkpoints to write next step
+        self.acts = FaultActs()  # where the faults act (the engine takes it each step)
+        self.manager.acts = self.acts
+        self._skipped: set[int] = set()  # tier_partial_load: the blocks whose restore was skipped, last admission
 
     def configure(self, config: EngineConfig, faults: frozenset[str]) -> None:
         """max_batch_size (running requests) and the faults the block bookkeeping acts on from the next
@@ -108,7 +112,27 @@ class PagedCache:
         self.borrowed[request.request_id] = self._borrowed(request, admission)
         if admission.reused:
             self._note_hit(request, admission)
+            if self.faults:
+                self._note_acts(request.request_id, admission)
         return admission.hit_tokens
+
+    def _note_acts(self, request_id: str, admission: Admission) -> None:
+        """Where the prefix-cache and tier faults acted on this admission: a block handed over that the sound
+        key would not have given (the key faults; tier_key_drops_partition for a tier restore), a partial block
+        shared (shared_partial_block), every restore (tier_layout_mismatch), a restore skipped
+        (tier_partial_load). The state faults act where a request starts from a state not its own
+        (fault_acts.step_acts)."""
+        for r in admission.reused:
+            acted = set()
+            if r.tokens < self.block_size:
+                acted.add(FaultName.SHARED_PARTIAL_BLOCK)
+            if not r.verified:
+                acted |= {FaultName.TIER_KEY_DROPS_PARTITION} if r.tier else KEY_FAULTS
+            if r.tier:
+                acted.add(FaultName.TIER_LAYOUT_MISMATCH)
+                acted |= {FaultName.TIER_PARTIAL_LOAD} if r.block_id in self._skipped else set()
+            for fault in sorted(acted & self.faults):
+                self.acts.note(fault, (request_id,), "block", (r.block_id,))
 
     def _borrowed(self, request: RequestState, admission: Admission) -> list[int]:
         """Writer serials the request may find at its reused positions: the writer tags of a reused
@@ -153,6 +177,7 @@ class PagedCache:
         for block, key, origin, state in stores:
             self.tier.put(key, offload.store(self.pool, block, origin, state, tier=self.tier, faults=self.faults))
         skipped = loads[-1:] if FaultName.TIER_PARTIAL_LOAD in self.faults else []  # promised, never copied
+        self._skipped = {block for block, _ in skipped}
         for block, entry in loads[: len(loads) - len(skipped)]:
             kept = self.manager.pool.blocks[block]
             kept.state = offload.restore(self.pool, entry, block, self.faults, self.tier)

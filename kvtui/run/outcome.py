@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 from kvtui.events import Contamination, Summary
+from kvtui.faults import inert_line
 
 
 class RunOutcome(Protocol):
@@ -28,8 +29,8 @@ class RunOutcome(Protocol):
 
 
 class Verdict(NamedTuple):
-    """`failed`: the run contradicts the scenario's `expect` (the CLI exits 1); `reason`: one line
-    saying why, or what held ("" when there is nothing to say)."""
+    """`failed`: the run contradicts the scenario's `expect` (the CLI exits 1, or 4 when `inert` says the
+    run tested nothing); `reason`: one line saying why, or what held ("" when there is nothing to say)."""
 
     failed: bool
     reason: str
@@ -46,8 +47,27 @@ def verdict(spec, run: RunOutcome, expect_override: str | None = None) -> Verdic
                              f"{first.source or '?'} ({first.kind}, {first.detector}, step {first.step}); the "
                              "scenario expects none")
     if expect == "detected" and not found:
+        acts = _fault_acts(run)
         on = "" if not run.faults_known else " (a fault was on)" if run.fault_history else " but no fault was on"
+        if acts:
+            on = f" ({', '.join(f'{name} acted in {n} steps' for name, n in acts.items())})"
         return Verdict(True, f"expected contamination to be detected{on}, yet no detector fired")
     if expect == "detected":
         return Verdict(False, f"contamination detected as expected: {len(found)} events")
     return Verdict(False, "")
+
+
+def _fault_acts(run: RunOutcome) -> dict[str, int] | None:
+    """The run's fault.acted counts per fault that was on (Summary.fault_acts), None when it has none."""
+    return run.summary.fault_acts if run.faults_known and run.summary is not None else None
+
+
+def inert(spec, run: RunOutcome, expect_override: str | None = None) -> list[str]:
+    """When the scenario expects a detection, none came, and no fault that was on ever acted: one line per
+    fault saying what it needed (kvtui.faults.inert_line). Such a run tested nothing, which is no detector
+    miss (the CLI exits 4, not 1). [] otherwise."""
+    acts = _fault_acts(run)
+    expect = expect_override or spec.expect.contamination
+    if expect != "detected" or not acts or any(acts.values()) or any(e.counts for e in run.contamination):
+        return []
+    return [inert_line(name) for name in acts]

@@ -2,8 +2,9 @@
 
 - `token_pieces`: each sampled token's text, decoded alone (the step event carries it, so a replay needs
   no tokenizer, and the observers read it);
-- `step_events`: the step event with those texts, then a marker per stale start (stale_slot) and per
-  stale bitmask row (stale_bitmask), then a request.first_token per request that got its first token;
+- `step_events`: the step event with those texts, then a fault.acted per fault that acted in the step, a
+  marker per stale start (stale_slot) and per stale bitmask row (stale_bitmask), then a
+  request.first_token per request that got its first token;
 - `finish_of`: the request.finish event of a finished request's report.
 
 The Session (kvtui/session.py) emits them in that order; kvtui/run/build.py builds the events both kinds
@@ -34,9 +35,9 @@ def step_with_pieces(report: StepEvent, pieces: dict[str, str]) -> StepEvent:
 
 
 def step_events(report: StepEvent, pieces: dict[str, str]) -> list:
-    """The events of one step, in the order they are emitted: the step (with `pieces`), the stale-start
-    and stale-bitmask markers, the first tokens."""
-    events: list = [step_with_pieces(report, pieces)]
+    """The events of one step, in the order they are emitted: the step (with `pieces`), where the faults
+    acted (fault.acted), the stale-start and stale-bitmask markers, the first tokens."""
+    events: list = [step_with_pieces(report, pieces), *report.acted]
     for request_id, slot, previous, kept in report.stale_starts:
         events.append(Marker(t=report.t, text=f"{request_id} took slot {slot} stale: {kept} tokens of "
                                               f"{previous} kept (stale_slot)"))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
+from kvtui.faults import FAULTS
+
 
 class Trails:
     """What a reference check needs of each running request, kept while it runs: the step of each of
@@ -18,6 +20,7 @@ class Trails:
     Attributes:
         fault_counts: fault name -> reports that count, counted for the faults on at their step (a
             summary's contamination_by_fault).
+        acted: fault name -> the steps it acted in (a StepEvent's `acted`, recorded as fault.acted events).
     """
 
     last_step = -1
@@ -29,6 +32,7 @@ class Trails:
         self.slot_owners: dict[int, deque] = {}
         self.fault_spans: list[tuple[int, frozenset]] = []  # (first step, faults on from it), one per change
         self.fault_counts: dict[str, int] = {}
+        self.acted: dict[str, int] = {}
 
     def faults_at(self, step: int | None, now: frozenset) -> frozenset:
         """The faults on during engine step `step` (`now` for a report about no step or a step to come)."""
@@ -52,6 +56,8 @@ class Trails:
         if (self.fault_spans[-1][1] if self.fault_spans else frozenset()) != faults:
             self.fault_spans.append((report.step, faults))
         self.last_step = report.step
+        for acted in report.acted:
+            self.acted[acted.fault] = self.acted.get(acted.fault, 0) + 1
         ids = [r.request_id for r in report.running]
         for r in report.running:
             if r.request_id not in self.earlier:
@@ -67,3 +73,9 @@ class Trails:
         forgotten here."""
         return (tuple(self.steps.pop(request_id, ())), tuple(self.cobatched.pop(request_id, ())),
                 self.earlier.pop(request_id, ()))
+
+    def fault_acts(self, fault_history) -> dict[str, int] | None:
+        """The steps each engine fault that was on acted in (0: it never acted), by name, from the run's
+        `fault_history` ((time, name, on) per switch); None when none was on (a summary's fault_acts)."""
+        names = sorted({name for _, name, on in fault_history if on and FAULTS[name].scope == "engine"})
+        return {name: self.acted.get(name, 0) for name in names} or None

@@ -19,7 +19,17 @@ from kvtui.model_kinds import ModelKind
 from kvtui.tui.screens import FaultPicker, HelpScreen
 from kvtui.tui.snapshot import Snapshot
 from kvtui.tui.sources import MIN_HZ, PUBLISH_HZ, UI_CPU_SHARE, SnapshotReady, Source
-from kvtui.tui.widgets import PANELS, ContaminationPanel, EventLog, HeaderBar, RequestTable, SlotMap, StatsPanel
+from kvtui.tui.widgets import (
+    PANELS,
+    BlockMapPanel,
+    ContaminationPanel,
+    EventLog,
+    HeaderBar,
+    RequestTable,
+    SlotMap,
+    StatsPanel,
+    TimelinePanel,
+)
 
 RATE_FACTOR = 1.25  # + / - multiply / divide the arrival rate (replay: the playback speed) by this
 BURST_SIZE = 4  # requests moved to "now" by b
@@ -59,6 +69,10 @@ class KvtuiApp(App[dict | None]):
         Binding("b", "burst", "burst", tooltip=f"{BURST_SIZE} requests arrive now"),
         Binding("r", "restart", "restart", tooltip="restart the scenario with a fresh session"),
         Binding("s", "screenshot", "svg", tooltip="save an SVG screenshot under runs/"),
+        Binding("m", "block_map", "map", tooltip="the block map in place of the requests: whose KV is where",
+                show=False),
+        Binding("t", "timelines", "timelines", tooltip="per-request timelines in place of the requests",
+                show=False),
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("q", "quit", "quit", tooltip="quit (live: writes the summary to the recording)"),
     ]
@@ -80,6 +94,8 @@ class KvtuiApp(App[dict | None]):
             yield StatsPanel(id="stats")
         with Horizontal(id="bottom"):
             yield RequestTable(id="requests")
+            yield BlockMapPanel(id="blockmap")
+            yield TimelinePanel(id="timelines")
             with Vertical(id="side"):
                 yield ContaminationPanel(id="contamination")
                 yield EventLog(id="log")
@@ -252,6 +268,20 @@ class KvtuiApp(App[dict | None]):
         path = self.save_screenshot(name, path=str(self.screenshot_dir))
         self.notify(f"saved {path}")
         return path
+
+    def action_block_map(self) -> None:
+        """The block map in place of the request table (or of the timelines), or the request table back."""
+        self._swap(BlockMapPanel)
+
+    def action_timelines(self) -> None:
+        """The per-request timelines in place of the request table (or of the block map), or the table back."""
+        self._swap(TimelinePanel)
+
+    def _swap(self, panel: type) -> None:
+        """Show `panel` in the request table's place, or the table again when `panel` is showing."""
+        back = self.query_one(panel).display
+        for kind in (RequestTable, BlockMapPanel, TimelinePanel):
+            self.query_one(kind).display = kind is (RequestTable if back else panel)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self._isolation_faults()))

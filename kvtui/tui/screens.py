@@ -125,7 +125,8 @@ HELP = """\
   ← / →    replay: seek 5 s back / forward
   b        a burst of requests       r    restart the scenario (keeps the faults
                                           picked with f or i)
-  s        save an SVG screenshot under runs/
+  s        SVG screenshot in runs/   m    block map: whose KV is where
+  t        per-request timelines (steps; replay: scrub with ← / → and n)
   ?        this help                 q    quit (live: the recording gets its summary)
 While the model loads, and once the run is CLOSING or DONE, a key that would change
 the run says why it cannot act instead; r restarts a run that has ended, q quits.

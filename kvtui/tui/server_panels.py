@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
-from kvtui.tui.draw import bar, color, ms, sparkline
+from kvtui.tui.draw import RED, bar, color, ms, sparkline
 
 NO_SLOTS = ("the server exposes no slot map: llama.cpp's /slots does (start it with --slots); "
             "vLLM, SGLang and TGI show none")
@@ -49,33 +49,66 @@ def _gauge(value: float | None, fmt: str, missing: str = "not exposed") -> str:
     return missing if value is None else format(value, fmt)
 
 
-def stats(snap, width: int, height: int) -> Text:
-    """The server's token rates, KV usage and request gauges (each or 'not exposed'), the client's
-    request counts, TTFT / TPOT as the client measured them, and how faithfully it kept the schedule."""
+def stats(snap, width: int, height: int) -> Group:
+    """What the terminal monitors of vLLM, SGLang and llama.cpp show, under whichever names the server has,
+    one line each with its history: token rates, KV usage, running and waiting, prefix hit rate, speculative
+    acceptance (each or 'not exposed'); then the client's counts, TTFT / TPOT as it measured them, the latest
+    finding (victim ← source) and how faithfully it kept the schedule. Lines are cut at the width."""
     view = snap.server
     spark_w = max(width - 34, 4)
-    text = Text()
+    lines = []
     gen = view.generation_rate
-    text.append("prompt   ", style="bold").append(f"{view.prompt_rate:8.0f} tok/s\n" if view.prompt_rate is not None
-                                                   else "not exposed\n")
-    text.append("generate ", style="bold").append(f"{gen:8.0f} tok/s " if gen is not None else "not exposed ")
-    text.append(sparkline(view.generation_history, spark_w) if gen is not None else "", style="#59a14f").append("\n")
-    text.append("KV usage ", style="bold")
+    rates = Text("prompt   ", style="bold").append(f"{view.prompt_rate:.0f} tok/s" if view.prompt_rate is not None
+                                                   else "not exposed")
+    rates.append("  generate ", style="bold").append(f"{gen:.0f} tok/s " if gen is not None else "not exposed")
+    lines.append(rates.append(sparkline(view.generation_history, spark_w) if gen is not None else "", style="#59a14f"))
+    kv = Text("KV usage ", style="bold")
     if view.kv_usage is None:
-        text.append("not exposed (vllm:kv_cache_usage_perc, sglang:token_usage)\n", style="dim")
+        kv.append("not exposed (vllm:kv_cache_usage_perc, sglang:token_usage, llamacpp:kv_cache_usage_ratio)",
+                  style="dim")
     else:
-        text.append(f"{view.kv_usage:7.1%} ").append(sparkline(view.kv_history, spark_w, 1.0), style="#4e79a7")
-        text.append("\n")
-    text.append("server   ", style="bold").append(
-        f"running {_gauge(view.running, '.0f')}  waiting {_gauge(view.waiting, '.0f')}\n")
-    text.append("client   ", style="bold").append(
-        f"streaming {snap.running}  before first token {snap.waiting}  finished {snap.finished}\n")
-    text.append("padding  ", style="bold").append("not visible from outside the server\n", style="dim")
-    text.append("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}\n")
-    text.append("TPOT     ", style="bold").append(f"p50 {ms(snap.tpot.p50):>8}  p95 {ms(snap.tpot.p95):>8}\n")
-    text.append("prefix   ", style="bold").append(*_prefix(view))
-    text.append("\n").append("sending  ", style="bold").append(*_fidelity(view.fidelity))
-    return text
+        kv.append(f"{view.kv_usage:7.1%} ").append(sparkline(view.kv_history, spark_w, 1.0), style="#4e79a7")
+    lines.append(kv)
+    server = Text("server   ", style="bold").append(f"running {_gauge(view.running, '.0f')}  "
+                                                     f"waiting {_gauge(view.waiting, '.0f')}")
+    if view.running is not None:
+        server.append("  run ").append(sparkline(view.running_history, spark_w // 2), style="#f28e2b")
+        server.append(" wait ").append(sparkline(view.waiting_history, spark_w // 2), style="#e15759")
+    lines.append(server)
+    lines.append(Text("prefix   ", style="bold").append(*_prefix(view)).append(
+        " " + sparkline(view.hit_history, spark_w, 1.0) if view.hit_rate is not None else "", style="#76b7b2"))
+    lines.append(Text("spec     ", style="bold").append(*_spec(view)))
+    lines.append(Text("client   ", style="bold").append(
+        f"streaming {snap.running}  no token yet {snap.waiting}  finished {snap.finished}"))
+    lines.append(Text("TTFT     ", style="bold").append(f"p50 {ms(snap.ttft.p50):>8}  p95 {ms(snap.ttft.p95):>8}")
+                 .append("  TPOT ", style="bold").append(f"p50 {ms(snap.tpot.p50)}  p95 {ms(snap.tpot.p95)}"))
+    lines.append(Text("finding  ", style="bold").append(*_latest_finding(snap)))
+    lines.append(Text("sending  ", style="bold").append(*_fidelity(view.fidelity)))
+    for line in lines:
+        line.no_wrap = True
+        line.truncate(width)
+    return Group(*lines)
+
+
+def _spec(view) -> tuple[str, str | None]:
+    """Speculative decoding: vLLM's acceptance rate, SGLang's accept length, with their history."""
+    if view.spec is None and view.spec_exposed:
+        return "nothing drafted (the server's speculative decoding is off or idle)", "dim"
+    if view.spec is None:
+        return "not exposed (vllm:spec_decode_num_accepted_tokens, sglang:spec_accept_length)", "dim"
+    value, unit = view.spec
+    shown = f"{value:.1%} accepted" if unit == "accepted" else f"{value:.2f} {unit}"
+    top = 1.0 if unit == "accepted" else None
+    return f"{shown} {sparkline(view.spec_history, 24, top)}", None
+
+
+def _latest_finding(snap) -> tuple[str, str | None]:
+    """kvtui's own verdict beside the server's figures: the latest report, victim ← source."""
+    counted = [c for c in snap.contamination if c.kind not in ("numeric", "unknown")]
+    if not counted:
+        return "none yet", "dim"
+    c = counted[-1]
+    return f"{c.victim} ← {c.source or '?'} ({c.detector}, {c.kind})", f"bold {RED}"
 
 
 def _fidelity(f) -> tuple[str, str | None]:
@@ -100,8 +133,11 @@ def _prefix(view) -> tuple[str, str | None]:
                      f"{view.prefix_queries:.0f} tok)")
     if view.cached_tokens is not None:
         parts.append(f"cached {view.cached_tokens} of {view.prompt_tokens} prompt tok (usage)")
+    if not view.prefix_queries and view.hit_rate is not None:  # SGLang's gauge, llama.cpp's cached prompt tokens
+        source = "llamacpp:prompt_tokens_cached" if view.kind == "llama.cpp" else "sglang:cache_hit_rate"
+        parts.insert(0, f"hits {view.hit_rate:.1%} ({source})")
     if not parts:
-        return "not exposed (vllm:prefix_cache_hits, usage.prompt_tokens_details)", "dim"
+        return "not exposed (vllm:prefix_cache_hits, sglang:cache_hit_rate, usage.prompt_tokens_details)", "dim"
     return "  ".join(parts), None
 
 

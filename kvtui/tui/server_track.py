@@ -5,7 +5,10 @@ server does not show. For a target they show what the server exposes instead (Se
 llama.cpp's `/slots` for the slot map, `vllm:kv_cache_usage_perc` (or SGLang's `sglang:token_usage`) for
 KV usage, the server's running/waiting gauges, and prompt/generation tokens per second from its token
 counters, and its prefix cache: vLLM's `vllm:prefix_cache_queries` / `_hits` counters since the run's
-first sample, and the cached prompt tokens each response reported in its usage. Plain Python, no Textual: the dashboard's state
+first sample (SGLang's `sglang:cache_hit_rate`), the cached prompt tokens each response reported in its usage,
+speculative decoding's acceptance (vLLM's accepted / drafted token counters, SGLang's
+`sglang:spec_accept_length`), and a history of each, as the terminal monitors of these servers show them
+(llama.cpp's KV usage as `llamacpp:kv_cache_usage_ratio`). Plain Python, no Textual: the dashboard's state
 (state.py) holds a ServerTrack, its snapshots a ServerView.
 """
 
@@ -17,6 +20,16 @@ from dataclasses import dataclass
 from kvtui.events import Finish, LoadFidelity, ServerSample, SlotState, Summary
 from kvtui.metrics import PREFIX_HITS, PREFIX_QUERIES
 
+# the monitors' figures under each server's names (vLLM, SGLang, llama.cpp), the first one present wins
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")
+HIT_RATE = ("sglang:cache_hit_rate",)  # a gauge (0-1); vLLM's comes from its prefix-cache counters
+SPEC_ACCEPTED = ("vllm:spec_decode_num_accepted_tokens_total",  # over the drafted tokens: the acceptance rate
+                 "llamacpp:spec_decode_num_accepted_tokens_total")
+SPEC_DRAFTED = ("vllm:spec_decode_num_draft_tokens_total", "llamacpp:spec_decode_num_draft_tokens_total")
+# llama.cpp: prompt tokens taken from its cache, and those it computed (its prompt_tokens_total leaves them out)
+CACHED_PROMPT, COMPUTED_PROMPT = ("llamacpp:prompt_tokens_cached_total",), ("llamacpp:prompt_tokens_total",)
+SPEC_LENGTH = ("sglang:spec_accept_length",)  # SGLang: mean tokens accepted per step (a gauge)
+KINDS = {"vllm:": "vLLM", "sglang:": "SGLang", "llamacpp:": "llama.cpp", "tgi_": "TGI"}
 PROMPT_COUNTERS = ("vllm:prompt_tokens_total", "llamacpp:prompt_tokens_total", "sglang:prompt_tokens_total")
 GENERATION_COUNTERS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total",
                        "sglang:generation_tokens_total")
@@ -43,6 +56,13 @@ class ServerView:
             of `prompt_tokens` (None: no response said).
         fidelity: how faithfully the client kept the schedule, the last LoadFidelity (None: none yet, or a
             recording made before kvtui measured it).
+        kind: the server by its metric names (vLLM, SGLang, llama.cpp, TGI), None before /metrics answered.
+        hit_rate: prefix-cache hit rate (0-1): vLLM's counters since the run's first sample, or SGLang's
+            sglang:cache_hit_rate; None: not exposed. spec: speculative decoding, (value, unit): vLLM's
+            accepted / drafted tokens since the first sample ("accepted", 0-1), or SGLang's mean accept length
+            ("tokens/step"); None: not exposed, or nothing drafted yet (spec_exposed: the server has the counters).
+            llama.cpp's hit rate: its cached prompt tokens over all its prompt tokens since the first sample.
+        running_history, waiting_history, hit_history, spec_history: one value per sample that had it.
     """
 
     url: str
@@ -62,6 +82,14 @@ class ServerView:
     cached_tokens: int | None = None
     prompt_tokens: int = 0
     fidelity: LoadFidelity | None = None
+    kind: str | None = None
+    hit_rate: float | None = None
+    spec: tuple[float, str] | None = None
+    spec_exposed: bool = False
+    running_history: tuple[float, ...] = ()
+    waiting_history: tuple[float, ...] = ()
+    hit_history: tuple[float, ...] = ()
+    spec_history: tuple[float, ...] = ()
 
 
 def _counter(sample: ServerSample, names: tuple[str, ...]) -> float | None:
@@ -84,6 +112,14 @@ class ServerTrack:
         self.cached_tokens: int | None = None
         self.prompt_tokens = 0
         self.fidelity: LoadFidelity | None = None
+        self.kind: str | None = None
+        self.kv_usage: float | None = None
+        self.hit_rate: float | None = None
+        self.spec: tuple[float, str] | None = None
+        self.first_spec: tuple[float, float] | None = None
+        self.first_cached: tuple[float, float] | None = None
+        self.spec_exposed = False
+        self.histories = {name: deque(maxlen=HISTORY_LEN) for name in ("running", "waiting", "hit", "spec")}
 
     def apply(self, event) -> None:
         if isinstance(event, Finish):
@@ -100,12 +136,40 @@ class ServerTrack:
             self.first_prefix = self.first_prefix or self.prefix
         previous, self.last = self.last, event
         self.samples += 1
-        if event.kv_usage is not None:
-            self.kv_history.append(event.kv_usage)
+        self._monitor(event)
+        if self.kv_usage is not None:
+            self.kv_history.append(self.kv_usage)
         if previous is not None and event.t > previous.t:
             self.rates = tuple(self._rate(previous, event, names) for names in (PROMPT_COUNTERS, GENERATION_COUNTERS))
             if self.rates[1] is not None:
                 self.generation_history.append(self.rates[1])
+
+    def _monitor(self, e: ServerSample) -> None:
+        """The monitors' figures of one sample under whichever server's names it has, and their histories."""
+        self.kind = next((kind for prefix, kind in KINDS.items() if any(n.startswith(prefix) for n in e.metrics)),
+                         self.kind)
+        self.kv_usage = _counter(e, KV_USAGE) if e.kv_usage is None else e.kv_usage
+        if self.prefix is not None and self.first_prefix is not None:
+            queries, hits = self.prefix[0] - self.first_prefix[0], self.prefix[1] - self.first_prefix[1]
+            self.hit_rate = hits / queries if queries > 0 else self.hit_rate
+        elif (cached := _counter(e, CACHED_PROMPT)) is not None and (computed := _counter(e, COMPUTED_PROMPT)) is not None:
+            self.first_cached = self.first_cached or (cached, computed)
+            hit, asked = cached - self.first_cached[0], cached - self.first_cached[0] + computed - self.first_cached[1]
+            self.hit_rate = hit / asked if asked > 0 else self.hit_rate
+        else:
+            self.hit_rate = _counter(e, HIT_RATE)
+        accepted, drafted = _counter(e, SPEC_ACCEPTED), _counter(e, SPEC_DRAFTED)
+        self.spec_exposed = self.spec_exposed or accepted is not None or _counter(e, SPEC_LENGTH) is not None
+        if accepted is not None and drafted is not None:
+            self.first_spec = self.first_spec or (accepted, drafted)
+            done = drafted - self.first_spec[1]
+            self.spec = ((accepted - self.first_spec[0]) / done, "accepted") if done > 0 else self.spec
+        elif (length := _counter(e, SPEC_LENGTH)) is not None:
+            self.spec = (length, "tokens/step")
+        for name, value in (("running", e.running), ("waiting", e.waiting), ("hit", self.hit_rate),
+                            ("spec", self.spec[0] if self.spec else None)):
+            if value is not None:
+                self.histories[name].append(value)
 
     def _finished(self, e: Finish) -> None:
         if e.cached_tokens is not None:
@@ -127,9 +191,11 @@ class ServerTrack:
             url=self.url, samples=self.samples, slots=slots,
             slot_colors=tuple(colors.get(s.request_id, -1) if s.busy and s.request_id else -1 for s in slots or ()),
             running=last.running if last else None, waiting=last.waiting if last else None,
-            kv_usage=last.kv_usage if last else None, kv_history=tuple(self.kv_history),
+            kv_usage=self.kv_usage, kv_history=tuple(self.kv_history),
             prompt_rate=self.rates[0], generation_rate=self.rates[1],
             generation_history=tuple(self.generation_history), metric_count=len(last.metrics) if last else 0,
             prefix_queries=self.prefix[0] - self.first_prefix[0] if self.prefix else None,
             prefix_hits=self.prefix[1] - self.first_prefix[1] if self.prefix else None,
-            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens, fidelity=self.fidelity)
+            cached_tokens=self.cached_tokens, prompt_tokens=self.prompt_tokens, fidelity=self.fidelity,
+            kind=self.kind, hit_rate=self.hit_rate, spec=self.spec, spec_exposed=self.spec_exposed,
+            **{f"{name}_history": tuple(values) for name, values in self.histories.items()})

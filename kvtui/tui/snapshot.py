@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvtui.events import Summary
 
 if TYPE_CHECKING:
+    from kvtui.tui.lanes import LaneView
     from kvtui.tui.server_track import ServerView
 
 
@@ -91,6 +92,52 @@ class BlockView:
     cached: bool
     owner: str | None
     color: int
+
+
+@dataclass(frozen=True)
+class MapCell:
+    """One cell of the block map: a paged KV block, a KV slot, or a hybrid's recurrent-state slot.
+
+    Attributes:
+        index: the block id, slot or state slot.
+        owner: the request holding it (paged: the first running request whose table lists it), None: free.
+        tenant, adapter: the owner's tenant and LoRA adapter (None: none, or free).
+        age: steps since its contents began (a slot: its owner took it; a block: it was allocated for what it
+            holds; 0: this step); None when free.
+        reused: steps since a prefix-cache hit last handed it to a request; None: never (or slots).
+        color: palette index of the owner's tenant when the run has tenants, else of the owner (-1: free).
+        cached: a free block still cached (a prefix hit may take it back); shared: its holders (paged).
+        fault: the last fault that acted on it since its owner took it (kvtui.events.FaultActed), or None.
+        detector: the last detector that fired on it since then (its report named it, or its owner as the
+            victim), or None.
+        previous: the request that held it before its owner (None: none known).
+    """
+
+    index: int
+    owner: str | None
+    tenant: str | None = None
+    adapter: str | None = None
+    age: int | None = None
+    reused: int | None = None
+    color: int = -1
+    cached: bool = False
+    shared: int = 0
+    fault: str | None = None
+    detector: str | None = None
+    previous: str | None = None
+
+
+@dataclass(frozen=True)
+class KVMapView:
+    """The block map panel's view: every KV block (paged) or slot (slots), a hybrid's state slots, and the
+    bands of what has no cells of its own: the encoder cache (entries, capacity, held by a running request)
+    and the KV offload tier (blocks held, capacity); None where the run has none."""
+
+    unit: str  # "block" or "slot"
+    cells: tuple[MapCell, ...]
+    state: tuple[MapCell, ...] = ()
+    encoder: tuple[int, int, int] | None = None
+    tier: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +273,8 @@ class Snapshot:
         encoder: a speech model's encoder cache (EncoderView), else None.
         prefix_caching: the engine caches prompt prefixes (paged KV), as the header says.
         state_slots: a hybrid model's recurrent-state slots (StateSlotView each); empty for other models.
+        kv_map: the block map panel's view (KVMapView); None for a run against a target server.
+        lanes: per-request timelines of the latest steps (kvtui.tui.lanes.LaneView), in arrival order.
     """
 
     seq: int
@@ -274,6 +323,8 @@ class Snapshot:
     encoder: EncoderView | None = None
     prefix_caching: bool = False
     state_slots: tuple[StateSlotView, ...] = ()
+    kv_map: KVMapView | None = None
+    lanes: tuple[LaneView, ...] = ()
 
     @property
     def isolation_on(self) -> bool:

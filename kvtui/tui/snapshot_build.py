@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from kvtui.metrics import percentile
+from kvtui.tui.kv_map import map_view
+from kvtui.tui.lanes import lane_views
 from kvtui.tui.snapshot import (
     BlockView,
     EncoderView,
@@ -164,7 +166,8 @@ def build_snapshot(state: DashboardState) -> Snapshot:
         server=state.server.view({rid: r.color for rid, r in state.requests.items()}) if state.server else None,
         pace=state.pace, encoder=_encoder(last),
         prefix_caching=bool(header.engine.get("prefix_caching")) if header else False,
-        state_slots=_state_slots(state, last),
+        state_slots=_state_slots(state, last), kv_map=map_view(state.kv_map, state, last),
+        lanes=lane_views(state.lanes, {rid: r.color for rid, r in state.requests.items()}, MAX_TABLE_ROWS),
     )
 
 

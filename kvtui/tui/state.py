@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from kvtui.events import (
     Arrive,
     Contamination,
+    FaultActed,
     FaultSwitch,
     Finish,
     FirstToken,
@@ -28,6 +29,8 @@ from kvtui.events import (
 from kvtui.faults import isolation_fault_set
 from kvtui.metrics import SLO, Metrics
 from kvtui.summary import evidence_text, skipped_text
+from kvtui.tui.kv_map import KVMapTrack, step_owners
+from kvtui.tui.lanes import Lanes
 from kvtui.tui.server_track import ServerTrack
 from kvtui.tui.snapshot import ContaminationView, LogLine
 
@@ -114,6 +117,8 @@ class DashboardState:
         self.ttft_live: list[float] = []  # TTFT (seconds) at each first token, before requests finish
         self.server: ServerTrack | None = None  # for a run against a target server
         self.pace: float | None = None  # paced clock: modeled seconds per wall second (set by the live worker)
+        self.kv_map = KVMapTrack()  # the block map's ages, reuses and marks (kv_map.py)
+        self.lanes = Lanes()  # per-request timelines (lanes.py)
 
     # -- feeding -----------------------------------------------------------------------------
     def apply(self, event) -> None:
@@ -154,6 +159,7 @@ class DashboardState:
         if e.tenant is not None:
             self.tenants.setdefault(e.tenant, len(self.tenants) % PALETTE_SIZE)
         self.requests[r.id] = r
+        self.lanes.on_arrive(r.id)
         if r.status == "waiting":
             self.waiting[r.id] = None
 
@@ -176,6 +182,8 @@ class DashboardState:
         for f in e.flow:
             if f.request_id in self.requests:
                 self.requests[f.request_id].attention_mass = f.foreign_mass
+        self.kv_map.on_step(e, step_owners(self, e))
+        self.lanes.on_step(e)
         self._add_history(e)
 
     def _blocks(self, e: StepEvent) -> None:
@@ -246,6 +254,7 @@ class DashboardState:
         self.finished_order.append(e.request_id)
         r = self._request(e.request_id)
         r.status = e.finish_reason
+        self.lanes.on_finish(r.id)
         self.waiting.pop(r.id, None)
         self.active.pop(r.id, None)
         self.recent_finished.appendleft(r.id)
@@ -271,13 +280,20 @@ class DashboardState:
         while len(self.finished_order) >= MAX_FINISHED_KEPT:
             rid = self.finished_order.popleft()
             self.requests.pop(rid, None)
+            self.lanes.forget(rid)
             self.flagged.pop(rid, None)
 
     def _fault(self, e: FaultSwitch) -> None:
         self.active_faults = tuple(sorted(e.active))
         self.note("fault", f"fault {e.name} {'on' if e.on else 'off'} ({e.source})", e.t)
 
+    def _acted(self, e: FaultActed) -> None:
+        self.kv_map.on_acted(e)
+        self.lanes.on_acted(e)
+
     def _contamination(self, e: Contamination) -> None:
+        self.kv_map.on_contamination(e)
+        self.lanes.on_contamination(e)
         self.by_detector[e.detector] += 1
         self.by_kind[e.kind] += 1
         self.contamination.append(ContaminationView(e.t, e.step, e.detector, e.kind, e.victim, e.source,
@@ -338,5 +354,5 @@ _HANDLERS = {
     FirstToken: DashboardState._first_token, Finish: DashboardState._finish, FaultSwitch: DashboardState._fault,
     Contamination: DashboardState._contamination, Marker: DashboardState._marker,
     TimelineApplied: DashboardState._timeline, Summary: DashboardState._summary,
-    RecordingFailed: DashboardState._recording_failed,
+    RecordingFailed: DashboardState._recording_failed, FaultActed: DashboardState._acted,
 }

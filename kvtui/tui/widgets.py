@@ -7,7 +7,7 @@ from rich.console import RenderableType
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from kvtui.tui import panels
+from kvtui.tui import lane_panel, map_panel, panels
 from kvtui.tui.snapshot import Snapshot
 
 
@@ -77,6 +77,24 @@ class RequestTable(Panel):
         return panels.request_table(snapshot, width, height)
 
 
+class BlockMapPanel(Panel):
+    """The block map (key `m`, in place of the request table): whose KV is where (kvtui/tui/map_panel.py)."""
+
+    TITLE = "block map"
+
+    def draw(self, snapshot, width, height):
+        return map_panel.kv_map(snapshot, width, height)
+
+
+class TimelinePanel(Panel):
+    """Per-request timelines (key `t`, in place of the request table; kvtui/tui/lane_panel.py)."""
+
+    TITLE = "timelines (steps →)"
+
+    def draw(self, snapshot, width, height):
+        return lane_panel.timelines(snapshot, width, height)
+
+
 class StatsPanel(Panel):
     TITLE = "throughput · padding · KV · latency"
 
@@ -104,4 +122,4 @@ class EventLog(Panel):
         return panels.event_log(snapshot, width, height)
 
 
-PANELS = (HeaderBar, SlotMap, RequestTable, StatsPanel, ContaminationPanel, EventLog)
+PANELS = (HeaderBar, SlotMap, RequestTable, BlockMapPanel, TimelinePanel, StatsPanel, ContaminationPanel, EventLog)

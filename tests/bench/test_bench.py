@@ -143,11 +143,13 @@ def test_the_faults_part_catches_each_fault_in_every_held_out_run_and_is_silent_
     assert list(rows) == ["cow_missing", "stale_cross_kv"]
     assert [(r["model"], r["runs"], r["caught"], r["named"], r["false_alarms"], r["seeds"]) for r in rows.values()] == [
         ("tiny-llama", 3, 3, 3, 0, [9000, 9002]), ("tiny-whisper", 3, 3, 3, 0, [9000, 9002])]
+    assert [(r["acted"], r["missed"], r["inert"]) for r in rows.values()] == [(3, 0, 0), (3, 0, 0)]
     assert rows["cow_missing"]["detectors"] == {"slot_taint": 3, "attention_flow": 3, "reference": 3}
     assert rows["stale_cross_kv"]["detectors"] == {"slot_taint": 3, "canary": 0, "reference": 3}  # random text
     assert all(r["first_step"]["n"] == 3 and 0 <= r["first_step"]["min"] <= r["first_step"]["max"] for r in rows.values())
     table = faults.markdown(result)
-    assert len(table) == 4 and table[2].startswith("| cow_missing (tiny-llama) | 3 | 3 | slot_taint 3, attention_flow 3")
+    assert len(table) == 4 and table[2].startswith("| cow_missing (tiny-llama) | 3 | 3 | 0 | 0 | slot_taint 3, "
+                                                   "attention_flow 3")
     assert table[3].endswith("| 0 (0 of 3 runs) |")
 
 

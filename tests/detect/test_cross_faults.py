@@ -67,6 +67,7 @@ def test_every_listed_detector_catches_the_cross_fault_naming_victim_and_source(
     assert {e.victim for e in counted} <= ran
     named = [e for e in counted if e.detector in ("slot_taint", "prefix_provenance")]
     assert named and all(e.source in ran and e.source != e.victim for e in named)
+    assert session.summary.fault_acts[name] > 0  # fault.acted events where it acted
 
 
 @pytest.mark.parametrize("name", CROSS)

@@ -184,6 +184,7 @@ def test_every_listed_detector_catches_the_fault_with_its_kind_victim_and_source
     reports = [e for e in session.contamination if e.counts]
     assert set(fault.caught_by) - TEXT_DETECTORS <= {e.detector for e in reports}, session.contamination
     assert session.summary.findings_by_kind.get(fault.kind, 0) >= 1, session.summary.findings_by_kind
+    assert session.summary.fault_acts[name] > 0  # the fault acted where it was caught (fault.acted events)
     assert {e.victim for e in reports} <= ran
     named = [e for e in reports if e.source is not None]
     assert all(set(e.source.split(",")) <= ran - {e.victim} for e in named)

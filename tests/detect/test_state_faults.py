@@ -103,6 +103,8 @@ def _run(loaded, fault: str, seed: int, on: bool):
     spec = parse_scenario(scenario_text(fault, seed, on), f"held-out {fault} {seed}")
     session = Session(spec, loaded, clock="virtual")
     session.run()
+    if on:  # the fault acted where it was caught (fault.acted events)
+        assert session.summary.fault_acts[fault] > 0
     return spec, [e for e in session.contamination if e.counts]
 
 

@@ -17,6 +17,7 @@ from kvtui.model_kinds import ModelKind
 from kvtui.models import build_tiny, load_model
 from kvtui.models.dinov2 import build_tiny_dinov2, image_hash, image_tensor
 from kvtui.models.projector import CANARY_WORDS, SeededProjector, canary_image, prompt_with_image
+from kvtui.run.outcome import inert
 from kvtui.scenario import parse_scenario
 from kvtui.session import Session
 
@@ -158,9 +159,26 @@ def test_image_faults_are_caught_with_victim_and_source_and_silent_when_removed(
     ran = {f"r{i:03d}" for i in range(8)}
     named = [e for e in reports if e.source is not None]
     assert named and all(e.victim in ran and set(e.source.split(",")) <= ran - {e.victim} for e in named)
+    assert session.summary.fault_acts[name] > 0
     clean = Session(_image_load(name, layout, kv, False), vision, clock="virtual")
     clean.run()
-    assert [e for e in clean.contamination if e.counts] == []
+    assert [e for e in clean.contamination if e.counts] == [] and clean.summary.fault_acts is None
+
+
+def test_mm_hash_missing_with_no_picture_in_a_reused_block_acted_0_times_and_says_so(vision):
+    """32-token blocks: the prompts' shared text fills cached blocks and is reused, but no reused block holds
+    an image position, so the fault has nothing to act on: no fault.acted event, no finding, and the inert
+    line rather than a detector miss."""
+    spec = parse_scenario(LOAD.format(pool="kv: paged, block_size: 32, max_batch_size: 2, prefix_caching: true",
+                                      layout="padded", faults="mm_hash_missing", uuids="none")
+                          + "expect: {contamination: detected}\n")
+    seen: list = []
+    session = Session(spec, vision, clock="virtual", listeners=(seen.append,))
+    session.run()
+    assert session.summary.prefix_cache_hits > 0 and session.summary.fault_acts == {"mm_hash_missing": 0}
+    assert [e for e in seen if e.type == "fault.acted"] == [] and [e for e in session.contamination if e.counts] == []
+    assert inert(spec, session) == ["mm_hash_missing acted 0 times: no cached block held an image position of "
+                                    "another picture when a request looked it up"]
 
 
 @pytest.mark.smollm

@@ -555,7 +555,7 @@ def test_dashboard_shows_what_the_server_exposes(size, tmp_path):
                                                      poll_interval_s=0.05), record_path=tmp_path / "d.jsonl")
     source, text = dashboard_run(session, size=size)
     for needle in ("target http://fake", "DONE", "idle · n_ctx 512", "360/512", "2/3 slots busy (llama.cpp /slots)",
-                   "KV usage   37.5%", "running 7  waiting 4", "not visible from outside", "TTFT", "r000", "r003",
+                   "KV usage   37.5%", "running 7  waiting 4", "spec     not exposed", "TTFT", "r000", "r003",
                    "finished 4", "no contamination detected"):
         assert needle in text, f"{needle!r} not on the {size} screen:\n{text}"
     assert "isolation" not in text.splitlines()[0]  # the client cannot know a server's faults

@@ -449,3 +449,32 @@ def test_image_prompts_against_a_target_are_refused_in_one_line_not_sent_as_text
         "error: scenarios/images.yaml: prompts kind image_passphrase cannot be sent to a --target yet: kvtui's "
         "client sends no image parts; run it locally (--model dinov2-smollm2), or serve that model with `kvtui "
         "serve` and send image_url parts (docs/serve.md, Images)"]
+
+
+# -- a fault that never acted: no detector miss -------------------------------------------------------------
+
+def test_a_fault_that_never_acted_gives_its_own_line_and_exit_4_not_a_miss(tmp_path):
+    # three slots, three requests at once: no request ever takes a slot another left, so stale_slot never acts
+    text = SMALL.replace("engine: {slots: 3, max_len: 256}", "engine: {slots: 3, max_len: 256, faults: [stale_slot]}")
+    scenario = write(tmp_path, text.replace("max_requests: 8", "max_requests: 3")
+                     .replace("poisson, rate_per_s: 8.0", "burst, size: 3, every_s: 100") + "expect: {contamination: detected}\n")
+    result = invoke("run", str(scenario), "--headless")
+    assert result.exit_code == 4, result.output
+    assert error_lines(result.stderr) == ["stale_slot acted 0 times: no request was admitted into a slot another "
+                                          "request had left"]
+    assert re.search(r"steps a fault acted in +stale_slot 0", result.stdout), result.stdout
+
+
+def test_a_fault_that_acted_unseen_is_a_miss_and_its_acts_are_recorded_and_replayed(tmp_path):
+    text = SMALL.replace("engine: {slots: 3, max_len: 256}", "engine: {slots: 2, max_len: 256, faults: [stale_slot]}")
+    scenario = write(tmp_path, text + "expect: {contamination: detected}\n")
+    path = tmp_path / "run.jsonl"
+    result = invoke("run", str(scenario), "--headless", "--detectors", "none", "--record", str(path))
+    header, events, summary, _ = read_recording(path)
+    acted = [e for e in events if e.type == "fault.acted"]
+    # 2 slots, 8 requests: the 6 requests admitted into a used slot, each in the step that admitted it
+    assert len(acted) == summary.fault_acts["stale_slot"] == 6 and {e.fault for e in acted} == {"stale_slot"}
+    assert all(e.where == "slot" and len(e.request_ids) == len(e.ids) for e in acted)
+    assert result.exit_code == 1 and "(stale_slot acted in 6 steps)" in result.stderr, result.output
+    replayed = invoke("replay", str(path), "--summary")
+    assert re.search(r"steps a fault acted in +stale_slot 6", replayed.stdout), replayed.stdout

@@ -9,6 +9,8 @@ draws the same picture on any machine.
 - LIVE: a run in progress before the fault (isolation ON, r003 and r004 decoding, r005 waiting).
 - LEAK: shared_cache on and the canary's report that r008 answers with r009's passphrase (r008 ← r009).
 - CLOSING: every request finished, the reference checks draining (11 of 16 done).
+- block map: `m` at the LEAK moment: whose KV is where, marked where the fault acted and the detectors fired.
+- timelines: `t` in a replay of the demo paused at 5 s: one lane per request.
 - help: `?` over the LIVE screen.
 
 When a picture changes on purpose (a panel, a colour, the help text, a Textual upgrade), open the new
@@ -113,6 +115,40 @@ class TestClosing:
         status = ReferenceStatus(t=last, checked=11, skipped=0, pending=5)
         app = dashboard([*events, *drained[:3], status], mode="CLOSING: checks 11/16 · q skips")
         assert snap_compare(app, terminal_size=size, run_before=shown)
+
+
+async def block_map_shown(pilot) -> None:
+    await shown(pilot)
+    await pilot.press("m")
+
+
+class TestBlockMap:
+    @SIZES
+    def test_block_map_marks_where_the_fault_acted_and_the_detectors_fired(self, snap_compare, dashboard, demo, size):
+        """The LEAK moment with `m` pressed: the block map in place of the requests, every slot marked `!`
+        (shared_cache acted on each running request's rows), each owner's line naming the fault and the
+        detector that fired on it (r008: the canary), its age and the slot's previous owner."""
+        app = dashboard(through(demo[1], lambda e: isinstance(e, Contamination) and e.detector == "canary"
+                                and e.victim == "r008"))
+        assert snap_compare(app, terminal_size=size, run_before=block_map_shown)
+
+
+class TestTimelines:
+    @SIZES
+    def test_replay_timelines_after_seeking_into_the_leak(self, snap_compare, size):
+        """`kvtui replay` of the demo, paused and moved to 5 s, `t` pressed: one lane per request, the newest
+        step at the right; r003 onwards marked `!` where shared_cache acted on them and `*` where a detector
+        reported them, r010 and r011 still queued."""
+        from kvtui.tui.replay import ReplaySource
+
+        source = ReplaySource.from_file(DEMO, start_paused=True)
+        source.seek_to(5.0)
+
+        async def timelines_shown(pilot) -> None:
+            await pilot.pause(0.1)
+            await pilot.press("t")
+
+        assert snap_compare(KvtuiApp(source), terminal_size=size, run_before=timelines_shown)
 
 
 class TestHelp:
