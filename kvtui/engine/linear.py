@@ -276,11 +276,7 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     candidates = [k for k in KERNELS if k != "prepacked" or prepack_available(dtype)]
     head_candidates = [k for k in TIED_HEAD_KERNELS if k in candidates] if tied else candidates
     if forced:
-        if forced not in candidates:
-            raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(candidates)} on this machine")
-        copy = tied and forced == "prepacked"  # a forced kernel makes no copy of a tied table
-        head_kernel = forced if forced in head_candidates and not copy else "linear"
-        return {"kernel": forced, "head_kernel": head_kernel, "why": f"forced by {ENV}", "ms": {}}
+        return _forced_choice(forced, candidates, head_candidates, tied)
     key = (dtype, tuple(shapes), num_layers, head, tied)
     if key in _CHOSEN:
         return _CHOSEN[key]
@@ -293,6 +289,15 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
                                      announce)
     _CHOSEN[key] = choice
     return choice
+
+
+def _forced_choice(forced: str, candidates: list[str], head_candidates: list[str], tied: bool) -> dict:
+    """choose_kernel's answer when $KVTUI_LINEAR_KERNEL names `forced` (ValueError where it cannot run here)."""
+    if forced not in candidates:
+        raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(candidates)} on this machine")
+    copy = tied and forced == "prepacked"  # a forced kernel makes no copy of a tied table
+    head_kernel = forced if forced in head_candidates and not copy else "linear"
+    return {"kernel": forced, "head_kernel": head_kernel, "why": f"forced by {ENV}", "ms": {}}
 
 
 def _stored_or_measured(path, store_key: str, dtype, shapes, num_layers: int, head, candidates, head_candidates,
