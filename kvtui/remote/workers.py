@@ -14,8 +14,8 @@ Each worker sends as the single-process client does (the same bodies, the same p
 at most ceil(max_concurrency / N) requests of its own in flight) and keeps each finished request's
 record (kvtui.remote.openai.StreamResult with its pieces and chunk times, the wait for a place under its
 cap). The driver takes the finished records every COLLECT_S; for each one it emits what the
-single-process client emits (the first token, each chunk to the observers, the finish event, the
-fidelity figures), so the detectors, the recording, the reference checks and the dashboard run on the
+single-process client emits (the first token, the finish event with the whole answer to the observers,
+the fidelity figures), so the detectors, the recording, the reference checks and the dashboard run on the
 driver as before. Arrivals are emitted on the driver at their planned times.
 
 A worker that dies (its process killed, its node lost) is reported: a marker names it, and each request
@@ -39,7 +39,6 @@ from kvtui.remote.openai import StreamResult
 from kvtui.remote.reach import TargetError
 from kvtui.remote.session import TargetSession
 from kvtui.remote.wire import WirePool
-from kvtui.run.observers import StepSeen
 
 RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
@@ -310,15 +309,10 @@ class RayTargetSession(TargetSession):
         self._finish(p, r, lag)
 
     def _replay_chunks(self, request_id: str, r: StreamResult) -> None:
-        """The first token and each chunk's text to the observers, at the times the worker saw them."""
+        """The first token, at the time the worker saw it (the observers see the whole answer at its finish,
+        as in the single-process client)."""
         if r.first_s is not None and r.chunk_times_s:
             self.emit(FirstToken(t=r.first_s, request_id=request_id, ttft_s=r.first_s - r.sent_s))
-        pieces = r.pieces if r.pieces else ([r.text] if r.text else [])
-        times = r.chunk_times_s or [r.end_s if r.end_s is not None else self.now()]
-        if self.observers:
-            for t, piece in zip(times, pieces):
-                if piece:
-                    self._emit_all(o.on_step(StepSeen(t, -1, ((request_id, piece),))) for o in self.observers)
 
     def hold(self, on: bool) -> None:
         """Hold arrivals here and on every live worker (the dashboard's pause)."""
