@@ -96,7 +96,7 @@ class StreamResult:
     end_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
-    tokens: list[TokenInfo] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list, repr=False)  # repr: left unparsed
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int | None = None

@@ -224,11 +224,15 @@ class TargetSession(RunBase):
             # garbage collector's full passes, each of which would stop the sending loop for tens of ms
             gc.collect()
             gc.freeze()
+            # the server's counters at the start, read before it: a probe after it (tens of ms against a
+            # server with large /metrics) would make the first requests late on their schedule
+            probe = ServerProbe(client, self.in_flight)
+            first_sample = await probe.sample(0.0)
             self._t0 = await self._load_start()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             self.fidelity.start()
-            probe = ServerProbe(client, self.in_flight)
-            await self._sample(probe)  # before the first request: the server's counters at the start
+            if first_sample is not None:
+                self.emit(first_sample)
             poller = asyncio.create_task(self._poll(probe, on_progress))
             markers = asyncio.create_task(self._markers())
             try:
@@ -490,13 +494,14 @@ class TargetSession(RunBase):
             cached_tokens=r.cached_tokens, send_lag_s=send_lag_s))
 
     async def _poll(self, probe: ServerProbe, on_progress) -> None:
-        """Sample the server's /metrics and /slots every poll interval until cancelled."""
+        """Sample the server's /metrics and /slots every poll interval until cancelled, the first one
+        interval after the start (the sample at the start was taken before it)."""
         while True:
+            await asyncio.sleep(self.options.poll_interval_s)
             await self._sample(probe)
             self._live_fidelity()
             if on_progress is not None:
                 on_progress(self)
-            await asyncio.sleep(self.options.poll_interval_s)
 
     def _live_fidelity(self) -> None:
         """A LoadFidelity about every second while the load runs and requests finish (the dashboard's)."""
