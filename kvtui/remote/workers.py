@@ -54,6 +54,16 @@ def ray_available() -> bool:
     return True
 
 
+def seeded_plan(scenario, tokenizer, rate: float | None = None) -> list:
+    """The scenario's plan from its seed; with a sweep's `rate` (req/s), re-timed to Poisson arrivals at it
+    (kvtui.remote.sweep.retimed): what the driver and each worker plan alike."""
+    from kvtui.remote.sweep import retimed
+    from kvtui.scenario import plan_requests
+
+    plan = plan_requests(scenario, tokenizer)
+    return retimed(plan, rate, scenario.seed) if rate is not None else plan
+
+
 def send_order(plan: list) -> list:
     """The plan in send order (arrival time, then request id): a request's index in it picks its shard."""
     return sorted(plan, key=lambda p: (p.arrival_s, p.request_id))
@@ -84,13 +94,12 @@ class ShardSession(TargetSession):
         index, workers: this shard (0-based) of how many.
         model: the scenario model (prompt embeddings' table). api, served_model, server_kind: as the
             driver resolved them from the server.
+        rate: a sweep's rate (req/s): the plan re-timed to Poisson arrivals at it (seeded_plan).
     """
 
     def __init__(self, scenario, tokenizer, options, *, index: int, workers: int, model: str, api: str,
-                 served_model: str | None, server_kind: str | None) -> None:
-        from kvtui.scenario import plan_requests
-
-        plan = send_order(plan_requests(scenario, tokenizer))
+                 served_model: str | None, server_kind: str | None, rate: float | None = None) -> None:
+        plan = send_order(seeded_plan(scenario, tokenizer, rate))
         mine = [p for k, p in enumerate(plan) if k % workers == index]
         super().__init__(scenario, tokenizer, options, detectors=(), planned=mine, model=model)
         self.api, self.served_model, self.server_kind = api, served_model, server_kind
@@ -126,13 +135,14 @@ class ShardWorker:
         self.session: ShardSession | None = None
 
     async def prepare(self, scenario, model: str, options, index: int, workers: int, api: str,
-                      served_model: str | None, server_kind: str | None) -> tuple[int, list[str]]:
+                      served_model: str | None, server_kind: str | None,
+                      rate: float | None = None) -> tuple[int, list[str]]:
         """Load the tokenizer and plan the shard; returns (this process's id, the shard's request ids)."""
         from kvtui.models import load_tokenizer
 
         tokenizer = load_tokenizer(model)
         self.session = ShardSession(scenario, tokenizer, options, index=index, workers=workers, model=model,
-                                    api=api, served_model=served_model, server_kind=server_kind)
+                                    api=api, served_model=served_model, server_kind=server_kind, rate=rate)
         gc.collect()  # the plan and the tokenizer out of the collector's full passes while it sends (ShardSession.send
         gc.freeze()  # unfreezes), as the single client does; here, before the shared start is set
         return os.getpid(), [p.request_id for p in self.session.pending]
@@ -162,6 +172,8 @@ class RayTargetSession(TargetSession):
         scenario, tokenizer, options, record_path, detectors, listeners, clock, model: as TargetSession.
         workers: how many workers (>= 1). address: a Ray cluster's address (`ray.init(address=...)`);
             None: a local Ray runtime with `workers` CPUs (or the one already initialized).
+        rate: `kvtui sweep`'s rate (req/s): the driver and every worker re-time the seeded plan to Poisson
+            arrivals at it (kvtui.remote.sweep.retimed), as the sweep's single-process runs do.
 
     Raises:
         ValueError: as TargetSession; also workers < 1, a test transport (it cannot cross processes), a
@@ -169,7 +181,8 @@ class RayTargetSession(TargetSession):
             one's answers: a closed loop).
     """
 
-    def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None, **kwargs) -> None:
+    def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None,
+                 rate: float | None = None, **kwargs) -> None:
         if workers < 1:
             raise ValueError("--workers must be >= 1")
         if options.transport is not None:
@@ -177,7 +190,10 @@ class RayTargetSession(TargetSession):
         if kwargs.get("planned") is not None:
             raise ValueError("--workers: each worker plans the scenario from its seed; a plan of other requests "
                              "cannot be sharded")
+        if rate is not None:
+            kwargs["planned"] = seeded_plan(scenario, tokenizer, rate)
         super().__init__(scenario, tokenizer, options, **kwargs)
+        self.rate = rate
         if any(p.round is not None for p in self.pending):
             raise ValueError("--workers: `process: rounds` sends each round once the last one's answers are in, "
                              "which one client decides; run it without --workers")
@@ -225,7 +241,7 @@ class RayTargetSession(TargetSession):
         self.actors = [actor.remote() for _ in range(self.workers)]
         try:
             shards = await asyncio.gather(*(a.prepare.remote(self.scenario, self.model_name, options, k, self.workers,
-                                                             self.api, self.served_model, self.server_kind)
+                                                             self.api, self.served_model, self.server_kind, self.rate)
                                             for k, a in enumerate(self.actors)))
         except Exception as e:  # a worker that cannot import kvtui, load the tokenizer or plan
             raise TargetError(f"--workers: a Ray worker could not plan its shard: {type(e).__name__}: {e}") from e
