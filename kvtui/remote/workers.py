@@ -26,9 +26,12 @@ none is dropped. Requests of its shard that had not arrived yet finish the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -43,6 +46,30 @@ from kvtui.remote.wire import WirePool
 RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
+
+
+@contextlib.contextmanager
+def _terminal_stderr():
+    """Around ray.init: where sys.stderr has no file descriptor (the dashboard: Textual captures it), the
+    process's own stderr stands in, since ray.init enables faulthandler on sys.stderr (which fails on the
+    capture); yields True there, and Ray is then started with its log level at ERROR, so that its lines
+    do not draw over the dashboard. Elsewhere nothing changes (yields False)."""
+    try:
+        has_fd = sys.stderr.fileno() >= 0
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        has_fd = False
+    if has_fd or sys.__stderr__ is None:
+        yield False
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    ray_logger.setLevel(logging.ERROR)
+    try:
+        yield True
+    finally:
+        sys.stderr = captured
+        ray_logger.setLevel(level)
 
 
 def ray_available() -> bool:
@@ -222,10 +249,12 @@ class RayTargetSession(TargetSession):
         import ray
 
         if not ray.is_initialized():
-            if self.address:
-                ray.init(address=self.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+            with _terminal_stderr() as quiet:
+                more = {"logging_level": logging.ERROR} if quiet else {}
+                if self.address:
+                    ray.init(address=self.address, log_to_driver=False, **more)
+                else:
+                    ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False, **more)
             self._started_ray = True
         return ray
 
@@ -335,7 +364,10 @@ class RayTargetSession(TargetSession):
         super().hold(on)
         for k, a in enumerate(self.actors):
             if k not in self.dead:
-                a.hold.remote(on)
+                try:
+                    a.hold.remote(on)
+                except Exception:  # a worker gone and not yet reported: the collector reports it
+                    pass
 
     async def run_async(self, on_progress=None):
         """TargetSession.run_async, then the workers stopped (and Ray, when this session started it)."""
@@ -353,6 +385,7 @@ class RayTargetSession(TargetSession):
                         ray.kill(a)
                     except Exception:  # already gone
                         pass
+                self.actors = []  # the run is over: nothing more to tell them (the dashboard's stop, a hold)
             if self._started_ray:
                 import ray
 
