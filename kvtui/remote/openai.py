@@ -358,6 +358,8 @@ class _Events:
         Raises:
             as _read_event, and whatever `on_chunk` raises.
         """
+        if not line:  # the blank line that ends each event
+            return False
         if not line.startswith(b"data:" if isinstance(line, bytes) else "data:"):
             self._other(line)
             return False
@@ -382,6 +384,8 @@ class _Events:
         return False
 
     def _other(self, line: bytes | str) -> None:
+        if self.count:
+            return
         if isinstance(line, bytes):
             line = line.decode("utf-8", "replace")
         if not self.count and line.strip() and sum(map(len, self.other)) < 200:
