@@ -8,7 +8,7 @@ Contamination, Marker, Summary, plus ServerSample for what the server exposes. A
 since the run started, measured on the client (time.perf_counter). A recording replays with
 `kvtui replay` like a local one.
 
-Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
+Detectors: `canary` reads each streamed answer once it has ended (kvtui.detect.CanaryDetector); `reference`
 sends each completed greedy request again alone after the load (kvtui.remote.solo_check), past the
 server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
 run as checked only when the server did not say it took prompt tokens from its cache.
