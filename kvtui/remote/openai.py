@@ -388,7 +388,7 @@ class _Events:
             return
         if isinstance(line, bytes):
             line = line.decode("utf-8", "replace")
-        if not self.count and line.strip() and sum(map(len, self.other)) < 200:
+        if line.strip() and sum(map(len, self.other)) < 200:
             self.other.append(line)
 
 
