@@ -3,6 +3,7 @@ pictures (kvtui/remote/sweep.py; docs/loadgen.md, Sweeps)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -65,6 +66,11 @@ def sweep(
     timeout: Timeout = TARGET.timeout_s,
     tolerance: Tolerance = TARGET.tolerance,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress line per run.")] = False,
+    workers: Annotated[int, typer.Option("--workers", min=0, help="Send each run's load from this many Ray "
+                                         "workers (pip install 'kvtui\\[ray]'), as kvtui run --target --workers; "
+                                         "one Ray runtime for all runs. 0: this process sends.")] = 0,
+    ray_address: Annotated[Optional[str], typer.Option("--ray", help="With --workers: the Ray cluster's address "
+                                                       "(default: a local Ray runtime).")] = None,
 ) -> None:
     """Send a scenario's requests to a server at several arrival rates (Poisson, the same seed): one
     `--target` run per rate; print throughput, latency and goodput per rate, name the knee and draw it.
@@ -84,10 +90,15 @@ def sweep(
             fail(f"--plot {plot}: give a .svg or .png file")
         if sweep_plot.missing("matplotlib"):
             fail(f"--plot needs matplotlib: {sweep_plot.PLOT_EXTRA}")
+    if workers or ray_address is not None:
+        from kvtui.cli.run import _check_workers
+
+        _check_workers(target, None, workers, ray_address)
     spec = load_scenario(scenario)
     chosen = command.target_detectors(parse_detectors(detectors), explicit=True)
     run = command.TargetRun(url=command.check_url(target), api=api, served_model=served_model,
-                            max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance, logprobs=True)
+                            max_concurrency=max_concurrency, timeout_s=timeout, tolerance=tolerance, logprobs=True,
+                            workers=workers, ray_address=ray_address)
     command.reachable(run)
     if record_dir is not None:
         record_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +107,21 @@ def sweep(
         say("note", f"{scenario} sets no slo: doubling until throughput stops rising (within 5%) instead")
     tokenizer, plan = _plan(spec, scenario, model)
     points, sessions = [], []
+    with _ray_runtime(run):
+        _runs(spec, scenario, run, tokenizer, plan, asked, record_dir, chosen, points, sessions, until_slo=until_slo,
+              has_slo=has_slo, slo_share=slo_share, quiet=quiet)
+    knee = slo_knee(points, slo_share) if has_slo else None
+    plateau = throughput_knee(points)
+    print_table(points, slo_share if has_slo else None)
+    _print_knees(spec, points, knee, plateau, has_slo, slo_share)
+    _draw(points, knee if has_slo else plateau, plot, terminal_plot, title=f"{spec.name} against {run.url}")
+    _exit(spec, sessions, points)
+
+
+def _runs(spec, scenario: Path, run, tokenizer, plan, asked: list[float], record_dir: Path | None, chosen,
+          points: list, sessions: list, *, until_slo: bool, has_slo: bool, slo_share: float, quiet: bool) -> None:
+    """One run per rate asked (appended to `points` and `sessions`), until --until-slo's stop; a Ctrl-C or
+    SIGTERM prints the table of the runs before it and exits 128 + the signal's number."""
     for k, rate in enumerate(asked):
         record = record_dir / f"rate-{rate:g}.jsonl" if record_dir is not None else None
         p, session, stopped = _one_run(spec, scenario, run, tokenizer, retimed(plan, rate, spec.seed), rate, record,
@@ -109,12 +135,48 @@ def sweep(
         sessions.append(session)
         if until_slo and (not p.holds(slo_share) if has_slo else throughput_knee(points) is not points[-1]):
             break
-    knee = slo_knee(points, slo_share) if has_slo else None
-    plateau = throughput_knee(points)
-    print_table(points, slo_share if has_slo else None)
-    _print_knees(spec, points, knee, plateau, has_slo, slo_share)
-    _draw(points, knee if has_slo else plateau, plot, terminal_plot, title=f"{spec.name} against {run.url}")
-    _exit(spec, sessions, points)
+
+
+@contextlib.contextmanager
+def _ray_runtime(run):
+    """With --workers: one Ray runtime (local, or the cluster at --ray) for every run of the sweep, shut down
+    after the last (each run's workers are its own); nothing otherwise."""
+    if not run.workers:
+        yield
+        return
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if run.ray_address:
+        ray.init(address=run.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=run.workers, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def sweep_session(spec, run, tokenizer, planned: list, rate: float, record: Path | None, detectors):
+    """The session of one sweep run at `rate`: a TargetSession sending `planned` (the plan re-timed to the
+    rate), or with --workers a RayTargetSession whose driver and workers re-time the seeded plan alike.
+
+    Raises:
+        OSError: the recording cannot be created. ValueError: as TargetSession / RayTargetSession.
+    """
+    from kvtui.cli import target as command
+    from kvtui.remote.session import TargetSession
+
+    if run.workers:
+        from kvtui.remote.workers import RayTargetSession
+
+        return RayTargetSession(spec, tokenizer, command.target_options(run), workers=run.workers,
+                                address=run.ray_address, rate=rate, record_path=record, detectors=detectors,
+                                model=spec.model)
+    return TargetSession(spec, tokenizer, command.target_options(run), record_path=record, detectors=detectors,
+                         planned=planned, model=spec.model)
 
 
 def _plan(spec, scenario: Path, model: str | None):
@@ -136,14 +198,12 @@ def _one_run(spec, scenario: Path, run, tokenizer, planned, rate: float, record:
              label: str, quiet: bool):
     """One --target run at `rate` with `planned`; its SweepPoint, session and StopSignal (a Ctrl-C or
     SIGTERM stops the run as it stops `kvtui run`). A progress line before and one after it on stderr."""
-    from kvtui.cli import target as command
     from kvtui.cli.finish import install_stop_handlers
-    from kvtui.remote.session import TargetError, TargetSession
+    from kvtui.remote.session import TargetError
     from kvtui.run.outcome import verdict
 
     try:
-        session = TargetSession(spec, tokenizer, command.target_options(run), record_path=record,
-                                detectors=detectors, planned=planned, model=spec.model)
+        session = sweep_session(spec, run, tokenizer, planned, rate, record, detectors)
     except OSError as e:
         fail(f"{record}: cannot write the recording ({e.strerror or e}); choose another --record-dir")
     except ValueError as e:
@@ -176,10 +236,14 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+GOODPUT_CAPTION = "achieved = (sent - 1) / span of the sends; goodput = achieved x SLO met / sent"
+
+
 def print_table(points: list[SweepPoint], slo_share: float | None) -> None:
     """The sweep's table on stdout: one row per rate. `slo_share` None: the scenario has no SLO (the
     goodput column counts every completed request)."""
-    table = Table(title="sweep", title_justify="left")
+    table = Table(title="sweep (achieved and goodput: req/s over one time, the span of the client's sends)",
+                  title_justify="left", caption=GOODPUT_CAPTION, caption_justify="left")
     for name in ("rate asked", "achieved", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "goodput",
                  "SLO met", "findings", "fidelity"):
         table.add_column(name, justify="left" if name == "fidelity" else "right")

@@ -1,6 +1,8 @@
 """canary: prompts carry unique passphrases; an output holding another request's passphrase, or a
 distinctive fragment of it (two of its three parts, e.g. "VELVET-ORCHID" or "ORCHID-42"), is a leak
-naming its source. Checked on the text so far at every step, and on the final text.
+naming its source. Checked on the text so far at every step, and on the final text; a request whose text
+is seen only at its end (a `--target` run's streamed answer, kvtui/remote/session.py) is checked once,
+then, against every passphrase it could have met while it ran (see CanaryDetector).
 
 A spoken passphrase (a speech model's clip, `spoken=True`) comes back as words in a transcript
 ("... silver rabbit 19."): it is matched with kvtui.detect.spoken.match_spoken, and two of its three
@@ -27,13 +29,25 @@ def fragments(passphrase: str) -> list[str]:
 
 class CanaryDetector:
     """Watches every request's text for passphrases of other requests of the run; reports each
-    (victim, source) pair once, at the first step its text holds the source's passphrase."""
+    (victim, source) pair once, at the first step its text holds the source's passphrase.
+
+    A request whose text comes only at its end (`on_finish` without `on_piece` before it: a `--target`
+    run checks each answer once, whole) is checked against the passphrases known now and those forgotten
+    (past `memory`) since it arrived, which a check at each chunk would still have held when the chunk
+    came; its report's evidence text ends where the matched fragment first ends, as a report at that
+    chunk's step would.
+    """
 
     def __init__(self, memory: int = 512) -> None:
         # request id -> passphrase, the `memory` most recent arrivals: a long run's text is checked
         # against the requests whose KV could still be around, at a cost that does not grow
         self.passphrases: OrderedDict[str, str] = OrderedDict()
         self.memory = memory
+        self._arrivals = 0  # arrivals so far
+        self._open: dict[str, int] = {}  # request id -> its arrival's number, until its finish
+        # passphrases forgotten while a request that arrived before was still open: source -> (passphrase,
+        # the arrival number that pushed it out); at most `memory`, the oldest dropped first
+        self._forgotten: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.text: dict[str, str] = {}
         self._seen: set[tuple[str, str]] = set()
         self.spoken: set[str] = set()  # requests whose passphrase is spoken (matched in a transcript)
@@ -47,6 +61,8 @@ class CanaryDetector:
         other (the same clip uploaded under another name is no leak). A session's later turn (`same_as`: its
         first request) carries that request's passphrase as its own and is no source of its own: a leak of
         the session's passphrase names the first request once."""
+        self._arrivals += 1
+        self._open[request_id] = self._arrivals
         if same_as is not None:
             self.turns[request_id] = same_as
             while len(self.turns) > self.memory:
@@ -61,17 +77,37 @@ class CanaryDetector:
             if spoken:
                 self.spoken.add(request_id)
             while len(self.passphrases) > self.memory:
-                old, _ = self.passphrases.popitem(last=False)
-                self.spoken.discard(old)
+                old, phrase = self.passphrases.popitem(last=False)
                 self._seen = {pair for pair in self._seen if old not in pair}
+                self._forget(old, phrase)
 
-    def _check(self, victim: str, text: str, t: float, step: int) -> list[Contamination]:
+    def _forget(self, source: str, phrase: str) -> None:
+        """`source` left the memory: kept for the open requests that arrived before now (their whole-answer
+        check), until none is left or `memory` newer ones are kept."""
+        self._forgotten[source] = (phrase, self._arrivals)
+        oldest_open = next(iter(self._open.values()), self._arrivals)
+        while self._forgotten:
+            first, (_, at) = next(iter(self._forgotten.items()))
+            if at > oldest_open and len(self._forgotten) <= self.memory:
+                break
+            self._forgotten.popitem(last=False)
+            if first not in self.passphrases:
+                self.spoken.discard(first)
+
+    def _check(self, victim: str, text: str, t: float, step: int, whole: bool = False) -> list[Contamination]:
+        """Reports for `victim`'s `text`. `whole`: the request's only check (its answer seen at its end): the
+        passphrases forgotten since it arrived count too, and the evidence ends at the match."""
         events = []
         first = self.turns.get(victim)
         own = self.passphrases.get(victim, "") or (self.passphrases.get(first, "") if first else "")
         upper = text.upper()
         key = self.inputs.get(victim)
-        for source, phrase in self.passphrases.items():
+        sources = self.passphrases.items()
+        if whole and self._forgotten:
+            since = self._open.get(victim, self._arrivals)
+            sources = [*sources, *((source, phrase) for source, (phrase, at) in self._forgotten.items()
+                                   if at > since and source not in self.passphrases)]
+        for source, phrase in sources:
             if source == victim or source == first or (victim, source) in self._seen or (key and self.inputs.get(source) == key):
                 continue
             if source in self.spoken:
@@ -87,9 +123,10 @@ class CanaryDetector:
                     continue
                 if fragment.upper() in upper:
                     self._seen.add((victim, source))
+                    shown = _up_to(text, upper, fragment.upper()) if whole else text
                     events.append(Contamination(
                         t=t, step=step, detector="canary", kind="cross_request", victim=victim, source=source,
-                        evidence=CanaryEvidence(leaked=phrase, matched=fragment, text=text[-160:])))
+                        evidence=CanaryEvidence(leaked=phrase, matched=fragment, text=shown[-160:])))
                     break
         return events
 
@@ -100,8 +137,14 @@ class CanaryDetector:
 
     def on_finish(self, request_id: str, text: str, t: float, step: int) -> list[Contamination]:
         """The request's final text; returns new leak reports. Forgets the request's running text."""
-        self.text.pop(request_id, None)
-        return self._check(request_id, text, t, step)
+        whole = self.text.pop(request_id, None) is None  # no piece seen before: the answer's one check
+        events = self._check(request_id, text, t, step, whole=whole)
+        self.forget(request_id)
+        return events
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (or never ran): no check of its text is to come."""
+        self._open.pop(request_id, None)
 
 
 class CanaryObserver(Quiet):
@@ -130,8 +173,17 @@ class CanaryObserver(Quiet):
 
     def on_finish(self, finished: Finished) -> list[Contamination]:
         if finished.finish_reason == "rejected":
+            self.detector.forget(finished.request_id)
             return []
         return self.detector.on_finish(finished.request_id, finished.text, finished.t, finished.step)
+
+
+def _up_to(text: str, upper: str, fragment: str) -> str:
+    """`text` up to the end of the first place its upper-cased form holds `fragment` (all of it where
+    upper-casing changed its length)."""
+    if len(upper) != len(text):
+        return text
+    return text[:upper.index(fragment) + len(fragment)]
 
 
 def _spoken_leak(phrase: str, own: str, transcript: str) -> str:

@@ -79,7 +79,9 @@ class StreamResult:
         sent_s: when the request was sent; first_s / end_s: the first and the last chunk (None if none).
         chunk_times_s: every chunk that carried a choice, in order (TTFT, ITL, TPOT come from these).
         pieces: the text each chunk added ("" for a chunk without text).
-        tokens: per generated token, when the server returned logprobs (else empty).
+        tokens: per generated token, when the server returned logprobs (else empty). A stream's logprobs are
+            kept as the server sent them and made into TokenInfo when `tokens` is first read (the reference
+            check reads them; most requests' never are): see `token_ids` for the ids alone.
         finish_reason: the server's (stop, length, ...), or "error" with `error` set.
         prompt_tokens / completion_tokens: the server's `usage`, None when it sent none.
         cached_tokens: prompt tokens the server took from its prefix cache (KV it had computed before),
@@ -94,7 +96,7 @@ class StreamResult:
     end_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
-    tokens: list[TokenInfo] = field(default_factory=list)
+    tokens: list[TokenInfo] = field(default_factory=list, repr=False)  # repr: left unparsed
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int | None = None
@@ -102,10 +104,36 @@ class StreamResult:
     cached_tokens: int | None = None
     status: int | None = None
     timed_out: bool = False
+    _unparsed: list = field(default_factory=list, repr=False, compare=False)  # chunks' logprobs, not yet parsed
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    def add_logprobs(self, logprobs) -> None:
+        """One chunk's `logprobs` (either shape), after those of the chunks before it. Kept unparsed when
+        parsing it later cannot fail; anything else is parsed now, so that it fails the request as before
+        (KeyError, TypeError, AttributeError: a malformed chunk)."""
+        if not logprobs:
+            return
+        if _well_formed(logprobs):
+            self._unparsed.append(logprobs)
+        else:
+            self.tokens.extend(parse_logprobs(logprobs))
+
+    def token_ids(self) -> tuple:
+        """The generated tokens' ids, when the server gave one for every token (llama.cpp does); else ()
+        (no logprobs, or a token without an id). Reads the kept logprobs without parsing them."""
+        ids = [t.id for t in self.__dict__["_tokens"]]
+        for logprobs in self._unparsed:
+            content = logprobs.get("content")
+            if isinstance(content, list):
+                ids += [e.get("id") for e in content]
+            else:  # the legacy shape carries no ids
+                tokens, tops = logprobs.get("tokens") or [], logprobs.get("top_logprobs")
+                if (min(len(tokens), len(tops)) if tops else len(tokens)) > 0:
+                    return ()
+        return tuple(ids) if ids and all(i is not None for i in ids) else ()
 
     @property
     def output_tokens(self) -> int:
@@ -113,6 +141,63 @@ class StreamResult:
         if self.completion_tokens is not None:
             return self.completion_tokens
         return len(self.tokens) or sum(1 for p in self.pieces if p)
+
+
+def _get_tokens(self: StreamResult) -> list[TokenInfo]:
+    tokens = self.__dict__["_tokens"]
+    unparsed = self.__dict__.get("_unparsed")
+    if unparsed:
+        self.__dict__["_unparsed"] = []
+        for logprobs in unparsed:
+            tokens.extend(parse_logprobs(logprobs))
+    return tokens
+
+
+def _set_tokens(self: StreamResult, tokens: list[TokenInfo]) -> None:
+    self.__dict__["_tokens"] = tokens
+    self.__dict__["_unparsed"] = []
+
+
+# `tokens` parses the kept logprobs on first read (a dataclass field with a property over it: the
+# constructor, ==, repr and pickling, e.g. to a Ray driver, go through it)
+StreamResult.tokens = property(_get_tokens, _set_tokens, doc="per generated token (StreamResult's docstring)")
+
+
+def _well_formed(logprobs) -> bool:
+    """Whether parse_logprobs(logprobs) cannot raise: a JSON object of either shape whose entries, and
+    their top lists' entries, are objects (what servers send). Exact types (JSON gives no subclasses):
+    a dict subclass is parsed at once, as anything else not known to be safe."""
+    if type(logprobs) is not dict:
+        return False
+    content = logprobs.get("content")
+    if type(content) is list:
+        return _content_well_formed(content)
+    tokens, tops = logprobs.get("tokens") or [], logprobs.get("top_logprobs")
+    if type(tokens) is not list:
+        return False
+    if not tops:
+        return True
+    if type(tops) is not list:
+        return False
+    for top in tops[:len(tokens)]:
+        if top and type(top) is not dict:
+            return False
+    return True
+
+
+def _content_well_formed(content: list) -> bool:
+    """The chat shape's `content`: objects, each one's `top_logprobs` a list of objects (or empty)."""
+    for e in content:
+        if type(e) is not dict:
+            return False
+        top = e.get("top_logprobs")
+        if top:
+            if type(top) is not list:
+                return False
+            for t in top:
+                if type(t) is not dict:
+                    return False
+    return True
 
 
 def penalty_fields(s) -> dict:
@@ -174,7 +259,8 @@ ChunkCallback = Callable[[StreamResult, str], None]
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, timeout_s: float | None,
                          clock: Callable[[], float] = time.perf_counter, result: StreamResult | None = None,
-                         on_chunk: ChunkCallback | None = None, headers: dict | None = None) -> StreamResult:
+                         on_chunk: ChunkCallback | None = None, headers: dict | None = None,
+                         on_first: Callable[[StreamResult], None] | None = None) -> StreamResult:
     """Send one streaming request and read it to the end. Never raises for a server or network
     failure: the result then has finish_reason "error" and the error text.
 
@@ -183,8 +269,16 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
         clock: the time source (seconds); the result's times are on it.
         result: the StreamResult to fill (its sent_s is reset to the send time), so a caller that
             cancels the request keeps what arrived; a new one when None.
-        on_chunk: called after each chunk with the result so far and the chunk's text.
+        on_chunk: called after each chunk with the result so far and the chunk's text (every event is
+            then parsed as it arrives: for a caller that acts in the middle of an answer, e.g. cuts it).
         headers: more request headers (the request-id audit's x-request-id).
+        on_first: called once with the result when its first chunk has been read (first_s set).
+
+    Without `on_chunk`, the events after the first chunk are not parsed as they arrive: each data line's
+    bytes are kept with the time it was read (the chunk's time) and parsed when the answer ends, stops or
+    fails (`_fold`), so that reading a stream costs little more than the reading itself. The result is the
+    same as parsing each event as it comes: an event that is not JSON fails the request with the same
+    error, and the chunks before it are kept.
 
     `client` is an httpx.AsyncClient (the request then goes out with `Connection: close`: llama.cpp's
     server closes the connection after every stream, so an httpx pooled connection reused at once fails, see
@@ -193,7 +287,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
     result = result if result is not None else StreamResult(sent_s=0.0)
     result.sent_s = clock()
     try:
-        await asyncio.wait_for(_read_stream(client, path, body, result, clock, on_chunk, headers or {}), timeout_s)
+        await asyncio.wait_for(_read_stream(client, path, body, result, clock, on_chunk, on_first, headers or {}),
+                               timeout_s)
     except asyncio.TimeoutError:
         result.timed_out = True
         return _failed(result, f"timeout: no complete answer within {timeout_s:g} s")
@@ -206,41 +301,113 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, *, ti
     return result
 
 
-async def _read_stream(client, path: str, body: dict, result: StreamResult,
-                       clock: Callable[[], float], on_chunk: ChunkCallback | None, headers: dict) -> None:
+async def _read_stream(client, path: str, body: dict, result: StreamResult, clock: Callable[[], float],
+                       on_chunk: ChunkCallback | None, on_first, headers: dict) -> None:
     if isinstance(client, WirePool):
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
         async with client.post(path, payload, headers) as response:
-            await _read_answer(response, response.lines(), None, result, clock, on_chunk)
+            await _read_answer(response, response.byte_lines(), None, result, clock, on_chunk, on_first)
             await response.finish(DRAIN_S)  # the body's end after [DONE]: the connection can be reused
         return
     async with client.stream("POST", path, json=body, headers={**headers, "Connection": "close"}) as response:
-        await _read_answer(response, response.aiter_lines(), response.request.url.path, result, clock, on_chunk)
+        await _read_answer(response, response.aiter_lines(), response.request.url.path, result, clock, on_chunk,
+                           on_first)
 
 
 async def _read_answer(response, lines, path: str | None, result: StreamResult, clock: Callable[[], float],
-                       on_chunk: ChunkCallback | None) -> None:
-    """Fold an answer's server-sent events into `result` (an httpx or a kvtui.remote.wire response)."""
+                       on_chunk: ChunkCallback | None, on_first=None) -> None:
+    """Fold an answer's server-sent events into `result` (an httpx response's text lines, or a
+    kvtui.remote.wire response's byte lines): kvtui.remote.openai._Events."""
     result.status = response.status_code
     if response.status_code != 200:
         detail = (await response.aread()).decode("utf-8", "replace").strip()
         _failed(result, f"HTTP {response.status_code}: {detail[:300]}")
         return
-    events, other = 0, []  # data lines read; the start of anything else (what came instead of a stream)
-    async for line in lines:
-        if not line.startswith("data:"):
-            if not events and line.strip() and sum(map(len, other)) < 200:
-                other.append(line)
-            continue
-        events += 1
-        chunks = len(result.chunk_times_s)
-        if _read_event(line, result, clock):
-            return
-        if on_chunk is not None and len(result.chunk_times_s) > chunks:
-            on_chunk(result, result.pieces[-1])
-    if not events:  # e.g. a 200 text/html page: no server-sent event at all
+    events = _Events(result, clock, on_chunk, on_first)
+    try:
+        async for line in lines:
+            if events.read(line):
+                return
+    finally:
+        if events.later:
+            _fold(events.later, result)
+    if not events.count:  # e.g. a 200 text/html page: no server-sent event at all
         raise BadAnswer(f"POST {path if path is not None else response.path} "
-                        f"{answered(response, ' '.join(other), 'not a stream of server-sent events')}")
+                        f"{answered(response, ' '.join(events.other), 'not a stream of server-sent events')}")
+
+
+class _Events:
+    """An answer's lines as they are read. Up to the first chunk (and throughout, with `on_chunk`) each
+    event is parsed as it comes; after it, each data line is kept with its read time (`later`), for
+    `_fold` at the end.
+
+    Attributes:
+        count: data lines read. other: the start of the other lines before the first data line (what came
+            instead of a stream). later: (read time, payload) of the lines kept.
+    """
+
+    def __init__(self, result: StreamResult, clock: Callable[[], float], on_chunk: ChunkCallback | None,
+                 on_first) -> None:
+        self.result, self.clock, self.on_chunk, self.on_first = result, clock, on_chunk, on_first
+        self.count, self.other, self.later = 0, [], []
+        self.keep = False  # past the first chunk, without on_chunk: keep the lines instead of parsing them
+
+    def read(self, line: bytes | str) -> bool:
+        """One line; True at the stream's end (`data: [DONE]`).
+
+        Raises:
+            as _read_event, and whatever `on_chunk` raises.
+        """
+        if not line:  # the blank line that ends each event
+            return False
+        if not line.startswith(b"data:" if isinstance(line, bytes) else "data:"):
+            self._other(line)
+            return False
+        self.count += 1
+        if self.keep:
+            payload = line[5:].strip()
+            if _is_done(payload):
+                return True
+            self.later.append((self.clock(), payload))
+            return False
+        result = self.result
+        chunks = len(result.chunk_times_s)
+        if _read_event(line, result, self.clock):
+            return True
+        if len(result.chunk_times_s) > chunks:
+            if self.on_chunk is not None:
+                self.on_chunk(result, result.pieces[-1])
+            else:
+                self.keep = True
+                if self.on_first is not None:
+                    self.on_first(result)
+        return False
+
+    def _other(self, line: bytes | str) -> None:
+        if self.count:
+            return
+        if isinstance(line, bytes):
+            line = line.decode("utf-8", "replace")
+        if line.strip() and sum(map(len, self.other)) < 200:
+            self.other.append(line)
+
+
+def _fold(later: list, result: StreamResult) -> None:
+    """The kept data lines, in order, into `result`, each chunk at the time its line was read.
+
+    Raises:
+        BadAnswer, KeyError, TypeError, IndexError: as _read_event, at the first bad event (the ones before
+            it are folded).
+    """
+    for t, payload in later:
+        _fold_event(stream_event(payload), result, t)
+
+
+def _is_done(payload: bytes | str) -> bool:
+    """The stream's end marker (`data: [DONE]`), the payload stripped."""
+    if isinstance(payload, bytes):
+        return payload == b"[DONE]" or (b"[DONE]" in payload and payload.decode("utf-8", "replace").strip() == "[DONE]")
+    return payload == "[DONE]"
 
 
 def _failed(result: StreamResult, error: str) -> StreamResult:
@@ -248,21 +415,27 @@ def _failed(result: StreamResult, error: str) -> StreamResult:
     return result
 
 
-def _read_event(line: str, result: StreamResult, clock: Callable[[], float]) -> bool:
+def _read_event(line: bytes | str, result: StreamResult, clock: Callable[[], float]) -> bool:
     """Fold one SSE line into `result`; True at `data: [DONE]`. Comments and other fields are skipped.
 
     Raises:
         BadAnswer: a data line that is not a JSON object, or an error event; KeyError/TypeError/IndexError: a
             malformed chunk.
     """
-    if not line.startswith("data:"):
+    if not line.startswith(b"data:" if isinstance(line, bytes) else "data:"):
         return False
     payload = line[5:].strip()
-    if payload == "[DONE]":
+    if _is_done(payload):
         return True
     data = stream_event(payload)
+    _fold_event(data, result, clock() if data.get("choices") else 0.0)
+    return False
+
+
+def _fold_event(data: dict, result: StreamResult, t: float) -> None:
+    """One event's JSON object into `result`; a chunk (an event with a choice) at time `t`."""
     if data.get("choices"):
-        _add_chunk(data["choices"][0], result, clock())
+        _add_chunk(data["choices"][0], result, t)
     usage = data.get("usage")
     if usage:
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
@@ -270,7 +443,6 @@ def _read_event(line: str, result: StreamResult, clock: Callable[[], float]) -> 
     cached = cached_tokens(data)
     if cached is not None:
         result.cached_tokens = cached
-    return False
 
 
 def cached_tokens(data: dict) -> int | None:
@@ -295,7 +467,7 @@ def _add_chunk(choice: dict, result: StreamResult, now: float) -> None:
     delta = choice.get("delta")
     piece = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
     result.pieces.append(piece)
-    result.tokens.extend(parse_logprobs(choice.get("logprobs")))
+    result.add_logprobs(choice.get("logprobs"))
     if choice.get("finish_reason"):
         result.finish_reason = choice["finish_reason"]
 

@@ -16,6 +16,11 @@ import json
 
 import httpx
 
+try:  # a dependency; an install from before it was one reads JSON with the standard library
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the install
+    _orjson = None
+
 
 class TargetError(Exception):
     """The target cannot be used at all (unreachable, not an HTTP server, not answering JSON). One line for
@@ -31,6 +36,11 @@ def excerpt(text: str, limit: int = 60) -> str:
     """`text` on one line, cut to `limit` characters, quoted (what the start of an answer was)."""
     flat = " ".join(text.split())
     return repr(flat if len(flat) <= limit else flat[: limit - 1] + "…")
+
+
+def _text(payload: bytes | str) -> str:
+    """A stream line's bytes as the text they were read as before (UTF-8, undecodable bytes replaced)."""
+    return payload.decode("utf-8", "replace").strip() if isinstance(payload, bytes) else payload
 
 
 def content_type(response: httpx.Response) -> str:
@@ -131,18 +141,37 @@ def probe(url: str, served_model: str | None = None, *, transport: httpx.AsyncBa
     return asyncio.run(ask())
 
 
-def stream_event(payload: str) -> dict:
-    """One server-sent event's data as a JSON object.
+def loads(payload: bytes | str):
+    """JSON text (str, or UTF-8 bytes) as json.loads reads it, through orjson where orjson takes it (several
+    times faster). What orjson refuses goes to the standard library, which reads NaN, Infinity, integers
+    past 64 bits and lone surrogates, and gets bytes decoded as text with undecodable bytes replaced and
+    whitespace stripped (what a stream line decoded as text gave before).
+
+    Raises:
+        ValueError: it is not JSON (json.JSONDecodeError).
+    """
+    if _orjson is not None:
+        try:
+            return _orjson.loads(payload)
+        except _orjson.JSONDecodeError:
+            pass
+    if isinstance(payload, bytes):
+        payload = payload.decode("utf-8", "replace").strip()
+    return json.loads(payload)
+
+
+def stream_event(payload: bytes | str) -> dict:
+    """One server-sent event's data (what follows `data:`, stripped) as a JSON object.
 
     Raises:
         BadAnswer: it is not a JSON object, or it is an error event (`{"error": ...}` without choices).
     """
     try:
-        data = json.loads(payload)
+        data = loads(payload)
     except ValueError:
-        raise BadAnswer(f"a stream event that is not JSON: {excerpt(payload)}") from None
+        raise BadAnswer(f"a stream event that is not JSON: {excerpt(_text(payload))}") from None
     if not isinstance(data, dict):
-        raise BadAnswer(f"a stream event that is not a JSON object: {excerpt(payload)}")
+        raise BadAnswer(f"a stream event that is not a JSON object: {excerpt(_text(payload))}")
     if "error" in data and not data.get("choices"):
         raise BadAnswer(f"server error in stream: {json.dumps(data['error'])[:300]}")
     return data

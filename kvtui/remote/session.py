@@ -8,7 +8,7 @@ Contamination, Marker, Summary, plus ServerSample for what the server exposes. A
 since the run started, measured on the client (time.perf_counter). A recording replays with
 `kvtui replay` like a local one.
 
-Detectors: `canary` reads the streamed text as it arrives (kvtui.detect.CanaryDetector); `reference`
+Detectors: `canary` reads each streamed answer once it has ended (kvtui.detect.CanaryDetector); `reference`
 sends each completed greedy request again alone after the load (kvtui.remote.solo_check), past the
 server's prefix cache (a fresh `cache_salt`, or `cache_prompt: false` to llama.cpp), and counts a solo
 run as checked only when the server did not say it took prompt tokens from its cache.
@@ -56,7 +56,7 @@ from kvtui.remote.wire import usable as wire_usable
 from kvtui.request import EmbedsPrompt, TokenPrompt
 from kvtui.run.base import RunBase
 from kvtui.run.build import arrive_event, finish_event, run_header
-from kvtui.run.observers import Arrival, Finished, Observer, StepSeen, build_observers
+from kvtui.run.observers import Arrival, Finished, Observer, build_observers
 from kvtui.run.sink import Listener, RunSink
 
 TARGET_DETECTORS = ("reference", "canary")
@@ -224,11 +224,15 @@ class TargetSession(RunBase):
             # garbage collector's full passes, each of which would stop the sending loop for tens of ms
             gc.collect()
             gc.freeze()
+            # the server's counters at the start, read before it: a probe after it (tens of ms against a
+            # server with large /metrics) would make the first requests late on their schedule
+            probe = ServerProbe(client, self.in_flight)
+            first_sample = await probe.sample(0.0)
             self._t0 = await self._load_start()
             self._start_recording(self.header())  # the header unwritable (e.g. /dev/full): OSError, nothing sent
             self.fidelity.start()
-            probe = ServerProbe(client, self.in_flight)
-            await self._sample(probe)  # before the first request: the server's counters at the start
+            if first_sample is not None:
+                self.emit(first_sample)
             poller = asyncio.create_task(self._poll(probe, on_progress))
             markers = asyncio.create_task(self._markers())
             try:
@@ -380,10 +384,13 @@ class TargetSession(RunBase):
                     if self.options.uncached_load:
                         body = uncached(body, self.server_kind)
                     send_as = self.id_audit.spec.send_as if self.id_audit is not None else ()
+                    # each chunk seen as it comes only where the scenario cuts the answer after n tokens;
+                    # otherwise the stream's events are parsed at its end (kvtui.remote.openai.stream_request)
+                    cut = None if p.cancel_after is None else (
+                        lambda r, piece: self._on_chunk(p.request_id, r, p.cancel_after))
                     await stream_request(self._load_client, path, {**body, **id_fields(p.client_id, send_as)},
                                          timeout_s=self.request_timeout_s, clock=self.now, result=result,
-                                         on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
-                                                                                  p.cancel_after),
+                                         on_chunk=cut, on_first=lambda r: self._first_token(p.request_id, r),
                                          headers=id_headers(p.client_id, send_as))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
@@ -429,7 +436,7 @@ class TargetSession(RunBase):
         form = transcription_form(p, self.served_model, temperature=temperature)
         await transcribe_request(client, p, form, timeout_s=self.options.timeout_s, clock=self.now, result=result)
         if live and result.chunk_times_s:
-            self._on_chunk(p.request_id, result, result.text)
+            self._first_token(p.request_id, result)
         return result
 
     def _body(self, p, temperature: float | None) -> tuple[str, dict]:
@@ -460,13 +467,16 @@ class TargetSession(RunBase):
         item = prompts[index] if index is not None and prompts else None
         return item if isinstance(item, list) else None
 
-    def _on_chunk(self, request_id: str, result: StreamResult, piece: str, cancel_after: int | None = None) -> None:
+    def _first_token(self, request_id: str, result: StreamResult) -> None:
+        """The request's first chunk has come: its FirstToken event. (The observers see the answer's text
+        once, whole, at its end: the canary checks the final text, kvtui/detect/canary.py.)"""
+        self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
+
+    def _on_chunk(self, request_id: str, result: StreamResult, cancel_after: int) -> None:
+        """A chunk of a request the scenario cuts after `cancel_after` tokens: its first token, and the cut."""
         if len(result.chunk_times_s) == 1:
-            self.emit(FirstToken(t=result.first_s, request_id=request_id, ttft_s=result.first_s - result.sent_s))
-        if piece and self.observers:
-            chunk = StepSeen(self.now(), -1, ((request_id, piece),))
-            self._emit_all(o.on_step(chunk) for o in self.observers)
-        if cancel_after is not None and max(len(result.tokens), len(result.chunk_times_s)) >= cancel_after:
+            self._first_token(request_id, result)
+        if max(len(result.tokens), len(result.chunk_times_s)) >= cancel_after:
             raise _ClientCancel  # leaves the stream: the connection closes, as a client going away
 
     def _finish(self, p, r: StreamResult, send_lag_s: float | None = None) -> None:
@@ -474,7 +484,7 @@ class TargetSession(RunBase):
         detail = r.error or ("" if reason == r.finish_reason else f"server finish_reason {r.finish_reason!r}")
         end = r.end_s if r.end_s is not None and reason in ("stop", "length") else self.now()
         self.spans[p.request_id] = (r.sent_s, end)
-        ids = tuple(t.id for t in r.tokens) if r.tokens and all(t.id is not None for t in r.tokens) else ()
+        ids = r.token_ids()
         done = Finished(p.request_id, r.text, end, -1, reason, completed=reason in ("stop", "length"))
         self._emit_all(o.on_finish(done) for o in self.observers)
         self.emit(finish_event(
@@ -484,13 +494,14 @@ class TargetSession(RunBase):
             cached_tokens=r.cached_tokens, send_lag_s=send_lag_s))
 
     async def _poll(self, probe: ServerProbe, on_progress) -> None:
-        """Sample the server's /metrics and /slots every poll interval until cancelled."""
+        """Sample the server's /metrics and /slots every poll interval until cancelled, the first one
+        interval after the start (the sample at the start was taken before it)."""
         while True:
+            await asyncio.sleep(self.options.poll_interval_s)
             await self._sample(probe)
             self._live_fidelity()
             if on_progress is not None:
                 on_progress(self)
-            await asyncio.sleep(self.options.poll_interval_s)
 
     def _live_fidelity(self) -> None:
         """A LoadFidelity about every second while the load runs and requests finish (the dashboard's)."""

@@ -51,7 +51,8 @@ class SweepPoint:
         rate: the rate asked (req/s). achieved: the rate the client sent (req/s, load fidelity), None with
             fewer than two sends.
         sent, completed, good: requests sent; completed (stop or length); completed within the SLO.
-        output_tok_s: output tokens per second (throughput); goodput: requests per second within the SLO.
+        output_tok_s: output tokens per second (throughput); goodput: requests per second within the SLO,
+            over the same time as `achieved` (sweep_goodput).
         ttft_p50_s, ttft_p99_s, tpot_p50_s: seconds, None when no request gave one.
         findings: contamination reports that count (not numeric noise). failed: the scenario's `expect`
             did not hold (the exit code's verdict). warning: the load fidelity's warning (docs/loadgen.md).
@@ -87,12 +88,23 @@ def point(rate: float, summary, contamination, failed: bool, fidelity) -> SweepP
     ttft, tpot = summary.time_to_first_token_seconds, summary.time_per_output_token_seconds
     good = round(summary.goodput_requests_per_s * summary.duration_s)
     sent = fidelity.requests_sent if fidelity is not None else summary.requests_finished
-    return SweepPoint(rate=rate, achieved=fidelity.achieved_rate_per_s if fidelity is not None else None,
-                      sent=sent, completed=summary.requests_completed, good=good,
-                      output_tok_s=summary.output_tokens_per_s, goodput=summary.goodput_requests_per_s,
+    achieved = fidelity.achieved_rate_per_s if fidelity is not None else None
+    return SweepPoint(rate=rate, achieved=achieved, sent=sent, completed=summary.requests_completed, good=good,
+                      output_tok_s=summary.output_tokens_per_s, goodput=sweep_goodput(summary, achieved, good, sent),
                       ttft_p50_s=ttft.p50, ttft_p99_s=ttft.p99, tpot_p50_s=tpot.p50,
                       findings=sum(1 for e in contamination if e.counts), failed=failed,
                       warning=fidelity.warning if fidelity is not None else None)
+
+
+def sweep_goodput(summary, achieved: float | None, good: int, sent: int) -> float:
+    """A sweep run's goodput (req/s) over the same time as its achieved rate: the span of the client's sends,
+    which `achieved` = (sent - 1) / span counts as sent / T with T = span x sent / (sent - 1); so goodput =
+    good / T = achieved x good / sent, never above `achieved`. (The summary's goodput divides by the run's
+    duration, to its last answer: a few requests a run could show more goodput than achieved rate.) A run
+    of fewer than two sends has no span: the summary's goodput."""
+    if achieved is None or not sent:
+        return summary.goodput_requests_per_s
+    return achieved * good / sent
 
 
 def slo_knee(points: list[SweepPoint], share: float = SLO_SHARE) -> SweepPoint | None:

@@ -70,7 +70,7 @@ class WireResponse:
         self.status_code, self.reason_phrase, self.headers = status, reason, headers
         self._reusable = reusable
         self._done = False
-        self._lines: AsyncIterator[str] | None = None
+        self._lines: AsyncIterator | None = None
         encoding = headers.get("transfer-encoding", "").lower()
         self._chunked = "chunked" in encoding
         length = headers.get("content-length")
@@ -114,10 +114,23 @@ class WireResponse:
         return httpx.URL(self._url).path
 
     def lines(self) -> AsyncIterator[str]:
-        """The body's lines as text (UTF-8), without their line ends (\\n or \\r\\n); one iterator per answer."""
+        """The body's lines as text (UTF-8, undecodable bytes replaced), without their line ends (\\n or
+        \\r\\n); one iterator per answer (this or `byte_lines`)."""
+        if self._lines is None:
+            self._lines = self._decoded(self.byte_lines())
+        return self._lines
+
+    def byte_lines(self) -> AsyncIterator[bytes]:
+        """The body's lines as bytes, without their line ends (\\n or \\r\\n): what the load's stream reader
+        keeps as it arrives, decoding nothing (kvtui.remote.openai); one iterator per answer."""
         if self._lines is None:
             self._lines = self._iter_lines()
         return self._lines
+
+    @staticmethod
+    async def _decoded(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
+        async for line in lines:
+            yield line.decode("utf-8", "replace")
 
     async def finish(self, timeout_s: float) -> None:
         """Read what is left of the body (e.g. after `data: [DONE]`) for at most `timeout_s` seconds, so the
@@ -130,10 +143,10 @@ class WireResponse:
             self._reusable = False
 
     async def _drain(self) -> None:
-        async for _ in self.lines():
+        async for _ in self.byte_lines():
             pass
 
-    async def _iter_lines(self) -> AsyncIterator[str]:
+    async def _iter_lines(self) -> AsyncIterator[bytes]:
         rest = b""
         async for data in self._pieces():
             if rest:
@@ -141,9 +154,9 @@ class WireResponse:
             parts = data.split(b"\n")
             rest = parts.pop()
             for part in parts:
-                yield (part[:-1] if part.endswith(b"\r") else part).decode("utf-8", "replace")
+                yield part[:-1] if part.endswith(b"\r") else part
         if rest:
-            yield rest.rstrip(b"\r").decode("utf-8", "replace")
+            yield rest.rstrip(b"\r")
 
     async def aread(self) -> bytes:
         """The whole body."""

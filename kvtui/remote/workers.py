@@ -14,8 +14,8 @@ Each worker sends as the single-process client does (the same bodies, the same p
 at most ceil(max_concurrency / N) requests of its own in flight) and keeps each finished request's
 record (kvtui.remote.openai.StreamResult with its pieces and chunk times, the wait for a place under its
 cap). The driver takes the finished records every COLLECT_S; for each one it emits what the
-single-process client emits (the first token, each chunk to the observers, the finish event, the
-fidelity figures), so the detectors, the recording, the reference checks and the dashboard run on the
+single-process client emits (the first token, the finish event with the whole answer to the observers,
+the fidelity figures), so the detectors, the recording, the reference checks and the dashboard run on the
 driver as before. Arrivals are emitted on the driver at their planned times.
 
 A worker that dies (its process killed, its node lost) is reported: a marker names it, and each request
@@ -26,9 +26,12 @@ none is dropped. Requests of its shard that had not arrived yet finish the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 
@@ -39,11 +42,34 @@ from kvtui.remote.openai import StreamResult
 from kvtui.remote.reach import TargetError
 from kvtui.remote.session import TargetSession
 from kvtui.remote.wire import WirePool
-from kvtui.run.observers import StepSeen
 
 RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
+
+
+@contextlib.contextmanager
+def _terminal_stderr():
+    """Around ray.init: where sys.stderr has no file descriptor (the dashboard: Textual captures it), the
+    process's own stderr stands in, since ray.init enables faulthandler on sys.stderr (which fails on the
+    capture); yields True there, and Ray is then started with its log level at ERROR, so that its lines
+    do not draw over the dashboard. Elsewhere nothing changes (yields False)."""
+    try:
+        has_fd = sys.stderr.fileno() >= 0
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        has_fd = False
+    if has_fd or sys.__stderr__ is None:
+        yield False
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    ray_logger = logging.getLogger("ray")
+    level = ray_logger.level
+    ray_logger.setLevel(logging.ERROR)
+    try:
+        yield True
+    finally:
+        sys.stderr = captured
+        ray_logger.setLevel(level)
 
 
 def ray_available() -> bool:
@@ -53,6 +79,16 @@ def ray_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def seeded_plan(scenario, tokenizer, rate: float | None = None) -> list:
+    """The scenario's plan from its seed; with a sweep's `rate` (req/s), re-timed to Poisson arrivals at it
+    (kvtui.remote.sweep.retimed): what the driver and each worker plan alike."""
+    from kvtui.remote.sweep import retimed
+    from kvtui.scenario import plan_requests
+
+    plan = plan_requests(scenario, tokenizer)
+    return retimed(plan, rate, scenario.seed) if rate is not None else plan
 
 
 def send_order(plan: list) -> list:
@@ -85,13 +121,12 @@ class ShardSession(TargetSession):
         index, workers: this shard (0-based) of how many.
         model: the scenario model (prompt embeddings' table). api, served_model, server_kind: as the
             driver resolved them from the server.
+        rate: a sweep's rate (req/s): the plan re-timed to Poisson arrivals at it (seeded_plan).
     """
 
     def __init__(self, scenario, tokenizer, options, *, index: int, workers: int, model: str, api: str,
-                 served_model: str | None, server_kind: str | None) -> None:
-        from kvtui.scenario import plan_requests
-
-        plan = send_order(plan_requests(scenario, tokenizer))
+                 served_model: str | None, server_kind: str | None, rate: float | None = None) -> None:
+        plan = send_order(seeded_plan(scenario, tokenizer, rate))
         mine = [p for k, p in enumerate(plan) if k % workers == index]
         super().__init__(scenario, tokenizer, options, detectors=(), planned=mine, model=model)
         self.api, self.served_model, self.server_kind = api, served_model, server_kind
@@ -127,13 +162,14 @@ class ShardWorker:
         self.session: ShardSession | None = None
 
     async def prepare(self, scenario, model: str, options, index: int, workers: int, api: str,
-                      served_model: str | None, server_kind: str | None) -> tuple[int, list[str]]:
+                      served_model: str | None, server_kind: str | None,
+                      rate: float | None = None) -> tuple[int, list[str]]:
         """Load the tokenizer and plan the shard; returns (this process's id, the shard's request ids)."""
         from kvtui.models import load_tokenizer
 
         tokenizer = load_tokenizer(model)
         self.session = ShardSession(scenario, tokenizer, options, index=index, workers=workers, model=model,
-                                    api=api, served_model=served_model, server_kind=server_kind)
+                                    api=api, served_model=served_model, server_kind=server_kind, rate=rate)
         gc.collect()  # the plan and the tokenizer out of the collector's full passes while it sends (ShardSession.send
         gc.freeze()  # unfreezes), as the single client does; here, before the shared start is set
         return os.getpid(), [p.request_id for p in self.session.pending]
@@ -163,6 +199,8 @@ class RayTargetSession(TargetSession):
         scenario, tokenizer, options, record_path, detectors, listeners, clock, model: as TargetSession.
         workers: how many workers (>= 1). address: a Ray cluster's address (`ray.init(address=...)`);
             None: a local Ray runtime with `workers` CPUs (or the one already initialized).
+        rate: `kvtui sweep`'s rate (req/s): the driver and every worker re-time the seeded plan to Poisson
+            arrivals at it (kvtui.remote.sweep.retimed), as the sweep's single-process runs do.
 
     Raises:
         ValueError: as TargetSession; also workers < 1, a test transport (it cannot cross processes), a
@@ -170,7 +208,8 @@ class RayTargetSession(TargetSession):
             one's answers: a closed loop).
     """
 
-    def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None, **kwargs) -> None:
+    def __init__(self, scenario, tokenizer, options, *, workers: int, address: str | None = None,
+                 rate: float | None = None, **kwargs) -> None:
         if workers < 1:
             raise ValueError("--workers must be >= 1")
         if options.transport is not None:
@@ -178,7 +217,10 @@ class RayTargetSession(TargetSession):
         if kwargs.get("planned") is not None:
             raise ValueError("--workers: each worker plans the scenario from its seed; a plan of other requests "
                              "cannot be sharded")
+        if rate is not None:
+            kwargs["planned"] = seeded_plan(scenario, tokenizer, rate)
         super().__init__(scenario, tokenizer, options, **kwargs)
+        self.rate = rate
         if any(p.round is not None for p in self.pending):
             raise ValueError("--workers: `process: rounds` sends each round once the last one's answers are in, "
                              "which one client decides; run it without --workers")
@@ -207,10 +249,12 @@ class RayTargetSession(TargetSession):
         import ray
 
         if not ray.is_initialized():
-            if self.address:
-                ray.init(address=self.address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False)
+            with _terminal_stderr() as quiet:
+                more = {"logging_level": logging.ERROR} if quiet else {}
+                if self.address:
+                    ray.init(address=self.address, log_to_driver=False, **more)
+                else:
+                    ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False, **more)
             self._started_ray = True
         return ray
 
@@ -226,7 +270,7 @@ class RayTargetSession(TargetSession):
         self.actors = [actor.remote() for _ in range(self.workers)]
         try:
             shards = await asyncio.gather(*(a.prepare.remote(self.scenario, self.model_name, options, k, self.workers,
-                                                             self.api, self.served_model, self.server_kind)
+                                                             self.api, self.served_model, self.server_kind, self.rate)
                                             for k, a in enumerate(self.actors)))
         except Exception as e:  # a worker that cannot import kvtui, load the tokenizer or plan
             raise TargetError(f"--workers: a Ray worker could not plan its shard: {type(e).__name__}: {e}") from e
@@ -310,22 +354,20 @@ class RayTargetSession(TargetSession):
         self._finish(p, r, lag)
 
     def _replay_chunks(self, request_id: str, r: StreamResult) -> None:
-        """The first token and each chunk's text to the observers, at the times the worker saw them."""
+        """The first token, at the time the worker saw it (the observers see the whole answer at its finish,
+        as in the single-process client)."""
         if r.first_s is not None and r.chunk_times_s:
             self.emit(FirstToken(t=r.first_s, request_id=request_id, ttft_s=r.first_s - r.sent_s))
-        pieces = r.pieces if r.pieces else ([r.text] if r.text else [])
-        times = r.chunk_times_s or [r.end_s if r.end_s is not None else self.now()]
-        if self.observers:
-            for t, piece in zip(times, pieces):
-                if piece:
-                    self._emit_all(o.on_step(StepSeen(t, -1, ((request_id, piece),))) for o in self.observers)
 
     def hold(self, on: bool) -> None:
         """Hold arrivals here and on every live worker (the dashboard's pause)."""
         super().hold(on)
         for k, a in enumerate(self.actors):
             if k not in self.dead:
-                a.hold.remote(on)
+                try:
+                    a.hold.remote(on)
+                except Exception:  # a worker gone and not yet reported: the collector reports it
+                    pass
 
     async def run_async(self, on_progress=None):
         """TargetSession.run_async, then the workers stopped (and Ray, when this session started it)."""
@@ -343,6 +385,7 @@ class RayTargetSession(TargetSession):
                         ray.kill(a)
                     except Exception:  # already gone
                         pass
+                self.actors = []  # the run is over: nothing more to tell them (the dashboard's stop, a hold)
             if self._started_ray:
                 import ray
 

@@ -101,7 +101,8 @@ def test_sweep_against_a_one_at_a_time_server_finds_the_knee_and_writes_the_svg(
         good = sum(f.first_token_s - f.sent_s <= 0.5 for f in finishes)
         assert cells[2] == f"{summary.output_tokens_per_s:.1f}"
         assert cells[3] == f"{ttft.p50 * 1000:.1f}" and cells[4] == f"{ttft.p99 * 1000:.1f}"
-        assert cells[6] == f"{summary.goodput_requests_per_s:.2f}"
+        f = summary.load_fidelity  # goodput over the achieved rate's time: the span of the sends
+        assert cells[1] == f"{f.achieved_rate_per_s:.2f}" and cells[6] == f"{f.achieved_rate_per_s * good / 6:.2f}"
         assert cells[7].startswith(f"{good}/6") and cells[8] == "0"
     # one answer takes about 8 x 30 ms: at 1 req/s (gaps of 0.3 s and more) none waits behind two others; at
     # 64 req/s the sixth waits for five before it (over 1 s), so at most half meet TTFT <= 0.5 s
@@ -184,3 +185,65 @@ def test_plot_without_matplotlib_says_what_to_install_before_any_run(tmp_path):
                          env=env)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == ["error: --plot needs matplotlib: pip install 'kvtui[plot]'"]
+
+
+def test_goodput_and_achieved_share_the_span_of_the_sends():
+    """Eight requests sent over 9.8 s, the last answer at 11.0 s, six within the SLO: achieved is 7 / 9.8 s;
+    the summary's goodput (6 over the run's 11.0 s) would show 0.545, the sweep's is over the sends' span:
+    achieved x 6 / 8, below achieved as it must be; all eight good, it equals achieved."""
+    from types import SimpleNamespace
+
+    from kvtui.events import LoadFidelity
+    from kvtui.remote.sweep import point
+
+    dist = SimpleNamespace(p50=0.1, p99=0.2)
+    summary = SimpleNamespace(time_to_first_token_seconds=dist, time_per_output_token_seconds=dist,
+                              goodput_requests_per_s=6 / 11.0, duration_s=11.0, requests_finished=8,
+                              requests_completed=8, output_tokens_per_s=40.0)
+    fidelity = LoadFidelity(t=11.0, requests_sent=8, requested_rate_per_s=7 / 9.8, achieved_rate_per_s=7 / 9.8)
+    p = point(1.0, summary, [], False, fidelity)
+    assert (p.sent, p.good) == (8, 6) and p.achieved == pytest.approx(0.7142857)
+    assert p.goodput == pytest.approx(0.7142857 * 6 / 8) and p.goodput < p.achieved
+    every = point(1.0, SimpleNamespace(**{**vars(summary), "goodput_requests_per_s": 8 / 11.0}), [], False, fidelity)
+    assert every.good == 8 and every.goodput == pytest.approx(every.achieved)
+    # a run of one request has no span: the summary's goodput
+    one = point(1.0, summary, [], False, fidelity.model_copy(update={"requests_sent": 1, "achieved_rate_per_s": None}))
+    assert one.goodput == pytest.approx(6 / 11.0)
+
+
+def test_workers_reach_each_run_as_a_ray_session_that_retimes_the_seeded_plan():
+    """--workers N --ray ADDRESS: each rate's run is a RayTargetSession (no Ray started to build it) whose
+    driver plan is the sweep's re-timed plan, for the workers to rebuild from the seed."""
+    from kvtui.cli.sweep import sweep_session
+    from kvtui.cli.target import TargetRun
+    from kvtui.models import build_tiny_tokenizer
+    from kvtui.remote.session import TargetSession
+    from kvtui.remote.workers import RayTargetSession, seeded_plan
+    from kvtui.scenario import plan_requests
+
+    spec, tok = parse_scenario(SCENARIO), build_tiny_tokenizer()
+    plan = retimed(plan_requests(spec, tok), 4.0, spec.seed)
+    def target(**more):
+        return TargetRun(url="http://127.0.0.1:9", api="auto", served_model=None, max_concurrency=8, timeout_s=60.0,
+                         tolerance=0.5, logprobs=True, **more)
+
+    run = target(workers=2, ray_address="10.0.0.1:6379")
+    session = sweep_session(spec, run, tok, plan, 4.0, None, ("canary",))
+    assert isinstance(session, RayTargetSession)
+    assert (session.workers, session.address, session.rate) == (2, "10.0.0.1:6379", 4.0)
+    assert [(p.request_id, p.arrival_s) for p in session.pending] == [(p.request_id, p.arrival_s) for p in plan]
+    assert [p.arrival_s for p in seeded_plan(spec, tok, 4.0)] == [p.arrival_s for p in plan]  # a worker's plan
+    assert sorted(session.shard.values()) == [0, 0, 0, 1, 1, 1]
+    assert type(sweep_session(spec, target(), tok, plan, 4.0, None, ("canary",))) is TargetSession
+
+
+def test_ray_without_workers_is_refused_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtui.cli.app import app
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(SCENARIO)
+    out = CliRunner().invoke(app, ["sweep", str(path), "--target", "http://127.0.0.1:9", "--rates", "1", "--ray",
+                                   "10.0.0.1:6379"])
+    assert out.exit_code == 2 and "--ray names the cluster of --workers N; add --workers" in out.output

@@ -14,10 +14,11 @@ import time
 
 import httpx
 import pytest
+from fake_openai import LLAMACPP_METRICS, FakeOpenAI
 
 from kvtui.bench.loadgen import MockProcess, arrival_rate, markdown
 from kvtui.cli.replay import replay_summary
-from kvtui.events import Arrive, Finish, LoadFidelity, parse_event
+from kvtui.events import Arrive, Finish, LoadFidelity, ServerSample, parse_event
 from kvtui.models import build_tiny_tokenizer
 from kvtui.record import read_recording
 from kvtui.remote.fidelity import FidelityMeter, quantile, warning
@@ -294,3 +295,100 @@ def test_bench_markdown_and_arrival_rate():
     assert lines[0].startswith("AMD EPYC, 2 cores, load average 1.00 / 2.00 / 3.00")
     assert "| 100 | kvtui | 101.0 | 100.5 | 100.4 | 0.5 / 4.0 | 21.0 | 1.0 | 40% | 0 of 2 |" in lines
     assert lines[-1].startswith("vllm bench serve: not installed")
+
+
+# -- the stream read at its end ------------------------------------------------------------------------
+def test_a_stream_folded_at_its_end_equals_one_parsed_chunk_by_chunk(mock):
+    """The load's requests keep each event after the first chunk as bytes and parse them when the answer
+    ends; a caller that watches every chunk (on_chunk) parses each as it comes. Both give the mock's 32
+    tokens with their logprobs, one chunk time each, and the first chunk is reported once, when it came."""
+    body = {**BODY, "logprobs": 5}
+    firsts = []
+
+    async def go():
+        pool = WirePool(mock.url)
+        folded = await stream_request(pool, "/v1/completions", body, timeout_s=10,
+                                      on_first=lambda r: firsts.append((len(r.chunk_times_s), r.first_s)))
+        seen = await stream_request(pool, "/v1/completions", body, timeout_s=10, on_chunk=lambda r, piece: None)
+        await pool.aclose()
+        return folded, seen
+
+    folded, seen = asyncio.run(go())
+    assert firsts == [(1, folded.first_s)]
+    for r in (folded, seen):
+        assert r.finish_reason == "length" and r.text == " tok" * 32 and r.completion_tokens == 32
+        assert len(r.chunk_times_s) == 32 and r.chunk_times_s == sorted(r.chunk_times_s)
+        assert r.first_s == r.chunk_times_s[0] and r.end_s == r.chunk_times_s[-1]
+        assert r.token_ids() == ()  # the completions shape carries no ids
+    assert folded._unparsed  # the logprobs are not parsed until read
+    assert folded.tokens == seen.tokens and not folded._unparsed
+    assert folded.tokens[0].top == ((" tok", -0.1), (" tak", -2.5), (" tik", -3.0), (" tuk", -3.5), (" tek", -4.0))
+
+
+class _Answer:
+    status_code = 200
+    path = "/v1/chat/completions"
+
+
+def _fold(lines: list[bytes], on_chunk=None):
+    """`lines` read as one answer's body (clock: 1, 2, 3, ... s); (the result, the error it raised or None)."""
+    from kvtui.remote.openai import StreamResult, _read_answer
+
+    async def feed():
+        for line in lines:
+            yield line
+
+    result = StreamResult(sent_s=0.0)
+    clock = iter(range(1, 100))
+    try:
+        asyncio.run(_read_answer(_Answer(), feed(), None, result, lambda: float(next(clock)), on_chunk))
+    except (ValueError, AttributeError) as e:  # what stream_request turns into the request's error (BadAnswer too)
+        return result, f"{type(e).__name__}: {e}"
+    return result, None
+
+
+def chunk(piece: str, finish: str | None = None, logprobs=None) -> bytes:
+    choice = {"index": 0, "delta": {"content": piece}, "finish_reason": finish,
+              **({"logprobs": logprobs} if logprobs is not None else {})}
+    return b"data: " + json.dumps({"choices": [choice]}).encode()
+
+
+def test_a_bad_event_after_the_first_chunk_fails_as_when_read_chunk_by_chunk():
+    """An event that is not JSON, or logprobs that cannot be read, fail the request with the error the
+    chunk-by-chunk reading gives, the chunks before it kept."""
+    lines = [chunk(" a"), b"", chunk(" b"), b"", b"data: {not json", b"", chunk(" c", "stop"), b"data: [DONE]"]
+    folded, error = _fold(lines)
+    seen, seen_error = _fold(lines, on_chunk=lambda r, piece: None)
+    assert error == seen_error and error.startswith("BadAnswer: a stream event that is not JSON: '{not json'")
+    assert folded.pieces == seen.pieces == [" a", " b"] and folded.chunk_times_s == [1.0, 2.0]
+    bad = [chunk(" a"), chunk(" b", logprobs=[1, 2]), chunk(" c", "stop"), b"data: [DONE]"]
+    folded, error = _fold(bad)
+    assert error == _fold(bad, on_chunk=lambda r, piece: None)[1] == "AttributeError: 'list' object has no attribute 'get'"
+    ids = {"content": [{"id": 7, "token": " x", "logprob": -0.5, "top_logprobs": [{"id": 7, "token": " x",
+                                                                                    "logprob": -0.5}]}]}
+    good = [chunk(" x", logprobs=ids), chunk(" x", "stop", logprobs=ids), b"data: [DONE]", chunk(" after")]
+    folded, error = _fold(good)
+    assert error is None and folded.text == " x x" and folded.finish_reason == "stop"  # nothing read after [DONE]
+    assert folded.token_ids() == (7, 7) and [t.key for t in folded.tokens] == [7, 7]
+
+
+def test_the_server_counters_are_read_before_the_schedule_starts():
+    """A /metrics that takes 300 ms to answer is read before the load's start, not after it: the first
+    request goes out on time, and the start's sample is at t = 0."""
+    class SlowMetrics(FakeOpenAI):
+        async def handle(self, request):
+            if request.url.path == "/metrics":
+                await asyncio.sleep(0.3)
+            return await super().handle(request)
+
+    fake = SlowMetrics(metrics=LLAMACPP_METRICS)
+    spec = parse_scenario("name: probe\nseed: 1\nmax_requests: 2\nmodel: tiny-llama\narrivals: {process: burst, "
+                          "size: 2, every_s: 100}\nprompts: {kind: passphrase}\noutput_tokens: 4\n")
+    events = []
+    session = TargetSession(spec, TOK, TargetOptions(url="http://fake", transport=fake.transport()),
+                            detectors=(), listeners=(events.append,))
+    session.run()
+    lags = [e.send_lag_s for e in events if isinstance(e, Finish)]
+    assert len(lags) == 2 and max(lags) < 0.15  # the probe's 300 ms are not in them
+    samples = [e for e in events if isinstance(e, ServerSample)]
+    assert samples[0].t == 0.0 and samples[0].running == 3.0

@@ -140,3 +140,66 @@ def test_the_command_line_sends_from_workers_and_its_recording_says_so(tmp_path)
     assert summary.finish_reasons == {"stop": 6} and summary.passphrase_echoed == 6
     assert len(fake.requests) == 6  # each planned request sent once, by one of the workers
     assert sorted(e.request_id for e in events if isinstance(e, Finish)) == [f"r00{k}" for k in range(6)]
+
+
+def test_the_dashboard_runs_a_workers_load_to_its_end_and_quits(local_ray):
+    """The target dashboard (Textual's pilot) on a two-worker run against the fake server: every request
+    answered and shown, and `q` after the run's end quits cleanly (the workers are gone by then: the stop's
+    hold asks nothing of them)."""
+    import asyncio
+    import time
+
+    from kvtui.tui.app import KvtuiApp
+    from kvtui.tui.target_source import TargetSource
+
+    spec = parse_scenario("name: workers-dash\nseed: 3\nmax_requests: 6\nmodel: tiny-llama\narrivals: {process: "
+                          "poisson, rate_per_s: 10}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    tok = load_tokenizer("tiny-llama")
+    with FakeHTTPServer(FakeOpenAI(), chunk_delay_s=0.01) as url:
+        source = TargetSource(lambda listener: RayTargetSession(spec, tok, TargetOptions(url=url), workers=2,
+                                                                detectors=("canary",), listeners=(listener,)))
+
+        async def go():
+            app = KvtuiApp(source)
+            async with app.run_test(size=(160, 45)) as pilot:
+                deadline = time.monotonic() + 120
+                while source.summary is None and time.monotonic() < deadline:
+                    await pilot.pause(0.1)
+                await pilot.pause(0.3)
+                await pilot.press("q")
+
+        asyncio.run(go())
+    assert source.error is None and source.summary is not None
+    assert source.summary.finish_reasons == {"stop": 6} and source.summary.passphrase_echoed == 6
+    assert source.session.actors == [] and sorted(source.session.results) == [f"r00{k}" for k in range(6)]
+
+
+def test_ray_starts_under_a_captured_stderr_and_stays_quiet():
+    """Under the dashboard Textual captures sys.stderr (no file descriptor), where ray.init's faulthandler
+    fails: the process's own stderr stands in while Ray starts, with Ray's log level at ERROR."""
+    import faulthandler
+    import io
+    import logging
+
+    from kvtui.remote.workers import _terminal_stderr
+
+    class Captured(io.StringIO):  # as Textual's capture of sys.stderr: no file descriptor
+        def fileno(self) -> int:
+            return -1
+
+    captured = Captured()
+    before = sys.stderr
+    sys.stderr = captured
+    try:
+        with _terminal_stderr() as quiet:
+            assert quiet and sys.stderr is sys.__stderr__
+            assert logging.getLogger("ray").level == logging.ERROR
+            faulthandler.enable(all_threads=False)  # what ray.init does: no RuntimeError here
+        assert sys.stderr is captured and logging.getLogger("ray").level != logging.ERROR
+        with pytest.raises(RuntimeError):
+            faulthandler.enable(all_threads=False)  # on the capture itself it fails
+    finally:
+        sys.stderr = before
+        faulthandler.disable()
+    with _terminal_stderr() as quiet:  # a real stderr: nothing changes
+        assert not quiet and sys.stderr is before
