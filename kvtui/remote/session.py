@@ -384,7 +384,7 @@ class TargetSession(RunBase):
                                          timeout_s=self.request_timeout_s, clock=self.now, result=result,
                                          on_chunk=lambda r, piece: self._on_chunk(p.request_id, r, piece,
                                                                                   p.cancel_after),
-                                         headers=id_headers(p.client_id, send_as))
+                                         headers=id_headers(p.client_id, send_as, p.request_id))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
         except _ClientCancel:
