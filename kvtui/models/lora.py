@@ -123,3 +123,26 @@ def adapter_gguf(folder: Path, base: Path) -> Path:
     tmp.replace(path)
     stamp.write_text(version + "\n")
     return path
+
+
+def default_adapter_gguf(name: str) -> Path:
+    """Built-in adapter `name` (BUILTIN_ADAPTERS) for kvtui's default model, SmolLM2-135M-Instruct, as a GGUF
+    LoRA for llama-server (adapter_gguf over the model's converted Hugging Face folder, converting the model
+    first when that folder is missing): the adapter `kvtui serve --lora-modules NAME` serves, for llama.cpp.
+
+    Raises:
+        ModelLoadError: the default model or llama.cpp's converter is missing, or a conversion failed.
+    """
+    from kvtui.models.default import DEFAULT_GGUF_SHA256, cache_dir
+    from kvtui.models.gguf import cache_name, is_valid_copy
+    from kvtui.models.labels import DEFAULT_MODEL_ID
+
+    base = cache_dir() / cache_name(DEFAULT_MODEL_ID, DEFAULT_GGUF_SHA256)
+    if not is_valid_copy(base, DEFAULT_GGUF_SHA256):
+        from kvtui.models import load_model
+
+        load_model("default")  # converts the GGUF into `base`
+    from transformers import AutoConfig
+
+    folder = local_adapter(DEFAULT_MODEL_ID, AutoConfig.from_pretrained(base), name, BUILTIN_ADAPTERS[name])
+    return adapter_gguf(folder, base)

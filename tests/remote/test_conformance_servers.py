@@ -42,7 +42,7 @@ def test_llama_server_shares_its_prompt_cache_across_salts_and_keeps_the_rest_ap
     assert (server["name"], server["version"], server["server_header"]) == ("llama.cpp", "b0-0c1e57098", "llama.cpp")
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "fail", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
-        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "request_ids": "pass"}
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "adapters": "n/a", "request_ids": "pass"}
     assert "with different cache_salts 6 of 6 matching probes read" in found["tenant_salts"]["evidence"]
     # llama.cpp prefills a cached prompt's last token alone, which rounds otherwise than the whole prompt (token-
     # equal answers moved up to 0.79 nats, past the 0.5 tolerance): the control finds that, so logprob moves
@@ -73,7 +73,7 @@ def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
                                    "source": "name: /v1/models owned_by; version: GET /version"}
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "pass", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
-        "prompt_embeds": "pass", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "request_ids": "pass"}
+        "prompt_embeds": "pass", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "adapters": "n/a", "request_ids": "pass"}
     salts = found["tenant_salts"]["figures"]  # judged on vLLM's own cached-token counts
     assert "different salts: 0/6 probes hit" in salts and "same salt (control): 6/6 probes hit" in salts
     assert found["solo_parity"]["figures"].startswith("6 of 6 answered; 6 compared with their solo run, 0 solo runs "
@@ -110,7 +110,7 @@ def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_id
     assert (server["name"], server["version"]) == ("transformers-serve", "5.24.0")
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "n/a", "solo_parity": "n/a", "parallel_sampling": "n/a", "structured_output": "n/a",
-        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "n/a", "request_ids": "fail"}
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "n/a", "adapters": "n/a", "request_ids": "fail"}
     salt = "the server refuses cache_salt: HTTP 422: {'detail': \"Unexpected fields in the request: {'cache_salt'}\"}"
     assert found["tenant_salts"]["evidence"].startswith(salt)
     assert found["solo_parity"]["evidence"].startswith(salt)
