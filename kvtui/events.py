@@ -709,7 +709,7 @@ class RequestIdEvidence(_Frozen):
     (stopped_serving)."""
 
     client_id: str  # the id the victim sent ("" for GET /health)
-    sent_as: tuple[str, ...]  # where: header (x-request-id), user, request_id
+    sent_as: tuple[str, ...]  # where: header (x-request-id), user, request_id, traceparent, rid
     group: str  # e.g. "duplicate group 2", "near_duplicate group 4 (case)", "probe"
     shares_id_with: tuple[str, ...]  # the requests whose id equals or nears the victim's
     overlapped: bool  # one of them was in flight while the victim was

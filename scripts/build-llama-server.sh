@@ -10,9 +10,10 @@
 # Installs: ${KVTUI_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvtui}/llama-server/llama-server
 # plus a stamp file naming the source version, the vendored llama.cpp commit and the CMake flags; a rerun
 # with the same stamp does nothing. From the same sources it also installs llama.cpp's Hugging Face ->
-# GGUF converter into llama-server/convert/ (convert_hf_to_gguf.py, conversion/, gguf-py/ and a stamp
-# naming the version and commit; kvtui/models/hybrid.py runs it with gguf-py on PYTHONPATH), also skipped
-# when its stamp matches.
+# GGUF converter into llama-server/convert/ (convert_hf_to_gguf.py, convert_lora_to_gguf.py for peft LoRA
+# adapters, conversion/, gguf-py/ and a stamp naming the version and commit; kvtui/models/hybrid.py and
+# kvtui/models/lora.py run them with gguf-py on PYTHONPATH), also skipped when its stamp matches and both
+# converters are there.
 #
 # The sdist vendors llama.cpp as a git submodule but ships no work-tree git metadata, so llama.cpp's own
 # CMake cannot find the commit and `llama-server --version` would say "unknown". The commit is passed as
@@ -83,7 +84,8 @@ KEY="llama-cpp-python==$VERSION target=llama-server flags: ${FLAGS[*]}"
 CONVERT="$DEST/convert"
 CONVERT_KEY="llama-cpp-python==$VERSION llama.cpp commit ${COMMIT:-unknown} convert_hf_to_gguf.py"
 convert_ok=0
-[ "$FORCE" = 0 ] && [ -f "$CONVERT/convert_hf_to_gguf.py" ] && [ -f "$CONVERT/stamp.txt" ] \
+[ "$FORCE" = 0 ] && [ -f "$CONVERT/convert_hf_to_gguf.py" ] && [ -f "$CONVERT/convert_lora_to_gguf.py" ] \
+  && [ -f "$CONVERT/stamp.txt" ] \
   && [ "$(head -n1 "$CONVERT/stamp.txt")" = "$CONVERT_KEY" ] && convert_ok=1
 server_ok=0
 [ "$FORCE" = 0 ] && [ -x "$DEST/llama-server" ] && [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$KEY" ] && server_ok=1
@@ -146,8 +148,9 @@ fi
 # llama.cpp's converter (pure Python) from the same sources, in a folder of its own
 if [ "$convert_ok" = 0 ]; then
   rm -rf "$CONVERT.tmp" && mkdir -p "$CONVERT.tmp"
-  cp -r "$work/src/convert_hf_to_gguf.py" "$work/src/conversion" "$work/src/gguf-py" "$CONVERT.tmp/" \
-    || die "the sdist's llama.cpp has no convert_hf_to_gguf.py, conversion/ or gguf-py/"
+  cp -r "$work/src/convert_hf_to_gguf.py" "$work/src/convert_lora_to_gguf.py" "$work/src/conversion" \
+    "$work/src/gguf-py" "$CONVERT.tmp/" \
+    || die "the sdist's llama.cpp has no convert_hf_to_gguf.py, convert_lora_to_gguf.py, conversion/ or gguf-py/"
   echo "$CONVERT_KEY" >"$CONVERT.tmp/stamp.txt"
   rm -rf "$CONVERT" && mv "$CONVERT.tmp" "$CONVERT"
   say "      installed llama.cpp's converter into $CONVERT"

@@ -210,14 +210,16 @@ def smollm2_available() -> bool:
         return False
 
 
-def transformers_serve(tmp_path_factory, python: str | None = None):
+def transformers_serve(tmp_path_factory, python: str | None = None, version: str | None = None):
     """A generator for a module fixture: transformers serve on kvtui's float32 SmolLM2 copy, one thread,
     started, yielded, stopped (skips where it cannot run; a failed start fails the fixture).
 
     python None: the release the findings are pinned to (kvtui.remote.transformers_serve.PINNED_VERSION,
     from scripts/install-transformers-serve.sh's venv; skipped naming that command when it is missing), so
     a newer transformers in kvtui's own venv does not change what these tests hold. Otherwise the
-    interpreter whose transformers serves (sys.executable: the transformers kvtui runs on)."""
+    interpreter whose transformers serves (sys.executable: the transformers kvtui runs on). `version`: that
+    release's pinned venv instead (scripts/install-transformers-serve.sh VERSION; skipped naming it when
+    missing)."""
     import pytest
 
     from kvtui.models import load_model
@@ -228,7 +230,11 @@ def transformers_serve(tmp_path_factory, python: str | None = None):
         pinned_python,
     )
 
-    reason = find_pinned_transformers_serve() if python is None else find_transformers_serve(python)
+    if version is not None:
+        python = str(pinned_python(version))
+        reason = find_pinned_transformers_serve(version)
+    else:
+        reason = find_pinned_transformers_serve() if python is None else find_transformers_serve(python)
     if reason:
         pytest.skip(reason)
     if not smollm2_available():

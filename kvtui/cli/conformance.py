@@ -71,6 +71,11 @@ def conformance(
         "greedy token is a numeric flip, and the most a same-token answer's logprobs may move against its solo "
         "run (prompt_cache). Default: 0.5 with --target, 1e-3 for kvtui's own float32 server.",
         rich_help_panel=TARGET_PANEL)] = None,
+    server_release: Annotated[Optional[str], typer.Option(
+        "--server-release", help="With --target: 'NAME VERSION' of a server that does not say its release itself "
+        "(e.g. 'transformers-serve 5.25.0', the release its venv installed); recorded in --json beside what the "
+        "server says (GET /version, /props, its server header, /v1/models owned_by).",
+        rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run every black-box isolation check (tenant salts, solo parity under load, n > 1, structured output,
     prompt embeddings, images, the prompt cache, recurrent state, request ids) against one server and print
@@ -85,6 +90,16 @@ def conformance(
              "or --target")
     if target is not None and threads is not None:
         fail("--threads sets kvtui's own engine and cannot apply to a --target server; drop it")
+    known = None
+    if server_release is not None:
+        if target is None:
+            fail("--server-release names a --target server's release (kvtui's own server records kvtui's); drop it "
+                 "or add --target")
+        parts = server_release.strip().rsplit(" ", 1)
+        if len(parts) != 2 or not all(parts):
+            fail(f"--server-release {server_release!r}: give 'NAME VERSION', e.g. --server-release "
+                 "'transformers-serve 5.25.0'")
+        known = (parts[0].strip(), parts[1])
     for path, flag in ((json_path, "--json"), (markdown_path, "--markdown")):
         if path is not None and not path.parent.is_dir():
             fail(f"{flag} {path}: its folder does not exist; choose a path in an existing folder")
@@ -92,13 +107,14 @@ def conformance(
         from kvtui.cli.target import check_url
 
         _run(check_url(target), model, served_model, names, quick, timeout, json_path, markdown_path,
-             tolerance=TARGET.tolerance if tolerance is None else tolerance)
+             tolerance=TARGET.tolerance if tolerance is None else tolerance, known=known)
         return
     _run_local(model, faults, threads, names, quick, timeout, json_path, markdown_path, tolerance)
 
 
 def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, quick: bool, timeout: float,
                json_path: Path | None, markdown_path: Path | None, tolerance: float | None) -> None:
+    from kvtui import __version__
     from kvtui.conformance.local import TOLERANCE, local_server
     from kvtui.models import ModelLoadError
     from kvtui.serve.main import BadInput
@@ -110,7 +126,7 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
     try:
         with local_server(model, faults, threads) as url:
             _run(url, model, None, names, quick, timeout, json_path, markdown_path, label=label,
-                 tolerance=TOLERANCE if tolerance is None else tolerance)
+                 tolerance=TOLERANCE if tolerance is None else tolerance, known=("kvtui", __version__))
     except (BadInput, ValueError, ModelLoadError) as e:
         fail(str(e))
     except OSError as e:
@@ -118,13 +134,16 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
 
 
 def _run(url: str, model: str, served_model: str | None, names, quick: bool, timeout: float,
-         json_path: Path | None, markdown_path: Path | None, label: str | None = None, *, tolerance: float) -> None:
-    """Connect, run the checks with progress lines, print the table, write the files, exit by the verdicts."""
+         json_path: Path | None, markdown_path: Path | None, label: str | None = None, *, tolerance: float,
+         known: tuple[str, str] | None = None) -> None:
+    """Connect, run the checks with progress lines, print the table, write the files, exit by the verdicts.
+    `known`: (name, version) of the server where it does not say them (kvtui.remote.identity.identify)."""
     import httpx
 
     from kvtui.conformance import CHECKS, Server, run_checks
     from kvtui.conformance.report import print_table, write_json, write_markdown
     from kvtui.models import ModelLoadError, load_tokenizer
+    from kvtui.remote.identity import identify
     from kvtui.remote.reach import TargetError, probe
     from kvtui.remote.session import SERVER_KINDS
 
@@ -137,6 +156,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
     except ModelLoadError as e:
         fail(f"--model: {e}")
     kind = SERVER_KINDS.get(first.get("owned_by"))
+    identity = identify(url, first.get("owned_by"), known)
     server = Server(url=url, model=model, tokenizer=tokenizer, served_model=served_model or first.get("id"),
                     server_kind=kind, timeout_s=timeout, tolerance=tolerance, quick=quick,
                     say=lambda text: err.print(f"  {text}", markup=False, highlight=False))
@@ -148,7 +168,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
         err.print(f"[{len(done)}/{total}] {result.check}: {result.verdict} ({result.seconds:.0f} s)", markup=False,
                   highlight=False)
 
-    err.print(f"conformance of {url} ({kind or 'server kind not said'}, model {server.served_model}): "
+    err.print(f"conformance of {url} ({identity.line}, model {server.served_model}): "
               f"{total} checks", markup=False, highlight=False)
     try:
         results = run_checks(server, names, on_result=progress)
@@ -160,7 +180,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
     print_table(results, title, out)
     try:
         if json_path is not None:
-            write_json(json_path, results, url, label)
+            write_json(json_path, results, url, label, identity.as_dict())
         if markdown_path is not None:
             write_markdown(markdown_path, results, title)
     except OSError as e:

@@ -100,7 +100,8 @@ def run(
         "--target, then stop both.", rich_help_panel=TARGET_PANEL)] = None,
     request_ids: Annotated[Optional[str], typer.Option(
         "--request-ids", help="With --target: the request-id audit. Each client sends a request id of its own "
-        "choosing in these places (comma-separated: header = x-request-id, user, request_id), grouped as the "
+        "choosing in these places (comma-separated: header = x-request-id, user, request_id, rid, traceparent = "
+        "the W3C header, one trace id per group), grouped as the "
         "scenario's request_ids says or, without that section, in pairs that share one id; after the load, "
         "probes with fresh ids and GET /health.", rich_help_panel=TARGET_PANEL)] = None,
     workers: Annotated[int, typer.Option(

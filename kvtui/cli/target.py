@@ -56,7 +56,7 @@ def check_url(url: str) -> str:
 
 def with_request_ids(path: Path, spec, places: str):
     """The scenario with its request_ids section sending ids in `places` (a --request-ids value: a
-    comma-separated list of header, user, request_id); the section's defaults (pairs of requests sharing
+    comma-separated list of SEND_AS's places); the section's defaults (pairs of requests sharing
     one id) when it has none. Exits 2 with one line for a place kvtui does not know."""
     from kvtui.scenario.request_ids import SEND_AS, RequestIds
 

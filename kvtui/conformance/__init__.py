@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtui.conformance.adapters import adapters
 from kvtui.conformance.api_checks import parallel_sampling, structured_output
 from kvtui.conformance.base import CheckResult, Server
 from kvtui.conformance.images import images
@@ -64,6 +65,9 @@ CHECKS: dict[str, Check] = {c.name: c for c in (
           "cancelled prefill and its retry, tier restores and slot reuse", "state_published_before_write",
           recurrent_state, model="tiny-qwen35moe",
           more_mutants=("tier_drops_recurrent_state", "state_slot_not_reset", "state_index_units")),
+    Check("adapters", "two LoRA adapters and the base model on one prompt, one at a time through the cache and at "
+          "once, each answer its own solo run's (and a reloaded adapter's its new weights')", "lora_unkeyed_prefix",
+          adapters, more_mutants=("lora_reload_stale",)),
     Check("request_ids", "two clients sending one x-request-id at once each get their own answer, and the "
           "server keeps serving", "request_id_keyed", request_ids),
 )}

@@ -25,13 +25,18 @@ TOLERANCE = FLOAT32
 # two turns, pushes its own blocks out into the tier.
 HYBRID_NUM_BLOCKS = 97
 HYBRID_OFFLOAD_BLOCKS = 512
+# Models on kvtui's fused forward (the ones that run LoRA) serve two built-in seeded adapters, with runtime
+# reloads allowed, so the adapters check applies; the others serve none (the check is n/a there).
+LORA_MODELS = ("default", "tiny-llama")
+LORA_MODULES = ("lora-a", "lora-b")
 
 
 def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads: int | None = None):
     """The ServeOptions of the conformance server: a free port, paged KV with prefix caching, prompt
     embeddings on, no engine detectors (the checks judge from outside). A hybrid model (tiny-qwen35moe)
     also gets a pool of HYBRID_NUM_BLOCKS blocks over an offload tier of HYBRID_OFFLOAD_BLOCKS, so its
-    cached blocks and their recurrent-state checkpoints move between the two."""
+    cached blocks and their recurrent-state checkpoints move between the two. A model of LORA_MODELS serves
+    the adapters LORA_MODULES and allows reloading them at runtime."""
     from kvtui.model_kinds import ModelKind
     from kvtui.models.registry import kind_of
     from kvtui.serve.server import ServeOptions
@@ -39,9 +44,13 @@ def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads:
     tier = {}
     if kind_of(model) is ModelKind.HYBRID:
         tier = {"kv_offload_blocks": HYBRID_OFFLOAD_BLOCKS, "extra": {"num_blocks": HYBRID_NUM_BLOCKS}}
+    from kvtui.serve.lora import parse_lora_modules
+
+    lora = {"lora_modules": parse_lora_modules(LORA_MODULES), "allow_runtime_lora_updating": True} \
+        if model in LORA_MODELS else {}
     return ServeOptions(model=model, port=0, faults=tuple(faults), kv="paged", block_size=BLOCK_SIZE,
                         prefix_caching=True, max_len=MAX_LEN, enable_prompt_embeds=True, detectors=(),
-                        threads=threads, **tier)
+                        threads=threads, **tier, **lora)
 
 
 def describe(model: str = "default") -> str:
@@ -49,7 +58,8 @@ def describe(model: str = "default") -> str:
     options = serve_options(model)
     tier = (f", {options.extra['num_blocks'] - 1} blocks over a {options.kv_offload_blocks}-block offload tier"
             if options.kv_offload_blocks else "")
-    return f"paged KV, {BLOCK_SIZE}-token blocks, prefix caching{tier}, prompt embeddings"
+    lora = f", LoRA adapters {' and '.join(m.name for m in options.lora_modules)}" if options.lora_modules else ""
+    return f"paged KV, {BLOCK_SIZE}-token blocks, prefix caching{tier}, prompt embeddings{lora}"
 
 
 @contextlib.contextmanager

@@ -32,18 +32,21 @@ def print_table(results: list[CheckResult], target: str, console) -> None:
     console.print(table)
 
 
-def to_json(results: list[CheckResult], target: str, label: str | None = None) -> dict:
-    """The results as a JSON document: target, label, counts, one object per check."""
-    return {"target": target, "label": label, "counts": counts(results), "checks": [r.as_dict() for r in results]}
+def to_json(results: list[CheckResult], target: str, label: str | None = None, server: dict | None = None) -> dict:
+    """The results as a JSON document: target, label, server (kvtui.remote.identity.ServerIdentity.as_dict:
+    name, version, source, server_header; None when not asked), counts, one object per check."""
+    return {"target": target, "label": label, "server": server, "counts": counts(results),
+            "checks": [r.as_dict() for r in results]}
 
 
-def write_json(path: Path, results: list[CheckResult], target: str, label: str | None = None) -> None:
+def write_json(path: Path, results: list[CheckResult], target: str, label: str | None = None,
+               server: dict | None = None) -> None:
     """Write to_json to `path`.
 
     Raises:
         OSError: the file cannot be written.
     """
-    Path(path).write_text(json.dumps(to_json(results, target, label), indent=2) + "\n")
+    Path(path).write_text(json.dumps(to_json(results, target, label, server), indent=2) + "\n")
 
 
 def _cell(text: str) -> str:

@@ -82,3 +82,67 @@ def resolve_adapter(model_id: str, config, name: str, path: str | None = None, s
                              f"{', '.join(BUILTIN_ADAPTERS)}")
         seed = BUILTIN_ADAPTERS[name]
     return local_adapter(model_id, config, name, seed)
+
+
+def adapter_gguf(folder: Path, base: Path) -> Path:
+    """The peft adapter in `folder` as a float32 GGUF LoRA for llama.cpp (`llama-server --lora FILE`),
+    converted once by llama.cpp's own `convert_lora_to_gguf.py --base BASE` (from the sources
+    scripts/build-llama-server.sh built llama-server from) and kept in `folder` as `adapter-f32.gguf`, beside a
+    stamp naming the converter's version; about 5 s the first time, then a file check.
+
+    Args:
+        folder: a peft LoRA folder (e.g. local_adapter's). base: the base model's Hugging Face folder (its
+            config.json is what the converter reads).
+
+    Raises:
+        ModelLoadError: the converter is missing (the fix: scripts/build-llama-server.sh) or failed (its last
+            output lines in the message).
+    """
+    import subprocess
+    import sys
+
+    from kvtui.models.hybrid import CONVERTER_HINT, converter_dir, converter_version
+    from kvtui.models.types import ModelLoadError
+
+    script = converter_dir() / "convert_lora_to_gguf.py"
+    version = converter_version()
+    if not script.is_file():
+        raise ModelLoadError(f"llama.cpp's convert_lora_to_gguf.py not found in {converter_dir()}: {CONVERTER_HINT}")
+    path, stamp = folder / "adapter-f32.gguf", folder / "adapter-f32.gguf.stamp"
+    if path.is_file() and stamp.is_file() and stamp.read_text().strip() == version:
+        return path
+    tmp = folder / f".partial-adapter-f32.gguf-{os.getpid()}"
+    cmd = [sys.executable, str(script), "--base", str(base), "--outfile", str(tmp), "--outtype", "f32", str(folder)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(converter_dir() / "gguf-py"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+        raise ModelLoadError(f"llama.cpp's convert_lora_to_gguf.py failed on {folder} (exit {done.returncode}):\n{tail}")
+    tmp.replace(path)
+    stamp.write_text(version + "\n")
+    return path
+
+
+def default_adapter_gguf(name: str) -> Path:
+    """Built-in adapter `name` (BUILTIN_ADAPTERS) for kvtui's default model, SmolLM2-135M-Instruct, as a GGUF
+    LoRA for llama-server (adapter_gguf over the model's converted Hugging Face folder, converting the model
+    first when that folder is missing): the adapter `kvtui serve --lora-modules NAME` serves, for llama.cpp.
+
+    Raises:
+        ModelLoadError: the default model or llama.cpp's converter is missing, or a conversion failed.
+    """
+    from kvtui.models.default import DEFAULT_GGUF_SHA256, cache_dir
+    from kvtui.models.gguf import cache_name, is_valid_copy
+    from kvtui.models.labels import DEFAULT_MODEL_ID
+
+    base = cache_dir() / cache_name(DEFAULT_MODEL_ID, DEFAULT_GGUF_SHA256)
+    if not is_valid_copy(base, DEFAULT_GGUF_SHA256):
+        from kvtui.models import load_model
+
+        load_model("default")  # converts the GGUF into `base`
+    from transformers import AutoConfig
+
+    folder = local_adapter(DEFAULT_MODEL_ID, AutoConfig.from_pretrained(base), name, BUILTIN_ADAPTERS[name])
+    return adapter_gguf(folder, base)

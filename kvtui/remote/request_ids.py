@@ -1,7 +1,8 @@
 """The request-id audit of a target server (a scenario's `request_ids`, kvtui/scenario/request_ids.py).
 
 Each planned request carries the id its client chose (PlannedRequest.client_id) in the `x-request-id`
-header and/or the body's `user` / `request_id`; TargetSession sends them, each request bounded by
+header, the W3C `traceparent` header (the group's trace id, a span id of its own) and/or the body's
+`user` / `request_id` / `rid`; TargetSession sends them, each request bounded by
 `request_ids.wait_s`. After the load this module sends `probes` requests with fresh ids, one at a time,
 and GET /health, then turns what the clients saw into findings (Contamination events, detector
 `request_id`, each naming victim and source):
@@ -34,25 +35,29 @@ import httpx
 
 from kvtui.events import Contamination, RequestIdEvidence
 from kvtui.remote.openai import StreamResult
-from kvtui.scenario.request_ids import HEADER, ClientId, RequestIds, probe_id
+from kvtui.scenario.request_ids import HEADER, HEADER_PLACES, TRACEPARENT, ClientId, RequestIds, probe_id, traceparent
 
 COMPLETED = ("stop", "length")
 DETECTOR = "request_id"
 SHOWN = 3  # victims named per kind in the summary line
 
 
-def id_headers(client_id: ClientId | None, send_as: Sequence[str]) -> dict[str, str]:
-    """The request headers that carry `client_id` ({} without one, or without `header` in send_as)."""
-    if client_id is None or "header" not in send_as:
+def id_headers(client_id: ClientId | None, send_as: Sequence[str], span: str = "") -> dict[str, str]:
+    """The request headers that carry `client_id`: `x-request-id` (place `header`) and/or `traceparent`
+    (its span id made from `span`, the request's name in the run); {} without an id or a header place."""
+    if client_id is None:
         return {}
-    return {HEADER: client_id.sent("header")}
+    headers = {HEADER: client_id.sent("header")} if "header" in send_as else {}
+    if TRACEPARENT in send_as:
+        headers[TRACEPARENT] = traceparent(client_id, span).strip()  # HTTP drops surrounding whitespace
+    return headers
 
 
 def id_fields(client_id: ClientId | None, send_as: Sequence[str]) -> dict[str, str]:
-    """The body fields that carry `client_id`: `user` and/or `request_id` as send_as says."""
+    """The body fields that carry `client_id`: `user`, `request_id` and/or `rid` as send_as says."""
     if client_id is None:
         return {}
-    return {place: client_id.sent(place) for place in send_as if place != "header"}
+    return {place: client_id.sent(place) for place in send_as if place not in HEADER_PLACES}
 
 
 @dataclass
@@ -136,7 +141,7 @@ class RequestIdAudit:
         for k, planned in enumerate(self.prompts):
             value = probe_id(self.seed, k)
             cid = ClientId(value, -1, "probe")
-            result = await send(planned, id_headers(cid, self.spec.send_as), id_fields(cid, self.spec.send_as),
+            result = await send(planned, id_headers(cid, self.spec.send_as, f"probe{k}"), id_fields(cid, self.spec.send_as),
                                 self.wait_s)
             self.probes.append((f"probe{k}", value, result))
         if self.spec.health:
@@ -259,7 +264,7 @@ class RequestIdAudit:
     # -- the line ----------------------------------------------------------------------------------------
     def line(self, results: dict[str, StreamResult]) -> str:
         """One line for an upstream report: what collided, what went wrong, whether the server still served."""
-        where = "+".join(HEADER if p == "header" else f"body {p}" for p in self.spec.send_as)
+        where = "+".join(HEADER if p == "header" else p if p in HEADER_PLACES else f"body {p}" for p in self.spec.send_as)
         kinds = Counter(self.client_of[r].kind for members in self.groups.values() if len(members) > 1 for r in members[:1])
         shared = sum(len(m) for m in self.groups.values() if len(m) > 1)
         overlapping = sum(1 for rid in self.client_of if self.overlapped(rid))

@@ -391,7 +391,7 @@ class TargetSession(RunBase):
                     await stream_request(self._load_client, path, {**body, **id_fields(p.client_id, send_as)},
                                          timeout_s=self.request_timeout_s, clock=self.now, result=result,
                                          on_chunk=cut, on_first=lambda r: self._first_token(p.request_id, r),
-                                         headers=id_headers(p.client_id, send_as))
+                                         headers=id_headers(p.client_id, send_as, p.request_id))
         except asyncio.CancelledError:
             result.finish_reason, result.error = "abort", "stopped before the answer ended"
         except _ClientCancel:

@@ -28,6 +28,10 @@ from kvtui.remote.vllm_cpu import SCRIPTS, free_port, stop_group
 # The release the transformers serve tests pin (its findings: docs/findings.md); the default of
 # scripts/install-transformers-serve.sh, which tests/remote/test_transformers_serve.py checks agrees.
 PINNED_VERSION = "5.24.0"
+# The first release whose continuous batching keys requests by ids of the server's own (transformers PR #48918
+# targets the x-request-id collision): tests/remote/test_transformers_serve.py pins its clean audit too, from
+# `scripts/install-transformers-serve.sh 5.25.0`'s venv.
+FIXED_VERSION = "5.25.0"
 
 
 def install_dir(version: str = PINNED_VERSION) -> Path:

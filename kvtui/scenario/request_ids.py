@@ -2,7 +2,10 @@
 
 YAML `request_ids: {send_as: [header], groups: [{ids: unique, size: 2}, {ids: duplicate, size: 2}], probes: 2}`.
 Each request carries an id of its client's choosing, where a server takes one: the `x-request-id` header
-(`header`), the body's `user` (OpenAI's end-user id) or `request_id` (vLLM's field). A server that keys its
+(`header`), the body's `user` (OpenAI's end-user id), `request_id` (vLLM's field) or `rid` (SGLang's), or
+the W3C `traceparent` header (`traceparent`: `00-<32 hex trace id>-<16 hex span id>-01`; the requests of
+a group share the trace id, each has a span id of its own, as the calls of one traced job do: a gateway
+that takes the trace id as the request id, as Dynamo did for SGLang, makes them collide). A server that keys its
 own state by such an id (a map from id to the client waiting for the answer, a scheduler queue) mixes up
 two requests that share one: an answer reaches the wrong client, a request is never answered, or the
 server stops. vLLM once did (vLLM #27987 now adds a random suffix to the client's id); transformers
@@ -33,8 +36,10 @@ from kvtui.request import ClientId as ClientId  # re-exported: it lives with the
 from kvtui.scenario.base import MAX_SECONDS, Strict
 from kvtui.scenario.errors import Problem
 
-SEND_AS = ("header", "user", "request_id")
+SEND_AS = ("header", "user", "request_id", "traceparent", "rid")
 HEADER = "x-request-id"  # the header the `header` place sends (vLLM, transformers serve, SGLang read it)
+TRACEPARENT = "traceparent"  # the W3C trace-context header the `traceparent` place sends
+HEADER_PLACES = ("header", "traceparent")  # the places that are headers; the others are body fields
 VARIANTS = ("case", "whitespace", "suffix")
 MAX_GROUP = 64  # requests one group may hold
 
@@ -91,7 +96,9 @@ class RequestIds(Strict):
 
     send_as: Annotated[list[Literal[SEND_AS]], Field(min_length=1, max_length=len(SEND_AS))] = Field(
         ["header"], description="where each request carries its id: `header` (x-request-id), `user` (the body's "
-                                "`user`), `request_id` (the body's `request_id`, vLLM's field)")
+                                "`user`), `request_id` (the body's `request_id`, vLLM's field), `rid` (the "
+                                "body's `rid`, SGLang's field), `traceparent` (the W3C header: the group's "
+                                "requests share its trace id, each has a span id of its own)")
     groups: Annotated[list[IdGroup], Field(min_length=1, max_length=1000)] = Field(
         [DuplicateIds(ids="duplicate", size=2)], description="the id groups the requests are dealt to, in "
                                                              "arrival order, repeated: see unique, duplicate, "
@@ -107,7 +114,7 @@ class RequestIds(Strict):
     @pydantic.model_validator(mode="after")
     def _distinct(self):
         if len(set(self.send_as)) != len(self.send_as):
-            raise Problem("a place is listed twice", "list each of header, user, request_id once", ("send_as",))
+            raise Problem("a place is listed twice", f"list each of {', '.join(SEND_AS)} once", ("send_as",))
         if all(isinstance(g, UniqueIds) for g in self.groups):
             raise Problem("every group is unique, so no two requests share an id and the audit tests nothing",
                           "add a group `{ids: duplicate, size: 2}` or `{ids: near_duplicate}`", ("groups",))
@@ -129,6 +136,32 @@ def variant(value: str, name: str | None) -> str:
     if name == "suffix":
         return value + "-1"
     return value
+
+
+def traceparent(client_id: ClientId, span: str) -> str:
+    """The W3C `traceparent` header value that carries `client_id`: `00-<trace id>-<span id>-01`.
+
+    The trace id (32 lower-case hex) is a hash of the group's own id, so every request of a group shares
+    it; a near duplicate's variant changes it as the variant changes an id: `case` upper-cases its hex
+    (W3C asks for lower case: a server normalizes it, refuses it, or keeps it apart), `whitespace` adds a
+    trailing space (HTTP drops it: the same trace id), `suffix` changes its last hex digit. The span id
+    (16 hex) is a hash of `span` (the request's name in the run, e.g. `r004` or `probe0`), so each request
+    has its own, as the spans of one trace do.
+    """
+    base = client_id.value
+    if client_id.variant == "case":
+        base = base.lower()
+    elif client_id.variant == "whitespace":
+        base = base[:-1]
+    elif client_id.variant == "suffix":
+        base = base[: -len("-1")]
+    trace = hashlib.sha256(f"kvtui:trace:{base}".encode()).hexdigest()[:32]
+    if client_id.variant == "case":
+        trace = trace.upper()
+    elif client_id.variant == "suffix":
+        trace = trace[:-1] + format((int(trace[-1], 16) + 1) % 16, "x")
+    span_id = hashlib.sha256(f"kvtui:span:{span}".encode()).hexdigest()[:16]
+    return f"00-{trace}-{span_id}-01" + (" " if client_id.variant == "whitespace" else "")
 
 
 def probe_id(seed: int, k: int) -> str:

@@ -23,7 +23,7 @@ from kvtui.conformance import CHECKS, CheckResult, Server, run_checks
 from kvtui.conformance.report import markdown, to_json
 
 KVTUI = [sys.executable, "-m", "kvtui.cli"]
-MUTANTS = {c.mutant: c.name for c in CHECKS.values() if c.mutant and c.model == "default"}
+MUTANTS = {m: c.name for c in CHECKS.values() if c.model == "default" for m in c.mutants}
 CLEAN = {name: "pass" for name in CHECKS} | {"images": "n/a"}
 
 
@@ -45,6 +45,7 @@ def test_list_names_every_check_with_its_mutant():
     assert lines[7].endswith("(kvtui serve mutants --model tiny-qwen35moe: --fault state_published_before_write, "
                              "--fault tier_drops_recurrent_state, --fault state_slot_not_reset, --fault "
                              "state_index_units)")  # recurrent_state
+    assert lines[8].endswith("(kvtui serve mutants: --fault lora_unkeyed_prefix, --fault lora_reload_stale)")
 
 
 @pytest.mark.parametrize("args, line", [
@@ -56,6 +57,10 @@ def test_list_names_every_check_with_its_mutant():
     (("--json", "/no/such/folder/x.json"), "error: --json /no/such/folder/x.json: its folder does not exist; choose "
                                            "a path in an existing folder"),
     (("--target", "ftp://x"), "error: --target 'ftp://x': not an http(s) URL with a host; give http://HOST:PORT"),
+    (("--server-release", "vLLM 0.32.0"), "error: --server-release names a --target server's release (kvtui's own "
+                                          "server records kvtui's); drop it or add --target"),
+    (("--target", "http://127.0.0.1:9", "--server-release", "vLLM"),
+     "error: --server-release 'vLLM': give 'NAME VERSION', e.g. --server-release 'transformers-serve 5.25.0'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, line):
     out = kvtui("conformance", *args)
@@ -113,9 +118,13 @@ def test_clean_kvtui_serve_passes_every_applicable_check(tokenizer, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(path.read_text())
     assert {c["check"]: c["verdict"] for c in data["checks"]} == CLEAN
-    assert data["counts"] == {"pass": 8, "fail": 0, "n/a": 1}
-    assert data["label"] == "kvtui serve" and "8 pass, 0 fail, 1 not applicable" in out.stdout
-    assert "[9/9] request_ids: pass" in out.stderr  # the progress lines
+    assert data["counts"] == {"pass": 9, "fail": 0, "n/a": 1}
+    assert data["label"] == "kvtui serve" and "9 pass, 0 fail, 1 not applicable" in out.stdout
+    from kvtui import __version__
+
+    assert data["server"] == {"name": "kvtui", "version": __version__, "server_header": "uvicorn",
+                              "source": "name: /v1/models owned_by; version: the install kvtui started"}
+    assert "[10/10] request_ids: pass" in out.stderr  # the progress lines
 
 
 @pytest.mark.smollm

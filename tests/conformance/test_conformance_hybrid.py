@@ -31,7 +31,7 @@ STATE_MUTANTS = ("state_published_before_write", "tier_drops_recurrent_state", "
 ALSO_FAILS = {"state_slot_not_reset": {"solo_parity", "prompt_cache"}, "state_index_units": {"prompt_cache"}}
 # n/a on the hybrid, clean: no embedding table to make rows from, no image encoder, and the random-weight model
 # does not close a JSON object within the structured-output check's tokens
-CLEAN_NA = {"structured_output", "prompt_embeds", "images"}
+CLEAN_NA = {"structured_output", "prompt_embeds", "images", "adapters"}  # the hybrid runs no LoRA
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,11 @@ def test_llama_server_shares_its_prompt_cache_across_salts_and_keeps_the_rest_ap
     with LlamaServer(default_model_path(), parallel=4, ctx_per_slot=512, threads=1) as srv:
         out, found = conformance(srv.url, tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
+    server = found.pop("server")
+    assert (server["name"], server["version"], server["server_header"]) == ("llama.cpp", "b0-0c1e57098", "llama.cpp")
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "fail", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
-        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "request_ids": "pass"}
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "adapters": "n/a", "request_ids": "pass"}
     assert "with different cache_salts 6 of 6 matching probes read" in found["tenant_salts"]["evidence"]
     # llama.cpp prefills a cached prompt's last token alone, which rounds otherwise than the whole prompt (token-
     # equal answers moved up to 0.79 nats, past the 0.5 tolerance): the control finds that, so logprob moves
@@ -50,13 +52,15 @@ def test_llama_server_shares_its_prompt_cache_across_salts_and_keeps_the_rest_ap
     assert "key 'prompt' not found" in found["prompt_embeds"]["evidence"]
 
 
-def conformance(url: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
-    """`kvtui conformance --quick --target URL --json FILE`: the finished command and its results by check."""
+def conformance(url: str, tmp_path, *more: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`kvtui conformance --quick --target URL --json FILE [MORE]`: the finished command and its results by check
+    (and the server it identified under "server")."""
     path = tmp_path / "conformance.json"
-    out = subprocess.run(KVTUI + ["conformance", "--quick", "--target", url, "--json", str(path)],
+    out = subprocess.run(KVTUI + ["conformance", "--quick", "--target", url, "--json", str(path), *more],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode in (0, 1), out.stdout + out.stderr  # 2 and 3: bad input, server unreachable
-    return out, {c["check"]: c for c in json.loads(path.read_text())["checks"]}
+    data = json.loads(path.read_text())
+    return out, {c["check"]: c for c in data["checks"]} | {"server": data["server"]}
 
 
 @pytest.mark.vllm
@@ -65,9 +69,11 @@ def conformance(url: str, tmp_path) -> tuple[subprocess.CompletedProcess, dict]:
 def test_vllm_passes_every_applicable_check(vllm_url, tmp_path):
     out, found = conformance(vllm_url, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert found.pop("server") == {"name": "vLLM", "version": "0.32.0", "server_header": "uvicorn",
+                                   "source": "name: /v1/models owned_by; version: GET /version"}
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "pass", "solo_parity": "pass", "parallel_sampling": "pass", "structured_output": "pass",
-        "prompt_embeds": "pass", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "request_ids": "pass"}
+        "prompt_embeds": "pass", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "pass", "adapters": "n/a", "request_ids": "pass"}
     salts = found["tenant_salts"]["figures"]  # judged on vLLM's own cached-token counts
     assert "different salts: 0/6 probes hit" in salts and "same salt (control): 6/6 probes hit" in salts
     assert found["solo_parity"]["figures"].startswith("6 of 6 answered; 6 compared with their solo run, 0 solo runs "
@@ -98,11 +104,13 @@ def transformers_url(tmp_path_factory):
 def test_transformers_serve_lacks_most_features_and_dies_on_duplicate_request_ids(transformers_url, tmp_path):
     """Pinned 5.24.0: every row is that release's answer; on 5.25.0 the request-ids row passes (its batching
     is keyed by ids of the server's own)."""
-    out, found = conformance(transformers_url, tmp_path)
+    out, found = conformance(transformers_url, tmp_path, "--server-release", "transformers-serve 5.24.0")
     assert out.returncode == 1, out.stdout + out.stderr
+    server = found.pop("server")  # it says neither its name nor its release: the pinned install's
+    assert (server["name"], server["version"]) == ("transformers-serve", "5.24.0")
     assert {name: c["verdict"] for name, c in found.items()} == {
         "tenant_salts": "n/a", "solo_parity": "n/a", "parallel_sampling": "n/a", "structured_output": "n/a",
-        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "n/a", "request_ids": "fail"}
+        "prompt_embeds": "n/a", "images": "n/a", "prompt_cache": "pass", "recurrent_state": "n/a", "adapters": "n/a", "request_ids": "fail"}
     salt = "the server refuses cache_salt: HTTP 422: {'detail': \"Unexpected fields in the request: {'cache_salt'}\"}"
     assert found["tenant_salts"]["evidence"].startswith(salt)
     assert found["solo_parity"]["evidence"].startswith(salt)

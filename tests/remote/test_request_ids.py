@@ -80,6 +80,31 @@ def test_ids_travel_in_the_header_and_the_body_as_asked():
                                                                    "request_id": "kvtui-a5e820-011 "}
     assert id_headers(spaced, ["user"]) == {} and id_fields(spaced, ["header"]) == {}
     assert id_headers(None, ["header"]) == {} and id_fields(None, ["user"]) == {}
+    assert id_fields(spaced, ["rid", "traceparent"]) == {"rid": "kvtui-a5e820-011 "}
+
+
+def test_traceparent_shares_the_trace_id_across_a_group_and_gives_each_request_its_own_span():
+    """W3C trace context (`00-<32 hex>-<16 hex>-01`): a group is one trace, each request a span of it; a
+    near duplicate's variant changes the trace id as it changes an id."""
+    spec = parse_scenario(PAIR.replace("request_ids: {", "request_ids: {send_as: [traceparent, rid], ").replace(
+        "{ids: duplicate, size: 2}", "{ids: near_duplicate}").replace(
+        "[{size: 2, count: 1}, {size: 4, count: 1}, {size: 2, count: 1}]", "[{size: 4, count: 1}, {size: 4, count: 1}]"))
+    plan = {p.request_id: p for p in plan_requests(spec, TOK)}
+    sent = {r: id_headers(plan[r].client_id, spec.request_ids.send_as, r) for r in plan}
+    assert all(set(h) == {"traceparent"} for h in sent.values())
+    parts = {r: h["traceparent"].split("-") for r, h in sent.items()}
+    assert all(len(p) == 4 and p[0] == "00" and len(p[1]) == 32 and len(p[2]) == 16 and p[3] == "01"
+               for p in parts.values())
+    trace = parts["r004"][1]
+    assert re.fullmatch(r"[0-9a-f]{32}", trace)
+    assert [plan[r].client_id.variant for r in ("r004", "r005", "r006", "r007")] == [None, "case", "whitespace", "suffix"]
+    assert parts["r005"][1] == trace.upper() and parts["r006"][1] == trace  # HTTP drops the trailing space
+    assert parts["r007"][1][:31] == trace[:31] and parts["r007"][1] != trace
+    assert len({p[2] for p in parts.values()}) == 8  # a span id per request
+    assert len({parts[r][1] for r in ("r000", "r001", "r002", "r003")} | {trace}) == 5  # unique ids: traces of their own
+    assert id_fields(plan["r005"].client_id, spec.request_ids.send_as) == {"rid": plan["r005"].client_id.value}
+    again = id_headers(plan["r004"].client_id, ["header", "traceparent"], "r004")
+    assert again == {"x-request-id": plan["r004"].client_id.value, "traceparent": sent["r004"]["traceparent"]}
 
 
 @pytest.mark.parametrize("section, line", [
@@ -109,6 +134,7 @@ class KeyedByClientId:
         self.on_duplicate, self.dead, self.stalled, self.has_health = on_duplicate, False, set(), health
         self.in_flight: dict[str, str] = {}  # id -> the passphrase of the request streaming under it
         self.seen: list[tuple[str | None, dict]] = []  # (x-request-id, body) of every chat request
+        self.traces: list[str | None] = []  # the traceparent header of every chat request, in the same order
 
     def app(self) -> FastAPI:
         api = FastAPI()
@@ -129,6 +155,7 @@ class KeyedByClientId:
             body = await request.json()
             rid = request.headers.get("x-request-id")
             self.seen.append((rid, body))
+            self.traces.append(request.headers.get("traceparent"))
             key = rid or str(uuid.uuid4())
             if self.dead:
                 return JSONResponse({"error": f"worker is dead and cannot accept request {key}"}, status_code=503)
@@ -226,22 +253,27 @@ def test_a_server_with_opaque_ids_passes_and_every_place_carries_the_id(tmp_path
     fake = KeyedByClientId(None)
     text = PAIR.replace("{ids: duplicate, size: 2}", "{ids: near_duplicate}").replace(
         "[{size: 2, count: 1}, {size: 4, count: 1}, {size: 2, count: 1}]", "[{size: 4, count: 1}, {size: 4, count: 1}]")
-    spec = parse_scenario(text.replace("request_ids: {", "request_ids: {send_as: [header, user, request_id], "))
+    spec = parse_scenario(text.replace("request_ids: {", "request_ids: {send_as: [header, user, request_id, traceparent, "
+                                                         "rid], "))
     with serving(fake.app()) as url:
         session = TargetSession(spec, TOK, TargetOptions(url=url), detectors=("canary",))
         summary = session.run()
     assert summary.finish_reasons == {"stop": 8} and summary.findings_by_kind == {}
     plan = plan_requests(spec, TOK)
     sent: dict = {}
-    for rid, b in fake.seen:  # the load first; the probes send the first prompts again later
-        sent.setdefault(b["messages"][0]["content"], (rid, b.get("user"), b.get("request_id")))
+    for (rid, b), trace in zip(fake.seen, fake.traces):  # the load first; the probes send the first prompts again
+        sent.setdefault(b["messages"][0]["content"], (rid, b.get("user"), b.get("request_id"), b.get("rid"), trace))
     for p in plan:
-        header, user, body_id = sent[p.text]
-        assert (header, user, body_id) == (p.client_id.value.strip(), p.client_id.value, p.client_id.value)
+        header, user, body_id, rid, trace = sent[p.text]
+        assert (header, user, body_id, rid) == (p.client_id.value.strip(), p.client_id.value, p.client_id.value,
+                                                p.client_id.value)
+        assert trace == id_headers(p.client_id, ["traceparent"], p.request_id)["traceparent"]  # its own span
+    # the near-duplicate group's trace ids: its own, upper-cased, the same (the space dropped), last digit changed
+    assert len({t.split("-")[1] for t in fake.traces[4:8]}) == 3
     probes = [(rid, b["user"]) for rid, b in fake.seen if "probe" in rid]
     assert probes == [("kvtui-a5e820-probe-0",) * 2, ("kvtui-a5e820-probe-1",) * 2]
     assert summary.request_id_audit == (
-        "request-id audit (x-request-id+body user+body request_id): 4 of 8 requests shared an id with another "
+        "request-id audit (x-request-id+body user+body request_id+traceparent+body rid): 4 of 8 requests shared an id with another "
         "(1 near-duplicate group; 4 overlapped one in flight); 0 answers to the wrong client; 0 hung; 0 lost; "
         "afterwards 2 of 2 later requests with fresh ids answered, GET /health 200")
 
@@ -256,6 +288,8 @@ prompts: {kind: passphrase}
 output_tokens: 20
 request_ids: {groups: [{ids: unique, size: 2}, {ids: duplicate, size: 2}], probes: 1, wait_s: 15}
 """
+# the same ids also as a W3C trace (the pair shares the trace id) and in SGLang's body `rid`
+ALL_PLACES = "request_ids: {send_as: [header, traceparent, rid], "
 
 
 @pytest.fixture(scope="module")
@@ -267,9 +301,9 @@ def smollm2_tokenizer():
     return load_tokenizer("default")
 
 
-def serve_run(tokenizer, *faults: str):
-    """SERVE_PAIR against a kvtui serve (SmolLM2, this process) with `faults`: (summary, events, plan)."""
-    spec = parse_scenario(SERVE_PAIR)
+def serve_run(tokenizer, *faults: str, text: str = SERVE_PAIR):
+    """`text` (SERVE_PAIR) against a kvtui serve (SmolLM2, this process) with `faults`: (summary, events, plan)."""
+    spec = parse_scenario(text)
     events: list = []
     options = ServeOptions(model="default", port=0, slots=4, max_len=256, detectors=(), faults=faults, threads=1)
     with ServeServer(options) as server:
@@ -281,12 +315,13 @@ def serve_run(tokenizer, *faults: str):
 
 @pytest.mark.smollm
 def test_kvtui_serve_keeps_its_own_ids_so_a_duplicate_changes_nothing(smollm2_tokenizer):
-    summary, events, plan = serve_run(smollm2_tokenizer)
+    """The pair shares its x-request-id, its trace id (traceparent, spans of their own) and its body rid."""
+    summary, events, plan = serve_run(smollm2_tokenizer, text=SERVE_PAIR.replace("request_ids: {", ALL_PLACES))
     assert plan["r002"].client_id.value == plan["r003"].client_id.value
     assert summary.finish_reasons == {"stop": 4} and summary.passphrase_echoed == 4
     assert summary.findings_by_kind == {} and reports(events) == {}
     assert summary.request_id_audit == (
-        "request-id audit (x-request-id): 2 of 4 requests shared an id with another (1 duplicate group; 2 overlapped "
+        "request-id audit (x-request-id+traceparent+body rid): 2 of 4 requests shared an id with another (1 duplicate group; 2 overlapped "
         "one in flight); 0 answers to the wrong client; 0 hung; 0 lost; afterwards 1 of 1 later request with fresh "
         "ids answered, GET /health 200")
 

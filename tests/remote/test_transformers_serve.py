@@ -284,3 +284,34 @@ def test_two_overlapping_requests_with_one_x_request_id_kill_the_server(server, 
         "HTTP 503: " in line and "CB worker is dead and cannot accept request kvtui-a5e820-probe-0" in line
     assert line.endswith('GET /health 503 {"status":"unhealthy","reason":"cb_worker_dead"}')
     assert summary.reference_skipped_by_reason == {"server_stopped": summary.requests_completed}
+
+
+# -- the release that changed it -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fixed_server(tmp_path_factory):
+    """transformers serve FIXED_VERSION (5.25.0) from its own pinned venv, for the audit that 5.24.0 fails."""
+    from helpers import transformers_serve
+
+    from kvtui.remote.transformers_serve import FIXED_VERSION
+
+    yield from transformers_serve(tmp_path_factory, version=FIXED_VERSION)
+
+
+@pytest.mark.transformers_serve
+@pytest.mark.smollm
+@pytest.mark.xdist_group("transformers_serve")
+def test_on_5_25_0_the_same_audit_finds_nothing_and_the_server_keeps_serving(fixed_server, tmp_path):
+    """Pinned 5.25.0: the same command as above, exit 0. Its batching is keyed by ids the server makes
+    (`make_request_id` in cli/serving/model_manager.py), the client's x-request-id only echoed."""
+    assert fixed_server.version == "5.25.0"
+    record = tmp_path / "audit.jsonl"
+    out = kvtui("run", "scenarios/request_ids.yaml", "--target", fixed_server.url, "--headless", "--record",
+                str(record))
+    assert out.returncode == 0, out.stdout + out.stderr
+    _, events, summary, _ = read_recording(record)
+    assert [e for e in events if isinstance(e, Contamination) and e.counts] == []
+    assert summary.finish_reasons == {"stop": 18} and summary.passphrase_echoed == 18
+    assert summary.request_id_audit == (
+        "request-id audit (x-request-id): 10 of 18 requests shared an id with another (3 duplicate groups, 1 "
+        "near-duplicate group; 10 overlapped one in flight); 0 answers to the wrong client; 0 hung; 0 lost; "
+        "afterwards 2 of 2 later requests with fresh ids answered, GET /health 200")

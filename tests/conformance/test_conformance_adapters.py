@@ -1,0 +1,85 @@
+"""The adapters check (kvtui/conformance/adapters.py) against kvtui serve on tiny-llama (random weights: quick).
+
+- The conformance server (kvtui/conformance/local.py: paged KV, 16-token blocks, prefix caching, adapters
+  lora-a and lora-b, runtime reloads) passes: every answer through the cache and at once equals its solo run;
+  a variant's first sending of the prompt takes nothing from the cache, a later one its own variant's blocks.
+- `lora_unkeyed_prefix` (block keys without the adapter) fails on the server's own counts (base's first
+  sending took lora-a's blocks) and on the answers.
+- `lora_reload_stale` (keys without the adapter's version) fails only where lora-a is reloaded in place with
+  lora-b's weights: its answer is not lora-b's solo answer.
+- A server without adapters is n/a, naming the flags that serve them.
+
+That each LoRA mutant fails this class and no other is the mutant matrix's (tests/conformance/test_conformance.py,
+KVTUI_CONFORMANCE_MATRIX=1, SmolLM2); the adapters row of vLLM and llama-server is in
+tests/remote/test_conformance_servers.py and tests/remote/test_llama_lora.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtui.conformance import CHECKS, CheckResult, Server
+from kvtui.conformance.local import TOLERANCE, local_server
+from kvtui.models import load_tokenizer
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+def adapters_check(tokenizer, faults: tuple[str, ...]) -> CheckResult:
+    with local_server(MODEL, faults, threads=1) as url:
+        server = Server(url=url, model=MODEL, tokenizer=tokenizer, server_kind="kvtui", timeout_s=60,
+                        tolerance=TOLERANCE, quick=True)
+        return CHECKS["adapters"].run(server)
+
+
+def cached_counts(figures: str) -> list[int]:
+    """The cached-token counts of the 5 one-at-a-time requests, in order, from the figures."""
+    part = figures.split("through the cache on P1: ")[1].split("; A reloaded")[0]
+    return [int(item.split("cached ")[1].split(" of ")[0]) for item in part.split("; ")]
+
+
+def test_the_clean_server_passes_and_reuses_only_each_adapters_own_blocks(tokenizer):
+    result = adapters_check(tokenizer, ())
+    assert result.verdict == "pass", result
+    assert result.figures.startswith("9 of 9 answers equal their solo run; through the cache on P1: #1 lora-a first: ")
+    assert "#2 base after lora-a: cached 0 of " in result.figures and "#3 lora-b after base: cached 0 of " in result.figures
+    counts = cached_counts(result.figures)
+    assert counts[:3] == [0, 0, 0] and counts[3] > 0 and counts[4] == counts[3]  # base and lora-a again: their own
+    assert counts[3] % 16 == 0  # whole 16-token blocks
+    assert result.figures.endswith("A reloaded in place")
+
+
+def test_a_cache_keyed_without_the_adapter_fails_on_the_servers_own_counts(tokenizer):
+    result = adapters_check(tokenizer, ("lora_unkeyed_prefix",))
+    assert result.verdict == "fail", result
+    counts = cached_counts(result.figures)
+    assert counts[1] > 0 and counts[2] > 0  # base and lora-b each took another adapter's blocks
+    assert result.evidence.startswith(f"P1 #2 base after lora-a: the server took {counts[1]} of ")
+    assert "prompt tokens from its cache on base's first sending of the prompt, which only lora-a had sent: their " \
+           "KV" in result.evidence
+    assert "on lora-b's first sending of the prompt, which only base and lora-a had sent" in result.evidence
+
+
+def test_a_cache_keyed_without_the_adapters_version_fails_after_a_reload(tokenizer):
+    result = adapters_check(tokenizer, ("lora_reload_stale",))
+    assert result.verdict == "fail", result
+    assert result.figures.startswith("8 of 9 answers equal their solo run")  # everything but the reloaded one
+    assert result.evidence.startswith("P1 lora-a reloaded in place with lora-b's weights: ")
+    assert "corruption" in result.evidence and "cached " in result.evidence
+
+
+def test_a_server_without_adapters_is_not_applicable(tokenizer):
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    with ServeServer(ServeOptions(model=MODEL, port=0, threads=1)) as served:
+        server = Server(url=served.url, model=MODEL, tokenizer=tokenizer, server_kind="kvtui", quick=True)
+        result = CHECKS["adapters"].run(server)
+    assert result.verdict == "n/a"
+    assert result.evidence.startswith("the server serves fewer than two LoRA adapters (vLLM and kvtui serve: "
+                                      "--enable-lora --lora-modules a=PATH b=PATH; llama-server: --lora A --lora B "
+                                      "--lora-init-without-apply)")
