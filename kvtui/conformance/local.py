@@ -25,9 +25,8 @@ TOLERANCE = FLOAT32
 # two turns, pushes its own blocks out into the tier.
 HYBRID_NUM_BLOCKS = 97
 HYBRID_OFFLOAD_BLOCKS = 512
-# Models on kvtui's fused forward (the ones that run LoRA) serve two built-in seeded adapters, with runtime
-# reloads allowed, so the adapters check applies; the others serve none (the check is n/a there).
-LORA_MODELS = ("default", "tiny-llama")
+# Models on kvtui's fused forward (registry entries with lora=True) serve two built-in seeded adapters, with
+# runtime reloads allowed, so the adapters check applies; the others serve none (the check is n/a there).
 LORA_MODULES = ("lora-a", "lora-b")
 
 
@@ -35,7 +34,7 @@ def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads:
     """The ServeOptions of the conformance server: a free port, paged KV with prefix caching, prompt
     embeddings on, no engine detectors (the checks judge from outside). A hybrid model (tiny-qwen35moe)
     also gets a pool of HYBRID_NUM_BLOCKS blocks over an offload tier of HYBRID_OFFLOAD_BLOCKS, so its
-    cached blocks and their recurrent-state checkpoints move between the two. A model of LORA_MODELS serves
+    cached blocks and their recurrent-state checkpoints move between the two. A model that runs LoRA (its registry entry's `lora`) serves
     the adapters LORA_MODULES and allows reloading them at runtime."""
     from kvtui.model_kinds import ModelKind
     from kvtui.models.registry import kind_of
@@ -47,10 +46,17 @@ def serve_options(model: str = "default", faults: tuple[str, ...] = (), threads:
     from kvtui.serve.lora import parse_lora_modules
 
     lora = {"lora_modules": parse_lora_modules(LORA_MODULES), "allow_runtime_lora_updating": True} \
-        if model in LORA_MODELS else {}
+        if _runs_lora(model) else {}
     return ServeOptions(model=model, port=0, faults=tuple(faults), kv="paged", block_size=BLOCK_SIZE,
                         prefix_caching=True, max_len=MAX_LEN, enable_prompt_embeds=True, detectors=(),
                         threads=threads, **tier, **lora)
+
+
+def _runs_lora(model: str) -> bool:
+    from kvtui.models.registry import find_model
+
+    entry = find_model(model)
+    return entry is not None and entry.lora
 
 
 def describe(model: str = "default") -> str:

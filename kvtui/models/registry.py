@@ -53,6 +53,8 @@ class ModelEntry:
             come from when a server runs this model (kvtui.remote.embeds: its own for a tiny LM, the default
             model's for dinov2-smollm2, whose LM it is); None: prompt_embeds against such a server refused.
         refusal: the one line a load prints instead, for a model the engine does not run ("" otherwise).
+        lora: whether it runs on kvtui's fused forward, which applies peft LoRA adapters (what `kvtui
+            conformance` serves its two built-in adapters on).
     """
 
     name: str
@@ -66,6 +68,7 @@ class ModelEntry:
     gguf: str | None = None
     embeds_from: str | None = None
     refusal: str = ""
+    lora: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -97,7 +100,7 @@ _SMOLLM2_FILE = "kvtui.models.default:default_model_path"
 # GGUF's llama.* metadata); the tiny ones are built in kvtui/models/tiny.py; the encoder-decoders give their
 # decoder's geometry (its self-attention KV) and learned position table.
 SMOLLM2 = ModelEntry(
-    "default", ModelKind.DECODER_ONLY, "SmolLM2", aliases=("smollm2",),
+    "default", ModelKind.DECODER_ONLY, "SmolLM2", aliases=("smollm2",), lora=True,
     load="kvtui.models.loader:load_default", tokenizer=_SMOLLM2_TOKENIZER, needs=(_SMOLLM2_FILE,),
     config={"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
             "head_dim": 64, "hidden_size": 576, "max_position_embeddings": 8192,
@@ -105,7 +108,7 @@ SMOLLM2 = ModelEntry(
     gguf=_SMOLLM2_FILE, embeds_from="default",
 )
 TINY_LLAMA = ModelEntry(
-    "tiny-llama", ModelKind.DECODER_ONLY, "tiny-llama",
+    "tiny-llama", ModelKind.DECODER_ONLY, "tiny-llama", lora=True,
     load="kvtui.models.loader:load_tiny", tokenizer=_TINY_TOKENIZER,
     config={"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 2048,
