@@ -154,6 +154,23 @@ def converter_dir() -> Path:
     return _default.cache_dir() / "llama-server" / "convert"
 
 
+def run_converter(script: str, args: list[str], out: Path, source: Path) -> None:
+    """Run llama.cpp's converter `script` (in converter_dir(), with its own gguf-py first on the path) with
+    `args`, which write the file `out` from `source`; at most 10 minutes.
+
+    Raises:
+        ModelLoadError: it failed or wrote no `out` (its last 5 output lines in the message; `out` removed).
+    """
+    cmd = [sys.executable, str(converter_dir() / script), *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(converter_dir() / "gguf-py"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0 or not out.is_file():
+        out.unlink(missing_ok=True)
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+        raise ModelLoadError(f"llama.cpp's {script} failed on {source} (exit {done.returncode}):\n{tail}")
+
+
 def converter_version() -> str:
     """The converter's stamp (llama-cpp-python version and vendored llama.cpp commit), one line.
 
@@ -180,15 +197,8 @@ def hybrid_gguf(seed: int = HYBRID_SEED) -> Path:
     if path.is_file() and _marker(folder).get("gguf") == version:
         return path
     tmp = folder / f".partial-{GGUF_NAME}-{os.getpid()}"
-    cmd = [sys.executable, str(converter_dir() / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(tmp),
-           "--outtype", "f32", "--no-mtp"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(converter_dir() / "gguf-py"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-        raise ModelLoadError(f"llama.cpp's converter failed on {folder} (exit {done.returncode}):\n{tail}")
+    run_converter("convert_hf_to_gguf.py", [str(folder), "--outfile", str(tmp), "--outtype", "f32", "--no-mtp"],
+                  tmp, folder)
     tmp.rename(path)
     marker = _marker(folder)
     (folder / MARKER).write_text(json.dumps({**marker, "gguf": version}))

@@ -98,10 +98,7 @@ def adapter_gguf(folder: Path, base: Path) -> Path:
         ModelLoadError: the converter is missing (the fix: scripts/build-llama-server.sh) or failed (its last
             output lines in the message).
     """
-    import subprocess
-    import sys
-
-    from kvtui.models.hybrid import CONVERTER_HINT, converter_dir, converter_version
+    from kvtui.models.hybrid import CONVERTER_HINT, converter_dir, converter_version, run_converter
     from kvtui.models.types import ModelLoadError
 
     script = converter_dir() / "convert_lora_to_gguf.py"
@@ -112,14 +109,8 @@ def adapter_gguf(folder: Path, base: Path) -> Path:
     if path.is_file() and stamp.is_file() and stamp.read_text().strip() == version:
         return path
     tmp = folder / f".partial-adapter-f32.gguf-{os.getpid()}"
-    cmd = [sys.executable, str(script), "--base", str(base), "--outfile", str(tmp), "--outtype", "f32", str(folder)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(converter_dir() / "gguf-py"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-        raise ModelLoadError(f"llama.cpp's convert_lora_to_gguf.py failed on {folder} (exit {done.returncode}):\n{tail}")
+    run_converter(script.name, ["--base", str(base), "--outfile", str(tmp), "--outtype", "f32", str(folder)], tmp,
+                  folder)
     tmp.replace(path)
     stamp.write_text(version + "\n")
     return path
