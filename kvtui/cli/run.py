@@ -223,10 +223,14 @@ def _check_workers(target: str | None, llama_server: str | None, workers: int, r
     """--workers / --ray: with --target only, --ray only with --workers, and Ray installed (else one line, exit 2)."""
     from kvtui.remote.workers import RAY_MISSING, ray_available
 
+    flag = "--workers" if workers else "--ray"
     if target is None and llama_server is None:
-        fail("--workers sends a --target run's load from Ray workers; add --target URL")
+        fail(f"{flag} sends a --target run's load from Ray workers; add --target URL")
     if ray_address is not None and not workers:
         fail("--ray names the cluster of --workers N; add --workers")
+    if ray_address is not None and not ray_address.strip():
+        fail("--ray '': give the cluster's address (HOST:6379, as `ray start --head` prints it), or leave --ray out "
+             "for a local runtime")
     if not ray_available():
         fail(RAY_MISSING)
 

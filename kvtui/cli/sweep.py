@@ -146,13 +146,16 @@ def _ray_runtime(run):
         return
     import ray
 
+    from kvtui.remote.reach import TargetError
+    from kvtui.remote.workers import init_ray
+
     if ray.is_initialized():
         yield
         return
-    if run.ray_address:
-        ray.init(address=run.ray_address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=run.workers, include_dashboard=False, log_to_driver=False)
+    try:
+        init_ray(run.ray_address, run.workers)
+    except TargetError as e:
+        fail(str(e))
     try:
         yield
     finally:

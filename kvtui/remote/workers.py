@@ -72,6 +72,30 @@ def _terminal_stderr():
         ray_logger.setLevel(level)
 
 
+def init_ray(address: str | None, workers: int):
+    """Start Ray for --workers: the cluster at `address` (`ray.init(address=...)`), or a local runtime of
+    `workers` CPUs when None; in the dashboard with Ray's log at ERROR (_terminal_stderr). Returns the `ray`
+    module; the caller shuts Ray down.
+
+    Raises:
+        TargetError: the address is malformed or no cluster answers there (one line naming --ray and the fix).
+    """
+    import ray
+
+    with _terminal_stderr() as quiet:
+        more = {"logging_level": logging.ERROR} if quiet else {}
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=False, **more)
+            else:
+                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, **more)
+        except (ValueError, ConnectionError, RuntimeError) as e:  # Ray's words for a bad or unreachable address
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise TargetError(f"--ray {address}: no Ray cluster there ({reason}); give the address `ray start "
+                              "--head` printed (HOST:6379), or leave --ray out for a local runtime") from None
+    return ray
+
+
 def ray_available() -> bool:
     """Ray can be imported (the `kvtui[ray]` extra is installed)."""
     try:
@@ -249,12 +273,7 @@ class RayTargetSession(TargetSession):
         import ray
 
         if not ray.is_initialized():
-            with _terminal_stderr() as quiet:
-                more = {"logging_level": logging.ERROR} if quiet else {}
-                if self.address:
-                    ray.init(address=self.address, log_to_driver=False, **more)
-                else:
-                    ray.init(num_cpus=self.workers, include_dashboard=False, log_to_driver=False, **more)
+            init_ray(self.address, self.workers)
             self._started_ray = True
         return ray
 
