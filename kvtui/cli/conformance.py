@@ -78,8 +78,8 @@ def conformance(
         rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run every black-box isolation check (tenant salts, solo parity under load, n > 1, structured output,
-    prompt embeddings, images, the prompt cache, recurrent state, request ids) against one server and print
-    one table: pass, fail, or n/a with the reason. Exit 1 when a check fails."""
+    prompt embeddings, images, the prompt cache, recurrent state, request ids, LoRA adapters) against one server and
+    print one table: pass, fail, or n/a with the reason. Exit 1 when a check fails."""
     if list_checks:
         _list()
         return

@@ -73,6 +73,8 @@ def finish_headless(spec, session, record: Path | None, stopped: StopSignal, exp
         raise typer.Exit(EXIT_RUNTIME)
     lines = inert(spec, session, expect_override=expect_override)
     if lines:  # the fault never acted: the run tested nothing, which is no detector miss
+        lines = ["expected contamination to be detected, yet no fault that was on ever acted: the run tested "
+                 "nothing (exit 4; a detector miss, where a fault acted, exits 1)", *lines]
         for line in lines:
             err.print(f"[bold yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_INERT)

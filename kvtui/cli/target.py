@@ -63,7 +63,8 @@ def with_request_ids(path: Path, spec, places: str):
     chosen = [p.strip() for p in places.split(",") if p.strip()]
     unknown = next((p for p in chosen if p not in SEND_AS), None)
     if unknown is not None or not chosen or len(set(chosen)) != len(chosen):
-        bad = f"unknown place {unknown!r}" if unknown is not None else "give each place once"
+        bad = (f"unknown place {unknown!r}" if unknown is not None else "give at least one place" if not chosen
+               else "give each place once")
         fail(f"--request-ids {places!r}: {bad}; use some of {', '.join(SEND_AS)}, comma-separated "
              "(e.g. --request-ids header,user)")
     base = spec.request_ids.model_dump() if spec.request_ids is not None else {}

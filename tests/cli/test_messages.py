@@ -180,3 +180,15 @@ def test_a_random_weight_server_audit_says_the_canary_was_blind(tmp_path):
     text = " ".join(out.stdout.split())
     assert out.returncode == 0, out.stderr
     assert "own passphrase echoed 0/4: the canary was blind: no answer held a passphrase, its own or another's" in text
+
+
+# -- --request-ids ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, why", [
+    ("", "give at least one place"), (" , ", "give at least one place"),  # said "give each place once"
+    ("header,header", "give each place once"), ("traceparnt", "unknown place 'traceparnt'")])
+def test_a_bad_request_ids_value_names_what_is_wrong(monkeypatch, capsys, value, why):
+    code, lines, _ = kvtui(monkeypatch, capsys, "run", "scenarios/passphrase.yaml", "--headless", "--target",
+                           "http://127.0.0.1:9", "--request-ids", value)
+    assert code == 2
+    assert lines == [f"error: --request-ids {value!r}: {why}; use some of header, user, request_id, traceparent, "
+                     "rid, comma-separated (e.g. --request-ids header,user)"]

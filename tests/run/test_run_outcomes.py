@@ -460,8 +460,10 @@ def test_a_fault_that_never_acted_gives_its_own_line_and_exit_4_not_a_miss(tmp_p
                      .replace("poisson, rate_per_s: 8.0", "burst, size: 3, every_s: 100") + "expect: {contamination: detected}\n")
     result = invoke("run", str(scenario), "--headless")
     assert result.exit_code == 4, result.output
-    assert error_lines(result.stderr) == ["stale_slot acted 0 times: no request was admitted into a slot another "
-                                          "request had left"]
+    assert error_lines(result.stderr) == [
+        "expected contamination to be detected, yet no fault that was on ever acted: the run tested nothing (exit 4; "
+        "a detector miss, where a fault acted, exits 1)",
+        "stale_slot acted 0 times: no request was admitted into a slot another request had left"]
     assert re.search(r"steps a fault acted in +stale_slot 0", result.stdout), result.stdout
 
 
