@@ -1,9 +1,11 @@
-"""The fused forward's decode step compiled with torch.compile (inductor, frozen weights).
+"""The fused forward's decode step compiled with torch.compile (inductor).
 
 A decode-only step (every chunk one query token) runs kvtui's fused forward (kvtui/engine/fused.py) as
 one inductor graph: the norms, rotary, SiLU and residual adds become generated C++ fused into few
-loops, the linear layers oneDNN calls on weights inductor's freezing holds as constants, and the LM
-head on the sampled rows. Attention and the KV write stay out of the graph: both run behind one custom
+loops, the linear layers kvtui's own oneDNN-prepacked calls (an opaque op), and the LM head on the
+sampled rows. The weights stay graph inputs: on torch 2.13, `options={"freezing": True}` per call freezes
+nothing (only the global `torch._inductor.config.freezing` does), and with global freezing the step measured
+no faster than kvtui's eager step on its prepacked kernels (docs/performance.md). Attention and the KV write stay out of the graph: both run behind one custom
 op, `kvtui::pooled_attention`, that writes the step's new K/V into the pool in place and runs
 `kvtui_attention` with the step's state, exactly the eager code (every attention path, the
 attention_flow measurement and every fault that acts in attention see what they see eagerly). Writing
@@ -146,8 +148,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _DecodeModule(torch.nn.Module):
-    """The fused forward of a decode step as a module whose weights are parameters (so inductor's
-    freezing folds them as constants): forward(embeds [R, Q, hidden], position_ids [R, Q], sample_row [S],
+    """The fused forward of a decode step as a module whose weights are parameters (graph inputs to
+    inductor; see the module docstring on freezing): forward(embeds [R, Q, hidden], position_ids [R, Q], sample_row [S],
     sample_col [S], *pools) -> logits [S, V] in the model dtype."""
 
     def __init__(self, fused) -> None:
