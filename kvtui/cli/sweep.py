@@ -114,7 +114,8 @@ def sweep(
     plateau = throughput_knee(points)
     print_table(points, slo_share if has_slo else None)
     _print_knees(spec, points, knee, plateau, has_slo, slo_share)
-    _draw(points, knee if has_slo else plateau, plot, terminal_plot, title=f"{spec.name} against {run.url}")
+    _draw(points, knee_to_draw(points, knee, plateau, has_slo), plot, terminal_plot,
+          title=f"{spec.name} against {run.url}")
     _exit(spec, sessions, points)
 
 
@@ -259,6 +260,15 @@ def print_table(points: list[SweepPoint], slo_share: float | None) -> None:
     for p in points:
         if p.warning:
             out.print(f"{p.rate:g} req/s: {p.warning}", markup=False, highlight=False, soft_wrap=True)
+
+
+def knee_to_draw(points, knee, plateau, has_slo: bool):
+    """The point the pictures mark as the knee: the SLO's knee with an slo, else where throughput stopped
+    rising; None when throughput still rose at the highest rate run (the table says "no plateau yet", so the
+    picture marks none: it marked the highest rate as if it were the knee)."""
+    if has_slo:
+        return knee
+    return None if plateau is None or plateau is max(points, key=lambda p: p.rate) else plateau
 
 
 def _print_knees(spec, points, knee, plateau, has_slo: bool, share: float) -> None:

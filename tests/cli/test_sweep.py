@@ -58,6 +58,18 @@ def test_knees_the_last_rate_holding_the_slo_and_where_throughput_stops_rising()
     assert slo_knee([point(1, 10.0, 0)]) is None
 
 
+def test_the_pictures_mark_no_knee_while_throughput_still_rose():
+    """Without an slo and with throughput rising at every rate, the table said "no plateau yet" while the
+    plot drew a "knee" line at the highest rate."""
+    from kvtui.cli.sweep import knee_to_draw
+
+    rising = [point(2, 11.8, 6), point(8, 43.0, 6)]
+    assert knee_to_draw(rising, None, throughput_knee(rising), has_slo=False) is None
+    flat = [point(1, 10.0, 6), point(2, 20.0, 6), point(4, 20.9, 6)]
+    assert knee_to_draw(flat, None, throughput_knee(flat), has_slo=False).rate == 2
+    assert knee_to_draw(flat, slo_knee(flat), throughput_knee(flat), has_slo=True).rate == 4
+
+
 def test_retimed_arrivals_are_one_poisson_sequence_scaled_by_the_rate():
     from kvtui.models import build_tiny_tokenizer
     from kvtui.scenario import plan_requests
