@@ -46,6 +46,7 @@ from kvtui.remote.wire import WirePool
 RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not installed: pip install 'kvtui[ray]'"
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
+WAIT_NOTE_S = 10.0  # while the workers start, a marker this often says how many are ready (seconds)
 
 
 @contextlib.contextmanager
@@ -184,6 +185,10 @@ class ShardWorker:
 
     def __init__(self) -> None:
         self.session: ShardSession | None = None
+        # a stop or a hold can reach the actor before its prepare ran (an async actor's calls need not run in
+        # the order they were sent): kept here and applied to the session once it exists
+        self._stopped = False
+        self._held = False
 
     async def prepare(self, scenario, model: str, options, index: int, workers: int, api: str,
                       served_model: str | None, server_kind: str | None,
@@ -194,6 +199,9 @@ class ShardWorker:
         tokenizer = load_tokenizer(model)
         self.session = ShardSession(scenario, tokenizer, options, index=index, workers=workers, model=model,
                                     api=api, served_model=served_model, server_kind=server_kind, rate=rate)
+        self.session.stop_requested = self._stopped
+        if self._held:
+            self.session.hold(True)
         gc.collect()  # the plan and the tokenizer out of the collector's full passes while it sends (ShardSession.send
         gc.freeze()  # unfreezes), as the single client does; here, before the shared start is set
         return os.getpid(), [p.request_id for p in self.session.pending]
@@ -203,17 +211,23 @@ class ShardWorker:
         return await self.session.send(start_wall)
 
     async def take(self) -> list[Sent]:
-        """The requests finished since the last take."""
+        """The requests finished since the last take (none before prepare)."""
+        if self.session is None:
+            return []
         done, self.session.done = self.session.done, []
         return done
 
     async def stop(self) -> None:
-        """Stop sending; requests in flight finish as `abort`."""
-        self.session.stop_requested = True
+        """Stop sending; requests in flight finish as `abort` (before prepare: the shard is made stopped)."""
+        self._stopped = True
+        if self.session is not None:
+            self.session.stop_requested = True
 
     async def hold(self, on: bool) -> None:
-        """Hold arrivals (the dashboard's pause) or let them go again."""
-        self.session.hold(on)
+        """Hold arrivals (the dashboard's pause) or let them go again (before prepare: applied by prepare)."""
+        self._held = on
+        if self.session is not None:
+            self.session.hold(on)
 
 
 class RayTargetSession(TargetSession):
@@ -288,11 +302,13 @@ class RayTargetSession(TargetSession):
         options = replace(self.options, max_concurrency=math.ceil(self.options.max_concurrency / self.workers))
         self.actors = [actor.remote() for _ in range(self.workers)]
         try:
-            shards = await asyncio.gather(*(a.prepare.remote(self.scenario, self.model_name, options, k, self.workers,
-                                                             self.api, self.served_model, self.server_kind, self.rate)
-                                            for k, a in enumerate(self.actors)))
+            shards = await self._prepared([a.prepare.remote(self.scenario, self.model_name, options, k, self.workers,
+                                                            self.api, self.served_model, self.server_kind, self.rate)
+                                           for k, a in enumerate(self.actors)])
         except Exception as e:  # a worker that cannot import kvtui, load the tokenizer or plan
             raise TargetError(f"--workers: a Ray worker could not plan its shard: {type(e).__name__}: {e}") from e
+        if shards is None:  # stopped while the workers started: nothing is sent
+            return self._clock()
         for k, (pid, ids) in enumerate(shards):
             expected = [rid for rid, s in self.shard.items() if s == k]
             if ids != expected:
@@ -304,6 +320,29 @@ class RayTargetSession(TargetSession):
         self._collector = asyncio.create_task(self._collect())
         await asyncio.sleep(max(0.0, start_wall - time.time()))
         return self._clock() - (time.time() - start_wall)
+
+    async def _prepared(self, refs: list) -> list | None:
+        """The workers' prepare answers, in order; None when a stop came first. While they are not all in
+        (Ray starting worker processes, or waiting for free CPUs on a busy cluster), a marker every
+        WAIT_NOTE_S tells the listeners (the dashboard) how many are ready, so a slow start shows as progress
+        rather than a hang."""
+        import ray
+
+        waited, noted = 0.0, 0.0
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                return await asyncio.gather(*refs)
+            if self.stop_requested:
+                return None
+            if waited - noted >= WAIT_NOTE_S:
+                noted = waited
+                note = Marker(t=0.0, text=f"waiting for the Ray workers to start: {len(ready)} of {len(refs)} "
+                                          f"ready after {waited:.0f} s (each needs a free CPU in the cluster)")
+                for listener in self.listeners:  # the screen only: the recording starts with its header
+                    listener(note)
+            await asyncio.sleep(0.1)
+            waited += 0.1
 
     def _future(self, request_id: str) -> asyncio.Future:
         if request_id not in self._records:

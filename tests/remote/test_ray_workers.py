@@ -180,16 +180,77 @@ def test_the_dashboard_runs_a_workers_load_to_its_end_and_quits(local_ray):
         async def go():
             app = KvtuiApp(source)
             async with app.run_test(size=(160, 45)) as pilot:
-                deadline = time.monotonic() + 120
+                deadline = time.monotonic() + 300  # Ray's worker processes start slowly on a loaded machine
                 while source.summary is None and time.monotonic() < deadline:
                     await pilot.pause(0.1)
+                ended = source.summary is not None
                 await pilot.pause(0.3)
                 await pilot.press("q")
+                return ended
 
-        asyncio.run(go())
+        assert asyncio.run(go()), "the run did not end within 300 s (before q)"
     assert source.error is None and source.summary is not None
     assert source.summary.finish_reasons == {"stop": 6} and source.summary.passphrase_echoed == 6
     assert source.session.actors == [] and sorted(source.session.results) == [f"r00{k}" for k in range(6)]
+
+
+def test_a_stop_while_workers_cannot_start_ends_the_run_and_the_wait_is_shown(local_ray, monkeypatch):
+    """Three workers on a two-CPU runtime: the third cannot be placed. The wait is shown (a marker naming
+    how many are ready) rather than a silent hang, and a stop then ends the run at once with nothing sent."""
+    import threading
+
+    import kvtui.remote.workers as workers
+
+    monkeypatch.setattr(workers, "WAIT_NOTE_S", 0.5)
+    spec = parse_scenario("name: workers-wait\nseed: 3\nmax_requests: 3\nmodel: tiny-llama\narrivals: {process: "
+                          "burst, size: 3, every_s: 100}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    tok = load_tokenizer("tiny-llama")
+    notes = []
+
+    def listen(event):
+        if getattr(event, "text", "").startswith("waiting for the Ray workers"):
+            notes.append(event.text)
+            if " 2 of 3 ready" in event.text:  # the two that fit have started; the third never will
+                held["session"].stop_requested = True
+
+    held = {}
+    fake = FakeOpenAI()
+    with FakeHTTPServer(fake) as url:
+        session = held["session"] = RayTargetSession(spec, tok, TargetOptions(url=url), workers=3,
+                                                     detectors=("canary",), listeners=(listen,))
+        ran = threading.Thread(target=session.run)
+        ran.start()
+        ran.join(timeout=300)
+        assert not ran.is_alive(), "the run did not end after the stop"
+    assert notes[-1].startswith("waiting for the Ray workers to start: 2 of 3 ready after"), notes
+    assert fake.requests == [] and session.actors == []
+
+
+def test_early_calls_to_a_shard_worker_wait_for_its_shard():
+    """An async actor's calls need not run in the order sent: a hold, a stop or a take that reaches a
+    worker before its prepare is kept (not an AttributeError) and applied to the shard prepare makes."""
+    import asyncio
+
+    from kvtui.remote.workers import ShardWorker
+
+    spec = parse_scenario("name: early\nseed: 3\nmax_requests: 4\nmodel: tiny-llama\narrivals: {process: "
+                          "poisson, rate_per_s: 10}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+
+    async def go():
+        worker = ShardWorker()
+        assert await worker.take() == []
+        await worker.hold(True)
+        await worker.stop()
+        _, ids = await worker.prepare(spec, "tiny-llama", TargetOptions(url="http://127.0.0.1:9"), 1, 2,
+                                      "chat", None, None)
+        return worker.session, ids
+
+    session, ids = asyncio.run(go())
+    import gc
+
+    gc.unfreeze()
+    assert ids == ["r001", "r003"]
+    assert session.stop_requested is True and session._held_since is not None
 
 
 def test_ray_starts_under_a_captured_stderr_and_stays_quiet():
