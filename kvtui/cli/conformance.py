@@ -96,7 +96,7 @@ def conformance(
             fail("--server-release names a --target server's release (kvtui's own server records kvtui's); drop it "
                  "or add --target")
         parts = server_release.strip().rsplit(" ", 1)
-        if len(parts) != 2 or not all(parts):
+        if len(parts) != 2 or not all(parts) or not any(c.isdigit() for c in parts[1]):  # a version has a digit
             fail(f"--server-release {server_release!r}: give 'NAME VERSION', e.g. --server-release "
                  "'transformers-serve 5.25.0'")
         known = (parts[0].strip(), parts[1])

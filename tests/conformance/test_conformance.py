@@ -61,6 +61,8 @@ def test_list_names_every_check_with_its_mutant():
                                           "server records kvtui's); drop it or add --target"),
     (("--target", "http://127.0.0.1:9", "--server-release", "vLLM"),
      "error: --server-release 'vLLM': give 'NAME VERSION', e.g. --server-release 'transformers-serve 5.25.0'"),
+    (("--target", "http://127.0.0.1:9", "--server-release", "vLLM 0.1 extra"),
+     "error: --server-release 'vLLM 0.1 extra': give 'NAME VERSION', e.g. --server-release 'transformers-serve 5.25.0'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, line):
     out = kvtui("conformance", *args)
