@@ -896,9 +896,11 @@ class LoadFidelity(_Frozen):
             send times (req/s); None with fewer than two sends or all planned at one instant.
         lag_p50_s, lag_p99_s, lag_max_s: schedule lag, each request's actual minus planned send time
             (seconds, the cap's wait left out); None before the first send.
-        client_cpu_s: CPU seconds this client process used (user + system, all its threads) over
-            `wall_s`, the wall seconds since the load started; client_cpu_share: their ratio (1.0 = one
-            core busy all the time).
+        client_cpu_s: CPU seconds the client used to send the load (user + system, all its threads) over
+            `wall_s`, the wall seconds since the load started; client_cpu_share: their ratio per sending
+            process (1.0 = each sender had one core busy all the time).
+        senders: how many processes sent the load (1; `--workers N`: the N Ray workers, whose CPU
+            seconds client_cpu_s sums).
         warning: one line when the client rather than the server limited the run (lag p99 over 10 ms, or
             under 98% of the requested rate sent), else None.
     """
@@ -915,6 +917,7 @@ class LoadFidelity(_Frozen):
     client_cpu_s: float = 0.0
     wall_s: float = 0.0
     client_cpu_share: float | None = None
+    senders: int = 1
     warning: str | None = None
 
 

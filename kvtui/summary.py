@@ -43,7 +43,8 @@ def print_summary(summary: Summary, header: Header, console: Console) -> None:
              f"({header.clock} clock, {engine.get('layout', '?')} layout{kv})")
     if header.target:
         title = (f"{header.scenario.get('name', '?')} against {header.target} ({header.model.id}, "
-                 f"{header.engine.get('api', '?')} API, client-side wall clock)")
+                 f"{header.engine.get('api', '?')} API, client-side wall clock"
+                 + (f", sent from {header.engine['workers']} Ray workers" if header.engine.get("workers") else "") + ")")
     # the title on a line of its own: a table's title wraps at the table's width, which broke a long
     # model id (a served path) mid-word although the terminal had room for it
     console.print(Text(printable(title), style="italic"), overflow="fold")
@@ -312,14 +313,15 @@ def fidelity_rows(f) -> list[tuple[str, str]]:
             if f.requested_rate_per_s is not None and f.achieved_rate_per_s is not None else
             "- (fewer than two sends, or all planned at one instant)")
     capped = f"; {f.capped} waited for --max-concurrency (not counted as lag)" if f.capped else ""
-    cpu = f"{f.client_cpu_s:.2f} s over {f.wall_s:.2f} s" + (f" ({f.client_cpu_share:.0%} of a core)"
+    each = " each" if f.senders > 1 else ""
+    cpu = f"{f.client_cpu_s:.2f} s over {f.wall_s:.2f} s" + (f" ({f.client_cpu_share:.0%} of a core{each})"
                                                              if f.client_cpu_share is not None else "")
     def ms(v) -> str:
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
     return [("schedule lag p50 / p99 / max", f"{ms(f.lag_p50_s)} / {ms(f.lag_p99_s)} / {ms(f.lag_max_s)}{capped}"),
             ("rate requested / achieved", rate),
-            ("client CPU (the load)", cpu)]
+            ("client CPU (the load)" if f.senders == 1 else f"client CPU (the load, {f.senders} Ray workers)", cpu)]
 
 
 # a transcription target's rows: its output is words (the transcript split at spaces), not tokens

@@ -9,7 +9,8 @@ is the cap's doing and is left out of the lag. From these:
 - schedule lag: actual minus planned send time, p50 / p99 / max (seconds);
 - requested vs achieved rate: (n - 1) over the span of the planned vs the actual send times (req/s);
 - client CPU: the process's CPU seconds (time.process_time: user + system, every thread) over the wall
-  seconds since the load began; 1.0 is one core busy throughout;
+  seconds since the load began; 1.0 is one core busy throughout (with --workers: the workers' CPU seconds
+  summed, the share per worker);
 - one warning line when the client rather than the server limited the run: lag p99 over LAG_LIMIT_S, or
   under RATE_SHARE of the requested rate sent (and the sends' span over LAG_LIMIT_S longer than planned,
   so that a handful of requests a few ms apart is no shortfall). When only the cap held requests back,
@@ -53,10 +54,15 @@ class FidelityMeter:
         self.max_concurrency: int | None = None
         self._start_wall: float | None = None
         self._start_cpu = 0.0
+        self.senders = 1  # processes whose CPU `cpu` sums (kvtui/remote/workers.py sets it)
 
     def start(self) -> None:
         """The load begins now (wall and CPU time are counted from here)."""
         self._start_wall, self._start_cpu = self.clock(), self.cpu()
+
+    def cpu_used(self) -> float:
+        """CPU seconds used since start() (0.0 before it)."""
+        return self.cpu() - self._start_cpu if self._start_wall is not None else 0.0
 
     def record(self, planned_s: float, sent_s: float, cap_wait_s: float = 0.0) -> float:
         """One request sent: planned and actual send time (seconds on the run's clock) and how long it
@@ -72,7 +78,7 @@ class FidelityMeter:
         """The figures so far, as the event the run emits (the warning line included)."""
         n = len(self.sent)
         wall = t - self._start_wall if self._start_wall is not None else 0.0
-        cpu = self.cpu() - self._start_cpu if self._start_wall is not None else 0.0
+        cpu = self.cpu_used()
         requested = achieved = None
         if n >= 2:
             span = max(self.planned) - min(self.planned)
@@ -83,7 +89,8 @@ class FidelityMeter:
         lag = (quantile(lags, 0.5), quantile(lags, 0.99), lags[-1]) if lags else (None, None, None)
         figures = LoadFidelity(t=t, requests_sent=n, capped=self.capped, requested_rate_per_s=requested,
                                achieved_rate_per_s=achieved, lag_p50_s=lag[0], lag_p99_s=lag[1], lag_max_s=lag[2],
-                               client_cpu_s=cpu, wall_s=wall, client_cpu_share=cpu / wall if wall > 0 else None)
+                               client_cpu_s=cpu, wall_s=wall, senders=self.senders,
+                               client_cpu_share=cpu / wall / self.senders if wall > 0 else None)
         return figures.model_copy(update={"warning": warning(figures, self.max_concurrency)})
 
 
@@ -105,7 +112,7 @@ def warning(f: LoadFidelity, max_concurrency: int | None = None) -> str | None:
         said.append(f"schedule lag p99 {f.lag_p99_s * 1000:.0f} ms (max {f.lag_max_s * 1000:.0f} ms)")
     cpu = ""
     if f.client_cpu_share is not None:
-        cpu = f" at {f.client_cpu_share:.0%} of a core" + (
+        cpu = f" at {f.client_cpu_share:.0%} of a core{' each' if f.senders > 1 else ''}" + (
             " (other processes held the CPU: a busy machine)" if f.client_cpu_share < BUSY_SHARE else "")
     if slow and not late and f.capped:
         cap = f" (--max-concurrency {max_concurrency})" if max_concurrency else ""

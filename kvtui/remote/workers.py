@@ -75,7 +75,8 @@ def _terminal_stderr():
 
 def init_ray(address: str | None, workers: int):
     """Start Ray for --workers: the cluster at `address` (`ray.init(address=...)`), or a local runtime of
-    `workers` CPUs when None; in the dashboard with Ray's log at ERROR (_terminal_stderr). Returns the `ray`
+    `workers` CPUs when None; with Ray's log at ERROR (its start-up lines stay out of the report; the dashboard:
+    _terminal_stderr). Returns the `ray`
     module; the caller shuts Ray down.
 
     Raises:
@@ -83,8 +84,8 @@ def init_ray(address: str | None, workers: int):
     """
     import ray
 
-    with _terminal_stderr() as quiet:
-        more = {"logging_level": logging.ERROR} if quiet else {}
+    with _terminal_stderr():
+        more = {"logging_level": logging.ERROR}  # Ray's start-up lines (INFO, a token WARNING) stay out of the report
         try:
             if address:
                 ray.init(address=address, log_to_driver=False, **more)
@@ -210,12 +211,13 @@ class ShardWorker:
         """Send the shard (ShardSession.send)."""
         return await self.session.send(start_wall)
 
-    async def take(self) -> list[Sent]:
-        """The requests finished since the last take (none before prepare)."""
+    async def take(self) -> tuple[list[Sent], float]:
+        """The requests finished since the last take (none before prepare), and the CPU seconds this
+        worker has used sending (since its shard's start)."""
         if self.session is None:
-            return []
+            return [], 0.0
         done, self.session.done = self.session.done, []
-        return done
+        return done, self.session.fidelity.cpu_used()
 
     async def stop(self) -> None:
         """Stop sending; requests in flight finish as `abort` (before prepare: the shard is made stopped)."""
@@ -273,6 +275,8 @@ class RayTargetSession(TargetSession):
         self._collector: asyncio.Task | None = None
         self._stop_sent = False
         self._started_ray = False
+        self._worker_cpu = [0.0] * workers  # each worker's CPU seconds sending, as last taken
+        self.fidelity.cpu, self.fidelity.senders = (lambda: sum(self._worker_cpu)), workers
 
     def header(self):
         """TargetSession's header, its `engine` also saying how many workers sent the load (and the cluster)."""
@@ -360,6 +364,7 @@ class RayTargetSession(TargetSession):
                 if isinstance(got, BaseException):
                     self._lost_worker(k, got)
                     continue
+                got, self._worker_cpu[k] = got
                 for sent in got:
                     future = self._future(sent.request_id)
                     if not future.done():

@@ -158,6 +158,11 @@ def test_the_command_line_sends_from_workers_and_its_recording_says_so(tmp_path)
     assert summary.finish_reasons == {"stop": 6} and summary.passphrase_echoed == 6
     assert len(fake.requests) == 6  # each planned request sent once, by one of the workers
     assert sorted(e.request_id for e in events if isinstance(e, Finish)) == [f"r00{k}" for k in range(6)]
+    # the client's CPU is the workers' (they sent the load), summed, and the summary says whose it is
+    assert summary.load_fidelity.senders == 2 and summary.load_fidelity.client_cpu_s > 0
+    assert "client-side wall clock, sent from 2 Ray workers)" in out.stdout.splitlines()[0]
+    assert "client CPU (the load, 2 Ray workers)" in out.stdout and "of a core each)" in out.stdout
+    assert "Started a local Ray instance" not in out.stderr  # Ray's own log lines stay out of the report
 
 
 def test_the_dashboard_runs_a_workers_load_to_its_end_and_quits(local_ray):
@@ -238,7 +243,7 @@ def test_early_calls_to_a_shard_worker_wait_for_its_shard():
 
     async def go():
         worker = ShardWorker()
-        assert await worker.take() == []
+        assert await worker.take() == ([], 0.0)
         await worker.hold(True)
         await worker.stop()
         _, ids = await worker.prepare(spec, "tiny-llama", TargetOptions(url="http://127.0.0.1:9"), 1, 2,
