@@ -116,6 +116,12 @@ HELP = """\
   contamination  detector counts, attention on other requests' keys, latest reports
                  (victim ← source)
   events         timeline markers, fault switches, rejections, errors
+  block map (m)  in place of the requests: one cell per KV block (or slot), coloured
+                 by tenant: ! a fault acted there, * a detector fired, a digit =
+                 shared by that many, ░ cached free, · free; then one line per
+                 owner: tenant, adapter, age, last reuse, fault / detector there
+  timelines (t)  in place of the requests: one line per request: queue, prefill
+                 chunks, decode steps, preemptions, faults, findings
 
 [b]Keys[/b] (also in the command palette, ctrl+p)
   i        isolation on/off (switches the scenario's fault set{faults})
