@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvtui.models.default import cache_dir
 from kvtui.remote.reach import listed_first, models_error
-from kvtui.remote.vllm_cpu import SCRIPTS, free_port, stop_group
+from kvtui.remote.vllm_cpu import SCRIPTS, DetachedServer, free_port
 
 # The release the transformers serve tests pin (its findings: docs/findings.md); the default of
 # scripts/install-transformers-serve.sh, which tests/remote/test_transformers_serve.py checks agrees.
@@ -82,7 +82,7 @@ def find_transformers_serve(python: str = sys.executable, fix: str = "pip instal
     return None
 
 
-class TransformersServer:
+class TransformersServer(DetachedServer):
     """scripts/serve-transformers.sh --detach for kvtui's default model, as a context manager.
 
     Args:
@@ -145,17 +145,3 @@ class TransformersServer:
             self.stop()
             raise RuntimeError(f"transformers serve started but {problem}")
         self.model_name = listed_first(response).get("id")
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
-        if self.pgid is None:
-            return
-        pgid, self.pgid = self.pgid, None
-        stop_group(pgid, self.stop_timeout_s)
-
-    def __enter__(self) -> TransformersServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

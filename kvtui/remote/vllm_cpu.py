@@ -70,7 +70,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VllmCpuServer:
+class DetachedServer:
+    """A peer server a script started detached in its own process group (`pgid`): `stop` ends the group,
+    and the server is a context manager (start on enter, stop on exit). Subclasses set `pgid` in
+    `start` and `stop_timeout_s` in their constructor."""
+
+    pgid: int | None = None
+    stop_timeout_s: float = 10.0
+
+    def start(self) -> None:  # pragma: no cover - each subclass starts its own server
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
+        if self.pgid is None:
+            return
+        pgid, self.pgid = self.pgid, None
+        stop_group(pgid, self.stop_timeout_s)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class VllmCpuServer(DetachedServer):
     """scripts/serve-vllm-cpu.sh --detach for kvtui's default model, as a context manager.
 
     Args:
@@ -116,17 +142,3 @@ class VllmCpuServer:
             self.stop()
             raise RuntimeError(f"vLLM CPU did not start (exit {done.returncode}): "
                                f"{(done.stderr or done.stdout).strip()[-2000:]}")
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after stop_timeout_s; safe to call twice."""
-        if self.pgid is None:
-            return
-        pgid, self.pgid = self.pgid, None
-        stop_group(pgid, self.stop_timeout_s)
-
-    def __enter__(self) -> VllmCpuServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
