@@ -110,8 +110,11 @@ def passphrase_text(s: Summary, header: Header | None) -> str:
     echoed = f"{s.passphrase_echoed}/{s.passphrase_requests}"
     if not canary_blind(s, header):
         return echoed
-    return (f"{echoed}: the canary was blind: no answer held a passphrase, its own or another's, so it could "
-            "witness no leak; findings rest on the other detectors, and a source none of them names shows as ?")
+    blind = (f"{echoed}: the canary was blind: no answer held a passphrase, its own or another's, so it could "
+             "witness no leak; ")
+    if header is not None and tuple(header.detectors) == ("canary",):
+        return blind + "no other detector ran (--detectors canary), so this run could witness none"
+    return blind + "findings rest on the other detectors, and a source none of them names shows as ?"
 
 
 def _rows(s: Summary, target: bool = False, header: Header | None = None) -> list[tuple[str, str]]:

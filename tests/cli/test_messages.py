@@ -151,6 +151,11 @@ def test_the_summary_calls_the_canary_blind_only_when_no_answer_held_any_passphr
     assert not canary_blind(leaked, header) and passphrase_text(leaked, header) == "0/8"  # answers held others'
     off = header.model_copy(update={"detectors": ("reference",)})
     assert not canary_blind(silent, off)  # no canary ran: nothing to call blind
+    assert passphrase_text(silent, header).endswith("findings rest on the other detectors, and a source none of "
+                                                    "them names shows as ?")
+    alone = header.model_copy(update={"detectors": ("canary",)})  # no other detector to rest on
+    assert passphrase_text(silent, alone).endswith("no other detector ran (--detectors canary), so this run could "
+                                                   "witness none")
 
 
 def test_parallel_sampling_and_a_random_weight_model_are_summarized_as_what_they_are(monkeypatch, capsys):
