@@ -13,7 +13,10 @@ from kvtui.serve import DEFAULT_MAX_REQUEST_BYTES
 _ENGINE = EngineConfig()  # the engine knobs' defaults
 # The detectors a server runs by default, the default of `kvtui serve --detectors`. prefix_provenance is
 # not among them: name it in --detectors to check prefix-cache hits (--kv paged --prefix-caching).
-SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint", "sampling_provenance")
+# state_provenance acts on hybrid models only (a recurrent state started from another request's) and costs
+# nothing on the others.
+SERVE_DETECTORS = ("reference", "canary", "attention_flow", "slot_taint", "constraint", "sampling_provenance",
+                   "state_provenance")
 # A server's token budget per step, smaller than a scenario's (EngineConfig: 1024), as vLLM keeps a
 # smaller max_num_batched_tokens for its API server than for its offline LLM class. A step of 256 prompt
 # tokens is already as efficient per token as a larger one (the linear layers run near the CPU's peak

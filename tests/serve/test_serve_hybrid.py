@@ -89,3 +89,24 @@ def test_the_command_refuses_a_non_state_fault_on_the_hybrid_in_one_line():
     assert r.stderr.strip().splitlines() == [
         "error: --fault prefix_key_no_parent does not act on hybrid models like tiny-qwen35moe; it acts on "
         "attention-only decoder or encoder-decoder models (`kvtui faults` lists them)"]
+
+
+def test_default_detectors_name_a_state_leak_on_the_hybrid():
+    """`kvtui serve` on the hybrid with its default detectors and `--fault state_slot_not_reset` (one state
+    slot, so the second request reuses the first's, unreset): state_provenance names the leak in /metrics."""
+    import re
+
+    import httpx
+
+    options = ServeOptions(model="tiny-qwen35moe", port=0, kv="paged", block_size=16, max_len=256, slots=1,
+                           faults=("state_slot_not_reset",), threads=1)
+    with ServeServer(options) as server:
+        for word in ("harbours", "lighthouses"):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny-qwen35moe", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Name three {word} on the northern coast."}]})
+            assert r.status_code == 200, r.text
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+    found = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'kvtui:contamination_events_total\{[^}]*detector="(\w+)"[^}]*\} ([\d.]+)', text)}
+    assert found.get("state_provenance", 0) >= 1, found
