@@ -258,8 +258,10 @@ def _paged_rows(s: Summary, target: bool) -> list[tuple[str, str]]:
         rows.append(("encoder cache", f"{s.encoder_cache_misses} encoded, {s.encoder_cache_hits} hits of {lookups} "
                                       f"lookups; {s.encoder_cache_entries} entries ({held}) held"))
     if s.state_checkpoints is not None:
+        # more tokens than the prefix cache's hit row: that row counts first admissions' pool hits only
         rows.append(("recurrent state", f"{s.state_checkpoints} checkpoints kept, {s.state_restores} restored "
-                                        f"({s.state_checkpoint_hits} prefix-hit tokens)"))
+                                        f"({s.state_checkpoint_hits} tokens started from them: prefix hits, tier "
+                                        "restores and re-admissions after preemption)"))
     if s.prompt_tokens_cached is not None:
         rows.append(("cached prompt tokens", f"{s.prompt_tokens_cached} of {s.prompt_tokens} (the server's usage, "
                                              "per request)"))
