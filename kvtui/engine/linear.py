@@ -11,7 +11,11 @@ arithmetic; results may differ in the last bits, since each sums in its own orde
   - "input_major": `x @ W` on the weight stored [in, out] contiguous;
   - "prepacked": oneDNN's `_linear_pointwise` on a weight reordered once into oneDNN's blocked layout
     (`torch.ops.mkldnn._reorder_linear_weight`), valid for any row count (vLLM's CPU path and
-    inductor's freezing do the same).
+    inductor's freezing do the same);
+  - "zentorch": AMD's zentorch plugin (`pip install 'kvtui[zentorch]'`, a wheel per torch release) on a
+    weight it prepacked once (`zentorch_weight_prepack_for_linear` on a copy: its linear op called on an
+    unpacked weight rewrites that weight in place). A candidate only where the plugin imports and
+    computes a probe right.
 
 Which is fastest depends on the CPU, the dtype and the row count. Measured with one thread over 30
 distinct layers of SmolLM2's shapes (weights cold, as a step meets them), float32, ms: on a 2-core AMD
@@ -23,7 +27,7 @@ shapes at load and keeps the one with the smallest time per token over a decode 
 and a prefill chunk (PREFILL_ROWS), and stores the choice per CPU model, flags, torch version, threads,
 dtype and shapes in kvtui's cache (`kernels.json`), so every later process on the machine picks the
 same kernel without measuring. Off the CPU (a CUDA model) the kernel is `F.linear`, unmeasured.
-`KVTUI_LINEAR_KERNEL=linear|tiled|input_major|prepacked` forces one.
+`KVTUI_LINEAR_KERNEL=linear|tiled|input_major|prepacked|zentorch` forces one.
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("linear", "tiled", "input_major", "prepacked")
-# a tied head's kernels: those that keep the embedding's one copy readable, and "prepacked" as a oneDNN copy
-# of the table beside it (vocab x hidden more bytes: 113 MB for SmolLM2 in float32), taken only where it
+KERNELS = ("linear", "tiled", "input_major", "prepacked", "zentorch")
+OPAQUE = ("prepacked", "zentorch")  # kernels whose weight is a blocked copy no nn.Linear can read
+# a tied head's kernels: those that keep the embedding's one copy readable, and the opaque ones as a copy
+# of the table beside it (vocab x hidden more bytes: 113 MB for SmolLM2 in float32), taken only where one
 # measures fastest, as vLLM's CPU path keeps such a copy
-TIED_HEAD_KERNELS = ("linear", "tiled", "input_major", "prepacked")
+TIED_HEAD_KERNELS = ("linear", "tiled", "input_major", "prepacked", "zentorch")
 TILE = 2048  # output features per tile of the "tiled" kernel (1024 to 4096 timed alike)
 ENV = "KVTUI_LINEAR_KERNEL"
 DECODE_ROWS, PREFILL_ROWS = 16, 128
@@ -62,20 +67,35 @@ def prepack_available(dtype: torch.dtype) -> bool:
         return False
 
 
+def zentorch_available(dtype: torch.dtype) -> bool:
+    """Whether AMD's zentorch plugin imports here and computes a linear of `dtype` right on a weight it
+    prepacked (tried on a 16 x 16 weight of ones; any failure, an Intel CPU it refuses included, is False)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    try:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+
+        w = torch.ops.zentorch.zentorch_weight_prepack_for_linear(torch.ones(16, 16, dtype=dtype))
+        out = torch.ops.zentorch.zentorch_linear_unary(torch.ones(2, 16, dtype=dtype), w, is_weight_prepacked=True)
+        return out.shape == (2, 16) and float(out[0, 0]) == 16.0
+    except Exception:  # ImportError, or the plugin failing on this CPU or dtype
+        return False
+
+
 class FusedLinear:
     """One linear layer over the concatenated outputs of `linears` (q, k and v; gate and up; or one
     layer alone), its weight held once, in `kernel`'s layout.
 
     With "linear", "tiled" and "input_major" each nn.Linear's weight (and bias) becomes a view into the fused
     tensor, so the model's own modules keep computing on the same numbers. A prepacked weight is opaque
-    (oneDNN's blocked layout): the nn.Linear modules are then replaced in `owner` by `PackedSlice`
+    (oneDNN's or zentorch's blocked layout): the nn.Linear modules are then replaced in `owner` by `PackedSlice`
     modules that run this layer and keep their own columns, so `model.generate` and --enforce-eager
     still work, without a second copy of any weight.
 
     Args:
         linears: nn.Linear modules sharing in_features, [out_i, in] weights, optional [out_i] biases.
         kernel: one of KERNELS.
-        owners: for each linear, (parent module, attribute name), needed only for "prepacked".
+        owners: for each linear, (parent module, attribute name), needed only for the OPAQUE kernels.
     Raises:
         ValueError: unknown kernel.
     """
@@ -93,8 +113,9 @@ class FusedLinear:
             self.bias = torch.cat([lin.bias.detach() for lin in linears]).contiguous()
         if kernel == "input_major":
             weight = weight.t().contiguous()  # [in, N]
-        if kernel == "prepacked":
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if kernel in OPAQUE:  # `weight` is a fresh tensor (torch.cat): the plugin may rewrite it in place
+            self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight) if kernel == "prepacked" else
+                           torch.ops.zentorch.zentorch_weight_prepack_for_linear(weight))
             del weight
             start = 0
             for lin, (parent, name) in zip(linears, owners or []):
@@ -120,7 +141,10 @@ class FusedLinear:
             out = x.matmul(self.weight)
             return out if self.bias is None else out + self.bias
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        if self.kernel == "zentorch":
+            out = torch.ops.zentorch.zentorch_linear_unary(flat, self.weight, self.bias, is_weight_prepacked=True)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +176,7 @@ class PackedSlice(torch.nn.Module):
         return self.fused(x)[..., self.start : self.stop]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, prepacked"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fused.kernel}"
 
 
 def _largest_cache_bytes() -> int:
@@ -250,6 +274,13 @@ def _store_path():
     return cache_dir() / "kernels.json"
 
 
+def runnable_kernels(dtype: torch.dtype) -> list[str]:
+    """The KERNELS that can run `dtype` here: all but "prepacked" where oneDNN cannot prepack it and
+    "zentorch" where the plugin is missing or fails its probe."""
+    available = {"prepacked": prepack_available, "zentorch": zentorch_available}
+    return [k for k in KERNELS if k not in available or available[k](dtype)]
+
+
 def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int = 1,
                   head: tuple[int, int] | None = None, tied: bool = True, announce=None) -> dict:
     """The linear kernels for a model's layers (`num_layers` layers of `shapes`, (in, out) each) and LM
@@ -257,8 +288,8 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
 
     The layers take one of KERNELS. A tied head is the embedding table itself, so it may take a kernel
     that keeps one copy the embedding can still read: "linear", "tiled", or "input_major" (the table
-    stored [hidden, vocab], the embedding reading rows of its transposed view); or "prepacked", a oneDNN
-    copy of the table beside it (vocab x hidden more bytes); an untied head any.
+    stored [hidden, vocab], the embedding reading rows of its transposed view); or an OPAQUE one, a
+    oneDNN or zentorch copy of the table beside it (vocab x hidden more bytes); an untied head any.
 
     Order: $KVTUI_LINEAR_KERNEL when set (the layers, and the head where it can); this process's earlier
     choice; the choice stored in kvtui's cache for this CPU model, flags, torch version, threads, dtype
@@ -270,10 +301,11 @@ def choose_kernel(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers:
     Returns {"kernel", "head_kernel", "why": one line, "ms": {"layers": {kernel: {rows: ms}}, "head":
     {kernel: ms}} or {}}.
     Raises:
-        ValueError: $KVTUI_LINEAR_KERNEL names no kernel, or "prepacked" where oneDNN cannot prepack.
+        ValueError: $KVTUI_LINEAR_KERNEL names no kernel, or one that cannot run here ("prepacked" where
+            oneDNN cannot prepack, "zentorch" where the plugin is missing or fails its probe).
     """
     forced = os.environ.get(ENV)
-    candidates = [k for k in KERNELS if k != "prepacked" or prepack_available(dtype)]
+    candidates = runnable_kernels(dtype)
     head_candidates = [k for k in TIED_HEAD_KERNELS if k in candidates] if tied else candidates
     if forced:
         return _forced_choice(forced, candidates, head_candidates, tied)
@@ -295,7 +327,7 @@ def _forced_choice(forced: str, candidates: list[str], head_candidates: list[str
     """choose_kernel's answer when $KVTUI_LINEAR_KERNEL names `forced` (ValueError where it cannot run here)."""
     if forced not in candidates:
         raise ValueError(f"{ENV}={forced!r}: choose one of {', '.join(candidates)} on this machine")
-    copy = tied and forced == "prepacked"  # a forced kernel makes no copy of a tied table
+    copy = tied and forced in OPAQUE  # a forced kernel makes no copy of a tied table
     head_kernel = forced if forced in head_candidates and not copy else "linear"
     return {"kernel": forced, "head_kernel": head_kernel, "why": f"forced by {ENV}", "ms": {}}
 

@@ -174,7 +174,7 @@ def test_serve_detectors_default_is_serve_options():
 
     flag = next(p for p in typer.main.get_command(app).commands["serve"].params if p.name == "detectors")
     assert flag.default == ",".join(ServeOptions().detectors) == (
-        "reference,canary,attention_flow,slot_taint,constraint,sampling_provenance")
+        "reference,canary,attention_flow,slot_taint,constraint,sampling_provenance,state_provenance")
 
 
 def test_serve_takes_a_smaller_step_budget_than_a_scenario():

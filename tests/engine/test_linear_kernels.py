@@ -31,6 +31,8 @@ def test_every_kernel_computes_nn_linear_on_the_fused_outputs(kernel, dtype, row
     and 8) make the tiled kernel tile, each tile's bias included."""
     if kernel == "prepacked" and not linear.prepack_available(dtype):
         pytest.skip(f"oneDNN cannot prepack {dtype} in this torch build")
+    if kernel == "zentorch" and not linear.zentorch_available(dtype):
+        pytest.skip(f"zentorch cannot run {dtype} here (pip install 'kvtui[zentorch]')")
     monkeypatch.setattr(linear, "TILE", 12)
     tiles = []
 
@@ -55,7 +57,7 @@ def test_every_kernel_computes_nn_linear_on_the_fused_outputs(kernel, dtype, row
         assert torch.allclose(holder.a(x).float(), expected[:, :24].float(), atol=tolerance, rtol=tolerance)
         assert torch.allclose(holder.b(x).float(), expected[:, 24:].float(), atol=tolerance, rtol=tolerance)
         assert fused(x.reshape(1, rows, 40)).shape == (1, rows, 32)  # a leading batch axis kept
-    assert (type(holder.a).__name__ == "PackedSlice") == (kernel == "prepacked")
+    assert (type(holder.a).__name__ == "PackedSlice") == (kernel in linear.OPAQUE)
     assert tiles[:3] == ([(rows, 12), (rows, 12), (rows, 8)] if kernel == "tiled" else [])
 
 
@@ -66,7 +68,8 @@ def test_the_choice_is_measured_once_stored_and_reused(fresh_store, monkeypatch)
 
     def fake_measure(dtype, shapes, num_layers, head, kernels, head_kernels):
         calls.append(kernels)
-        per_rows = {"linear": (0.020, 0.080), "tiled": (0.021, 0.080), "input_major": (0.012, 0.120), "prepacked": (0.016, 0.060)}
+        per_rows = {"linear": (0.020, 0.080), "tiled": (0.021, 0.080), "input_major": (0.012, 0.120),
+                    "prepacked": (0.016, 0.060), "zentorch": (0.017, 0.064)}
         return {"layers": {k: {linear.DECODE_ROWS: per_rows[k][0], linear.PREFILL_ROWS: per_rows[k][1]}
                            for k in kernels},
                 "head": {"linear": 0.004, "tiled": 0.0035, "input_major": 0.003} if head else {}, "layers_timed": 2}
@@ -105,9 +108,10 @@ def test_a_tied_head_is_offered_the_kernels_that_keep_the_table_and_a_prepacked_
     monkeypatch.setattr(linear, "measure", fake_measure)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), True)
     linear.choose_kernel(torch.float32, [(8, 8)], 1, (8, 50), False)
-    packs = linear.prepack_available(torch.float32)
-    assert offered[0] == ("linear", "tiled", "input_major") + (("prepacked",) if packs else ())
-    assert set(offered[1]) == set(linear.KERNELS) - ({"prepacked"} if not linear.prepack_available(torch.float32) else set())
+    packs, zen = linear.prepack_available(torch.float32), linear.zentorch_available(torch.float32)
+    assert offered[0] == ("linear", "tiled", "input_major") + (("prepacked",) if packs else ()) + (
+        ("zentorch",) if zen else ())
+    assert set(offered[1]) == set(linear.KERNELS) - {k for k, ok in (("prepacked", packs), ("zentorch", zen)) if not ok}
 
 
 def test_a_forced_kernel_wins_and_a_wrong_one_is_one_clear_error(fresh_store, monkeypatch):
@@ -197,23 +201,26 @@ def test_a_prepacked_untied_head_leaves_no_second_copy_and_the_choice_can_be_ask
     assert kernel_choice(model) is model._kvtui_fused.kernel_choice
 
 
-def test_a_prepacked_tied_head_is_a_copy_beside_the_table_and_gives_its_logits(monkeypatch):
-    """A tied head that measured fastest prepacked runs on a oneDNN copy of the table: the embedding keeps
-    the table (its values and the head module's weight untouched), and the fused forward's logits are the
-    table's own F.linear logits."""
+@pytest.mark.parametrize("kernel", linear.OPAQUE)
+def test_a_prepacked_tied_head_is_a_copy_beside_the_table_and_gives_its_logits(kernel, monkeypatch):
+    """A tied head that measured fastest on an opaque kernel runs on a oneDNN (zentorch) copy of the table:
+    the embedding keeps the table (its values and the head module's weight untouched: zentorch's linear
+    rewrites an unpacked weight in place, so its copy is packed from a copy), and the fused forward's
+    logits are the table's own F.linear logits."""
     from kvtui.engine import fused
     from kvtui.models import build_tiny
 
-    if not linear.prepack_available(torch.float32):
-        pytest.skip("oneDNN cannot prepack float32 in this torch build")
+    available = linear.prepack_available if kernel == "prepacked" else linear.zentorch_available
+    if not available(torch.float32):
+        pytest.skip(f"{kernel} cannot run float32 here")
     model, _ = build_tiny("tiny-llama")
     model.lm_head.weight = model.model.embed_tokens.weight  # tie them, as SmolLM2's are
     table = model.model.embed_tokens.weight.detach().clone()
     monkeypatch.setattr(fused, "kernel_choice", lambda model, announce=None: {
-        "kernel": "linear", "head_kernel": "prepacked", "why": "measured (test)", "ms": {}})
+        "kernel": "linear", "head_kernel": kernel, "why": "measured (test)", "ms": {}})
     make_engine(model, num_slots=1, max_len=32)
     head = model._kvtui_fused.head
-    assert head.kernel == "prepacked" and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert head.kernel == kernel and model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert torch.equal(model.get_input_embeddings().weight, table)
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
