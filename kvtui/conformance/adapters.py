@@ -224,9 +224,10 @@ def stale(label: str, r: StreamResult, solo: StreamResult, control: Drift | None
             f"on KV that is not its new weights'; {cached(r)}")
 
 
-def reload_judged(checked: list[tuple[str, StreamResult, str, str]], control: Drift | None, why: str,
-                  tolerance: float) -> str:
-    """The figures' note on how the reloaded A's answer was judged ("" without a reload)."""
+def reload_judged(checked: list[tuple[str, StreamResult, str, str]], solo: dict[tuple[str, str], StreamResult],
+                  control: Drift | None, why: str, tolerance: float) -> str:
+    """The figures' note on how the reloaded A's answer (`checked[-1]`) was judged, with how far its logprobs
+    moved against B's solo run where its tokens are B's ("" without a reload)."""
     if not checked or RELOADED not in checked[-1][0]:
         return ""
     if control is None:
@@ -234,7 +235,10 @@ def reload_judged(checked: list[tuple[str, StreamResult, str, str]], control: Dr
     if control.nats > tolerance:
         return (f", judged by tokens only (base and A again through the cache moved {control.nats:.2g} nats "
                 f"> tolerance {tolerance:g} against their solo runs)")
-    return (f", judged by tokens and logprobs (the control, base and A again through the cache, moved "
+    _, r, p, whose = checked[-1]
+    drift = logprob_drift(r, solo[(p, whose)])
+    moved = "" if drift is None else f"its logprobs moved {drift.nats:.2g} nats; "
+    return (f", judged by tokens and logprobs ({moved}the control, base and A again through the cache, moved "
             f"{control.nats:.2g} nats)")
 
 
@@ -286,7 +290,7 @@ def adapters(server: Server) -> CheckResult:
     hits = [f"{label.split(' ', 1)[1]}: {cached(r)}" for label, r, _, _ in checked[:5]]
     figures = (f"{len(checked) - len(bad)} of {len(checked)} answers equal their solo run"
                f"{f' ({flips} numeric flips)' if flips else ''}; through the cache on P1: {'; '.join(hits)}; "
-               f"{reload_note}{reload_judged(checked, control, why, server.tolerance)}")
+               f"{reload_note}{reload_judged(checked, solo, control, why, server.tolerance)}")
     bad = borrowed(checked[:5], p1) + bad
     if bad:
         return CheckResult(ADAPTERS, TITLE, "fail", sent, figures, "; ".join(bad[:3]) + (
