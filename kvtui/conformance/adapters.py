@@ -153,7 +153,7 @@ def reload(server: Server, name: str, path: str) -> str | None:
 def through_cache(server: Server, variants: list[Variant], p1: str, p2: str, tokens: int,
                   rounds: int) -> tuple[list[tuple[str, StreamResult, str, str]], str]:
     """Steps 1-3 (the module's docstring): each answer as (label, result, its prompt, the variant whose solo
-    run it must equal), the reloaded A's last (its label ends with RELOADED), and what became of the reload
+    run it must equal), the reloaded A's last (its label holds RELOADED), and what became of the reload
     in place, in words."""
     base, a, b = variants
     checked: list[tuple[str, StreamResult, str, str]] = []  # (label, result, prompt, whose solo it must equal)
