@@ -33,8 +33,22 @@ Fail: an answer of steps 1-3 that differs from its solo run by more than a numer
 gap within the server's tolerance), named with the variant before it, whether it equals another variant's
 solo answer, and the prompt tokens the server said it took from its cache; or a variant's first request on
 P1 for which the server says it took more than half the prompt from its cache, when only other variants
-had sent P1 (that KV can only be theirs), whatever the answer. n/a: the server serves fewer
-than two adapters, refuses the adapter requests, or its adapters do not change the answer to the prompt.
+had sent P1 (that KV can only be theirs), whatever the answer; or the reloaded A's answer (step 3) with
+B's solo tokens but a logprob that moved by more than the tolerance, where the control below holds. n/a: the
+server serves fewer than two adapters, refuses the adapter requests, or its adapters do not change the answer
+to the prompt.
+
+Why the reload is also judged by logprobs: a cache keyed by the adapter's name without its version hands
+the reloaded A the blocks of P1 its old version computed in step 1; only the prompt's tail and the decode
+run under the new weights. The greedy tokens often stay B's: measured on SmolLM2 with kvtui's seeded
+adapters (`--fault lora_reload_stale`, 10 fresh prompts), 2 of 10 such answers differed from B's solo run
+in a token, all 10 had the same tokens with logprobs moved by 0.8 to 1.4 nats, where a clean kvtui serve's
+reloaded A (computed afresh) moved 0 nats. The logprobs count only where the server's answers that came back
+to their own cached blocks, P1's base and A again (#4 and #5), equal their solo runs token for token with
+logprobs within the tolerance (the control: a prompt through this server's cache is computed as it is past
+it; kvtui serve: under 3e-5 nats). Where the server did not say it read its cache for them, or they differ,
+the reload is judged by its tokens only. The cached-token count alone cannot judge it: a server that keys
+blocks by the adapter's weights may rightly serve the reloaded A the blocks B computed for P1.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ import httpx
 
 from kvtui.conformance.base import CheckResult, Server, fresh_seed, not_applicable, refusal, salt_words, send, short
 from kvtui.remote.openai import StreamResult
-from kvtui.remote.solo_check import first_divergence
+from kvtui.remote.solo_check import Drift, first_divergence, logprob_drift
 
 ADAPTERS = "adapters"
 TITLE = "LoRA adapters (prefix cache, batching)"
@@ -55,6 +69,7 @@ TOP_LOGPROBS = 5
 WORDS = ("river", "lantern", "copper", "meadow", "harbor", "violet", "granite", "falcon", "orchard", "velvet",
          "summit", "ember", "willow", "compass", "marble", "thistle", "cobalt", "saddle", "juniper", "quartz")
 PROMPT_TOKENS = 200  # past vLLM's 128-token blocks, several of kvtui's 16-token ones (by the model's tokenizer)
+RELOADED = "reloaded in place with"  # in the reloaded A's label
 
 
 @dataclass(frozen=True)
@@ -137,8 +152,9 @@ def reload(server: Server, name: str, path: str) -> str | None:
 
 def through_cache(server: Server, variants: list[Variant], p1: str, p2: str, tokens: int,
                   rounds: int) -> tuple[list[tuple[str, StreamResult, str, str]], str]:
-    """Steps 2-4 (the module's docstring): each answer as (label, result, its prompt, the variant whose solo
-    run it must equal), and what became of the reload in place, in words."""
+    """Steps 1-3 (the module's docstring): each answer as (label, result, its prompt, the variant whose solo
+    run it must equal), the reloaded A's last (its label holds RELOADED), and what became of the reload
+    in place, in words."""
     base, a, b = variants
     checked: list[tuple[str, StreamResult, str, str]] = []  # (label, result, prompt, whose solo it must equal)
     order = [a, base, b, base, a]  # each variant's first request on P1 comes after another variant's
@@ -156,7 +172,7 @@ def through_cache(server: Server, variants: list[Variant], p1: str, p2: str, tok
         if refused is None:
             try:
                 (r,) = asyncio.run(send(server, [body(server, p1, a, tokens)], together=False))
-                checked.append((f"P1 {a.name} reloaded in place with {b.name}'s weights", r, p1, b.name))
+                checked.append((f"P1 {a.name} {RELOADED} {b.name}'s weights", r, p1, b.name))
             finally:
                 restored = reload(server, a.name, a.path)
             reload_note = "A reloaded in place" + ("" if restored is None else f" (restoring it failed: {restored})")
@@ -178,6 +194,52 @@ def borrowed(sequence: list[tuple[str, StreamResult, str, str]], text: str) -> l
                        "sent: their KV")
         seen.append(whose)
     return out
+
+
+def cache_control(sequence: list[tuple[str, StreamResult, str, str]],
+                  solo: dict[tuple[str, str], StreamResult]) -> tuple[Drift | None, str]:
+    """The control for judging the reload by logprobs: how far P1's answers that came back to their own
+    variant's cached blocks (#4 base and #5 A, `sequence[3:5]`) moved against their solo runs (`solo`, by
+    (prompt, variant)): the larger Drift (nats), or None and why when that cannot be told (one took nothing
+    from the cache or does not say, differs from its solo run in a token, or has no logprobs)."""
+    moves = []
+    for label, r, p, whose in sequence[3:5]:
+        if not r.cached_tokens:
+            return None, f"{label.split(' ', 2)[2]} took nothing from the cache or did not say"
+        drift = logprob_drift(r, solo[(p, whose)])
+        if drift is None:
+            return None, f"{label.split(' ', 2)[2]} differs from its solo run or has no logprobs"
+        moves.append(drift)
+    return max(moves, key=lambda d: d.nats), ""
+
+
+def stale(label: str, r: StreamResult, solo: StreamResult, control: Drift | None, tolerance: float) -> str | None:
+    """The reloaded A's answer `r`, token-equal to B's solo run `solo`, described when its logprobs moved by
+    more than `tolerance` (nats) on a server whose `control` (cache_control) moved within it; else None."""
+    drift = logprob_drift(r, solo)
+    if control is None or control.nats > tolerance or drift is None or drift.nats <= tolerance:
+        return None
+    return (f"{label}: same tokens as its solo run, but a logprob moved {drift.nats:.3g} nats > tolerance "
+            f"{tolerance:g} (token {drift.index}, {drift.token!r}; the control moved {control.nats:.2g}): computed "
+            f"on KV that is not its new weights'; {cached(r)}")
+
+
+def reload_judged(checked: list[tuple[str, StreamResult, str, str]], solo: dict[tuple[str, str], StreamResult],
+                  control: Drift | None, why: str, tolerance: float) -> str:
+    """The figures' note on how the reloaded A's answer (`checked[-1]`) was judged, with how far its logprobs
+    moved against B's solo run where its tokens are B's ("" without a reload)."""
+    if not checked or RELOADED not in checked[-1][0]:
+        return ""
+    if control is None:
+        return f", judged by tokens only (no control: {why})"
+    if control.nats > tolerance:
+        return (f", judged by tokens only (base and A again through the cache moved {control.nats:.2g} nats "
+                f"> tolerance {tolerance:g} against their solo runs)")
+    _, r, p, whose = checked[-1]
+    drift = logprob_drift(r, solo[(p, whose)])
+    moved = "" if drift is None else f"its logprobs moved {drift.nats:.2g} nats; "
+    return (f", judged by tokens and logprobs ({moved}the control, base and A again through the cache, moved "
+            f"{control.nats:.2g} nats)")
 
 
 def adapters(server: Server) -> CheckResult:
@@ -206,6 +268,7 @@ def adapters(server: Server) -> CheckResult:
         return not_applicable(ADAPTERS, TITLE, sent, "the adapters do not change the answer to the prompt (base, A "
                               f"and B all said {short(solo[(p1, base.name)].text)} alone), so no mix-up would show")
 
+    control, why = cache_control(checked, solo)
     bad, flips = [], 0
     for label, r, p, whose in checked:
         if r.finish_reason not in ("stop", "length"):
@@ -213,6 +276,8 @@ def adapters(server: Server) -> CheckResult:
             continue
         d = first_divergence(r, solo[(p, whose)], server.tolerance)
         if d is None:
+            moved = stale(label, r, solo[(p, whose)], control, server.tolerance) if RELOADED in label else None
+            bad += [moved] if moved else []
             continue
         if d.kind == "numeric":
             flips += 1
@@ -225,7 +290,7 @@ def adapters(server: Server) -> CheckResult:
     hits = [f"{label.split(' ', 1)[1]}: {cached(r)}" for label, r, _, _ in checked[:5]]
     figures = (f"{len(checked) - len(bad)} of {len(checked)} answers equal their solo run"
                f"{f' ({flips} numeric flips)' if flips else ''}; through the cache on P1: {'; '.join(hits)}; "
-               f"{reload_note}")
+               f"{reload_note}{reload_judged(checked, solo, control, why, server.tolerance)}")
     bad = borrowed(checked[:5], p1) + bad
     if bad:
         return CheckResult(ADAPTERS, TITLE, "fail", sent, figures, "; ".join(bad[:3]) + (
