@@ -14,6 +14,14 @@ copied).
 
 Prefill and mixed steps, LoRA rows and the batch-invariant mode run eagerly.
 
+Compiled code is paid once per machine: inductor's own on-disk caches (its FX graph cache and
+AOTAutograd's cache) are pointed at a folder under kvtui's cache dir keyed by the torch version, the CPU's
+model and flags and the shape policy (`cache_folder`; inductor keys each entry further by the graph, its
+configuration and the thread count). A process with a warm folder still traces the module with dynamo
+(a few seconds) but neither lowers nor runs the C++ compiler. AOTInductor packages are no way round
+that: they cannot hold the step's Python custom ops (`kvtui::pooled_attention` calls back into kvtui's
+attention code).
+
 Compiling needs a C++ compiler (torch's configured cxx): `compile_problem` says why a step cannot be
 compiled here, and the engine falls back to eager with that reason. It is off by default
 (EngineConfig.compile): on the 2-core AMD EPYC measured (docs/performance.md) the compiled step was no
@@ -23,14 +31,18 @@ new shape kind cost 50-110 s of compiling per process.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
+import time
+from pathlib import Path
 
 import torch
 
 from kvtui.engine.attention import kvtui_attention
 
+SHAPES = "rows-dynamic"  # the shape policy compiled_decode asks for (dynamic=True), part of cache_folder's name
 ENV = "KVTUI_COMPILE"  # "0": never compile (the test suite's default); "1": compile where possible
 _STEP = threading.local()  # the step the custom op serves: .cache, .modules, .mask
 
@@ -199,15 +211,119 @@ class _DecodeModule(torch.nn.Module):
         return self._linear(fused.head, "head", hidden)
 
 
-def compiled_decode(fused):
+def cache_folder() -> Path:
+    """Where compiled decode steps are kept on this machine: `compiled/torch-<version>-<cpu flags digest>-<shape
+    policy>` under kvtui's cache dir (kvtui.models.default.cache_dir: $KVTUI_CACHE_DIR, else ~/.cache/kvtui).
+    Not created here."""
+    from kvtui.engine.linear import cpu_identity
+    from kvtui.models.default import cache_dir
+
+    _, flags = cpu_identity()
+    return cache_dir() / "compiled" / f"torch-{torch.__version__}-cpu-{flags}-{SHAPES}"
+
+
+def use_cache_folder() -> Path:
+    """Point inductor's on-disk caches (its FX graph cache and AOTAutograd's cache, both on by default in
+    torch 2.13) at cache_folder(), for the whole process ($TORCHINDUCTOR_CACHE_DIR, which inductor reads on
+    each look-up); returns the folder."""
+    folder = cache_folder()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
+
+
+def _kind(args) -> tuple:
+    """What makes dynamo compile a new graph for the same module (its 0/1 size specialization under
+    dynamic shapes): which sizes of the step's tensors are 1, and their dtypes. The pools share one shape."""
+    tensors = list(args[:5]) + [args[5][0], args[6][0]]
+    return tuple((t.dtype, tuple(d == 1 for d in t.shape)) for t in tensors)
+
+
+def _inductor_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache hits and misses so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
+class CompiledDecode:
+    """The compiled decode step of one FusedLlama: callable as _DecodeModule.forward (embeds, cos, sin,
+    sample_row, sample_col, k_pools, v_pools) -> logits [S, V], compiled by inductor lazily on the first call
+    per shape kind (one row, several rows) in a process, from inductor's on-disk cache under `folder` when a
+    process before this one compiled that kind.
+
+    Attributes:
+        graph: the torch.compile'd module.
+        folder: the on-disk cache (cache_folder()).
+        announce: None, or a callable that hears one line before a shape kind's first call in this process
+            ("compiling the decode step for this machine (once; cached under ...)" when no process on this
+            machine compiled it before, "compiled code from cache (...)" when one did) and one after it, with
+            its seconds.
+        first_calls: per shape kind called so far, {"seconds": the first call's wall time, "from_cache":
+            whether inductor's FX graph cache served it (no new hit-or-miss counted: True)}.
+    """
+
+    def __init__(self, fused) -> None:
+        module = _DecodeModule(fused).eval()
+        self.graph = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
+        self.folder = use_cache_folder()
+        self.announce = None
+        self.first_calls: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+        self._signature = _model_signature(module)
+
+    def __call__(self, *args):
+        kind = _kind(args)
+        if kind in self.first_calls:
+            return self.graph(*args)
+        with self._lock:  # the first call of a kind compiles once, whichever engine's thread comes first
+            if kind in self.first_calls:
+                return self.graph(*args)
+            return self._first_call(kind, args)
+
+    def _first_call(self, kind, args):
+        marker = self.folder / "kvtui-steps" / hashlib.sha256(repr((self._signature, kind)).encode()).hexdigest()[:24]
+        known = marker.exists()
+        if self.announce is not None:
+            self.announce("compiled code from cache (" + str(self.folder) + ")" if known else
+                          f"compiling the decode step for this machine (once; cached under {self.folder})")
+        hits, misses = _inductor_counts()
+        start = time.perf_counter()
+        out = self.graph(*args)
+        seconds = time.perf_counter() - start
+        new_hits, new_misses = _inductor_counts()
+        from_cache = new_misses == misses
+        self.first_calls[kind] = {"seconds": seconds, "from_cache": from_cache}
+        if self.announce is not None:
+            self.announce(f"decode step ready in {seconds:.1f} s ("
+                          + ("compiled code from cache)" if from_cache else "compiled now; later processes load it)"))
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{seconds:.1f} s\n")
+        except OSError:
+            pass  # a read-only cache: inductor compiles again next time too
+        return out
+
+
+def _model_signature(module: _DecodeModule) -> str:
+    """What the compiled graph of `module` depends on besides torch and the CPU: this file's code, the
+    weights' names, shapes and dtypes, each layer's sizes and norm epsilons, and the linear kernels chosen
+    at load."""
+    fused = module.fused
+    weights = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.params.items()]
+    layers = [(layer.head_dim, layer.q_size, layer.kv_size, layer.inter, float(layer.eps1), float(layer.eps2),
+               [getattr(layer, name).kernel for name in ("qkv", "o", "gate_up", "down")]) for layer in fused.layers]
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return repr((source, weights, layers, float(fused.final_eps), fused.head.kernel))
+
+
+def compiled_decode(fused) -> CompiledDecode:
     """The compiled decode step over `fused` (a FusedLlama): built on first use and kept on it, so every
     engine over the same model instance (the batched run, the detectors' reference and replay engines)
     runs the same graphs. Inductor compiles lazily, on the first call per new shape kind (one row, more
-    rows: the row count is dynamic)."""
+    rows: the row count is dynamic), or loads that kind's code from the on-disk cache (CompiledDecode)."""
     built = getattr(fused, "_compiled_decode", None)
     if built is None:
-        module = _DecodeModule(fused).eval()
-        built = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True, options={"freezing": True})
+        built = CompiledDecode(fused)
         fused._compiled_decode = built
     return built
 
