@@ -281,7 +281,8 @@ class CompiledDecode:
             return self._first_call(kind, args)
 
     def _first_call(self, kind, args):
-        marker = self.folder / "kvtui-steps" / hashlib.sha256(repr((self._signature, kind)).encode()).hexdigest()[:24]
+        key = repr((self._signature, kind, torch.get_num_threads()))  # inductor keys its entries by threads too
+        marker = self.folder / "kvtui-steps" / hashlib.sha256(key.encode()).hexdigest()[:24]
         known = marker.exists()
         if self.announce is not None:
             self.announce("compiled code from cache (" + str(self.folder) + ")" if known else

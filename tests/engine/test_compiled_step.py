@@ -1,19 +1,32 @@
 """The compiled decode step (kvtui/engine/compiled.py): its greedy tokens against the eager engine's and
-transformers' own forward on a separate instance, and the choice between compiled and eager (the suite
-runs eager: tests/conftest.py sets KVTUI_COMPILE=0; one test here pays for a compile, about 30 s)."""
+transformers' own forward on a separate instance, the fault truth table with the decode steps compiled,
+compiled code from the on-disk cache, and the choice between compiled and eager (the suite runs eager:
+tests/conftest.py sets KVTUI_COMPILE=0). The graphs are kept on the session's tiny-llama instance, so each
+shape kind compiles once per test session, and inductor's cache under kvtui's cache dir keeps them for the
+next session; a cold cache pays about 30-40 s per kind (two kinds here: one row, several packed rows)."""
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from helpers import assert_matches_oracle, make_engine, oracle_model, oracle_tokens, run_batched
+from test_faults import TEXT_DETECTORS, scenario
 
 from kvtui.config import EngineConfig
 from kvtui.engine import SamplingParams, compiled
+from kvtui.faults import FAULTS
+from kvtui.session import Session
+
+NO_CXX = pytest.mark.skipif(compiled.compiler_path() is None, reason="no C++ compiler: the compiled step cannot run here")
 
 PROMPTS = [[5, 9, 11, 40, 77, 3, 120], [17, 18, 19, 20, 21], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
 
 
-@pytest.mark.skipif(compiled.compiler_path() is None, reason="no C++ compiler: the compiled step cannot run here")
+@NO_CXX
 def test_compiled_decode_steps_give_the_eager_engines_and_transformers_greedy_tokens(tiny):
     loaded = tiny["tiny-llama"]
     params = [SamplingParams(max_new_tokens=12, ignore_eos=True)] * len(PROMPTS)
@@ -64,3 +77,73 @@ def test_the_choice_follows_the_flag_the_environment_and_the_model(tiny, monkeyp
         "eager: the compiled step runs Llama-family models, not 'gpt2'"
     # every engine over one model instance (the run's, the detectors' reference and replay engines) shares its graphs
     assert make_engine(llama, config).runner.compiled is make_engine(llama, config).runner.compiled
+
+
+# The faults that act in the attention a compiled decode step runs (kvtui::pooled_attention) or in the
+# positions and cache state it is given, on the packed layout (its decode steps are [1, rows, hidden]: the
+# kind the greedy test above compiles, and the one-row kind): the eager truth table's cases for them
+# (tests/detect/test_faults.py) hold with every decode step compiled, with the same reports as the eager
+# fused forward. Block-manager, sampling and LoRA faults act outside the step: the compiled step leaves them
+# as they are.
+COMPILED_FAULTS = ("shared_cache", "no_request_mask", "shared_position_offset", "stale_slot", "causal_offset")
+
+
+@NO_CXX
+@pytest.mark.parametrize("name", COMPILED_FAULTS)
+def test_the_truth_table_holds_with_the_decode_steps_compiled(tiny, name, monkeypatch):
+    calls = []
+    call = compiled.CompiledDecode.__call__
+    monkeypatch.setattr(compiled.CompiledDecode, "__call__", lambda self, *a: calls.append(a[0].shape) or call(self, *a))
+    fault = FAULTS[name]
+    spec = scenario("packed", faults=[name])
+    reports = {}
+    for compile in (True, False):
+        session = Session(spec, tiny["tiny-llama"], clock="virtual", engine_overrides={"compile": compile})
+        assert (session.engine.runner.compiled is not None) is compile
+        ran = len(calls)
+        session.run()
+        assert (len(calls) > ran) is compile  # the compiled run's decode steps went through the graph
+        reports[compile] = sorted((e.detector, e.kind, e.victim, e.source, e.step) for e in session.contamination)
+        if compile:
+            caught = {e.detector for e in session.contamination if e.counts}
+            assert set(fault.caught_by) - TEXT_DETECTORS <= caught, session.contamination
+            assert session.summary.findings_by_kind.get(fault.kind, 0) >= 1
+            assert session.summary.fault_acts[name] > 0
+    assert reports[True] == reports[False]
+
+
+@NO_CXX
+def test_a_second_process_loads_the_compiled_step_from_the_cache(tiny, tmp_path):
+    """The greedy test's graph (three packed rows) compiled in this process is in inductor's cache under
+    kvtui's cache dir: a new process finds it there, says so, and its first compiled step takes seconds."""
+    script = """
+import json, sys, torch
+from kvtui.config import EngineConfig
+from kvtui.engine import Engine, SamplingParams
+from kvtui.models import load_model
+torch.set_num_threads(int(sys.argv[1]))
+engine = Engine.from_loaded(load_model("tiny-llama", progress=False),
+                            EngineConfig(num_slots=4, max_batch_size=4, max_len=64, layout="packed", compile=True))
+engine.runner.compiled.announce = print
+for i, p in enumerate(([5, 9, 11, 40, 77, 3, 120], [17, 18, 19, 20, 21], [100, 101, 7, 8, 9, 10, 11, 12, 13])):
+    engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+engine.run_until_done()
+print(json.dumps(list(engine.runner.compiled.first_calls.values())))
+"""
+    import torch
+
+    # this process's compile of the same kind (the greedy test's, or here when it ran alone) is what warms the cache
+    config = EngineConfig(num_slots=4, max_batch_size=4, max_len=64, layout="packed", compile=True)
+    engine = make_engine(tiny["tiny-llama"].model, config)
+    for i, p in enumerate(PROMPTS):
+        engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.run_until_done()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    out = subprocess.run([sys.executable, "-c", script, str(torch.get_num_threads())], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.splitlines()
+    folder = compiled.cache_folder()
+    assert out[0] == f"compiled code from cache ({folder})"
+    assert out[1].startswith("decode step ready in ") and out[1].endswith(" s (compiled code from cache)")
+    first = json.loads(out[2])
+    assert [f["from_cache"] for f in first] == [True]
+    assert first[0]["seconds"] < 30  # a cold compile of this graph takes 30 s or more
