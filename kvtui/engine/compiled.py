@@ -222,15 +222,6 @@ def cache_folder() -> Path:
     return cache_dir() / "compiled" / f"torch-{torch.__version__}-cpu-{flags}-{SHAPES}"
 
 
-def use_cache_folder() -> Path:
-    """Point inductor's on-disk caches (its FX graph cache and AOTAutograd's cache, both on by default in
-    torch 2.13) at cache_folder(), for the whole process ($TORCHINDUCTOR_CACHE_DIR, which inductor reads on
-    each look-up); returns the folder."""
-    folder = cache_folder()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    return folder
-
-
 def _kind(args) -> tuple:
     """What makes dynamo compile a new graph for the same module (its 0/1 size specialization under
     dynamic shapes): which sizes of the step's tensors are 1, and their dtypes. The pools share one shape."""
@@ -239,10 +230,10 @@ def _kind(args) -> tuple:
 
 
 def _inductor_counts() -> tuple[int, int]:
-    """Inductor's FX graph cache hits and misses so far in this process."""
+    """Inductor's FX graph cache misses and bypasses (graphs it would not cache) so far in this process."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_bypass"]
 
 
 class CompiledDecode:
@@ -259,13 +250,13 @@ class CompiledDecode:
             machine compiled it before, "compiled code from cache (...)" when one did) and one after it, with
             its seconds.
         first_calls: per shape kind called so far, {"seconds": the first call's wall time, "from_cache":
-            whether inductor's FX graph cache served it (no new hit-or-miss counted: True)}.
+            whether no graph was compiled for it (inductor's FX graph cache served it, or dynamo already held it)}.
     """
 
     def __init__(self, fused) -> None:
         module = _DecodeModule(fused).eval()
         self.graph = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
-        self.folder = use_cache_folder()
+        self.folder = cache_folder()  # inductor is pointed at it on the first call
         self.announce = None
         self.first_calls: dict[tuple, dict] = {}
         self._lock = threading.Lock()
@@ -281,22 +272,26 @@ class CompiledDecode:
             return self._first_call(kind, args)
 
     def _first_call(self, kind, args):
+        # inductor's on-disk caches (its FX graph cache and AOTAutograd's, both on by default in torch 2.13)
+        # for the whole process: inductor reads $TORCHINDUCTOR_CACHE_DIR on each look-up
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
         key = repr((self._signature, kind, torch.get_num_threads()))  # inductor keys its entries by threads too
         marker = self.folder / "kvtui-steps" / hashlib.sha256(key.encode()).hexdigest()[:24]
         known = marker.exists()
         if self.announce is not None:
             self.announce("compiled code from cache (" + str(self.folder) + ")" if known else
                           f"compiling the decode step for this machine (once; cached under {self.folder})")
-        hits, misses = _inductor_counts()
+        before = _inductor_counts()
         start = time.perf_counter()
         out = self.graph(*args)
         seconds = time.perf_counter() - start
-        new_hits, new_misses = _inductor_counts()
-        from_cache = new_misses == misses
+        misses, bypasses = (now - then for now, then in zip(_inductor_counts(), before))
+        from_cache = not misses and not bypasses
         self.first_calls[kind] = {"seconds": seconds, "from_cache": from_cache}
         if self.announce is not None:
-            self.announce(f"decode step ready in {seconds:.1f} s ("
-                          + ("compiled code from cache)" if from_cache else "compiled now; later processes load it)"))
+            how = ("compiled code from cache" if from_cache else
+                   "compiled now; later processes load it" if not bypasses else "compiled now; inductor did not cache it")
+            self.announce(f"decode step ready in {seconds:.1f} s ({how})")
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{seconds:.1f} s\n")
