@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from kvtui.engine.attention import kvtui_attention
 
@@ -265,11 +266,18 @@ class CompiledDecode:
     def __call__(self, *args):
         kind = _kind(args)
         if kind in self.first_calls:
-            return self.graph(*args)
+            return self._run(args)
         with self._lock:  # the first call of a kind compiles once, whichever engine's thread comes first
             if kind in self.first_calls:
-                return self.graph(*args)
+                return self._run(args)
             return self._first_call(kind, args)
+
+    def _run(self, args):
+        # every size its own symbol: with dynamo's duck shaping, sizes that happen to be equal (a max_len of
+        # 64 and a head_dim or hidden size of 64) share one, so each engine configuration could trace its own graph and miss
+        # the on-disk cache
+        with fx_config.patch(use_duck_shape=False):
+            return self.graph(*args)
 
     def _first_call(self, kind, args):
         # inductor's on-disk caches (its FX graph cache and AOTAutograd's, both on by default in torch 2.13)
@@ -283,7 +291,7 @@ class CompiledDecode:
                           f"compiling the decode step for this machine (once; cached under {self.folder})")
         before = _inductor_counts()
         start = time.perf_counter()
-        out = self.graph(*args)
+        out = self._run(args)
         seconds = time.perf_counter() - start
         misses, bypasses = (now - then for now, then in zip(_inductor_counts(), before))
         from_cache = not misses and not bypasses

@@ -147,3 +147,26 @@ print(json.dumps(list(engine.runner.compiled.first_calls.values())))
     first = json.loads(out[2])
     assert [f["from_cache"] for f in first] == [True]
     assert first[0]["seconds"] < 30  # a cold compile of this graph takes 30 s or more
+
+
+@NO_CXX
+def test_engines_of_other_pool_sizes_run_the_same_graph(tiny):
+    """Pool sizes are dynamic and never tied to the model's sizes (no duck shaping: a max_len of 64 would
+    otherwise share the hidden size's symbol), so an engine with another max_len and slot count neither compiles
+    nor looks up a graph for a kind another engine compiled."""
+    from torch._dynamo.utils import counters
+
+    def run(max_len, slots):
+        config = EngineConfig(num_slots=slots, max_batch_size=slots, max_len=max_len, layout="packed", compile=True)
+        engine = make_engine(tiny["tiny-llama"].model, config)
+        states = [engine.submit(f"r{i}", p, SamplingParams(max_new_tokens=3, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+        engine.run_until_done()
+        return [list(s.generated_ids) for s in states]
+
+    def lookups():
+        return counters["inductor"]["fxgraph_cache_hit"] + counters["inductor"]["fxgraph_cache_miss"]
+
+    first = run(64, 4)  # the greedy test's engine (tiny-llama's hidden size is 64)
+    before = lookups()
+    assert run(128, 3) == first
+    assert lookups() == before
