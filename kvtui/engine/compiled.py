@@ -230,6 +230,23 @@ def _kind(args) -> tuple:
     return tuple((t.dtype, tuple(d == 1 for d in t.shape)) for t in tensors)
 
 
+_WARMED = threading.Event()  # set once a warm-up thread started in this process
+
+
+def _warm_up_inductor() -> None:
+    """Inductor's fixed costs in each process, paid ahead of the first decode step (in a background thread
+    while the model loads and prefills): importing its modules (about 2 s here) and probing which vector
+    instruction sets the C++ compiler can build and this CPU can run (small programs built and loaded, about
+    2.5 s; torch keeps the answer for the process). A failure here is left for the first compile to meet."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception:  # noqa: BLE001 - the compile itself reports it
+        pass
+
+
 def _inductor_counts() -> tuple[int, int]:
     """Inductor's FX graph cache misses and bypasses (graphs it would not cache) so far in this process."""
     from torch._dynamo.utils import counters
@@ -262,6 +279,9 @@ class CompiledDecode:
         self.first_calls: dict[tuple, dict] = {}
         self._lock = threading.Lock()
         self._signature = _model_signature(module)
+        if not _WARMED.is_set():
+            _WARMED.set()
+            threading.Thread(target=_warm_up_inductor, name="kvtui-inductor-warm-up", daemon=True).start()
 
     def __call__(self, *args):
         kind = _kind(args)
