@@ -18,15 +18,16 @@ Compiled code is paid once per machine: inductor's own on-disk caches (its FX gr
 AOTAutograd's cache) are pointed at a folder under kvtui's cache dir keyed by the torch version, the CPU's
 model and flags and the shape policy (`cache_folder`; inductor keys each entry further by the graph, its
 configuration and the thread count). A process with a warm folder still traces the module with dynamo
-(a few seconds) but neither lowers nor runs the C++ compiler. AOTInductor packages are no way round
-that: they cannot hold the step's Python custom ops (`kvtui::pooled_attention` calls back into kvtui's
-attention code).
+(a few seconds) but neither lowers nor runs the C++ compiler. An AOTInductor package would skip the
+tracing too: measured, it holds the step's Python custom ops (its generated code calls
+`kvtui::pooled_attention` back in Python, so it loads only in a kvtui process); not used yet
+(docs/performance.md).
 
 Compiling needs a C++ compiler (torch's configured cxx): `compile_problem` says why a step cannot be
 compiled here, and the engine falls back to eager with that reason. It is off by default
 (EngineConfig.compile): on the 2-core AMD EPYC measured (docs/performance.md) the compiled step was no
 faster than the eager fused forward, whose linear layers already run oneDNN prepacked kernels, and each
-new shape kind cost 50-110 s of compiling per process.
+new shape kind costs 30-110 s of compiling, once per machine.
 """
 
 from __future__ import annotations
@@ -293,9 +294,9 @@ class CompiledDecode:
             return self._first_call(kind, args)
 
     def _run(self, args):
-        # every size its own symbol: with dynamo's duck shaping, sizes that happen to be equal (a max_len of
-        # 64 and a head_dim or hidden size of 64) share one, so each engine configuration could trace its own graph and miss
-        # the on-disk cache
+        # every size its own symbol: with dynamo's duck shaping, sizes that happen to be equal (a max_len
+        # of 64 and a hidden size of 64) share one, so an engine of another max_len or slot count traced
+        # another graph and missed the on-disk cache
         with fx_config.patch(use_duck_shape=False):
             return self.graph(*args)
 
