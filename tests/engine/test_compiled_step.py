@@ -173,3 +173,12 @@ def test_engines_of_other_pool_sizes_run_the_same_graph(tiny):
     before = lookups()
     assert run(128, 3) == first
     assert lookups() == before
+
+
+def test_what_says_compiled_code_from_cache_ignores_comments_and_docstrings():
+    """The first-call line's guess (a marker per model, shape kind and traced code) follows the code dynamo
+    traces, not its docstrings: an edit to those alone changes no graph and keeps inductor's entries."""
+    code = compiled._traced_code()
+    assert "rsqrt" in code and "pooled_attention" in code and "packed_linear" in code  # the forward and its helpers
+    assert "LlamaRMSNorm.forward" not in code  # _rms_norm's docstring
+    assert "graph inputs to" not in code  # _DecodeModule's docstring
