@@ -305,13 +305,21 @@ class CompiledDecode:
 
     def _first_call(self, kind, args):
         # inductor's on-disk caches (its FX graph cache and AOTAutograd's, both on by default in torch 2.13)
-        # for the whole process: inductor reads $TORCHINDUCTOR_CACHE_DIR on each look-up
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
+        # for the whole process: inductor reads $TORCHINDUCTOR_CACHE_DIR on each look-up; a folder that
+        # cannot be written leaves inductor its own default
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            writable = os.access(self.folder, os.W_OK)
+        except OSError:
+            writable = False
+        if writable:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
         key = repr((self._signature, kind, torch.get_num_threads()))  # inductor keys its entries by threads too
         marker = self.folder / "kvtui-steps" / hashlib.sha256(key.encode()).hexdigest()[:24]
-        known = marker.exists()
         if self.announce is not None:
-            self.announce("compiled code from cache (" + str(self.folder) + ")" if known else
+            self.announce(f"compiling the decode step ({self.folder} cannot be written: inductor keeps its own "
+                          "cache folder)" if not writable else
+                          f"compiled code from cache ({self.folder})" if marker.exists() else
                           f"compiling the decode step for this machine (once; cached under {self.folder})")
         before = _inductor_counts()
         start = time.perf_counter()

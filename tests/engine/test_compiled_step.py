@@ -182,3 +182,21 @@ def test_what_says_compiled_code_from_cache_ignores_comments_and_docstrings():
     assert "rsqrt" in code and "pooled_attention" in code and "packed_linear" in code  # the forward and its helpers
     assert "LlamaRMSNorm.forward" not in code  # _rms_norm's docstring
     assert "graph inputs to" not in code  # _DecodeModule's docstring
+
+
+def test_an_unwritable_cache_dir_leaves_inductor_its_own_folder(tiny, tmp_path, monkeypatch):
+    """kvtui's cache dir read-only (a file where the folder would be): the step still runs, inductor keeps
+    the folder it had, and the line says why."""
+    (tmp_path / "kvtui").write_text("not a folder")
+    monkeypatch.setenv("KVTUI_CACHE_DIR", str(tmp_path / "kvtui"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    from kvtui.engine.fused import fused_for
+
+    decode = compiled.CompiledDecode(fused_for(tiny["tiny-llama"].model))
+    lines = []
+    decode.announce = lines.append
+    decode.graph = lambda *args: "ran"  # nothing is compiled here
+    decode._first_call(("kind",), ())
+    assert str(decode.folder).startswith(str(tmp_path / "kvtui" / "compiled"))
+    assert lines[0] == f"compiling the decode step ({decode.folder} cannot be written: inductor keeps its own cache folder)"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
