@@ -56,7 +56,7 @@ def build_session(scenario, loaded, *, clock: str = "virtual", record=None, devi
         batch_invariant: overrides the scenario's engine.batch_invariant when given
             (EngineConfig.batch_invariant).
         compile: overrides EngineConfig.compile (the compiled decode step) when given.
-        progress: hears one line when the numeric tolerance is measured at load (see Session).
+        progress: hears the tolerance measured at load and the compiled step's first compile (see Session).
 
     Raises:
         ValueError: a bad engine value or fault/detector name; OSError: the recording path.
@@ -98,7 +98,7 @@ class Session(RunBase):
         pacer: for clock="paced": the Pacer holding modeled time to the wall (default: a real one; tests
             pass one with a fake wall clock and sleep).
         progress: hears one line when the reference detector measures this machine's numeric tolerance
-            (a bfloat16 / float16 model with no stored calibration; kvtui/detect/tolerance.py).
+            (bf16 / fp16 with no stored calibration), and the compiled step's first compile (run/engine_setup.py).
 
     Attributes (what the loop drives; each lives in kvtui/run/):
         clock: the RunClock (clock.py: its name, pause/resume, the paced clock's hold_for_wall).
@@ -126,7 +126,7 @@ class Session(RunBase):
         self.detectors = check_detector_names(detectors)
         self.config = engine_config(scenario, loaded, engine_overrides, faults, self.detectors)  # run/engine_setup.py
         self.cost_model = step_cost_model(cost_model, loaded, self.config.device)
-        self.engine = make_engine(loaded, self.config, self.cost_model[0], clock, self.detectors)
+        self.engine = make_engine(loaded, self.config, self.cost_model[0], clock, self.detectors, progress)
         self.adapters = scenario_adapters(loaded, scenario, self.config)  # engine/lora.py
         self.clock = RunClock(clock, self.engine, pacer, spend=self._check_while_waiting)  # run/clock.py
         # the one way in to the engine (kvtui/run/intake.py); kvtui serve calls its put, abort and call

@@ -64,7 +64,8 @@ def compile_option():
     return Annotated[Optional[bool], typer.Option(
         "--compile/--no-compile", help="Run decode steps as one compiled inductor graph (kvtui/engine/compiled.py; "
         "Llama-family models on kvtui's fused forward, a C++ compiler needed; the first decode steps compile, a "
-        "minute or more per shape). Default: eager, since the compiled step measured no faster "
+        "minute or more per shape, once per machine: later runs load the code from kvtui's cache in seconds). "
+        "Default: eager, since the compiled step measured no faster "
         "(docs/performance.md); a note says which runs and why.")]
 
 

@@ -14,23 +14,40 @@ copied).
 
 Prefill and mixed steps, LoRA rows and the batch-invariant mode run eagerly.
 
+Compiled code is paid once per machine: inductor's own on-disk caches (its FX graph cache and
+AOTAutograd's cache) are pointed at a folder under kvtui's cache dir keyed by the torch version, the CPU's
+model and flags and the shape policy (`cache_folder`; inductor keys each entry further by the graph, its
+configuration and the thread count). A process with a warm folder still traces the module with dynamo
+(a few seconds) but neither lowers nor runs the C++ compiler. An AOTInductor package would skip the
+tracing too: measured, it holds the step's Python custom ops (its generated code calls
+`kvtui::pooled_attention` back in Python, so it loads only in a kvtui process); not used yet
+(docs/performance.md).
+
 Compiling needs a C++ compiler (torch's configured cxx): `compile_problem` says why a step cannot be
 compiled here, and the engine falls back to eager with that reason. It is off by default
 (EngineConfig.compile): on the 2-core AMD EPYC measured (docs/performance.md) the compiled step was no
 faster than the eager fused forward, whose linear layers already run oneDNN prepacked kernels, and each
-new shape kind cost 50-110 s of compiling per process.
+new shape kind costs 30-110 s of compiling, once per machine.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
 import os
 import shutil
+import textwrap
 import threading
+import time
+from pathlib import Path
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from kvtui.engine.attention import kvtui_attention
 
+SHAPES = "rows-dynamic"  # the shape policy compiled_decode asks for (dynamic=True), part of cache_folder's name
 ENV = "KVTUI_COMPILE"  # "0": never compile (the test suite's default); "1": compile where possible
 _STEP = threading.local()  # the step the custom op serves: .cache, .modules, .mask
 
@@ -203,15 +220,165 @@ class _DecodeModule(torch.nn.Module):
         return self._linear(fused.head, "head", hidden)
 
 
-def compiled_decode(fused):
+def cache_folder() -> Path:
+    """Where compiled decode steps are kept on this machine: `compiled/torch-<version>-<cpu flags digest>-<shape
+    policy>` under kvtui's cache dir (kvtui.models.default.cache_dir: $KVTUI_CACHE_DIR, else ~/.cache/kvtui).
+    Not created here."""
+    from kvtui.engine.linear import cpu_identity
+    from kvtui.models.default import cache_dir
+
+    _, flags = cpu_identity()
+    return cache_dir() / "compiled" / f"torch-{torch.__version__}-cpu-{flags}-{SHAPES}"
+
+
+def _kind(args) -> tuple:
+    """What makes dynamo compile a new graph for the same module (its 0/1 size specialization under
+    dynamic shapes): which sizes of the step's tensors are 1, and their dtypes. The pools share one shape."""
+    tensors = list(args[:5]) + [args[5][0], args[6][0]]
+    return tuple((t.dtype, tuple(d == 1 for d in t.shape)) for t in tensors)
+
+
+_WARMED = threading.Event()  # set once a warm-up thread started in this process
+
+
+def _warm_up_inductor() -> None:
+    """Inductor's fixed costs in each process, paid ahead of the first decode step (in a background thread
+    while the model loads and prefills): importing its modules (about 2 s here) and probing which vector
+    instruction sets the C++ compiler can build and this CPU can run (small programs built and loaded, about
+    2.5 s; torch keeps the answer for the process). A failure here is left for the first compile to meet."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.valid_vec_isa_list()
+    except Exception:  # noqa: BLE001 - the compile itself reports it
+        pass
+
+
+def _inductor_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache misses and bypasses (graphs it would not cache) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_bypass"]
+
+
+class CompiledDecode:
+    """The compiled decode step of one FusedLlama: callable as _DecodeModule.forward (embeds, cos, sin,
+    sample_row, sample_col, k_pools, v_pools) -> logits [S, V], compiled by inductor lazily on the first call
+    per shape kind (one row, several rows) in a process, from inductor's on-disk cache under `folder` when a
+    process before this one compiled that kind.
+
+    Attributes:
+        graph: the torch.compile'd module.
+        folder: the on-disk cache (cache_folder()).
+        announce: None, or a callable that hears one line before a shape kind's first call in this process
+            ("compiling the decode step for this machine (once; cached under ...)" when no process on this
+            machine compiled it before, "compiled code from cache (...)" when one did) and one after it, with
+            its seconds.
+        first_calls: per shape kind called so far, {"seconds": the first call's wall time, "from_cache":
+            whether no graph was compiled for it (inductor's FX graph cache served it, or dynamo already held it)}.
+    """
+
+    def __init__(self, fused) -> None:
+        module = _DecodeModule(fused).eval()
+        self.graph = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
+        self.folder = cache_folder()  # inductor is pointed at it on the first call
+        self.announce = None
+        self.first_calls: dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+        self._signature = _model_signature(module)
+        if not _WARMED.is_set():
+            _WARMED.set()
+            threading.Thread(target=_warm_up_inductor, name="kvtui-inductor-warm-up", daemon=True).start()
+
+    def __call__(self, *args):
+        kind = _kind(args)
+        if kind in self.first_calls:
+            return self._run(args)
+        with self._lock:  # the first call of a kind compiles once, whichever engine's thread comes first
+            if kind in self.first_calls:
+                return self._run(args)
+            return self._first_call(kind, args)
+
+    def _run(self, args):
+        # every size its own symbol: with dynamo's duck shaping, sizes that happen to be equal (a max_len
+        # of 64 and a hidden size of 64) share one, so an engine of another max_len or slot count traced
+        # another graph and missed the on-disk cache
+        with fx_config.patch(use_duck_shape=False):
+            return self.graph(*args)
+
+    def _first_call(self, kind, args):
+        # inductor's on-disk caches (its FX graph cache and AOTAutograd's, both on by default in torch 2.13)
+        # for the whole process: inductor reads $TORCHINDUCTOR_CACHE_DIR on each look-up; a folder that
+        # cannot be written leaves inductor its own default
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            writable = os.access(self.folder, os.W_OK)
+        except OSError:
+            writable = False
+        if writable:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.folder)
+        key = repr((self._signature, kind, torch.get_num_threads()))  # inductor keys its entries by threads too
+        marker = self.folder / "kvtui-steps" / hashlib.sha256(key.encode()).hexdigest()[:24]
+        if self.announce is not None:
+            self.announce(f"compiling the decode step ({self.folder} cannot be written: inductor keeps its own "
+                          "cache folder)" if not writable else
+                          f"compiled code from cache ({self.folder})" if marker.exists() else
+                          f"compiling the decode step for this machine (once; cached under {self.folder})")
+        before = _inductor_counts()
+        start = time.perf_counter()
+        out = self._run(args)
+        seconds = time.perf_counter() - start
+        misses, bypasses = (now - then for now, then in zip(_inductor_counts(), before))
+        from_cache = not misses and not bypasses
+        self.first_calls[kind] = {"seconds": seconds, "from_cache": from_cache}
+        if self.announce is not None:
+            how = ("compiled code from cache" if from_cache else
+                   "compiled now; later processes load it" if not bypasses else "compiled now; inductor did not cache it")
+            self.announce(f"decode step ready in {seconds:.1f} s ({how})")
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{seconds:.1f} s\n")
+        except OSError:
+            pass  # a read-only cache: inductor compiles again next time too
+        return out
+
+
+def _traced_code() -> str:
+    """The code dynamo traces (_DecodeModule and the helpers its forward calls) as syntax trees, without
+    comments and docstrings: an edit to those alone changes no graph."""
+    trees = []
+    for obj in (_DecodeModule, _rms_norm, _rotate):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        trees.append(ast.dump(tree))
+    return "\n".join(trees)
+
+
+def _model_signature(module: _DecodeModule) -> str:
+    """What the compiled graph of `module` depends on besides torch and the CPU: the traced code, the
+    weights' names, shapes and dtypes, each layer's sizes and norm epsilons, and the linear kernels chosen
+    at load."""
+    fused = module.fused
+    weights = [(name, tuple(p.shape), str(p.dtype)) for name, p in module.params.items()]
+    layers = [(layer.head_dim, layer.q_size, layer.kv_size, layer.inter, float(layer.eps1), float(layer.eps2),
+               [getattr(layer, name).kernel for name in ("qkv", "o", "gate_up", "down")]) for layer in fused.layers]
+    source = hashlib.sha256(_traced_code().encode()).hexdigest()
+    return repr((source, weights, layers, float(fused.final_eps), fused.head.kernel))
+
+
+def compiled_decode(fused) -> CompiledDecode:
     """The compiled decode step over `fused` (a FusedLlama): built on first use and kept on it, so every
     engine over the same model instance (the batched run, the detectors' reference and replay engines)
     runs the same graphs. Inductor compiles lazily, on the first call per new shape kind (one row, more
-    rows: the row count is dynamic)."""
+    rows: the row count is dynamic), or loads that kind's code from the on-disk cache (CompiledDecode)."""
     built = getattr(fused, "_compiled_decode", None)
     if built is None:
-        module = _DecodeModule(fused).eval()
-        built = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True, options={"freezing": True})
+        built = CompiledDecode(fused)
         fused._compiled_decode = built
     return built
 

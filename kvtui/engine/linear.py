@@ -251,8 +251,9 @@ def measure(dtype: torch.dtype, shapes: list[tuple[int, int]], num_layers: int, 
     return {"layers": layers, "head": head_s, "layers_timed": count}
 
 
-def _machine_key() -> str:
-    """CPU model, a digest of its flags, torch version and threads: what a kernel choice holds for."""
+def cpu_identity() -> tuple[str, str]:
+    """This CPU's model name (/proc/cpuinfo, else platform.processor()) and a 12-hex-digit digest of its
+    flags (the instruction sets generated code may use): what machine-specific choices and code are keyed by."""
     found = {"model name": platform.processor(), "flags": ""}
     try:
         with open("/proc/cpuinfo") as f:
@@ -264,8 +265,13 @@ def _machine_key() -> str:
                     break
     except OSError:
         pass
-    digest = hashlib.sha256(found["flags"].encode()).hexdigest()[:12]
-    return f"{found['model name']} flags:{digest} torch {torch.__version__} threads {torch.get_num_threads()}"
+    return found["model name"], hashlib.sha256(found["flags"].encode()).hexdigest()[:12]
+
+
+def _machine_key() -> str:
+    """CPU model, a digest of its flags, torch version and threads: what a kernel choice holds for."""
+    model, digest = cpu_identity()
+    return f"{model} flags:{digest} torch {torch.__version__} threads {torch.get_num_threads()}"
 
 
 def _store_path():

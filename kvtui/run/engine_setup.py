@@ -61,11 +61,16 @@ def step_cost_model(which: str, loaded, device) -> tuple[StepCostModel, dict]:
     return model, described
 
 
-def make_engine(loaded, config: EngineConfig, costs: StepCostModel, clock: str, detectors: tuple[str, ...]) -> Engine:
+def make_engine(loaded, config: EngineConfig, costs: StepCostModel, clock: str, detectors: tuple[str, ...],
+                progress=None) -> Engine:
     """The run's engine on `clock` (kvtui/run/clock.py engine_clock: the paced clock's engine runs on
     the virtual clock), measuring what the detectors read: slot taint for `slot_taint`, the attention
-    flow for `attention_flow`, the sampling draws for `reference`."""
+    flow for `attention_flow`, the sampling draws for `reference`. `progress` (None, or a callable taking
+    one line) hears the compiled decode step's lines around each shape kind's first call (a first compile
+    holds the step for a minute or more: kvtui/engine/compiled.py CompiledDecode.announce)."""
     engine = Engine.from_loaded(loaded, config, cost_model=costs, clock=engine_clock(clock))
+    if progress is not None and engine.runner.compiled is not None:
+        engine.runner.compiled.announce = progress
     engine.detect_taint = "slot_taint" in detectors
     engine.measure_flow = "attention_flow" in detectors
     engine.output.record_draws = "reference" in detectors

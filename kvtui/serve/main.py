@@ -109,6 +109,8 @@ def _plain(server: ServeServer, note: Callable[[str], None]):
         except OSError as e:
             raise _recording_error(server, e) from None
         note(f"decode steps: {server.session.engine.runner.compile_note}")
+        if server.session.engine.runner.compiled is not None:  # its first compile, or its code from cache
+            server.session.engine.runner.compiled.announce = note
         note(f"serving {server.metrics.model_name} at {server.url}/v1 (OpenAI API; /metrics, /health); "
              "Ctrl-C stops")
         while not stop.wait(0.2) and not server.engine_stopped:

@@ -77,6 +77,7 @@ class LiveSource(Source):
         self._unshown = False  # paced clock: a step ran whose snapshot waits for the wall clock
         self.state = DashboardState()
         self.session: Session | None = None if prepare else make_session(self._apply, 0)
+        self._hear_compiles()
         self.done = False
         self.summary = None  # kvtui.events.Summary once the session closed
         self.worker: Worker | None = None
@@ -218,6 +219,7 @@ class LiveSource(Source):
             self.prepare()
             self.state.note("info", f"model loaded in {time.perf_counter() - t0:.1f} s")
             self.session = self.make_session(self._apply, 0)
+            self._hear_compiles()
         except Exception as e:
             self.error = e
             self.state.note("error", f"{type(e).__name__}: {e} (q quits)")
@@ -225,6 +227,17 @@ class LiveSource(Source):
             return False
         self._sync_clock()
         return True
+
+    def _hear_compiles(self) -> None:
+        """The compiled decode step's lines (kvtui/engine/compiled.py: a shape kind's first compile, or its
+        code from cache) go to the event log at once: a first compile holds the step for a minute or more."""
+        compiled = getattr(getattr(getattr(self.session, "engine", None), "runner", None), "compiled", None)
+        if compiled is not None:
+            compiled.announce = self._note_now
+
+    def _note_now(self, line: str) -> None:
+        self.state.note("info", line)
+        self.publish(self._snapshot(), force=True)
 
     def _fail(self, error: Exception) -> None:
         self.state.note("error", f"{type(error).__name__}: {error} (paused; r restarts)")
@@ -333,6 +346,7 @@ class LiveSource(Source):
         self.summary, self.done = None, False
         try:
             self.session = self.make_session(self._apply, self.generation)
+            self._hear_compiles()
         except Exception as e:
             self.done = True
             self.state.note("error", f"restart failed: {type(e).__name__}: {e}")

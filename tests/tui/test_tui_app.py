@@ -507,3 +507,21 @@ def test_a_dashboard_recording_path_that_is_not_a_regular_file_is_refused_before
     fresh = tmp_path / "sub" / "run.jsonl"
     check_writable(fresh)
     assert not fresh.exists() and fresh.parent.is_dir()
+
+
+def test_the_compiled_steps_first_compile_is_announced_in_the_event_log(tiny, monkeypatch):
+    """A first compile holds the step for a minute or more: its lines (kvtui/engine/compiled.py) reach the
+    dashboard's log at once, in the first session and in a restarted one."""
+    from kvtui.engine import compiled
+    from kvtui.scenario import load_scenario
+    from kvtui.session import Session
+
+    monkeypatch.setattr(compiled, "compiler_path", lambda: "/usr/bin/g++")  # nothing is compiled here
+    spec = load_scenario(LONG)
+    source = LiveSource(lambda listener, generation: Session(spec, tiny["tiny-llama"], listeners=(listener,),
+                                                             detectors=(), engine_overrides={"compile": True}))
+    source.session.engine.runner.compiled.announce("compiling the decode step for this machine (once; ...)")
+    assert source.state.log[-1].text == "compiling the decode step for this machine (once; ...)"
+    source._restart()
+    assert source.session.engine.runner.compiled.announce == source._note_now
+    source.session.engine.runner.compiled.announce = None  # the graphs stay on the session's tiny-llama
