@@ -105,12 +105,16 @@ HELP = """\
 [b]kvtui dashboard[/b]   ↑ ↓ PgUp PgDn scroll · esc or ? closes
 [b]Panels[/b]
   header         scenario · model · clock · step · elapsed (paced clock: "0.6x real
-                 time" when behind); isolation ON, or OFF with the active faults;
-                 LOADING while the model loads, CLOSING while the last reference
-                 checks run, DONE at the end
+                 time" when behind); LIVE, PAUSED (space), LOADING while the model
+                 loads, CLOSING while the last reference checks run, DONE at the
+                 end; isolation ON, or OFF with the active faults; LEAKS n: findings
+                 of data crossing between requests or tenants
   slots          one cell per KV slot: owner, cache fill, cached tokens; ↻ = reused
-  requests       id, status (LEAK←source when another request's passphrase shows
-                 up), slot, cache, prompt/generated tokens, TTFT, text tail
+  requests       id, status, slot, cache, prompt/generated tokens, TTFT, text tail;
+                 status LEAK←source: another request's passphrase in its answer;
+                 TAINT: a detector found another request's data in it (victim ←
+                 source in contamination); TENANT: another tenant's; CORRUPT: its
+                 own state damaged, no other request to name
   throughput…    prefill/decode tokens/s with history, padding ratio (query, key),
                  KV usage, running/waiting, TTFT and TPOT p50/p95
   contamination  detector counts, attention on other requests' keys, latest reports
