@@ -25,6 +25,12 @@ def model_cmd(
               f"{loaded.num_layers} layers, {loaded.num_heads} heads, {loaded.num_kv_heads} KV heads, "
               f"head_dim {loaded.head_dim}, vocab {cfg.vocab_size}; loaded in {time.perf_counter() - t0:.1f} s",
               markup=False, highlight=False)
+    from kvtui.engine.fused import kernel_choice, supports
+
+    if supports(loaded.model):  # the fused forward's linear kernels: measured, stored, or forced
+        choice = kernel_choice(loaded.model)
+        out.print(f"linear kernels: layers {choice['kernel']}, LM head {choice['head_kernel']} ({choice['why']})",
+                  markup=False, highlight=False)
     if loaded.source_path:
         out.print(f"source: {loaded.source_path}" + (f" (sha256 {loaded.source_sha256})" if loaded.source_sha256 else ""),
                   markup=False, highlight=False)

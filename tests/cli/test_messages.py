@@ -197,3 +197,13 @@ def test_a_bad_request_ids_value_names_what_is_wrong(monkeypatch, capsys, value,
     assert code == 2
     assert lines == [f"error: --request-ids {value!r}: {why}; use some of header, user, request_id, traceparent, "
                      "rid, comma-separated (e.g. --request-ids header,user)"]
+
+
+def test_the_model_command_names_the_linear_kernels_it_runs(monkeypatch, capsys):
+    """`kvtui model` says which linear kernels the fused forward runs and why (a forced one named as forced),
+    so a user can see that KVTUI_LINEAR_KERNEL took effect; GPT-2 (no fused forward) prints no such line."""
+    monkeypatch.setenv("KVTUI_LINEAR_KERNEL", "input_major")
+    code, err, out = kvtui(monkeypatch, capsys, "model", "tiny-llama")
+    assert code == 0 and "linear kernels: layers input_major, LM head input_major (forced by KVTUI_LINEAR_KERNEL)" in out
+    code, err, out = kvtui(monkeypatch, capsys, "model", "tiny-gpt2")
+    assert code == 0 and "linear kernels" not in out
