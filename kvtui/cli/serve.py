@@ -51,7 +51,8 @@ def serve(
     record: Annotated[Optional[Path], typer.Option("--record", help="Write a JSONL recording here.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name clients "
                                                              "send and see (default: the model's id).")] = None,
-    slots: Annotated[int, typer.Option(help="KV slots: requests running at once.", min=_SLOTS.low, max=_SLOTS.high)] = SERVE.slots,
+    slots: Annotated[int, typer.Option(help="KV slots: requests running at once (with --kv paged: the block pool holds this many "
+                                 "--max-len sequences; --max-batch-size caps the running requests).", min=_SLOTS.low, max=_SLOTS.high)] = SERVE.slots,
     max_len: Annotated[Optional[int], typer.Option(help=f"Tokens per request: prompt + completion (default "
                                                    f"{SERVE.max_len}; a Whisper model: its decoder's positions, "
                                                    "448 for whisper-tiny.en).", min=_B["max_len"].low)] = None,
