@@ -52,10 +52,10 @@ def _nearby(path: Path) -> str:
     given, in its folder, else in scenarios/; '' when none is close."""
     for folder in (path.parent, Path("scenarios")):
         try:
-            names = {f.name: f for f in folder.iterdir() if f.suffix in (".yaml", ".yml")} if folder.is_dir() else {}
+            names = {f.stem: f for f in folder.iterdir() if f.suffix in (".yaml", ".yml")} if folder.is_dir() else {}
         except OSError:
             continue
-        close = closest(path.name, names)
+        close = closest(path.stem, names)  # stems: a shared ".yaml" made 'nope.yaml' close to 'empty.yaml'
         if close is not None:
             return f" (did you mean '{names[close]}'?)"
     return ""

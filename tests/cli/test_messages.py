@@ -65,6 +65,9 @@ def test_a_name_with_nothing_close_gets_no_guess(monkeypatch, capsys):
     code, err, _ = kvtui(monkeypatch, capsys, "run", "scenarios/passphrase.yaml", "--headless", "--fault", "nope")
     assert code == 2 and len(err) == 1 and "did you mean" not in err[0]
     assert "'nope' is not one of 'shared_cache'" in err[0]
+    # a scenario file: names compared without their ".yaml" ('nope.yaml' was close to 'empty.yaml' by it)
+    code, err, _ = kvtui(monkeypatch, capsys, "run", "nope.yaml", "--headless")
+    assert code == 2 and len(err) == 1 and "not found" in err[0] and "did you mean" not in err[0], err
 
 
 def test_the_engine_and_servers_fault_check_names_the_closest_fault():
