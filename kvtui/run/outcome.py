@@ -41,9 +41,11 @@ def verdict(spec, run: RunOutcome, expect_override: str | None = None) -> Verdic
     against what the run's detectors found (reports that count: not numeric)."""
     expect = expect_override or spec.expect.contamination
     found = [e for e in run.contamination if e.counts]
+    # the summary's "contamination findings" (one per victim, every detector's report a witness), then the reports
+    counted = f"{_plural(len({e.victim for e in found}), 'finding')} ({_plural(len(found), 'detector report')})"
     if expect == "none" and found:
         first = found[0]
-        return Verdict(True, f"unexpected contamination: {len(found)} events, first: {first.victim} <- "
+        return Verdict(True, f"unexpected contamination: {counted}, first: {first.victim} <- "
                              f"{first.source or '?'} ({first.kind}, {first.detector}, step {first.step}); the "
                              "scenario expects none")
     if expect == "detected" and not found:
@@ -53,8 +55,12 @@ def verdict(spec, run: RunOutcome, expect_override: str | None = None) -> Verdic
             on = f" ({', '.join(f'{name} acted in {n} steps' for name, n in acts.items())})"
         return Verdict(True, f"expected contamination to be detected{on}, yet no detector fired")
     if expect == "detected":
-        return Verdict(False, f"contamination detected as expected: {len(found)} events")
+        return Verdict(False, f"contamination detected as expected: {counted}")
     return Verdict(False, "")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _fault_acts(run: RunOutcome) -> dict[str, int] | None:
