@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI's completions and chat completions, /v1/models and /v1/models/{id},
-/health, /version (kvtui's release, vLLM's shape), /metrics, and for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints
-then answer 400). LoRA adapters (serve/lora.py): a request's `model` names the adapter it runs under, and
+/health, /version (kvtui's release, vLLM's shape), /metrics, and for a speech model
+/v1/audio/transcriptions (serve/transcribe.py; the text endpoints then answer 400). LoRA adapters (serve/lora.py): a request's `model` names the adapter it runs under, and
 with runtime LoRA updating /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload them. A /v1/completions list of prompts runs one engine request per prompt, read as one
 (serve/fanout.py).
 
