@@ -35,6 +35,22 @@ def _checks_asked(check: list[str] | None) -> list[str] | None:
     return list(dict.fromkeys(check)) if check else None
 
 
+def _check_writable(path: Path, flag: str) -> None:
+    """Exit 2 with one line now, before the server is reached or any check runs, when `path` (--json or
+    --markdown) cannot be written: its folder does not exist, or the file cannot be opened for writing. A file
+    this check creates is removed again (the results are written at the end)."""
+    if not path.parent.is_dir():
+        fail(f"{flag} {path}: its folder does not exist; choose a path in an existing folder")
+    existed = path.exists()
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        fail(f"{flag} {path}: cannot write it ({e.strerror or e}); choose another {flag} path")
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def _list() -> None:
     from kvtui.conformance import CHECKS
 
@@ -73,8 +89,9 @@ def conformance(
         rich_help_panel=TARGET_PANEL)] = None,
     server_release: Annotated[Optional[str], typer.Option(
         "--server-release", help="With --target: 'NAME VERSION' of a server that does not say its release itself "
-        "(e.g. 'transformers-serve 5.25.0', the release its venv installed); recorded in --json beside what the "
-        "server says (GET /version, /props, its server header, /v1/models owned_by).",
+        "(e.g. 'transformers-serve 5.25.0', the release its venv installed): recorded in --json and --markdown as "
+        "the server's name and version, with what the server says (GET /version, /props, its server header, "
+        "/v1/models owned_by) noted where it differs.",
         rich_help_panel=TARGET_PANEL)] = None,
 ) -> None:
     """Run every black-box isolation check (tenant salts, solo parity under load, n > 1, structured output,
@@ -90,7 +107,7 @@ def conformance(
              "or --target")
     if target is not None and threads is not None:
         fail("--threads sets kvtui's own engine and cannot apply to a --target server; drop it")
-    known = None
+    release = None
     if server_release is not None:
         if target is None:
             fail("--server-release names a --target server's release (kvtui's own server records kvtui's); drop it "
@@ -99,15 +116,15 @@ def conformance(
         if len(parts) != 2 or not all(parts) or not any(c.isdigit() for c in parts[1]):  # a version has a digit
             fail(f"--server-release {server_release!r}: give 'NAME VERSION', e.g. --server-release "
                  "'transformers-serve 5.25.0'")
-        known = (parts[0].strip(), parts[1])
+        release = (parts[0].strip(), parts[1])
     for path, flag in ((json_path, "--json"), (markdown_path, "--markdown")):
-        if path is not None and not path.parent.is_dir():
-            fail(f"{flag} {path}: its folder does not exist; choose a path in an existing folder")
+        if path is not None:
+            _check_writable(path, flag)
     if target is not None:
         from kvtui.cli.target import check_url
 
         _run(check_url(target), model, served_model, names, quick, timeout, json_path, markdown_path,
-             tolerance=TARGET.tolerance if tolerance is None else tolerance, known=known)
+             tolerance=TARGET.tolerance if tolerance is None else tolerance, release=release)
         return
     _run_local(model, faults, threads, names, quick, timeout, json_path, markdown_path, tolerance)
 
@@ -135,9 +152,10 @@ def _run_local(model: str, faults: tuple[str, ...], threads: int | None, names, 
 
 def _run(url: str, model: str, served_model: str | None, names, quick: bool, timeout: float,
          json_path: Path | None, markdown_path: Path | None, label: str | None = None, *, tolerance: float,
-         known: tuple[str, str] | None = None) -> None:
+         known: tuple[str, str] | None = None, release: tuple[str, str] | None = None) -> None:
     """Connect, run the checks with progress lines, print the table, write the files, exit by the verdicts.
-    `known`: (name, version) of the server where it does not say them (kvtui.remote.identity.identify)."""
+    `known`: (name, version) of the server where it does not say them; `release`: the user's --server-release,
+    taken over what the server says (kvtui.remote.identity.identify)."""
     import httpx
 
     from kvtui.conformance import CHECKS, Server, run_checks
@@ -156,7 +174,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
     except ModelLoadError as e:
         fail(f"--model: {e}")
     kind = SERVER_KINDS.get(first.get("owned_by"))
-    identity = identify(url, first.get("owned_by"), known)
+    identity = identify(url, first.get("owned_by"), known, release=release)
     server = Server(url=url, model=model, tokenizer=tokenizer, served_model=served_model or first.get("id"),
                     server_kind=kind, timeout_s=timeout, tolerance=tolerance, quick=quick,
                     say=lambda text: err.print(f"  {text}", markup=False, highlight=False))
@@ -169,7 +187,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
                   highlight=False)
 
     err.print(f"conformance of {url} ({identity.line}, model {server.served_model}): "
-              f"{total} checks", markup=False, highlight=False)
+              f"{total} check{'s' if total != 1 else ''}", markup=False, highlight=False)
     try:
         results = run_checks(server, names, on_result=progress)
     except TargetError as e:  # its line names the URL
@@ -182,7 +200,7 @@ def _run(url: str, model: str, served_model: str | None, names, quick: bool, tim
         if json_path is not None:
             write_json(json_path, results, url, label, identity.as_dict())
         if markdown_path is not None:
-            write_markdown(markdown_path, results, title)
+            write_markdown(markdown_path, results, title, identity.as_dict())
     except OSError as e:
         fail(f"cannot write the results ({e.strerror or e}); choose another --json / --markdown path")
     if any(r.verdict == "fail" for r in results):

@@ -53,18 +53,28 @@ def _cell(text: str) -> str:
     return (text or "-").replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list[CheckResult], heading: str | None = None) -> str:
-    """A Markdown table: class, verdict, figures, evidence (what was sent is in docs/conformance.md)."""
+def server_line(server: dict) -> str:
+    """One line naming the server (a ServerIdentity.as_dict), e.g. 'server: vLLM 0.32.0 (name: /v1/models
+    owned_by; version: GET /version)', or 'server: not identified (nothing said)'."""
+    said = " ".join(str(server[part]) for part in ("name", "version") if server.get(part)) or "not identified"
+    return f"server: {said} ({server.get('source') or 'nothing said'})"
+
+
+def markdown(results: list[CheckResult], heading: str | None = None, server: dict | None = None) -> str:
+    """A Markdown table: class, verdict, figures, evidence (what was sent is in docs/conformance.md), under
+    `### heading` and, with `server` (a ServerIdentity.as_dict, as --json has it), server_line()."""
     lines = [f"### {heading}", ""] if heading else []
+    lines += [server_line(server), ""] if server is not None else []
     lines += ["| class | verdict | figures | evidence / why n/a |", "|---|---|---|---|"]
     lines += [f"| {_cell(r.title)} | **{r.verdict}** | {_cell(r.figures)} | {_cell(r.evidence)} |" for r in results]
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, results: list[CheckResult], heading: str | None = None) -> None:
+def write_markdown(path: Path, results: list[CheckResult], heading: str | None = None,
+                   server: dict | None = None) -> None:
     """Write markdown() to `path`.
 
     Raises:
         OSError: the file cannot be written.
     """
-    Path(path).write_text(markdown(results, heading))
+    Path(path).write_text(markdown(results, heading, server))

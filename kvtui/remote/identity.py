@@ -12,6 +12,10 @@ the first that answers, naming where each part came from:
 - what the caller knows (`known`): the package of a `kvtui serve` this process started, or the pinned
   install a server was started from (its venv's release), for a server that says neither (transformers
   serve lists the model's owner in `owned_by` and has no version endpoint).
+
+A release the user gives (`release`: `kvtui conformance --server-release 'NAME VERSION'`) is not asked
+about: name and version are the user's, and `source` adds what the server itself says where that differs
+(`name and version: --server-release (the server says kvtui 0.9.1)`).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def _json(response: httpx.Response) -> dict:
 
 
 def identify(url: str, owned_by: str | None = None, known: tuple[str, str] | None = None,
-             timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None) -> ServerIdentity:
+             timeout_s: float = 10.0, transport: httpx.BaseTransport | None = None, *,
+             release: tuple[str, str] | None = None) -> ServerIdentity:
     """Ask the server at `url` for its name and release (the module's order); never raises.
 
     Args:
@@ -69,7 +74,21 @@ def identify(url: str, owned_by: str | None = None, known: tuple[str, str] | Non
         known: (name, version) the caller knows (the kvtui package it serves with, a pinned install): used
             for what the server does not say itself.
         timeout_s: each GET's limit (seconds). transport: an httpx transport (tests).
+        release: (name, version) the user gave (--server-release): taken over whatever the server says, and
+            `source` notes what the server says where it differs (name or version, case aside).
     """
+    said = _asked(url, owned_by, known if release is None else None, timeout_s, transport)
+    if release is None:
+        return said
+    pairs = [(mine, theirs) for mine, theirs in zip(release, (said.name, said.version)) if theirs is not None]
+    note = (f" (the server says {said.line})"
+            if any(mine.casefold() != theirs.casefold() for mine, theirs in pairs) else "")
+    return ServerIdentity(release[0], release[1], f"name and version: --server-release{note}", said.server_header)
+
+
+def _asked(url: str, owned_by: str | None, known: tuple[str, str] | None, timeout_s: float,
+           transport: httpx.BaseTransport | None) -> ServerIdentity:
+    """What the server says (the module's order), the caller's `known` filling what it does not."""
     from kvtui.remote.session import SERVER_KINDS
 
     name = version = None

@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI's completions and chat completions, /v1/models and /v1/models/{id},
-/health, /metrics, and for a speech model /v1/audio/transcriptions (serve/transcribe.py; the text endpoints
-then answer 400). LoRA adapters (serve/lora.py): a request's `model` names the adapter it runs under, and
+/health, /version (kvtui's release, vLLM's shape), /metrics, and for a speech model
+/v1/audio/transcriptions (serve/transcribe.py; the text endpoints then answer 400). LoRA adapters (serve/lora.py): a request's `model` names the adapter it runs under, and
 with runtime LoRA updating /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload them. A /v1/completions list of prompts runs one engine request per prompt, read as one
 (serve/fanout.py).
 
@@ -39,6 +39,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtui import __version__
 from kvtui.engine.block_manager import salt_digest
 from kvtui.events import Finish
 from kvtui.request import Canary, GivenInput, InputSpec, PlannedRequest, TokenPrompt
@@ -133,6 +134,15 @@ class ServerState:
         return self.context
 
 
+def _add_version_route(app: FastAPI) -> None:
+    """GET /version: kvtui's release in vLLM's shape, `{"version": "0.1.0"}` (what a conformance run records
+    as the server's release); it answers while the model loads too."""
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+
 def create_app(state: ServerState, *, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, runtime_lora: bool = False) -> FastAPI:
     """The application; `state.context` is set by the server once the model is loaded. `api_key`: the
@@ -146,6 +156,7 @@ def create_app(state: ServerState, *, api_key: str | None = None,
     app.add_middleware(InternalErrors)  # outermost: any exception left is its request's JSON 500
     _error_handlers(app)
     add_transcription_route(app, state)
+    _add_version_route(app)
     if runtime_lora:
         add_lora_routes(app, state)
 

@@ -1,8 +1,8 @@
 """What every HTTP request passes before it reaches a handler: the API key and the body size limit.
 
 - API key (`--api-key`, or the KVTUI_API_KEY environment variable; vLLM's `--api-key` works the same
-  way): every path under /v1 needs `Authorization: Bearer <key>`, else 401; /health and /metrics stay
-  open, so probes and Prometheus need no key.
+  way): every path under /v1 needs `Authorization: Bearer <key>`, else 401; /health, /version and /metrics
+  stay open, so probes and Prometheus need no key.
 - Body size (`--max-request-bytes`): a body past the limit gets 413 before the JSON parser or the
   tokenizer sees it. A declared Content-Length past the limit is refused after at most its first
   PEEK_BYTES are read; a chunked body is counted as it arrives and refused at the limit, never held whole.

@@ -1,7 +1,9 @@
 """`kvtui conformance` (kvtui/conformance/, kvtui/cli/conformance.py) against kvtui's own engine.
 
-- Bad input is one line and exit 2; --list names every check; the table's Markdown and JSON carry the
-  verdicts as they are.
+- Bad input is one line and exit 2 (an unwritable --json path before the server is reached); --list names
+  every check; the table's Markdown and JSON carry the verdicts as they are, and the server's name and
+  release (--server-release: the user's, with what the server says noted; checked against a kvtui serve on
+  tiny-llama).
 - Against a clean `kvtui serve` (SmolLM2, this process, the conformance configuration: paged KV, prefix
   caching, prompt embeddings) every applicable check passes; images is n/a (the model takes none).
 - Each class's mutant (a kvtui serve with that class's fault on) fails that class's check (the image
@@ -57,6 +59,9 @@ def test_list_names_every_check_with_its_mutant():
     (("--json", "/no/such/folder/x.json"), "error: --json /no/such/folder/x.json: its folder does not exist; choose "
                                            "a path in an existing folder"),
     (("--target", "ftp://x"), "error: --target 'ftp://x': not an http(s) URL with a host; give http://HOST:PORT"),
+    # an unwritable results file is said before the server is reached (its probe would say 127.0.0.1:9)
+    (("--target", "http://127.0.0.1:9", "--json", "/proc/x.json"),
+     "error: --json /proc/x.json: cannot write it (No such file or directory); choose another --json path"),
     (("--server-release", "vLLM 0.32.0"), "error: --server-release names a --target server's release (kvtui's own "
                                           "server records kvtui's); drop it or add --target"),
     (("--target", "http://127.0.0.1:9", "--server-release", "vLLM"),
@@ -77,6 +82,23 @@ def test_an_unreachable_target_is_the_run_commands_one_line_and_exit_2():
         "(http://HOST:PORT) and that the server is up"]
 
 
+def test_trying_a_results_path_leaves_no_file_behind_and_an_unwritable_one_exits_2(tmp_path):
+    """The up-front check (kvtui.cli.conformance._check_writable) opens the file: one it made is removed (the
+    results come at the end), one that was there is kept as it was; a folder is no file to write."""
+    import typer
+
+    from kvtui.cli.conformance import _check_writable
+
+    made, kept = tmp_path / "c.json", tmp_path / "kept.md"
+    kept.write_text("earlier\n")
+    _check_writable(made, "--json")
+    _check_writable(kept, "--markdown")
+    assert not made.exists() and kept.read_text() == "earlier\n"
+    with pytest.raises(typer.Exit) as exited:
+        _check_writable(tmp_path, "--json")
+    assert exited.value.exit_code == 2
+
+
 def test_markdown_and_json_carry_each_verdict():
     results = [CheckResult("solo_parity", "solo parity under load", "fail", "6 at once", "5 of 6 equal",
                            "r003 <- r001: reference cross_request"),
@@ -85,9 +107,41 @@ def test_markdown_and_json_carry_each_verdict():
     assert text.splitlines()[4] == ("| solo parity under load | **fail** | 5 of 6 equal | r003 <- r001: reference "
                                     "cross_request |")
     assert text.splitlines()[5] == "| images | **n/a** | - | the server takes no images: HTTP 400 \\| x |"
+    silent = {"name": None, "version": None, "source": "nothing said", "server_header": ""}
+    assert markdown(results, "http://h:1", silent).splitlines()[:3] == [
+        "### http://h:1", "", "server: not identified (nothing said)"]
     data = json.loads(json.dumps(to_json(results, "http://h:1", "kvtui serve")))
     assert data["counts"] == {"pass": 0, "fail": 1, "n/a": 1}
     assert [c["verdict"] for c in data["checks"]] == ["fail", "n/a"]
+
+
+# -- the server's identity, against a kvtui serve on tiny-llama ---------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_server():
+    from kvtui.serve.server import ServeOptions, ServeServer
+
+    with ServeServer(ServeOptions(model="tiny-llama", port=0, threads=1, detectors=())) as served:
+        yield served
+
+
+def test_server_release_is_the_users_name_and_version_with_what_the_server_says_in_json_and_markdown(
+        tiny_server, tmp_path):
+    """--server-release names a server (here wrongly: it is kvtui serve, whose GET /version says kvtui's
+    release): both parts are the user's, the source says so and what the server says; the Markdown heading
+    has the same line. One check (images: n/a on a model that takes none) keeps it quick."""
+    from kvtui import __version__
+
+    json_path, md_path = tmp_path / "c.json", tmp_path / "c.md"
+    out = kvtui("conformance", "--target", tiny_server.url, "--model", "tiny-llama", "--check", "images",
+                "--server-release", "vllm 0.9.1", "--json", str(json_path), "--markdown", str(md_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    source = f"name and version: --server-release (the server says kvtui {__version__})"
+    assert json.loads(json_path.read_text())["server"] == {"name": "vllm", "version": "0.9.1", "source": source,
+                                                          "server_header": "uvicorn"}
+    assert md_path.read_text().splitlines()[:4] == [f"### {tiny_server.url}", "", f"server: vllm 0.9.1 ({source})",
+                                                    ""]
+    words = " ".join(out.stderr.split())  # the progress lines, however the terminal's width wrapped them
+    assert "(vllm 0.9.1, model tiny-llama): 1 check images:" in words and "[1/1] images: n/a" in words
 
 
 # -- against kvtui serve: clean and mutants ----------------------------------------------------------------
@@ -125,7 +179,7 @@ def test_clean_kvtui_serve_passes_every_applicable_check(tokenizer, tmp_path):
     from kvtui import __version__
 
     assert data["server"] == {"name": "kvtui", "version": __version__, "server_header": "uvicorn",
-                              "source": "name: /v1/models owned_by; version: the install kvtui started"}
+                              "source": "name: /v1/models owned_by; version: GET /version"}
     assert "[10/10] request_ids: pass" in out.stderr  # the progress lines
 
 

@@ -3,7 +3,8 @@
 The answers below are the servers' own, as measured: vLLM CPU 0.32.0's `GET /version` and `server: uvicorn`;
 llama-server (commit 0c1e57098, built by scripts/build-llama-server.sh) `GET /props` with `build_info` and
 `Server: llama.cpp`, a 404 for /version; transformers serve lists the model's owner in owned_by and has neither
-endpoint, so its release comes from the install kvtui started it from. The whole-command tests
+endpoint, so its release comes from the install kvtui started it from. A release the user gives
+(--server-release) is taken whole, and what the server says beside it is noted. The whole-command tests
 (tests/remote/test_conformance_servers.py, tests/conformance/test_conformance.py) check the `server` entry of
 `--json` against the real servers.
 """
@@ -57,3 +58,20 @@ def test_an_unreachable_server_is_not_identified_and_does_not_raise():
 
     found = identify("http://h:1", None, transport=httpx.MockTransport(refuse))
     assert (found.name, found.version, found.line) == (None, None, "server not identified")
+
+
+def test_a_release_the_user_gives_is_taken_whole_and_what_the_server_says_is_noted():
+    kvtui_serve = transport({"/version": (200, {"version": "0.9.1"})}, "uvicorn")
+    found = identify("http://h:1", "kvtui", release=("vllm", "0.9.1"), transport=kvtui_serve)
+    assert found.as_dict() == {"name": "vllm", "version": "0.9.1", "server_header": "uvicorn",
+                               "source": "name and version: --server-release (the server says kvtui 0.9.1)"}
+    # the server agrees (case aside): nothing to note
+    agrees = identify("http://h:1", "vllm", release=("VLLM", "0.9.1"), transport=kvtui_serve)
+    assert (agrees.name, agrees.version, agrees.source) == ("VLLM", "0.9.1", "name and version: --server-release")
+    # the server says neither: nothing to note, and the user's release is no fallback but the answer
+    silent = identify("http://h:1", "HuggingFaceTB", release=("transformers-serve", "5.25.0"),
+                      transport=transport({}, "uvicorn"))
+    assert (silent.line, silent.source) == ("transformers-serve 5.25.0", "name and version: --server-release")
+    # only the version differs
+    older = identify("http://h:1", "vllm", release=("vLLM", "0.8.0"), transport=kvtui_serve)
+    assert older.source == "name and version: --server-release (the server says vLLM 0.9.1)"

@@ -218,3 +218,16 @@ def test_prompt_tokens_count_each_sequences_prompt_as_vllm_does(server, engine):
         return
     with ServeServer(ServeOptions(model="tiny-llama", port=0, max_len=512, detectors=(), **engine)) as other:
         _counts_each_sequence(other, length)
+
+
+def test_version_is_kvtuis_release_in_vllms_shape_and_identify_reads_it(server):
+    """GET /version answers as vLLM's does, and a conformance run's identity reads the release from it (a
+    remote kvtui serve has no install of this process to take it from)."""
+    from kvtui import __version__
+    from kvtui.remote.identity import identify
+
+    response = httpx.get(server.url + "/version", timeout=30)
+    assert response.status_code == 200 and response.json() == {"version": __version__}
+    found = identify(server.url, "kvtui")
+    assert (found.name, found.version, found.server_header) == ("kvtui", __version__, "uvicorn")
+    assert found.source == "name: /v1/models owned_by; version: GET /version"
