@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -49,6 +50,7 @@ RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not install
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
 WAIT_NOTE_S = 10.0  # while the workers start, a marker this often says how many are ready (seconds)
+PROBE_S = 3.0  # how long a --ray HOST:PORT has to accept a TCP connection before ray.init is tried (seconds)
 
 
 @contextlib.contextmanager
@@ -116,10 +118,28 @@ def _kept_stop_handlers(ray):
             signal.signal(signal.SIGALRM, signal.SIG_DFL)  # and its handler of the alarm
 
 
+def _nothing_answers(address: str) -> str | None:
+    """For a plain HOST:PORT `address` (not `auto`, not `ray://...`): "nothing answers on HOST:PORT" when no
+    TCP connection to it opens within PROBE_S seconds (ray.init would retry for minutes there), else None
+    (it answers, or the address is no HOST:PORT and Ray judges it)."""
+    if "://" in address:
+        return None
+    host, colon, port = address.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not colon or not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_S):
+            return None
+    except (OSError, OverflowError):  # refused, timed out, unknown host, port out of range
+        return f"nothing answers on {address}"
+
+
 def init_ray(address: str | None, workers: int):
     """Start Ray for --workers: the cluster at `address` (`ray.init(address=...)`), or a local runtime of
     `workers` CPUs when None; with Ray's log at ERROR (its start-up lines stay out of the report; the dashboard:
-    _terminal_stderr), and the process's SIGINT / SIGTERM handlers as they were (_kept_stop_handlers). Returns the `ray`
+    _terminal_stderr), and the process's SIGINT / SIGTERM handlers as they were (_kept_stop_handlers). A plain
+    HOST:PORT address must accept a TCP connection within PROBE_S seconds first. Returns the `ray`
     module; the caller shuts Ray down.
 
     Raises:
@@ -131,6 +151,9 @@ def init_ray(address: str | None, workers: int):
         return TargetError(f"--ray {address}: no Ray cluster there ({reason}); give the address `ray start "
                            "--head` printed (HOST:6379), or leave --ray out for a local runtime")
 
+    silent = _nothing_answers(address) if address else None
+    if silent:
+        raise no_cluster(silent)
     with _terminal_stderr(), _kept_stop_handlers(ray):
         more = {"logging_level": logging.ERROR}  # Ray's start-up lines (INFO, a token WARNING) stay out of the report
         try:

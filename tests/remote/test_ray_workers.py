@@ -130,15 +130,18 @@ def test_workers_without_ray_is_one_line_and_exit_2(tmp_path):
     ("notanaddress", "error: --ray notanaddress: no Ray cluster there (Invalid address format: notanaddress); give "
                      "the address `ray start --head` printed (HOST:6379), or leave --ray out for a local runtime"),
     ("", "error: --ray '': give the cluster's address (HOST:6379, as `ray start --head` prints it), or leave --ray "
-         "out for a local runtime")])
+         "out for a local runtime"),
+    ("127.0.0.1:1", "error: --ray 127.0.0.1:1: no Ray cluster there (nothing answers on 127.0.0.1:1); give the "
+                    "address `ray start --head` printed (HOST:6379), or leave --ray out for a local runtime")])
 def test_a_bad_ray_address_is_one_line_and_exit_2(tmp_path, address, line):
     """A malformed --ray address was a 77-line traceback and exit 1 (Ray's ValueError), an unreachable one
-    "cannot write the recording" (Ray's ConnectionError read as the recording's OSError)."""
+    "cannot write the recording" (Ray's ConnectionError read as the recording's OSError), one where nothing
+    listens (127.0.0.1:1) Ray's GCS warnings for minutes (ray.init retries there: hence the timeout)."""
     path = tmp_path / "s.yaml"
     path.write_text(SCENARIO)
     with FakeHTTPServer(FakeOpenAI()) as url:
         out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", url, "--headless",
-                              "--workers", "2", "--ray", address], capture_output=True, text=True, timeout=300)
+                              "--workers", "2", "--ray", address], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in out.stderr
