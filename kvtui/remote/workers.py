@@ -31,7 +31,10 @@ import gc
 import logging
 import math
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -47,6 +50,7 @@ RAY_MISSING = "--workers sends the load from Ray workers, and Ray is not install
 START_LEAD_S = 1.0  # the shared start lies this far ahead of the moment the workers are told it (seconds)
 COLLECT_S = 0.05  # how often the driver takes the workers' finished records (seconds)
 WAIT_NOTE_S = 10.0  # while the workers start, a marker this often says how many are ready (seconds)
+PROBE_S = 3.0  # how long a --ray HOST:PORT has to accept a TCP connection before ray.init is tried (seconds)
 
 
 @contextlib.contextmanager
@@ -73,10 +77,69 @@ def _terminal_stderr():
         ray_logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _kept_stop_handlers(ray):
+    """Around ray.init in the main thread: the process's SIGINT / SIGTERM handling stays what it was (the CLI's
+    stop handlers: "stopping; writing the summary", exit 128 + the signal's number).
+
+    ray.init replaces them twice over: in Python, a SIGTERM handler that exits at once (sys.exit(15), set as
+    it begins), and natively, when its core worker starts, absl's failure handler over SIGTERM (a C++ stack
+    dump on stderr, the Python handler called, and an alarm that aborts the process 3 s later: exit 15 or
+    134). Here Ray's Python handler is not installed while it starts (a signal meanwhile reaches the handler
+    that was there), and afterwards each handler is set again with signal.signal, which puts Python's own
+    native handler back over the failure handler. A SIGTERM in the moment between the core worker's start
+    and that (its dump is on stderr by then) has the abort's alarm cancelled, unless the process uses
+    SIGALRM itself. Outside the main thread (the dashboard's worker) nothing can be set and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    ray_sets = getattr(utils, "set_sigterm_handler", None)  # how ray.init sets its own (Ray 2.x)
+    came: list[int] = []
+    if callable(kept[signal.SIGTERM]):
+        def noted(signum, frame):  # the kept handler, noting that a SIGTERM came while Ray started
+            came.append(signum)
+            kept[signal.SIGTERM](signum, frame)
+
+        signal.signal(signal.SIGTERM, noted)
+    if ray_sets is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if ray_sets is not None:
+            utils.set_sigterm_handler = ray_sets
+        for signum, handler in kept.items():
+            if handler is not None:  # None: set outside Python, which cannot be set again from here
+                signal.signal(signum, handler)
+        if came and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL:
+            signal.alarm(0)  # absl's abort, had its failure handler caught the SIGTERM
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # and its handler of the alarm
+
+
+def _nothing_answers(address: str) -> str | None:
+    """For a plain HOST:PORT `address` (not `auto`, not `ray://...`): "nothing answers on HOST:PORT" when no
+    TCP connection to it opens within PROBE_S seconds (ray.init would retry for minutes there), else None
+    (it answers, or the address is no HOST:PORT and Ray judges it)."""
+    if "://" in address:
+        return None
+    host, colon, port = address.rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not colon or not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host, int(port)), timeout=PROBE_S):
+            return None
+    except (OSError, OverflowError):  # refused, timed out, unknown host, port out of range
+        return f"nothing answers on {address}"
+
+
 def init_ray(address: str | None, workers: int):
     """Start Ray for --workers: the cluster at `address` (`ray.init(address=...)`), or a local runtime of
     `workers` CPUs when None; with Ray's log at ERROR (its start-up lines stay out of the report; the dashboard:
-    _terminal_stderr). Returns the `ray`
+    _terminal_stderr), and the process's SIGINT / SIGTERM handlers as they were (_kept_stop_handlers). A plain
+    HOST:PORT address must accept a TCP connection within PROBE_S seconds first. Returns the `ray`
     module; the caller shuts Ray down.
 
     Raises:
@@ -84,7 +147,14 @@ def init_ray(address: str | None, workers: int):
     """
     import ray
 
-    with _terminal_stderr():
+    def no_cluster(reason: str) -> TargetError:
+        return TargetError(f"--ray {address}: no Ray cluster there ({reason}); give the address `ray start "
+                           "--head` printed (HOST:6379), or leave --ray out for a local runtime")
+
+    silent = _nothing_answers(address) if address else None
+    if silent:
+        raise no_cluster(silent)
+    with _terminal_stderr(), _kept_stop_handlers(ray):
         more = {"logging_level": logging.ERROR}  # Ray's start-up lines (INFO, a token WARNING) stay out of the report
         try:
             if address:
@@ -92,9 +162,7 @@ def init_ray(address: str | None, workers: int):
             else:
                 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, **more)
         except (ValueError, ConnectionError, RuntimeError) as e:  # Ray's words for a bad or unreachable address
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise TargetError(f"--ray {address}: no Ray cluster there ({reason}); give the address `ray start "
-                              "--head` printed (HOST:6379), or leave --ray out for a local runtime") from None
+            raise no_cluster(" ".join(str(e).split()) or type(e).__name__) from None
     return ray
 
 

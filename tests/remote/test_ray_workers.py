@@ -12,8 +12,10 @@ requests one at a time in arrival order, the same order however they were sent."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -128,15 +130,18 @@ def test_workers_without_ray_is_one_line_and_exit_2(tmp_path):
     ("notanaddress", "error: --ray notanaddress: no Ray cluster there (Invalid address format: notanaddress); give "
                      "the address `ray start --head` printed (HOST:6379), or leave --ray out for a local runtime"),
     ("", "error: --ray '': give the cluster's address (HOST:6379, as `ray start --head` prints it), or leave --ray "
-         "out for a local runtime")])
+         "out for a local runtime"),
+    ("127.0.0.1:1", "error: --ray 127.0.0.1:1: no Ray cluster there (nothing answers on 127.0.0.1:1); give the "
+                    "address `ray start --head` printed (HOST:6379), or leave --ray out for a local runtime")])
 def test_a_bad_ray_address_is_one_line_and_exit_2(tmp_path, address, line):
     """A malformed --ray address was a 77-line traceback and exit 1 (Ray's ValueError), an unreachable one
-    "cannot write the recording" (Ray's ConnectionError read as the recording's OSError)."""
+    "cannot write the recording" (Ray's ConnectionError read as the recording's OSError), one where nothing
+    listens (127.0.0.1:1) Ray's GCS warnings for minutes (ray.init retries there: hence the timeout)."""
     path = tmp_path / "s.yaml"
     path.write_text(SCENARIO)
     with FakeHTTPServer(FakeOpenAI()) as url:
         out = subprocess.run([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", url, "--headless",
-                              "--workers", "2", "--ray", address], capture_output=True, text=True, timeout=300)
+                              "--workers", "2", "--ray", address], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == line
     assert "Traceback" not in out.stderr
@@ -163,6 +168,73 @@ def test_the_command_line_sends_from_workers_and_its_recording_says_so(tmp_path)
     assert "client-side wall clock, sent from 2 Ray workers)" in out.stdout.splitlines()[0]
     assert "client CPU (the load, 2 Ray workers)" in out.stdout and "of a core each)" in out.stdout
     assert "Started a local Ray instance" not in out.stderr  # Ray's own log lines stay out of the report
+
+
+def test_sigterm_mid_run_writes_the_summary_and_exits_143(tmp_path):
+    """SIGTERM to `kvtui run --target URL --headless --workers 1` once its worker sends: the CLI's stop (as
+    without --workers: the summary, the recording ended by its summary, exit 143), not Ray's handlers (ray.init
+    had put its own over the CLI's: an exit 15, or absl's C++ stack dump and an abort, with no summary), and
+    Ray's processes (the CLI's children) gone after it. One worker: on two busy cores the second one's start
+    costs seconds and tests nothing more."""
+    import psutil
+
+    path, rec = tmp_path / "s.yaml", tmp_path / "run.jsonl"
+    path.write_text("name: workers-term\nseed: 3\nmax_requests: 4\nmodel: tiny-llama\narrivals: {process: burst, "
+                    "size: 4, every_s: 100}\nprompts: {kind: passphrase}\noutput_tokens: 8\n")
+    fake = FakeOpenAI()
+    with FakeHTTPServer(fake, chunk_delay_s=2.0) as url:  # each answer takes about 16 s: still in flight at the signal
+        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+            cli = subprocess.Popen([sys.executable, "-m", "kvtui.cli", "run", str(path), "--target", url, "--headless",
+                                    "--detectors", "canary", "--workers", "1", "--record", str(rec)],
+                                   stdout=out, stderr=err)
+            try:
+                deadline = time.monotonic() + 120
+                while not fake.requests and cli.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert fake.requests, "the worker sent no request within 120 s"
+                ray_processes = psutil.Process(cli.pid).children(recursive=True)
+                assert ray_processes  # the local runtime's GCS, raylet, worker
+                cli.send_signal(signal.SIGTERM)
+                code = cli.wait(timeout=60)
+            finally:
+                if cli.poll() is None:
+                    cli.kill()
+    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert code == 143, stderr[-3000:]
+    assert "SIGTERM: stopping; writing the summary" in stderr and "SIGTERM received" not in stderr
+    assert "interrupted by SIGTERM: the run stopped early" in stderr
+    assert "stopped early" in stdout and "contamination findings" in stdout and f"recording: {rec}" in stdout
+    header, _, summary, _ = read_recording(rec)
+    assert header.engine["workers"] == 1 and summary is not None and summary.stopped_early
+    assert rec.read_text().splitlines()[-1].startswith('{"type":"summary"')
+    _, alive = psutil.wait_procs(ray_processes, timeout=10)
+    assert not alive, [p.name() for p in alive]
+
+
+def test_a_sigterm_while_ray_starts_reaches_the_handler_that_was_there():
+    """Around ray.init (_kept_stop_handlers): Ray's own SIGTERM handler (sys.exit, set as ray.init begins) is not
+    installed, a SIGTERM meanwhile reaches the handler that was there, which is in place afterwards, and the
+    alarm absl's failure handler sets on a SIGTERM it caught (to abort 3 s later) is cancelled."""
+    from kvtui.remote.workers import _kept_stop_handlers
+
+    got = []
+
+    def handler(signum, frame):
+        got.append(signum)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        with _kept_stop_handlers(ray):
+            ray._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))  # as ray.init begins
+            signal.alarm(3)  # as absl's failure handler does when it catches a SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # Python runs the handler in this thread at its next check
+        assert got == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert signal.alarm(0) == 0  # no alarm left
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_the_dashboard_runs_a_workers_load_to_its_end_and_quits(local_ray):
