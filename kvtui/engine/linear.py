@@ -73,6 +73,10 @@ def zentorch_available(dtype: torch.dtype) -> bool:
     if dtype not in (torch.float32, torch.bfloat16):
         return False
     try:
+        try:  # ctranslate2 first where it is installed: loaded after zentorch, its Whisper (the transcripts'
+            import ctranslate2  # noqa: F401  reference) returned one token repeated (measured, ctranslate2 4.8.5)
+        except ImportError:
+            pass
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
 
         w = torch.ops.zentorch.zentorch_weight_prepack_for_linear(torch.ones(16, 16, dtype=dtype))

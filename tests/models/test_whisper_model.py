@@ -280,6 +280,41 @@ def test_generation_config_is_english_greedy_without_timestamps(whisper_en):
     assert whisper_en.cache_path and Path(whisper_en.cache_path).name == "whisper-tiny.en-1a5afae06a4d"
 
 
+ZENTORCH_THEN_CT2 = """
+import sys, numpy as np, torch
+from kvtui.engine import linear
+from kvtui.models import whisper as wh
+if not linear.zentorch_available(torch.float32):
+    print("no zentorch"); sys.exit(0)
+import ctranslate2
+features = torch.load(sys.argv[1])
+model = ctranslate2.models.Whisper(str(wh.whisper_model_dir()), device="cpu", compute_type="float32", intra_threads=1)
+storage = ctranslate2.StorageView.from_array(np.ascontiguousarray(features.numpy()))
+print(model.generate(storage, [[50257, 50362]], beam_size=1)[0].sequences_ids[0])
+"""
+
+
+@pytest.mark.whisper
+def test_ctranslate2_stays_right_in_a_process_whose_kernel_choice_loaded_zentorch(whisper_en, tmp_path):
+    """zentorch loaded before ctranslate2 made ctranslate2's Whisper answer one token repeated (measured: the
+    reference transcripts of a test process whose kernel choice had imported zentorch); kvtui loads
+    ctranslate2 first where it is installed. A fresh process that probes zentorch, then transcribes a clip
+    with ctranslate2, gets our model's tokens."""
+    import os
+    import subprocess
+    import sys
+
+    _ctranslate2()
+    features = wh.log_mel(whisper_en.feature_extractor, wh.read_wav(CLIPS[0]))
+    torch.save(features, tmp_path / "features.pt")
+    done = subprocess.run([sys.executable, "-c", ZENTORCH_THEN_CT2, str(tmp_path / "features.pt")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.strip() == "no zentorch":
+        pytest.skip("zentorch is not installed or cannot run here (pip install 'kvtui[zentorch]')")
+    assert done.stdout.strip().splitlines()[-1] == str(whisper_en.model.generate(features)[0].tolist())
+
+
 @pytest.mark.whisper
 def test_transcripts_equal_ctranslate2_and_hold_the_passphrase(whisper_en):
     """Greedy fp32 tokens of the converted model equal ctranslate2's on the wheel's own file, clip by

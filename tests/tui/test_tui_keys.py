@@ -237,8 +237,10 @@ def test_restart_keeps_the_faults_picked_by_key(loaded, tmp_path):
 
 
 # -- help ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("size", [(100, 30), (100, 20)])
+@pytest.mark.parametrize("size", [(160, 45), (100, 30)])
 def test_help_fits_and_scrolls(size):
+    """The help fits at once on a 160x45 terminal; on 100x30 (since it explains the block map's marks, the
+    timelines and the request statuses) its top shows first and the rest by scrolling."""
     from kvtui.tui.replay import ReplaySource
 
     last = HELP.splitlines()[-1].strip()  # "… r restarts a run that has ended, q quits."
@@ -258,7 +260,7 @@ def test_help_fits_and_scrolls(size):
 
     first, scrolled = asyncio.run(run())
     assert "q    quit (live: the recording gets its summary)" in scrolled and last in scrolled
-    if size == (100, 30):  # everything at once
+    if size == (160, 45):  # everything at once
         assert "kvtui dashboard" in first and last in first and "space    pause / resume" in first
     else:  # the top first, the rest by scrolling
         assert "kvtui dashboard" in first and last not in first and "kvtui dashboard" not in scrolled
