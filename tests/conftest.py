@@ -10,6 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the suite runs eager (a compile costs tens of seconds per graph): tests/engine/test_compiled_step.py forces
 # the compiled decode step where it tests it; the servers and runs the suite starts inherit this
 os.environ.setdefault("KVTUI_COMPILE", "0")
+# decode attention on kvtui's C++ kernel wherever a compiler builds it (a run chooses by measuring; the suite
+# pins the choice so every machine tests the same path): tests that test SDPA's path force "sdpa" themselves
+os.environ.setdefault("KVTUI_DECODE_ATTENTION", "kernel")
 
 # Every room folder on sys.path, as pytest's prepend mode puts a folder there only once it collects a module
 # from it: a test that borrows another room's helpers by the module's bare name (`from test_faults import

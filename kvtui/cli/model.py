@@ -31,6 +31,10 @@ def model_cmd(
         choice = kernel_choice(loaded.model)
         out.print(f"linear kernels: layers {choice['kernel']}, LM head {choice['head_kernel']} ({choice['why']})",
                   markup=False, highlight=False)
+    from kvtui.engine.cpu_kernels import choose_for
+
+    param = next(loaded.model.parameters())
+    out.print(f"decode attention: {choose_for(loaded.model, param.dtype, param.device)[1]}", markup=False, highlight=False)
     if loaded.source_path:
         out.print(f"source: {loaded.source_path}" + (f" (sha256 {loaded.source_sha256})" if loaded.source_sha256 else ""),
                   markup=False, highlight=False)

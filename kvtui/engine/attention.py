@@ -11,7 +11,9 @@ own-range (the default): each chunk's queries attend to exactly its own request'
     per chunk is the one a solo run of that request does.
     `torch.nn.functional.scaled_dot_product_attention` (grouped-query heads without repeating K/V)
     does the work, or the exact eager softmax(q k^T * scale) v when the attention_flow detector
-    needs the probabilities. Decode chunks over the slot pool share one call over a span of slots,
+    needs the probabilities. Decode chunks over the slot pool run on kvtui's C++ decode kernel where the
+    runner chose it (engine/cpu_kernels.py: each row over its own keys 0 .. end-1 only, the flow sums too),
+    else share one SDPA call over a span of slots,
     each row masked past its own length; the rows of the span are independent, and the positions a
     row reads past its length are zeros the pool wrote for it (KVPool.clear_tails, asked for by the
     span's plan), so a masked position adds exactly zero whatever an earlier owner left there.
@@ -38,6 +40,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from kvtui.engine import cpu_kernels
 from kvtui.engine.batching import BatchTensors, Segment
 from kvtui.engine.invariant import invariant_attention
 from kvtui.engine.kv_pool import KVPool
@@ -73,6 +76,8 @@ class StepState:
     _flow_plan: object = None  # the measured-decode plan (see flow_plan()), built once per step; False: none
     _mixed: object = None  # the decode chunks of a mixed step (see mixed_plan()), built once per step; False: none
     pool: KVPool | None = None  # the slot pool a span plan reads (its tails zeroed first); None: no span plans
+    decode_kernel: bool = False  # decode chunks run kvtui's C++ kernel (engine/cpu_kernels.py) where it takes them
+    _kernel_plan: object = None  # (slots [S], ends [S]) of the decode rows for the kernel, built once per step
     flow_acc: torch.Tensor | None = None  # [S, K] the measured-decode path's sums, before settle_flow
 
     def settle_flow(self) -> None:
@@ -108,6 +113,14 @@ class StepState:
             self._span = _span_plan(self.decode_rows(), device, self.pool) or False
         return self._span or None
 
+    def kernel_plan(self, segments) -> tuple:
+        """(slots [S], ends [S]) int64 of the decode `segments` (one query token each, slot pool) for
+        cpu_kernels.decode_attention, built on the first layer and reused by the others."""
+        if self._kernel_plan is None:
+            self._kernel_plan = (torch.tensor([s.slot for s in segments], dtype=torch.long),
+                                 torch.tensor([s.end_pos for s in segments], dtype=torch.long))
+        return self._kernel_plan
+
     def flow_plan(self, device):
         """The measured-decode plan, or None: when attention_flow measures a decode-only step over the
         slot pool (every chunk one query), one batched exact-eager attention over the rows' slots, keys
@@ -117,7 +130,8 @@ class StepState:
         if self._flow_plan is None:
             segs = self.batch.segments
             simple = self.measure_flow and segs and all(s.num_tokens == 1 and s.blocks is None for s in segs)
-            self._flow_plan = _flow_plan(segs, device, self.pool) if simple else False
+            pool = None if self.decode_kernel else self.pool  # the kernel reads no span: no tails to zero
+            self._flow_plan = _flow_plan(segs, device, pool) if simple else False
         return self._flow_plan or None
 
     def mixed_plan(self, device):
@@ -349,22 +363,22 @@ def kvtui_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch.Tensor:
     """Each segment's queries over its own keys: pool[slot, :, 0:end] (a view); decode chunks over the slot
-    pool in one call over a span of slots where their slots are close (StepState.span, mixed_plan)."""
+    pool on kvtui's C++ kernel where the step asks for it (StepState.decode_kernel: engine/cpu_kernels.py),
+    else in one SDPA call over a span of slots where their slots are close (StepState.span, mixed_plan)."""
     rows = state.decode_rows()
+    kernel = state.decode_kernel and cpu_kernels.supports(query, pool_k)
     if rows:  # the common decode step: no scatter into a zeroed output
-        plan = state.span(query.device)
-        if plan is not None:
-            return _decode_span(query, pool_k, pool_v, scaling, plan)
-        outs = [F.scaled_dot_product_attention(query[r : r + 1], pool_k[slot : slot + 1, :, :end],
-                                               pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
-                for r, slot, end in rows]
-        return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
+        return _decode_rows(query, pool_k, pool_v, scaling, state, kernel)
     measured = state.flow_plan(query.device)
+    if measured is not None and kernel:
+        return _decode_flow_kernel(query, pool_k, pool_v, scaling, state, measured)
     if measured is not None:
         return _decode_flow(query, pool_k, pool_v, scaling, state, measured)
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
     segments = state.batch.segments
-    mixed = None if state.measure_flow else state.mixed_plan(query.device)
+    mixed = None if state.measure_flow or kernel else state.mixed_plan(query.device)
+    if kernel and not state.measure_flow:
+        segments = _kernel_chunks(query, pool_k, pool_v, scaling, state, out)
     if mixed is not None:  # the decode chunks in one call
         decode, (rows, cols), span = mixed
         q = query[rows, :, cols].unsqueeze(2)  # [S, Hq, 1, D]
@@ -377,11 +391,41 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
         if state.measure_flow:
             o, probs = _eager(q, k, v, causal, scaling)
             _add_flow(state, seg, probs)
+        elif causal is not None and seg.start_pos == 0:  # a whole prompt from position 0: SDPA's own causal
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling,
+                                               enable_gqa=True)[0]  # kernel, which skips the masked blocks
         else:
             o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal, scale=scaling,
                                                enable_gqa=True)[0]
         out[seg.row, seg.q_start : seg.q_start + seg.num_tokens] = o.transpose(0, 1)
     return out
+
+
+def _decode_rows(query, pool_k, pool_v, scaling: float, state: StepState, kernel: bool) -> torch.Tensor:
+    """A decode-only step (StepState.decode_rows) in one call: on kvtui's kernel (`kernel`), else SDPA over a
+    span of slots (StepState.span), else one SDPA call per row. Returns [R, 1, Hq, D]."""
+    if kernel:
+        return cpu_kernels.decode_attention(query, pool_k, pool_v, *state.kernel_plan(state.batch.segments), scaling)
+    plan = state.span(query.device)
+    if plan is not None:
+        return _decode_span(query, pool_k, pool_v, scaling, plan)
+    outs = [F.scaled_dot_product_attention(query[r : r + 1], pool_k[slot : slot + 1, :, :end],
+                                           pool_v[slot : slot + 1, :, :end], scale=scaling, enable_gqa=True)
+            for r, slot, end in state.decode_rows()]
+    return torch.cat(outs).transpose(1, 2)  # [R, 1, Hq, D]
+
+
+def _kernel_chunks(query, pool_k, pool_v, scaling: float, state: StepState, out: torch.Tensor) -> list:
+    """The decode chunks (one query token each, slot pool) of a step that also prefills, on kvtui's kernel,
+    written into `out` [R, Q, Hq, D]; returns the step's other segments, left for the caller."""
+    segments = state.batch.segments
+    decode = [seg for seg in segments if seg.num_tokens == 1 and seg.blocks is None]
+    if not decode:
+        return list(segments)
+    rows, cols = [seg.row for seg in decode], [seg.q_start for seg in decode]
+    q = query[rows, :, cols].unsqueeze(2)  # [S, Hq, 1, D]
+    out[rows, cols] = cpu_kernels.decode_attention(q, pool_k, pool_v, *state.kernel_plan(decode), scaling)[:, 0]
+    return [seg for seg in segments if not (seg.num_tokens == 1 and seg.blocks is None)]
 
 
 def _flow_plan(segments: tuple, device, pool: KVPool | None):
@@ -438,6 +482,22 @@ def _decode_flow(query, pool_k, pool_v, scaling: float, state: StepState, plan) 
     state.flow_terms += hq
     out = query.new_zeros(query.shape[0], query.shape[2], hq, d)  # [R, Q, Hq, D]
     out[rows, cols] = o
+    return out
+
+
+def _decode_flow_kernel(query, pool_k, pool_v, scaling: float, state: StepState, plan) -> torch.Tensor:
+    """A measured decode step on kvtui's C++ kernel: each chunk over its own slot's keys 0 .. end-1, the
+    probabilities summed over heads added into the step's [S, K] flow sums in the kernel (as _decode_flow
+    adds them). Returns [R, Q, Hq, D]."""
+    _, rows, cols, valid, _, _ = plan
+    q = query[rows, :, cols].unsqueeze(2)  # [S, Hq, 1, D]
+    if state.flow_acc is None:
+        state.flow_acc = torch.zeros(valid.shape, dtype=torch.float32)
+    o = cpu_kernels.decode_attention(q, pool_k, pool_v, *state.kernel_plan(state.batch.segments), scaling,
+                                       flow=state.flow_acc)
+    state.flow_terms += query.shape[1]
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [R, Q, Hq, D]
+    out[rows, cols] = o[:, 0]
     return out
 
 

@@ -36,7 +36,6 @@ import ast
 import hashlib
 import inspect
 import os
-import shutil
 import textwrap
 import threading
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from kvtui.engine import cpu_kernels
 from kvtui.engine.attention import kvtui_attention
 
 SHAPES = "rows-dynamic"  # the shape policy compiled_decode asks for (dynamic=True), part of cache_folder's name
@@ -113,16 +113,6 @@ class bound_step:
         _STEP.current = self.previous
 
 
-def compiler_path() -> str | None:
-    """The C++ compiler inductor would call (torch._inductor.config.cpp.cxx, found on PATH), or None."""
-    from torch._inductor import config
-
-    for name in config.cpp.cxx:
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 def compile_problem(model, *, compile: bool | None = None, enforce_eager: bool = False,
                     batch_invariant: bool = False) -> str | None:
     """Why the decode step of `model` is not compiled here, or None when it can be, in this order: a model
@@ -143,7 +133,7 @@ def compile_problem(model, *, compile: bool | None = None, enforce_eager: bool =
         return "compile off (--compile turns it on)"
     if compile is None and os.environ.get(ENV) == "0":
         return f"${ENV}=0"
-    if compiler_path() is None:
+    if cpu_kernels.compiler_path() is None:
         from torch._inductor import config
 
         return f"no C++ compiler found (torch looks for {' or '.join(c for c in config.cpp.cxx if c)})"

@@ -30,6 +30,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from kvtui.engine import cpu_kernels
 from kvtui.engine.attention import kvtui_attention
 from kvtui.engine.invariant import RowTiles, choose_tile
 from kvtui.engine.linear import FusedLinear, choose_kernel
@@ -263,9 +264,15 @@ class FusedLlama:
         runs a fused linear layer (the base multiply, plus each row's LoRA delta)."""
         rows, q_len = hidden.shape[:2]
         d = layer.head_dim
-        qkv = linear(layer, "qkv", _rms_norm(hidden, layer.norm1, layer.eps1))  # [R, Q, (Hq + 2 Hkv) D]
+        native = cpu_kernels.elementwise(hidden)  # the element-wise parts on kvtui's C++ kernels
+        x = cpu_kernels.rms_norm(hidden, layer.norm1, layer.eps1) if native else _rms_norm(hidden, layer.norm1, layer.eps1)
+        qkv = linear(layer, "qkv", x)  # [R, Q, (Hq + 2 Hkv) D]
         split = layer.q_size + layer.kv_size
-        qk = _rotate(qkv[..., :split].view(rows, q_len, -1, d), cos, sin)  # [R, Q, Hq + Hkv, D]
+        if native and qkv.is_contiguous():
+            cpu_kernels.rotate_(qkv, split // d, d, cos, sin)
+            qk = qkv[..., :split].view(rows, q_len, -1, d)  # [R, Q, Hq + Hkv, D], rotated in place
+        else:
+            qk = _rotate(qkv[..., :split].view(rows, q_len, -1, d), cos, sin)
         heads = layer.q_size // d
         q = qk[:, :, :heads].transpose(1, 2)  # [R, Hq, Q, D]
         k = qk[:, :, heads:].transpose(1, 2)  # [R, Hkv, Q, D]
@@ -273,8 +280,11 @@ class FusedLlama:
         kwargs: dict = {}
         k, v = cache.layers[layer.index].update(k, v, kwargs=kwargs)
         out, _ = kvtui_attention(layer.attn, q, k, v, attention_mask, scaling=layer.attn.scaling, **kwargs)
-        hidden.add_(linear(layer, "o", out.reshape(rows, q_len, -1)))
-        gate, up = linear(layer, "gate_up", _rms_norm(hidden, layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
+        o = linear(layer, "o", out.reshape(rows, q_len, -1))
+        if native:
+            gate_up = linear(layer, "gate_up", cpu_kernels.add_rms_norm(hidden, o, layer.norm2, layer.eps2))
+            return hidden.add_(linear(layer, "down", cpu_kernels.silu_mul(gate_up, layer.inter)))
+        gate, up = linear(layer, "gate_up", _rms_norm(hidden.add_(o), layer.norm2, layer.eps2)).split(layer.inter, dim=-1)
         return hidden.add_(linear(layer, "down", F.silu(gate).mul_(up)))
 
 

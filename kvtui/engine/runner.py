@@ -16,6 +16,7 @@ from kvtui.engine import fused as fused_forward
 from kvtui.engine.attention import PooledCache, StepInterrupted, StepState, register_attention
 from kvtui.engine.batching import BatchTensors
 from kvtui.engine.compiled import bound_step, compile_problem, compiled_decode, decode_only
+from kvtui.engine.cpu_kernels import choose_for
 from kvtui.engine.kv_pool import KVPool
 from kvtui.faults import FP16_MASK_CONSTANT
 
@@ -101,6 +102,8 @@ class ModelRunner:
             self.compiled = compiled_decode(self.fused)
             self._attention_modules = [layer.attn for layer in self.fused.layers]
         self.compile_note = "compiled decode step (inductor)" if problem is None else f"eager: {problem}"
+        # decode attention on kvtui's C++ kernel where it runs and measures faster (engine/cpu_kernels.py)
+        self.decode_kernel, self.attention_note = choose_for(model, pool.dtype, pool.device)
 
     @property
     def head(self):
@@ -184,7 +187,7 @@ class ModelRunner:
         """
         batch = self._to_device(batch)
         state = StepState(batch=batch, own_range=own_range and not fp16, measure_flow=measure_flow, fp16=fp16,
-                          invariant=self.tiles is not None, pool=self.pool)
+                          invariant=self.tiles is not None, pool=self.pool, decode_kernel=self.decode_kernel)
         try:
             logits = self._run_body(batch, state, **({} if lora is None else {"lora": lora}))
             state.settle_flow()
@@ -209,7 +212,7 @@ class ModelRunner:
         def work(index: int, batch: BatchTensors) -> None:
             batch = self._to_device(batch)
             state = StepState(batch=batch, own_range=own_range and not fp16, fp16=fp16, invariant=self.tiles is not None,
-                              pool=self.pool)
+                              pool=self.pool, decode_kernel=self.decode_kernel)
 
             def forward() -> None:
                 try:

@@ -109,6 +109,7 @@ def _plain(server: ServeServer, note: Callable[[str], None]):
         except OSError as e:
             raise _recording_error(server, e) from None
         note(f"decode steps: {server.session.engine.runner.compile_note}")
+        note(f"decode attention: {server.session.engine.runner.attention_note}")
         if server.session.engine.runner.compiled is not None:  # its first compile, or its code from cache
             server.session.engine.runner.compiled.announce = note
         note(f"serving {server.metrics.model_name} at {server.url}/v1 (OpenAI API; /metrics, /health); "

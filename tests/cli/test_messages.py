@@ -208,5 +208,8 @@ def test_the_model_command_names_the_linear_kernels_it_runs(monkeypatch, capsys)
     monkeypatch.setenv("KVTUI_LINEAR_KERNEL", "input_major")
     code, err, out = kvtui(monkeypatch, capsys, "model", "tiny-llama")
     assert code == 0 and "linear kernels: layers input_major, LM head input_major (forced by KVTUI_LINEAR_KERNEL)" in out
+    monkeypatch.setenv("KVTUI_DECODE_ATTENTION", "sdpa")  # and the decode attention, forced too
+    code, err, out = kvtui(monkeypatch, capsys, "model", "tiny-llama")
+    assert code == 0 and "decode attention: SDPA (forced by $KVTUI_DECODE_ATTENTION)" in out
     code, err, out = kvtui(monkeypatch, capsys, "model", "tiny-gpt2")
     assert code == 0 and "linear kernels" not in out

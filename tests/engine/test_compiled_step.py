@@ -17,11 +17,11 @@ from helpers import assert_matches_oracle, make_engine, oracle_model, oracle_tok
 from test_faults import TEXT_DETECTORS, scenario
 
 from kvtui.config import EngineConfig
-from kvtui.engine import SamplingParams, compiled
+from kvtui.engine import SamplingParams, compiled, cpu_kernels
 from kvtui.faults import FAULTS
 from kvtui.session import Session
 
-NO_CXX = pytest.mark.skipif(compiled.compiler_path() is None, reason="no C++ compiler: the compiled step cannot run here")
+NO_CXX = pytest.mark.skipif(cpu_kernels.compiler_path() is None, reason="no C++ compiler: the compiled step cannot run here")
 
 PROMPTS = [[5, 9, 11, 40, 77, 3, 120], [17, 18, 19, 20, 21], [100, 101, 7, 8, 9, 10, 11, 12, 13]]
 
@@ -50,7 +50,7 @@ def test_compiled_decode_steps_give_the_eager_engines_and_transformers_greedy_to
 
 
 def test_without_a_cxx_compiler_the_engine_runs_eager_and_says_why(tiny, monkeypatch):
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     engine = make_engine(tiny["tiny-llama"].model, EngineConfig(num_slots=2, max_len=64, compile=True))
     assert engine.runner.compiled is None
     assert engine.runner.compile_note.startswith("eager: no C++ compiler found (torch looks for ")
@@ -60,7 +60,7 @@ def test_without_a_cxx_compiler_the_engine_runs_eager_and_says_why(tiny, monkeyp
 
 
 def test_the_choice_follows_the_flag_the_environment_and_the_model(tiny, monkeypatch):
-    monkeypatch.setattr(compiled, "compiler_path", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(cpu_kernels, "compiler_path", lambda: "/usr/bin/g++")
     llama, gpt2 = tiny["tiny-llama"].model, tiny["tiny-gpt2"].model
     config = EngineConfig(num_slots=2, max_len=64, compile=None)
     monkeypatch.setenv("KVTUI_COMPILE", "0")

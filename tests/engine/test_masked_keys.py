@@ -147,20 +147,27 @@ def test_the_poisoned_slot_is_harmless_in_half_precision_too(dtype):
         assert clean.generated_ids == alone.generated_ids and len(clean.generated_ids) == 8
 
 
-def test_decode_steps_batch_their_rows_in_one_call_over_a_nan_tail_too(tiny, oracle, monkeypatch):
-    """The fast decode path (one SDPA call over the slots' view, each row masked past its own length) runs
-    whether or not a slot holds NaN past its next owner's length, and gives the oracle's tokens both
-    ways: the pool zeroes what a row reads past its own length before the shared call reads it."""
-    from kvtui.engine import attention
+@pytest.mark.parametrize("path", ["sdpa", "kernel"])
+def test_decode_steps_batch_their_rows_in_one_call_over_a_nan_tail_too(tiny, oracle, monkeypatch, path):
+    """The fast decode paths run whether or not a slot holds NaN past its next owner's length, and give the
+    oracle's tokens both ways: SDPA in one call over the slots' view, each row masked past its own length (the
+    pool zeroes what a row reads past its own length before the shared call reads it), and kvtui's C++ kernel
+    (engine/cpu_kernels.py), one call per layer that reads each row's own keys and nothing past them."""
+    from kvtui.engine import attention, cpu_kernels
 
+    if path == "kernel" and cpu_kernels.problem() is not None:
+        pytest.skip(f"kvtui's decode kernel cannot run here: {cpu_kernels.problem()}")
+    monkeypatch.setenv(cpu_kernels.ENV, path)
     calls = []
-    real = attention._decode_span
-    monkeypatch.setattr(attention, "_decode_span", lambda *a: calls.append(1) or real(*a))
+    module, name = (attention, "_decode_span") if path == "sdpa" else (cpu_kernels, "decode_attention")
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
 
     def run(poisoned: bool):
         engine = make_engine(tiny["tiny-llama"].model, num_slots=3, max_len=64)
         engine.submit("previous", [5, 6, 7, 8, 9, 10], SamplingParams(max_new_tokens=2, ignore_eos=True))
         engine.run_until_done()
+        calls.clear()  # the previous request's own decode step
         if poisoned:
             poison(engine, slot=0, start=5, value=float("nan"))
         states = [engine.submit(name, prompt, GREEDY) for name, prompt in (("a", CLEAN), ("b", LONG), ("c", LONG[:12]))]
@@ -202,12 +209,15 @@ def test_unused_kv_filled_with_nan_or_inf_before_requests_arrive_changes_no_answ
     forward, transformers' own modules (enforce_eager), the batch-invariant mode and the attention_flow
     measurement. Each request's greedy tokens equal transformers' own `generate` on a separate instance,
     and no step reports a non-finite logit. Over slots the decode rows share one call over a span of
-    slots (padding and the free slot between them included) on every path but the batch-invariant one."""
+    slots (padding and the free slot between them included) on every path but the batch-invariant one, or,
+    on kvtui's C++ decode kernel, in one call that reads each row's own keys only."""
     from helpers import oracle_model
 
-    from kvtui.engine import attention
+    from kvtui.engine import attention, cpu_kernels
 
-    spans, real = [], attention._span_plan
+    spans, real, kernel_rows, real_kernel = [], attention._span_plan, [], cpu_kernels.decode_attention
+    monkeypatch.setattr(cpu_kernels, "decode_attention",
+                        lambda q, *a, **kw: kernel_rows.append(q.shape[0]) or real_kernel(q, *a, **kw))
 
     def spy(rows, *args):
         plan = real(rows, *args)
@@ -237,7 +247,10 @@ def test_unused_kv_filled_with_nan_or_inf_before_requests_arrive_changes_no_answ
                                   do_sample=False, pad_token_id=0)
         assert list(states[i].generated_ids) == out[0, len(prompt):].tolist(), f"r{i}"
     assert [r.request_id for report in reports for r in report.running if r.nonfinite] == []
-    if kv == "slots" and path != "invariant":
+    kernel = cpu_kernels.problem() is None and kv == "slots" and path in ("fused", "eager", "flow")
+    if kernel:  # kvtui's C++ kernel (the suite forces it where it builds): each row over its own keys only
+        assert 3 in kernel_rows and spans == []  # slots 0, 2 and 3 decode in one call; slot 1 never read
+    elif kv == "slots" and path != "invariant":
         assert (4, 3) in spans  # slots 0, 2 and 3 decode: slot 1, free, read and dropped
     else:
-        assert spans == []  # paged KV and the batch-invariant mode read each row's own positions only
+        assert spans == [] and kernel_rows == []  # paged KV and the batch-invariant mode: own positions only

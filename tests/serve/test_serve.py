@@ -669,6 +669,7 @@ def test_the_command_serves_until_sigterm_then_writes_the_summary_and_exits_0(tm
         process.kill()
     assert process.returncode == 0 and "Traceback" not in err, err[-2000:]
     assert "decode steps: eager: compile off (--compile turns it on)" in err  # the start log says which runs
+    assert "decode attention: kvtui's C++ kernel (forced by $KVTUI_DECODE_ATTENTION)" in err  # the suite forces it
     assert json.loads(last[-2][6:])["choices"][0]["finish_reason"] == "abort" and last[-1] == "data: [DONE]"
     assert "kvtui serve on tiny-llama" in out and f"recording: {record}" in out
     recorded = [json.loads(line) for line in record.read_text().splitlines()]

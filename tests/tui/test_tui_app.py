@@ -512,11 +512,11 @@ def test_a_dashboard_recording_path_that_is_not_a_regular_file_is_refused_before
 def test_the_compiled_steps_first_compile_is_announced_in_the_event_log(tiny, monkeypatch):
     """A first compile holds the step for a minute or more: its lines (kvtui/engine/compiled.py) reach the
     dashboard's log at once, in the first session and in a restarted one."""
-    from kvtui.engine import compiled
+    from kvtui.engine import cpu_kernels
     from kvtui.scenario import load_scenario
     from kvtui.session import Session
 
-    monkeypatch.setattr(compiled, "compiler_path", lambda: "/usr/bin/g++")  # nothing is compiled here
+    monkeypatch.setattr(cpu_kernels, "compiler_path", lambda: "/usr/bin/g++")  # nothing is compiled here
     spec = load_scenario(LONG)
     source = LiveSource(lambda listener, generation: Session(spec, tiny["tiny-llama"], listeners=(listener,),
                                                              detectors=(), engine_overrides={"compile": True}))
