@@ -45,6 +45,13 @@ SOURCE = r"""
 #include <string.h>
 #include <math.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+static inline int thread_id(void) { return omp_get_thread_num(); }
+#else
+static inline int thread_id(void) { return 0; }
+#endif
+
 static inline float exp_poly(float x) {  /* e^x (Cephes expf's polynomial), x clamped to [-87, 88] */
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const float shifter = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer (no floorf: vectorizes) */
@@ -64,15 +71,19 @@ static inline float exp_poly(float x) {  /* e^x (Cephes expf's polynomial), x cl
 }
 
 /* q: [rows] x [hq] x [d] at strides (q_row, q_head, 1); pools: [slot] x [hkv] x [pos] x [d] at strides
-   (p_slot, p_head, d, 1); out: [rows, hq, d] contiguous; scratch: hq / hkv * max_end floats; flow: NULL, or
-   [rows] x [>= max_end] at row stride flow_row, which gets each row's probabilities summed over heads. */
+   (p_slot, p_head, d, 1); out: [rows, hq, d] contiguous; scratch_all: threads x scratch_stride floats, with
+   scratch_stride >= hq / hkv * max_end; flow: NULL, or [rows] x [>= max_end] at row stride flow_row, which gets
+   each row's probabilities summed over heads. Rows are split over `threads` OpenMP threads (each row on one
+   thread, in the same order whatever the count, so the bits do not depend on it). */
 void kvtui_decode_attention(const float *q, int64_t q_row, int64_t q_head,
                             const float *k_pool, const float *v_pool, int64_t p_slot, int64_t p_head,
                             const int64_t *slots, const int64_t *ends, int64_t rows, int64_t hq,
-                            int64_t hkv, int64_t d, float scale, float *out, float *scratch, float *flow,
-                            int64_t flow_row) {
+                            int64_t hkv, int64_t d, float scale, float *out, float *scratch_all,
+                            int64_t scratch_stride, float *flow, int64_t flow_row, int64_t threads) {
     const int64_t g = hq / hkv;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
+        float *scratch = scratch_all + thread_id() * scratch_stride;
         const int64_t n = ends[r];
         for (int64_t h = 0; h < hkv; h++) {
             const float *k = k_pool + slots[r] * p_slot + h * p_head;
@@ -215,7 +226,9 @@ def _build(path) -> None:
         src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
         with open(src, "w") as f:
             f.write('extern "C" {\n' + SOURCE + "\n}\n")
-        done = subprocess.run([cxx, *FLAGS, src, "-o", lib], capture_output=True, text=True)
+        done = subprocess.run([cxx, *FLAGS, "-fopenmp", src, "-o", lib], capture_output=True, text=True)
+        if done.returncode != 0:  # no OpenMP with this compiler: one thread per call
+            done = subprocess.run([cxx, *FLAGS, src, "-o", lib], capture_output=True, text=True)
         if done.returncode != 0:
             lines = (done.stderr or done.stdout).strip().splitlines()
             raise RuntimeError(f"the compiler failed: {lines[0] if lines else done.returncode}")
@@ -223,7 +236,7 @@ def _build(path) -> None:
 
 
 _SIGNATURES = {  # the library's functions: (argument types), each returning nothing
-    "kvtui_decode_attention": "p i i p p i i p p i i i i f p p p i",
+    "kvtui_decode_attention": "p i i p p i i p p i i i i f p p i p i i",
     "kvtui_rms_norm": "p p f i i p",
     "kvtui_add_rms_norm": "p p p f i i p",
     "kvtui_silu_mul": "p i i p",
@@ -290,11 +303,13 @@ def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Te
     rows, hq, _, d = query.shape
     out = torch.empty((rows, 1, hq, d), dtype=torch.float32)
     longest = int(ends.max()) if rows else 0
-    scratch = torch.empty((hq // pool_k.shape[1]) * max(longest, 1), dtype=torch.float32)
+    threads = min(torch.get_num_threads(), max(rows, 1))
+    stride = (hq // pool_k.shape[1]) * max(longest, 1)
+    scratch = torch.empty(threads * stride, dtype=torch.float32)
     fn(query.data_ptr(), query.stride(0), query.stride(1), pool_k.data_ptr(), pool_v.data_ptr(),
        pool_k.stride(0), pool_k.stride(1), slots.data_ptr(), ends.data_ptr(), rows, hq, pool_k.shape[1], d,
-       scaling, out.data_ptr(), scratch.data_ptr(), None if flow is None else flow.data_ptr(),
-       0 if flow is None else flow.stride(0))
+       scaling, out.data_ptr(), scratch.data_ptr(), stride, None if flow is None else flow.data_ptr(),
+       0 if flow is None else flow.stride(0), threads)
     return out
 
 
@@ -367,7 +382,7 @@ def _stored_or_measured(head_dim: int, kv_heads: int, query_heads: int, announce
     from kvtui.models.default import cache_dir
 
     path = cache_dir() / "decode-attention.json"
-    name = f"{_machine_key()} d{head_dim} kv{kv_heads} q{query_heads}"
+    name = f"{_machine_key()} {library_path().stem} d{head_dim} kv{kv_heads} q{query_heads}"  # a new build measures anew
     with _locked(path):
         try:
             stored = json.loads(path.read_text())

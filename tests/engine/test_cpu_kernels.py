@@ -71,7 +71,8 @@ def test_the_flow_sums_are_transformers_probabilities_summed_over_heads_and_adde
 
 @needs_kernel
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
-    """Batch invariance by construction: a row's output does not depend on which rows share the call."""
+    """Batch invariance by construction: a row's output does not depend on which rows share the call, their
+    order, or how many threads split them."""
     k_pool, v_pool = pools()
     query = torch.randn((4, 9, 1, 64), generator=torch.Generator().manual_seed(2))
     slots, ends = torch.tensor([1, 3, 0, 5]), torch.tensor([40, 7, 80, 61])
@@ -81,6 +82,13 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
         assert torch.equal(alone[0], together[r])
     reordered = cpu_kernels.decode_attention(query.flip(0), k_pool, v_pool, slots.flip(0), ends.flip(0), 0.125)
     assert torch.equal(reordered.flip(0), together)
+    threads = torch.get_num_threads()
+    try:  # rows split over OpenMP threads: each row on one thread, the same bits at any thread count
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(cpu_kernels.decode_attention(query, k_pool, v_pool, slots, ends, 0.125), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
