@@ -75,12 +75,15 @@ static inline float exp_poly(float x) {  /* e^x (Cephes expf's polynomial), x cl
    scratch_stride >= hq / hkv * max_end; flow: NULL, or [rows] x [>= max_end] at row stride flow_row, which gets
    each row's probabilities summed over heads. Rows are split over `threads` OpenMP threads (each row on one
    thread, in the same order whatever the count, so the bits do not depend on it). */
-void kvtui_decode_attention(const float *q, int64_t q_row, int64_t q_head,
-                            const float *k_pool, const float *v_pool, int64_t p_slot, int64_t p_head,
-                            const int64_t *slots, const int64_t *ends, int64_t rows, int64_t hq,
-                            int64_t hkv, int64_t d, float scale, float *out, float *scratch_all,
-                            int64_t scratch_stride, float *flow, int64_t flow_row, int64_t threads) {
+int kvtui_decode_attention(const float *q, int64_t q_row, int64_t q_head,
+                           const float *k_pool, const float *v_pool, int64_t p_slot, int64_t p_head,
+                           const int64_t *slots, const int64_t *ends, int64_t rows, int64_t hq,
+                           int64_t hkv, int64_t d, float scale, float *out, float *scratch_all,
+                           int64_t scratch_stride, float *flow, int64_t flow_row, int64_t threads,
+                           int64_t num_slots, int64_t max_len) {
     const int64_t g = hq / hkv;
+    for (int64_t r = 0; r < rows; r++)  /* a row outside the pool: nothing computed, the caller raises */
+        if (slots[r] < 0 || slots[r] >= num_slots || ends[r] < 1 || ends[r] > max_len) return (int)r + 1;
     #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         float *scratch = scratch_all + thread_id() * scratch_stride;
@@ -126,6 +129,7 @@ void kvtui_decode_attention(const float *q, int64_t q_row, int64_t q_head,
             }
         }
     }
+    return 0;
 }
 
 /* The element-wise parts of a decoder layer in float32, each the arithmetic of the torch code it replaces
@@ -235,8 +239,8 @@ def _build(path) -> None:
         os.replace(lib, path)
 
 
-_SIGNATURES = {  # the library's functions: (argument types), each returning nothing
-    "kvtui_decode_attention": "p i i p p i i p p i i i i f p p i p i i",
+_SIGNATURES = {  # the library's functions: (argument types), returning nothing but decode attention
+    "kvtui_decode_attention": "p i i p p i i p p i i i i f p p i p i i i i",
     "kvtui_rms_norm": "p p f i i p",
     "kvtui_add_rms_norm": "p p p f i i p",
     "kvtui_silu_mul": "p i i p",
@@ -260,6 +264,7 @@ def _load():
                     fn = getattr(lib, name)
                     fn.argtypes, fn.restype = [kinds[k] for k in signature.split()], None
                     functions[name] = fn
+                functions["kvtui_decode_attention"].restype = ctypes.c_int  # 0, or 1 + a bad row's index
                 _LIB["fn"] = functions
             except (OSError, RuntimeError, AttributeError) as err:
                 _LIB["problem"] = str(err)
@@ -295,6 +300,7 @@ def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Te
         [R, 1, Hq, D] float32, contiguous.
     Raises:
         RuntimeError: the kernel is not available here (check `supports` first).
+        IndexError: a row's slot is outside the pool or its end outside 1 .. L (checked before any work).
     """
     functions = _load()
     if functions is None:
@@ -306,10 +312,13 @@ def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Te
     threads = min(torch.get_num_threads(), max(rows, 1))
     stride = (hq // pool_k.shape[1]) * max(longest, 1)
     scratch = torch.empty(threads * stride, dtype=torch.float32)
-    fn(query.data_ptr(), query.stride(0), query.stride(1), pool_k.data_ptr(), pool_v.data_ptr(),
-       pool_k.stride(0), pool_k.stride(1), slots.data_ptr(), ends.data_ptr(), rows, hq, pool_k.shape[1], d,
-       scaling, out.data_ptr(), scratch.data_ptr(), stride, None if flow is None else flow.data_ptr(),
-       0 if flow is None else flow.stride(0), threads)
+    bad = fn(query.data_ptr(), query.stride(0), query.stride(1), pool_k.data_ptr(), pool_v.data_ptr(),
+             pool_k.stride(0), pool_k.stride(1), slots.data_ptr(), ends.data_ptr(), rows, hq, pool_k.shape[1], d,
+             scaling, out.data_ptr(), scratch.data_ptr(), stride, None if flow is None else flow.data_ptr(),
+             0 if flow is None else flow.stride(0), threads, pool_k.shape[0], pool_k.shape[2])
+    if bad:
+        raise IndexError(f"decode attention: row {bad - 1} reads slot {int(slots[bad - 1])} up to position "
+                         f"{int(ends[bad - 1])}, outside the pool's {pool_k.shape[0]} slots of {pool_k.shape[2]}")
     return out
 
 

@@ -92,6 +92,18 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch():
 
 
 @needs_kernel
+@pytest.mark.parametrize("slot,end,why", [(6, 10, "slot 6"), (-1, 10, "slot -1"), (2, 81, "position 81"),
+                                          (2, 0, "position 0")])
+def test_a_row_outside_the_pool_raises_before_any_work(slot, end, why):
+    """A slot past the pool (6 slots), a negative one, or an end past its 80 positions or below 1: IndexError
+    naming the row, instead of reading memory outside the pool."""
+    k_pool, v_pool = pools()
+    query = torch.randn((2, 9, 1, 64), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(IndexError, match=f"row 1 reads {why}|row 1 reads slot {slot} up to {why}"):
+        cpu_kernels.decode_attention(query, k_pool, v_pool, torch.tensor([0, slot]), torch.tensor([5, end]), 0.125)
+
+
+@needs_kernel
 def test_keys_past_a_rows_end_are_never_read():
     """NaN past each row's end (what an earlier owner or stray memory may leave) changes no bit."""
     k_pool, v_pool = pools()
