@@ -404,7 +404,7 @@ def _own_range(query, pool_k, pool_v, scaling: float, state: StepState) -> torch
 def _decode_rows(query, pool_k, pool_v, scaling: float, state: StepState, kernel: bool) -> torch.Tensor:
     """A decode-only step (StepState.decode_rows) in one call: on kvtui's kernel (`kernel`), else SDPA over a
     span of slots (StepState.span), else one SDPA call per row. Returns [R, 1, Hq, D]."""
-    if kernel:
+    if kernel and query.shape[2] == 1:  # (racy_threads may run another batch's query under this state)
         return cpu_kernels.decode_attention(query, pool_k, pool_v, *state.kernel_plan(state.batch.segments), scaling)
     plan = state.span(query.device)
     if plan is not None:

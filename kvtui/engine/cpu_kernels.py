@@ -17,7 +17,8 @@ is summed in another order than torch's, and SiLU's exp is the polynomial above.
 The source below is compiled once per machine (`c++ -O3 -march=native -shared`, about 1 s) into kvtui's cache
 (`kernels/cpu-kernels-<digest of source, flags and CPU>.so`) and loaded with ctypes (which releases the GIL
 during a call). Where no compiler is found or the build fails, `problem()` says why and every caller keeps its
-torch code. The kernels run on one thread. Whether decode attention uses its kernel is chosen by measuring it
+torch code. Decode attention splits its rows over torch's OpenMP threads where the compiler has OpenMP (the
+library then uses the libgomp torch loaded); the element-wise kernels run on the calling thread. Whether decode attention uses its kernel is chosen by measuring it
 against SDPA on the machine at the process's thread count (`use_kernel`, stored in decode-attention.json in
 kvtui's cache); `KVTUI_DECODE_ATTENTION=sdpa|kernel` forces either, and `KVTUI_ELEMENTWISE=torch` keeps the
 element-wise parts on torch.
@@ -199,12 +200,13 @@ _LIB: dict = {}  # "fn": the loaded function, or "problem": why there is none
 
 def library_path():
     """Where the built kernel lives: kvtui's cache dir / kernels / cpu-kernels-<digest>.so, the digest over
-    the source, the flags and this CPU's model and flags (kvtui.engine.linear.cpu_identity)."""
+    the source, the flags, this CPU's model and flags (kvtui.engine.linear.cpu_identity) and the compiler's path."""
     from kvtui.engine.linear import cpu_identity
     from kvtui.models.default import cache_dir
 
     model, flags = cpu_identity()
-    digest = hashlib.sha256("\n".join([SOURCE, " ".join(FLAGS), model, flags]).encode()).hexdigest()[:16]
+    parts = [SOURCE, " ".join(FLAGS), model, flags, compiler_path() or ""]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"cpu-kernels-{digest}.so"
 
 
@@ -301,12 +303,22 @@ def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Te
     Raises:
         RuntimeError: the kernel is not available here (check `supports` first).
         IndexError: a row's slot is outside the pool or its end outside 1 .. L (checked before any work).
+        ValueError: shapes, dtypes or layouts other than the above.
     """
     functions = _load()
     if functions is None:
         raise RuntimeError(f"the decode-attention kernel is not available: {problem()}")
     fn = functions["kvtui_decode_attention"]
-    rows, hq, _, d = query.shape
+    rows, hq, one, d = query.shape
+    hkv = pool_k.shape[1]
+    _check(one == 1 and pool_v.shape == pool_k.shape and pool_v.stride() == pool_k.stride() and hq % hkv == 0
+           and pool_k.shape[3] == d and supports(query, pool_k), "decode_attention: query [R, Hq, 1, D] and pools "
+           "[S, Hkv, L, D] float32 with Hkv dividing Hq")
+    _check(slots.dtype == ends.dtype == torch.int64 and slots.is_contiguous() and ends.is_contiguous()
+           and slots.shape == ends.shape == (rows,), "decode_attention: slots and ends must be int64 [R], contiguous")
+    _check(flow is None or (flow.dtype == torch.float32 and flow.dim() == 2 and flow.shape[0] == rows
+                            and flow.stride(1) == 1 and flow.shape[1] >= int(ends.max())),
+           "decode_attention: flow must be float32 [R, >= max(ends)], rows contiguous")
     out = torch.empty((rows, 1, hq, d), dtype=torch.float32)
     longest = int(ends.max()) if rows else 0
     threads = min(torch.get_num_threads(), max(rows, 1))
@@ -333,9 +345,17 @@ def elementwise(x: torch.Tensor) -> bool:
         _load() is not None
 
 
+def _check(ok: bool, what: str) -> None:
+    """ValueError(`what`) unless `ok`: the kernels read raw memory, so their wrappers check shapes first."""
+    if not ok:
+        raise ValueError(what)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm on x [..., n] float32 contiguous (weight [n] float32): a new tensor like x."""
     out = torch.empty_like(x)
+    _check(weight.shape == x.shape[-1:] and weight.is_contiguous() and weight.dtype == torch.float32,
+           "rms_norm: weight must be float32 [n], contiguous")
     _LIB["fn"]["kvtui_rms_norm"](x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1],
                                  out.data_ptr())
     return out
@@ -344,13 +364,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """hidden += delta (in place), then rms_norm(hidden): both [..., n] float32 contiguous. Returns the norm."""
     out = torch.empty_like(hidden)
-    _LIB["fn"]["kvtui_add_rms_norm"](hidden.data_ptr(), delta.contiguous().data_ptr(), weight.data_ptr(), eps,
+    delta = delta.contiguous()  # held until the call returns
+    _check(delta.shape == hidden.shape and weight.shape == hidden.shape[-1:] and weight.is_contiguous(),
+           "add_rms_norm: delta must match hidden and weight its last dimension")
+    _LIB["fn"]["kvtui_add_rms_norm"](hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps,
                                      hidden.numel() // hidden.shape[-1], hidden.shape[-1], out.data_ptr())
     return out
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 inter] float32 contiguous (gate first): [..., inter]."""
+    _check(gate_up.shape[-1] == 2 * inter and gate_up.is_contiguous(), "silu_mul: gate_up must be [..., 2 inter], contiguous")
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
     _LIB["fn"]["kvtui_silu_mul"](gate_up.data_ptr(), gate_up.numel() // gate_up.shape[-1], inter, out.data_ptr())
     return out
@@ -360,8 +384,11 @@ def rotate_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     """Rotary embedding in place on the first `heads` heads of x [R, Q, width] float32 contiguous (head h at
     columns h * head_dim ..), with cos, sin [R, Q, 1, head_dim] float32 contiguous: transformers'
     apply_rotary_pos_emb, rounded as it rounds."""
-    _LIB["fn"]["kvtui_rotate"](x.data_ptr(), x.shape[0] * x.shape[1], x.shape[2], heads, head_dim,
-                               cos.contiguous().data_ptr(), sin.contiguous().data_ptr())
+    cos, sin = cos.contiguous(), sin.contiguous()  # held until the call returns
+    tokens = x.shape[0] * x.shape[1]
+    _check(x.is_contiguous() and heads * head_dim <= x.shape[2] and cos.numel() == sin.numel() == tokens * head_dim
+           and cos.dtype == sin.dtype == torch.float32, "rotate_: cos and sin must be float32 [R, Q, 1, head_dim]")
+    _LIB["fn"]["kvtui_rotate"](x.data_ptr(), tokens, x.shape[2], heads, head_dim, cos.data_ptr(), sin.data_ptr())
 
 
 _CHOICE: dict = {}
@@ -438,12 +465,16 @@ def measure(head_dim: int, kv_heads: int, query_heads: int, rows: int = 16, keys
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def choose_for(model, dtype: torch.dtype, device: torch.device, announce=None) -> tuple[bool, str]:
-    """Whether a runner of `model` with a KV pool of `dtype` on `device` runs decode attention on this kernel,
-    and a note saying which runs and why (the status line "decode attention: ...")."""
+def choose_for(model, dtype: torch.dtype, device: torch.device, announce=None, paged: bool = False) -> tuple[bool, str]:
+    """Whether a runner of `model` with a KV pool of `dtype` on `device` (`paged`: a block pool) runs decode
+    attention on this kernel, and a note saying which runs and why (the status line "decode attention: ...").
+    An encoder-decoder's decoder heads are the ones measured (its self-attention is what decodes)."""
     cfg = getattr(model.config, "get_text_config", lambda: model.config)()
-    heads, kv_heads = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    heads = getattr(cfg, "decoder_attention_heads", None) or getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) if not getattr(cfg, "decoder_attention_heads", None) else heads
     head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if paged:
+        return False, "SDPA (paged KV: kvtui's kernel reads the slot pool)"
     if dtype != torch.float32 or device.type != "cpu":
         return False, f"SDPA (kvtui's kernel runs float32 on the CPU; this pool is {str(dtype)[6:]} on {device.type})"
     if not heads or not head_dim:

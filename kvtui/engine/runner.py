@@ -103,7 +103,8 @@ class ModelRunner:
             self._attention_modules = [layer.attn for layer in self.fused.layers]
         self.compile_note = "compiled decode step (inductor)" if problem is None else f"eager: {problem}"
         # decode attention on kvtui's C++ kernel where it runs and measures faster (engine/cpu_kernels.py)
-        self.decode_kernel, self.attention_note = choose_for(model, pool.dtype, pool.device)
+        self.decode_kernel, self.attention_note = choose_for(model, pool.dtype, pool.device,
+                                                             paged=not isinstance(pool, KVPool))
 
     @property
     def head(self):

@@ -57,16 +57,16 @@ def test_each_row_equals_transformers_eager_attention_over_its_own_keys(heads, k
 def test_the_flow_sums_are_transformers_probabilities_summed_over_heads_and_added():
     """attention_flow's sums: each row's probabilities (transformers' eager weights) summed over the 9 heads
     and added to what the buffer held, within 2e-6; positions past a row's end keep exactly what they held."""
-    k_pool, v_pool = pools()
+    k_pool, v_pool = pools(length=96)  # pool length, flow width and longest row all differ
     query = torch.randn((3, 9, 1, 64), generator=torch.Generator().manual_seed(4))
     slots, ends = torch.tensor([2, 0, 5]), torch.tensor([12, 80, 45])
-    flow = torch.full((3, 80), 0.5)
+    flow = torch.full((3, 88), 0.5)
     cpu_kernels.decode_attention(query, k_pool, v_pool, slots, ends, 0.125, flow=flow)
     for r, (slot, end) in enumerate(zip(slots.tolist(), ends.tolist())):
         _, weights = eager_attention_forward(Groups(3), query[r : r + 1], k_pool[slot : slot + 1, :, :end],
                                              v_pool[slot : slot + 1, :, :end], None, 0.125)  # [1, 9, 1, end]
         torch.testing.assert_close(flow[r, :end], 0.5 + weights[0, :, 0].sum(dim=0), rtol=0, atol=2e-6)
-        assert torch.equal(flow[r, end:], torch.full((80 - end,), 0.5))
+        assert torch.equal(flow[r, end:], torch.full((88 - end,), 0.5))
 
 
 @needs_kernel
@@ -101,6 +101,23 @@ def test_a_row_outside_the_pool_raises_before_any_work(slot, end, why):
     query = torch.randn((2, 9, 1, 64), generator=torch.Generator().manual_seed(6))
     with pytest.raises(IndexError, match=f"row 1 reads {why}|row 1 reads slot {slot} up to {why}"):
         cpu_kernels.decode_attention(query, k_pool, v_pool, torch.tensor([0, slot]), torch.tensor([5, end]), 0.125)
+
+
+@needs_kernel
+def test_the_wrappers_refuse_what_the_kernels_would_read_past():
+    """Shapes the C code would read past (a flow narrower than the longest row, a broadcast cos table, ends of
+    the wrong dtype, a query with two positions): ValueError before the call."""
+    k_pool, v_pool = pools()
+    query = torch.randn((2, 9, 1, 64))
+    slots, ends = torch.tensor([0, 1]), torch.tensor([10, 40])
+    with pytest.raises(ValueError, match="flow must be float32"):
+        cpu_kernels.decode_attention(query, k_pool, v_pool, slots, ends, 0.125, flow=torch.zeros((2, 39)))
+    with pytest.raises(ValueError, match="slots and ends must be int64"):
+        cpu_kernels.decode_attention(query, k_pool, v_pool, slots, ends.int(), 0.125)
+    with pytest.raises(ValueError, match=r"query \[R, Hq, 1, D\]"):
+        cpu_kernels.decode_attention(torch.randn((2, 9, 2, 64)), k_pool, v_pool, slots, ends, 0.125)
+    with pytest.raises(ValueError, match="cos and sin must be float32"):
+        cpu_kernels.rotate_(torch.zeros((2, 3, 64)), 2, 32, torch.zeros((1, 3, 1, 32)), torch.zeros((1, 3, 1, 32)))
 
 
 @needs_kernel
