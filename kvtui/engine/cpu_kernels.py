@@ -286,6 +286,21 @@ def supports(query: torch.Tensor, pool_k: torch.Tensor) -> bool:
             and _load() is not None)
 
 
+def _check_decode_inputs(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
+                         ends: torch.Tensor, flow: torch.Tensor | None) -> None:
+    """Raise ValueError where decode_attention's inputs are not the shapes, dtypes and layouts its C code reads."""
+    rows, hq, one, d = query.shape
+    hkv = pool_k.shape[1]
+    _check(one == 1 and pool_v.shape == pool_k.shape and pool_v.stride() == pool_k.stride() and hq % hkv == 0
+           and pool_k.shape[3] == d and supports(query, pool_k), "decode_attention: query [R, Hq, 1, D] and pools "
+           "[S, Hkv, L, D] float32 with Hkv dividing Hq")
+    _check(slots.dtype == ends.dtype == torch.int64 and slots.is_contiguous() and ends.is_contiguous()
+           and slots.shape == ends.shape == (rows,), "decode_attention: slots and ends must be int64 [R], contiguous")
+    _check(flow is None or (flow.dtype == torch.float32 and flow.dim() == 2 and flow.shape[0] == rows
+                            and flow.stride(1) == 1 and flow.shape[1] >= int(ends.max())),
+           "decode_attention: flow must be float32 [R, >= max(ends)], rows contiguous")
+
+
 def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
                      ends: torch.Tensor, scaling: float, flow: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scaling) v for one query per row over its own slot's keys 0 .. end-1.
@@ -309,16 +324,8 @@ def decode_attention(query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Te
     if functions is None:
         raise RuntimeError(f"the decode-attention kernel is not available: {problem()}")
     fn = functions["kvtui_decode_attention"]
-    rows, hq, one, d = query.shape
-    hkv = pool_k.shape[1]
-    _check(one == 1 and pool_v.shape == pool_k.shape and pool_v.stride() == pool_k.stride() and hq % hkv == 0
-           and pool_k.shape[3] == d and supports(query, pool_k), "decode_attention: query [R, Hq, 1, D] and pools "
-           "[S, Hkv, L, D] float32 with Hkv dividing Hq")
-    _check(slots.dtype == ends.dtype == torch.int64 and slots.is_contiguous() and ends.is_contiguous()
-           and slots.shape == ends.shape == (rows,), "decode_attention: slots and ends must be int64 [R], contiguous")
-    _check(flow is None or (flow.dtype == torch.float32 and flow.dim() == 2 and flow.shape[0] == rows
-                            and flow.stride(1) == 1 and flow.shape[1] >= int(ends.max())),
-           "decode_attention: flow must be float32 [R, >= max(ends)], rows contiguous")
+    rows, hq, _, d = query.shape
+    _check_decode_inputs(query, pool_k, pool_v, slots, ends, flow)
     out = torch.empty((rows, 1, hq, d), dtype=torch.float32)
     longest = int(ends.max()) if rows else 0
     threads = min(torch.get_num_threads(), max(rows, 1))
